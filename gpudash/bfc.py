@@ -1,0 +1,1374 @@
+"""TensorFlow's BFC ("best-fit with coalescing") allocator, in pure Python.
+
+Given the same calls and the same regions from its sub-allocator, :class:`BFCAllocator`
+returns the same addresses, makes the same region requests and reports the same statistics
+as TensorFlow's ``BFCAllocator`` (``tensorflow/tsl/framework/bfc_allocator.cc``). It also
+numbers its chunk handles as TensorFlow does, so ``dump_memory_log`` is TensorFlow's text.
+
+Layout of the state (all guarded by one lock):
+
+- chunks are :class:`_Chunk` records linked to their physical neighbours (``prev``/``next``);
+  ``_by_ptr`` maps each chunk's start address to it (TensorFlow's region handle table);
+  deleted chunks go on a LIFO spare list and are reused, which is exactly TensorFlow's
+  handle recycling, so handle numbers match;
+- each of the 21 bins is a sorted ``list`` of integer keys ``size << 64 | ptr``: sorting the
+  ints sorts by (size, address), ``bisect`` finds the best fit, and a bit mask of non-empty
+  bins jumps to the next bin that can serve a request;
+- regions are kept sorted by address.
+
+Hot paths (``allocate``/``deallocate``) bind attributes to locals and are written inline;
+every branch they skip is measured in ``benchmarks/bench_allocator.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass, field
+from operator import index as _as_index
+from typing import Any, Callable
+
+import numpy as np
+
+from ._errors import GpudashWarning, InvalidPointerError, OutOfMemoryError
+from ._units import human_readable_num_bytes as _hr
+from .events import COLUMN_DTYPES, Event, EventKind
+
+__all__ = [
+    "BFCAllocator",
+    "AllocatorStats",
+    "MemoryDump",
+    "MemChunk",
+    "BinSummary",
+    "RegionInfo",
+    "bin_num_for_size",
+    "rounded_bytes",
+    "K_MIN_ALLOCATION_SIZE",
+    "K_NUM_BINS",
+]
+
+logger = logging.getLogger("gpudash")
+
+K_MIN_ALLOCATION_BITS = 8
+K_MIN_ALLOCATION_SIZE = 1 << K_MIN_ALLOCATION_BITS  # 256
+K_NUM_BINS = 21
+K_MAX_INTERNAL_FRAGMENTATION = 128 << 20
+K_BACKPEDAL_FACTOR = np.float32(0.9)  # a C++ float: the product is computed in float32
+K_MAX_FAILURE_LOGS = 10
+K_INVALID_CHUNK_HANDLE = (1 << 64) - 1  # SIZE_MAX, as DumpMemoryLog prints it
+K_FIRST_GROWTH_REGION = 2 << 20
+
+_MASK64 = (1 << 64) - 1
+_JOURNAL_FLUSH = 8192  # events buffered before batch sinks receive them
+
+# Event kinds as plain ints for the hot path.
+_ALLOC = int(EventKind.ALLOC)
+_FREE = int(EventKind.FREE)
+_SPLIT = int(EventKind.SPLIT)
+_MERGE = int(EventKind.MERGE)
+_EXTEND = int(EventKind.EXTEND)
+_RELEASE = int(EventKind.RELEASE)
+_OOM = int(EventKind.OOM)
+_LIMIT = int(EventKind.LIMIT)
+
+_now = time.time_ns
+
+_GC_MESSAGE = (
+    "Garbage collection: deallocate free memory regions (i.e., allocations) so that we can "
+    "re-allocate a larger region to avoid OOM due to memory fragmentation. If you see this "
+    "message frequently, you are running near the threshold of the available device memory "
+    "and re-allocation may incur great performance overhead. You may try smaller batch sizes "
+    "to observe the performance impact. Set TF_ENABLE_GPU_GARBAGE_COLLECTION=false if you'd "
+    "like to disable this feature."
+)
+
+
+def rounded_bytes(nbytes: int) -> int:
+    """TensorFlow's ``RoundedBytes``: ``nbytes`` rounded up to a multiple of 256."""
+    return (nbytes + 255) & ~255
+
+
+def bin_num_for_size(nbytes: int) -> int:
+    """TensorFlow's ``BinNumForSize``: bin ``b`` holds sizes in ``[256 << b, 512 << b)``.
+
+    Bin 20 is open-ended: it holds every size of 256 MiB and above.
+    """
+    b = (max(nbytes, 256) >> 8).bit_length() - 1
+    return b if b < 20 else 20
+
+
+# --------------------------------------------------------------------------------------
+# Records returned to callers
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """TensorFlow's ``AllocatorStats`` plus pool and fragmentation figures.
+
+    Sizes count rounded chunk bytes, as TensorFlow's do.
+    """
+
+    num_allocs: int = 0
+    bytes_in_use: int = 0
+    peak_bytes_in_use: int = 0
+    largest_alloc_size: int = 0
+    bytes_limit: int = 0
+    pool_bytes: int = 0
+    peak_pool_bytes: int = 0
+    largest_free_block_bytes: int = 0
+    fragmentation: float = 0.0
+
+    def debug_string(self) -> str:
+        """TensorFlow's ``AllocatorStats::DebugString`` (``Reserved`` lines are always 0)."""
+        rows = [
+            ("Limit:", self.bytes_limit),
+            ("InUse:", self.bytes_in_use),
+            ("MaxInUse:", self.peak_bytes_in_use),
+            ("NumAllocs:", self.num_allocs),
+            ("MaxAllocSize:", self.largest_alloc_size),
+            ("Reserved:", 0),
+            ("PeakReserved:", 0),
+            ("LargestFreeBlock:", self.largest_free_block_bytes),
+        ]
+        return "".join(f"{label:<18}{value:>20d}\n" for label, value in rows)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class BinSummary:
+    """One bin of TensorFlow's ``MemoryDump`` (chunks bucketed by ``BinNumForSize``)."""
+
+    bin: int
+    bin_size: int
+    total_bytes_in_use: int = 0
+    total_bytes_in_bin: int = 0
+    total_chunks_in_use: int = 0
+    total_chunks_in_bin: int = 0
+    total_requested_bytes_in_use: int = 0
+    free_chunks: int = 0
+    free_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MemChunk:
+    """One chunk of TensorFlow's ``MemoryDump``; ``bin`` is -1 for a chunk in use."""
+
+    address: int
+    size: int
+    requested_size: int
+    bin: int
+    in_use: bool
+    allocation_id: int
+    region: int
+    handle: int
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A region obtained from the sub-allocator."""
+
+    ptr: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.size
+
+
+@dataclass(frozen=True)
+class MemoryDump:
+    """The allocator's whole state at one moment (TensorFlow's ``MemoryDump`` proto)."""
+
+    allocator_name: str
+    stats: AllocatorStats
+    bins: list[BinSummary]
+    chunks: list[MemChunk]
+    regions: list[RegionInfo]
+    memory_limit: int = 0
+    seq: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# Internal records
+# --------------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """A contiguous piece of a region; TensorFlow's ``Chunk``.
+
+    ``aid`` is the allocation id (-1 when free); ``bin`` is the bin a free chunk sits in
+    (-1 when in use). ``handle`` is fixed for the record's lifetime: records are recycled
+    exactly as TensorFlow recycles chunk handles.
+    """
+
+    __slots__ = ("handle", "ptr", "size", "requested", "aid", "bin", "prev", "next", "region")
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.ptr = 0
+        self.size = 0
+        self.requested = 0
+        self.aid = -1
+        self.bin = -1
+        self.prev: _Chunk | None = None
+        self.next: _Chunk | None = None
+        self.region: _Region | None = None
+
+
+class _Region:
+    __slots__ = ("ptr", "size", "end", "first")
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.end = ptr + size
+        self.first: _Chunk | None = None
+
+
+def _coerce_size(nbytes: Any) -> int:
+    if isinstance(nbytes, bool) or isinstance(nbytes, float):
+        raise TypeError(f"allocation size must be an integer number of bytes; got {nbytes!r}")
+    try:
+        return _as_index(nbytes)
+    except TypeError:
+        raise TypeError(
+            f"allocation size must be an integer number of bytes; got {type(nbytes).__name__} "
+            f"{nbytes!r}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------
+# The allocator
+# --------------------------------------------------------------------------------------
+
+
+class BFCAllocator:
+    """TensorFlow's best-fit-with-coalescing allocator over any sub-allocator.
+
+    Parameters
+    ----------
+    sub_allocator
+        Any object with ``alloc(nbytes) -> int`` (raising ``MemoryError`` when it cannot)
+        and ``free(ptr, nbytes)``. It is asked for whole regions, exactly as TensorFlow's
+        ``Extend`` asks.
+    memory_limit : int
+        Most bytes of regions the allocator may hold (TensorFlow's ``total_memory``).
+    allow_growth : bool
+        Start with a 2 MiB region and double; otherwise take the whole limit at the first
+        allocation.
+    garbage_collection : bool
+        When an allocation would fail, return every wholly free region and extend again.
+    fragmentation_fraction : float
+        Split a chunk when the waste would reach ``fraction * memory_limit``; 0 means
+        TensorFlow's 128 MiB.
+    retry_timeout : float
+        Seconds a failing ``allocate`` waits for other threads' frees before it raises
+        (TensorFlow waits 10 s).
+    name : str
+        The allocator's name, as in TensorFlow's messages (``GPU_0_bfc``).
+
+    Examples
+    --------
+    >>> from gpudash import BFCAllocator, SimulatedDevice
+    >>> a = BFCAllocator(SimulatedDevice(1 << 30), 1 << 30, name="GPU_0_bfc")
+    >>> p = a.allocate(1000)
+    >>> a.allocated_size(p), a.requested_size(p)
+    (1024, 1000)
+    >>> a.deallocate(p)
+    >>> a.stats().bytes_in_use
+    0
+    """
+
+    def __init__(self, sub_allocator: Any, memory_limit: int, *, allow_growth: bool = True,
+                 garbage_collection: bool = False, fragmentation_fraction: float = 0.0,
+                 retry_timeout: float = 0.0, name: str = "bfc") -> None:
+        for method in ("alloc", "free"):
+            if not callable(getattr(sub_allocator, method, None)):
+                raise TypeError(
+                    f"sub_allocator must have alloc(nbytes) and free(ptr, nbytes) methods; "
+                    f"{type(sub_allocator).__name__} has no {method}()"
+                )
+        memory_limit = self._check_limit(memory_limit)
+        fragmentation_fraction = float(fragmentation_fraction)
+        if not 0.0 <= fragmentation_fraction <= 1.0:
+            raise ValueError(
+                f"fragmentation_fraction must be in [0, 1] (0 = TensorFlow's 128 MiB rule); "
+                f"got {fragmentation_fraction}"
+            )
+        retry_timeout = float(retry_timeout)
+        if retry_timeout < 0:
+            raise ValueError(f"retry_timeout must be >= 0 seconds; got {retry_timeout}")
+
+        self._sub = sub_allocator
+        self._name = str(name)
+        self._allow_growth = bool(allow_growth)
+        self._gc = bool(garbage_collection)
+        self._frag_fraction = fragmentation_fraction
+        self._retry_timeout = retry_timeout
+        self._limit = memory_limit
+        self._max_frag = self._max_internal_fragmentation()
+        if self._allow_growth:
+            self._curr_region = rounded_bytes(min(memory_limit, K_FIRST_GROWTH_REGION))
+        else:
+            self._curr_region = rounded_bytes(memory_limit)
+        self._started_backpedal = False
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0
+
+        self._bins: list[list[int]] = [[] for _ in range(K_NUM_BINS)]
+        self._mask = 0  # bit b set <=> bins[b] non-empty
+        self._by_ptr: dict[int, _Chunk] = {}
+        self._spare: list[_Chunk] = []
+        self._n_handles = 0
+        self._regions: list[_Region] = []
+        self._region_ptrs: list[int] = []
+        self._pool = 0
+        self._next_aid = 1
+
+        self._num_allocs = 0
+        self._in_use = 0
+        self._peak = 0
+        self._largest = 0
+        self._peak_pool = 0
+        self._failure_logs = 0
+
+        # Events: ``_journal`` is None while nobody listens (the hot paths then skip all
+        # event work). Entries: (time_ns, kind, ptr, size, requested, bin, region, aid).
+        self._journal: list[tuple] | None = None
+        self._journal_base = 0  # seq of _journal[0]
+        self._journal_extra: dict[int, tuple] = {}  # seq -> (setting, old, new)
+        self._callbacks: list[Callable[[Event], Any]] = []
+        self._sinks: list[Callable[[dict, dict], Any]] = []
+        self._dispatch_lock = threading.RLock()
+        self.device_index = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def name(self) -> str:
+        """The allocator's name (``GPU_0_bfc``)."""
+        return self._name
+
+    @property
+    def memory_limit(self) -> int:
+        """Most bytes of regions the allocator may hold."""
+        return self._limit
+
+    @property
+    def allow_growth(self) -> bool:
+        return self._allow_growth
+
+    @property
+    def garbage_collection(self) -> bool:
+        return self._gc
+
+    @property
+    def fragmentation_fraction(self) -> float:
+        return self._frag_fraction
+
+    @property
+    def retry_timeout(self) -> float:
+        return self._retry_timeout
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of regions held (TensorFlow's ``total_region_allocated_bytes_``)."""
+        return self._pool
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def sub_allocator(self) -> Any:
+        return self._sub
+
+    @property
+    def curr_region_allocation_bytes(self) -> int:
+        """Size of the next region growth would ask for (TensorFlow's member of that name)."""
+        return self._curr_region
+
+    @property
+    def over_limit(self) -> bool:
+        """True while memory in use exceeds the limit (after a lowered limit)."""
+        return self._in_use > self._limit
+
+    def __repr__(self) -> str:
+        return (f"BFCAllocator(name={self._name!r}, limit={self._limit}, pool={self._pool}, "
+                f"in_use={self._in_use}, allow_growth={self._allow_growth})")
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` and return the address; 0 for ``nbytes == 0``.
+
+        Raises
+        ------
+        OutOfMemoryError
+            When no chunk fits and the pool cannot grow; the state is unchanged.
+        TypeError, ValueError
+            For a non-integer or negative size.
+        """
+        if type(nbytes) is not int:
+            nbytes = _coerce_size(nbytes)
+        if nbytes <= 0:
+            if nbytes == 0:
+                return 0
+            raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+        rounded = (nbytes + 255) & ~255
+        b = (rounded >> 8).bit_length() - 1
+        if b > 20:
+            b = 20
+        with self._lock:
+            journal = self._journal
+            if journal is not None:
+                start = len(journal)
+            # -- FindChunkPtr, inline: best fit by (size, address) from bin b upwards.
+            mask = self._mask >> b
+            if mask:
+                bins = self._bins
+                key = -1
+                lst = bins[b]
+                if mask & 1:
+                    i = bisect_left(lst, rounded << 64)
+                    if i < len(lst):
+                        key = lst.pop(i)
+                        nb = b
+                    mask ^= 1
+                if key < 0 and mask:
+                    nb = b + ((mask & -mask).bit_length() - 1)
+                    lst = bins[nb]
+                    key = lst.pop(0)
+                if key >= 0:
+                    if not lst:
+                        self._mask ^= 1 << nb
+                    ptr = key & _MASK64
+                    chunk = self._by_ptr[ptr]
+                    size = key >> 64
+                    if size >= rounded << 1 or size - rounded >= self._max_frag:
+                        self._split(chunk, rounded, journal)
+                        size = rounded
+                    chunk.requested = nbytes
+                    aid = chunk.aid = self._next_aid
+                    self._next_aid = aid + 1
+                    chunk.bin = -1
+                    self._num_allocs += 1
+                    in_use = self._in_use = self._in_use + size
+                    if in_use > self._peak:
+                        self._peak = in_use
+                    if size > self._largest:
+                        self._largest = size
+                    if journal is not None:
+                        journal.append((_now(), _ALLOC, ptr, size, nbytes, bin_num_for_size(size),
+                                        chunk.region.ptr, aid))
+                        self._after_op(start)
+                    return ptr
+            ptr = self._allocate_slow(nbytes, rounded, b)
+            if journal is not None:
+                self._after_op(start)
+        if ptr:
+            return ptr
+        return self._fail(nbytes, rounded, b)
+
+    def _take(self, nbytes: int, rounded: int, b: int) -> int:
+        """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits."""
+        mask = self._mask >> b
+        if not mask:
+            return 0
+        bins = self._bins
+        key = -1
+        lst = bins[b]
+        nb = b
+        if mask & 1:
+            i = bisect_left(lst, rounded << 64)
+            if i < len(lst):
+                key = lst.pop(i)
+            mask ^= 1
+        if key < 0:
+            if not mask:
+                return 0
+            nb = b + ((mask & -mask).bit_length() - 1)
+            lst = bins[nb]
+            key = lst.pop(0)
+        if not lst:
+            self._mask ^= 1 << nb
+        ptr = key & _MASK64
+        chunk = self._by_ptr[ptr]
+        size = key >> 64
+        journal = self._journal
+        if size >= rounded << 1 or size - rounded >= self._max_frag:
+            self._split(chunk, rounded, journal)
+            size = rounded
+        chunk.requested = nbytes
+        aid = chunk.aid = self._next_aid
+        self._next_aid = aid + 1
+        chunk.bin = -1
+        self._num_allocs += 1
+        self._in_use += size
+        if self._in_use > self._peak:
+            self._peak = self._in_use
+        if size > self._largest:
+            self._largest = size
+        if journal is not None:
+            journal.append((_now(), _ALLOC, ptr, size, nbytes, bin_num_for_size(size),
+                            chunk.region.ptr, aid))
+        return ptr
+
+    def _allocate_slow(self, nbytes: int, rounded: int, b: int) -> int:
+        """AllocateRawInternal after the first FindChunkPtr missed (lock held)."""
+        if self._extend(rounded):
+            ptr = self._take(nbytes, rounded, b)
+            if ptr:
+                return ptr
+        if self._gc and self._deallocate_free_regions(rounded) and self._extend(rounded):
+            ptr = self._take(nbytes, rounded, b)
+            if ptr:
+                return ptr
+        return 0
+
+    def _fail(self, nbytes: int, rounded: int, b: int) -> int:
+        """Retry (when ``retry_timeout``) and finally raise OutOfMemoryError."""
+        if self._retry_timeout > 0:
+            deadline = time.monotonic() + self._retry_timeout
+            with self._lock:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._waiters += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._waiters -= 1
+                    journal = self._journal
+                    start = len(journal) if journal is not None else 0
+                    ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
+                    if journal is not None:
+                        self._after_op(start)
+                    if ptr:
+                        return ptr
+        with self._lock:
+            # One last attempt, as AllocatorRetry makes after its deadline.
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
+            if ptr:
+                if journal is not None:
+                    self._after_op(start)
+                return ptr
+            message = (
+                f"Allocator ({self._name}) ran out of memory trying to allocate "
+                f"{_hr(nbytes)} (rounded to {rounded})requested by op \n"
+                "If the cause is memory fragmentation maybe the environment variable "
+                "'TF_GPU_ALLOCATOR=cuda_malloc_async' will improve the situation. \n"
+                "Current allocation summary follows.\n"
+                "Current allocation summary follows."
+            )
+            memory_log = self._dump_memory_log(rounded)
+            occupancy = self._render_occupancy()
+            if journal is not None:
+                journal.append((_now(), _OOM, 0, rounded, nbytes, bin_num_for_size(rounded), 0, -1))
+                self._after_op(start)
+            if self._failure_logs < K_MAX_FAILURE_LOGS:
+                self._failure_logs += 1
+                logger.warning("%s", message.split("\n", 1)[0])
+                logger.debug("%s\n%s", memory_log, occupancy)
+        raise OutOfMemoryError(message + "\n" + memory_log + "\n" + occupancy,
+                               requested=nbytes, rounded=rounded, allocator=self._name,
+                               memory_log=memory_log)
+
+    # ------------------------------------------------------------------ chunks
+    def _new_chunk(self) -> _Chunk:
+        """AllocateChunk: reuse the most recently deleted record, else make a new one."""
+        if self._spare:
+            return self._spare.pop()
+        c = _Chunk(self._n_handles)
+        self._n_handles += 1
+        return c
+
+    def _delete_chunk(self, c: _Chunk) -> None:
+        """DeleteChunk: forget the chunk's address and recycle its record."""
+        del self._by_ptr[c.ptr]
+        c.aid = -1
+        c.bin = -1
+        c.prev = c.next = None
+        c.region = None
+        self._spare.append(c)
+
+    def _insert_free(self, c: _Chunk) -> None:
+        """InsertFreeChunkIntoBin."""
+        size = c.size
+        b = (size >> 8).bit_length() - 1
+        if b > 20:
+            b = 20
+        c.bin = b
+        insort(self._bins[b], size << 64 | c.ptr)
+        self._mask |= 1 << b
+
+    def _remove_free(self, c: _Chunk) -> None:
+        """RemoveFreeChunkFromBin."""
+        b = c.bin
+        lst = self._bins[b]
+        del lst[bisect_left(lst, c.size << 64 | c.ptr)]
+        if not lst:
+            self._mask ^= 1 << b
+        c.bin = -1
+
+    def _split(self, c: _Chunk, num_bytes: int, journal: list | None) -> None:
+        """SplitChunk: keep ``num_bytes`` in ``c``; the rest becomes a free chunk after it."""
+        new = self._new_chunk()
+        new.ptr = ptr = c.ptr + num_bytes
+        new.size = c.size - num_bytes
+        new.aid = -1
+        new.region = c.region
+        self._by_ptr[ptr] = new
+        c.size = num_bytes
+        neighbor = c.next
+        new.prev = c
+        new.next = neighbor
+        c.next = new
+        if neighbor is not None:
+            neighbor.prev = new
+        self._insert_free(new)
+        if journal is not None:
+            journal.append((_now(), _SPLIT, ptr, new.size, num_bytes, new.bin, c.region.ptr, -1))
+
+    def _merge(self, c1: _Chunk, c2: _Chunk, journal: list | None) -> None:
+        """Merge: ``c2`` (``c1``'s next) is absorbed into ``c1`` and deleted."""
+        absorbed = c2.size
+        nxt = c1.next = c2.next
+        if nxt is not None:
+            nxt.prev = c1
+        c1.size += absorbed
+        self._delete_chunk(c2)
+        if journal is not None:
+            journal.append((_now(), _MERGE, c1.ptr, c1.size, absorbed, -1, c1.region.ptr, -1))
+
+    # ------------------------------------------------------------------ deallocate
+    def deallocate(self, ptr: int) -> None:
+        """Free an address returned by :meth:`allocate`; 0 is a no-op.
+
+        Raises
+        ------
+        InvalidPointerError
+            For an address never allocated here, or one already freed.
+        """
+        if not ptr:
+            return
+        with self._lock:
+            c = self._by_ptr.get(ptr)
+            if c is None or c.aid < 0:
+                raise self._invalid_pointer(ptr, "deallocate")
+            journal = self._journal
+            size = c.size
+            self._in_use -= size
+            if journal is not None:
+                start = len(journal)
+                journal.append((_now(), _FREE, ptr, size, c.requested, bin_num_for_size(size),
+                                c.region.ptr, c.aid))
+            c.aid = -1
+            # TryToCoalesce: the next chunk first, then the previous one.
+            n = c.next
+            if n is not None and n.aid < 0:
+                self._remove_free(n)
+                self._merge(c, n, journal)
+            p = c.prev
+            if p is not None and p.aid < 0:
+                self._remove_free(p)
+                self._merge(p, c, journal)
+                c = p
+            # InsertFreeChunkIntoBin, inline.
+            size = c.size
+            b = (size >> 8).bit_length() - 1
+            if b > 20:
+                b = 20
+            c.bin = b
+            insort(self._bins[b], size << 64 | c.ptr)
+            self._mask |= 1 << b
+            if self._waiters:
+                self._cond.notify_all()
+            if journal is not None:
+                self._after_op(start)
+
+    def _invalid_pointer(self, ptr: Any, what: str) -> InvalidPointerError:
+        try:
+            p = int(ptr)
+            shown = f"{p:#x}"
+        except (TypeError, ValueError):
+            return InvalidPointerError(f"{self._name}: {what}() expects an int address; got {ptr!r}")
+        c = self._by_ptr.get(p)
+        if c is not None:
+            return InvalidPointerError(
+                f"{self._name}: {what}({shown}): this address was already freed "
+                f"(double free?)")
+        region = self._region_for(p)
+        if region is not None:
+            return InvalidPointerError(
+                f"{self._name}: {what}({shown}): not the start of an allocation (it lies inside "
+                f"region {region.ptr:#x}); pass the address allocate() returned")
+        return InvalidPointerError(
+            f"{self._name}: {what}({shown}): this allocator never allocated that address")
+
+    def requested_size(self, ptr: int) -> int:
+        """Bytes the caller asked for at ``ptr`` (TensorFlow's ``RequestedSize``)."""
+        with self._lock:
+            c = self._by_ptr.get(ptr) if type(ptr) is int else None
+            if c is None or c.aid < 0:
+                raise self._invalid_pointer(ptr, "requested_size")
+            return c.requested
+
+    def allocated_size(self, ptr: int) -> int:
+        """Bytes actually given at ``ptr``: the chunk's size (TensorFlow's ``AllocatedSize``)."""
+        with self._lock:
+            c = self._by_ptr.get(ptr) if type(ptr) is int else None
+            if c is None or c.aid < 0:
+                raise self._invalid_pointer(ptr, "allocated_size")
+            return c.size
+
+    def allocation_id(self, ptr: int) -> int:
+        """The allocation's unique id (TensorFlow's ``AllocationId``, from 1)."""
+        with self._lock:
+            c = self._by_ptr.get(ptr) if type(ptr) is int else None
+            if c is None or c.aid < 0:
+                raise self._invalid_pointer(ptr, "allocation_id")
+            return c.aid
+
+    def owns(self, ptr: int) -> bool:
+        """True when ``ptr`` is the address of a live allocation of this allocator."""
+        c = self._by_ptr.get(ptr)
+        return c is not None and c.aid >= 0
+
+    # ------------------------------------------------------------------ regions
+    def _region_for(self, ptr: int) -> _Region | None:
+        i = bisect_right(self._region_ptrs, ptr) - 1
+        if i >= 0:
+            r = self._regions[i]
+            if ptr < r.end:
+                return r
+        return None
+
+    def _extend(self, rounded: int) -> bool:
+        """TensorFlow's ``Extend``: ask the sub-allocator for one more region."""
+        available = self._limit - self._pool
+        available = (available // 256) * 256 if available > 0 else 0
+        if rounded > available:
+            return False
+        increased = False
+        while rounded > self._curr_region:
+            self._curr_region *= 2
+            increased = True
+        nbytes = min(self._curr_region, available)
+        ptr = self._sub_alloc(nbytes)
+        if ptr is None and not self._started_backpedal:
+            self._started_backpedal = True
+            while ptr is None:
+                nbytes = rounded_bytes(int(np.float32(nbytes) * K_BACKPEDAL_FACTOR))
+                if nbytes < rounded:
+                    break
+                ptr = self._sub_alloc(nbytes)
+        if ptr is None:
+            return False
+        if not increased:
+            self._curr_region *= 2
+        self._add_region(ptr, nbytes, rounded)
+        return True
+
+    def _sub_alloc(self, nbytes: int) -> int | None:
+        try:
+            ptr = self._sub.alloc(nbytes)
+        except MemoryError:
+            return None
+        if not ptr:
+            return None
+        return int(ptr)
+
+    def _add_region(self, ptr: int, nbytes: int, rounded: int) -> None:
+        region = _Region(ptr, nbytes)
+        i = bisect_left(self._region_ptrs, ptr)
+        self._region_ptrs.insert(i, ptr)
+        self._regions.insert(i, region)
+        self._pool += nbytes
+        if self._pool > self._peak_pool:
+            self._peak_pool = self._pool
+        c = self._new_chunk()
+        c.ptr = ptr
+        c.size = nbytes
+        c.aid = -1
+        c.prev = c.next = None
+        c.region = region
+        region.first = c
+        self._by_ptr[ptr] = c
+        self._insert_free(c)
+        journal = self._journal
+        if journal is not None:
+            journal.append((_now(), _EXTEND, ptr, nbytes, rounded, -1, ptr, -1))
+
+    def _free_regions(self) -> list[_Region]:
+        out = []
+        for r in self._regions:
+            c = r.first
+            while c is not None:
+                if c.aid >= 0:
+                    break
+                c = c.next
+            else:
+                out.append(r)
+        return out
+
+    def _deallocate_regions(self, regions: list[_Region]) -> int:
+        """DeallocateRegions: return whole free regions to the sub-allocator."""
+        freed = 0
+        journal = self._journal
+        for r in regions:
+            c = r.first
+            while c is not None:
+                nxt = c.next
+                if c.bin >= 0:
+                    self._remove_free(c)
+                self._delete_chunk(c)
+                c = nxt
+            self._sub.free(r.ptr, r.size)
+            self._pool -= r.size
+            freed += r.size
+            i = bisect_left(self._region_ptrs, r.ptr)
+            del self._region_ptrs[i]
+            del self._regions[i]
+            if journal is not None:
+                journal.append((_now(), _RELEASE, r.ptr, r.size, 0, -1, r.ptr, -1))
+        return freed
+
+    def _deallocate_free_regions(self, rounded: int) -> bool:
+        """TensorFlow's ``DeallocateFreeRegions`` (garbage collection before an OOM)."""
+        regions = self._free_regions()
+        total_free = sum(r.size for r in regions)
+        if total_free == 0:
+            return False
+        if rounded > self._limit - self._pool + total_free:
+            return False
+        logger.warning(_GC_MESSAGE)
+        self._deallocate_regions(regions)
+        return True
+
+    def release_free_regions(self) -> int:
+        """Return every wholly free region to the sub-allocator; the bytes returned."""
+        with self._lock:
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            freed = self._deallocate_regions(self._free_regions())
+            if journal is not None:
+                self._after_op(start)
+            return freed
+
+    def preallocate(self) -> int:
+        """Take what the limit leaves as one region now (what ``allow_growth=False`` does at
+        the first allocation); returns the bytes added (0 when nothing is left or the
+        sub-allocator refuses)."""
+        with self._lock:
+            available = self._limit - self._pool
+            available = (available // 256) * 256 if available > 0 else 0
+            if available == 0:
+                return 0
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            ptr = self._sub_alloc(available)
+            if ptr is None:
+                return 0
+            self._add_region(ptr, available, 0)
+            if journal is not None:
+                self._after_op(start)
+            return available
+
+    # ------------------------------------------------------------------ settings
+    @staticmethod
+    def _check_limit(nbytes: Any) -> int:
+        if isinstance(nbytes, (bool, float)):
+            raise TypeError(f"memory_limit must be an integer number of bytes; got {nbytes!r}")
+        try:
+            nbytes = _as_index(nbytes)
+        except TypeError:
+            raise TypeError(
+                f"memory_limit must be an integer number of bytes; got {nbytes!r}") from None
+        if nbytes < 0:
+            raise ValueError(f"memory_limit must be >= 0 bytes; got {nbytes}")
+        return nbytes
+
+    def _max_internal_fragmentation(self) -> int:
+        if self._frag_fraction > 0.0:
+            return int(self._frag_fraction * self._limit)
+        return K_MAX_INTERNAL_FRAGMENTATION
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        """Change the limit of a live allocator.
+
+        Raising it lets later allocations extend further. Lowering it returns wholly free
+        regions (largest first) until the pool fits; while memory in use stays above the
+        limit, new extensions are refused. Memory in use is never moved or freed.
+        """
+        nbytes = self._check_limit(nbytes)
+        with self._lock:
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            old = self._limit
+            self._limit = nbytes
+            self._max_frag = self._max_internal_fragmentation()
+            if not self._allow_growth and rounded_bytes(nbytes) > self._curr_region:
+                self._curr_region = rounded_bytes(nbytes)
+            self._log_setting("memory_limit", old, nbytes, nbytes, old)
+            if self._pool > nbytes:
+                regions = sorted(self._free_regions(), key=lambda r: (-r.size, r.ptr))
+                excess = self._pool - nbytes
+                chosen = []
+                for r in regions:
+                    if excess <= 0:
+                        break
+                    chosen.append(r)
+                    excess -= r.size
+                chosen.sort(key=lambda r: r.ptr)
+                self._deallocate_regions(chosen)
+            if nbytes > old and self._waiters:
+                self._cond.notify_all()
+            if journal is not None:
+                self._after_op(start)
+
+    def set_allow_growth(self, allow_growth: bool) -> None:
+        """Switch growth on or off on a live allocator.
+
+        On: later regions start again at 2 MiB and double. Off: the next extension asks for
+        everything the limit leaves (call :meth:`preallocate` to take it at once).
+        """
+        allow_growth = bool(allow_growth)
+        with self._lock:
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            old = self._allow_growth
+            if old == allow_growth:
+                return
+            self._allow_growth = allow_growth
+            if allow_growth:
+                self._curr_region = rounded_bytes(min(self._limit, K_FIRST_GROWTH_REGION))
+            else:
+                self._curr_region = rounded_bytes(self._limit)
+            self._log_setting("allow_growth", old, allow_growth, int(allow_growth), int(old))
+            if journal is not None:
+                self._after_op(start)
+
+    def note_setting(self, setting: str, old: Any, new: Any) -> None:
+        """Record a ``limit`` event for a setting changed above the allocator (a session's
+        fraction or deferred-deletion bytes), so that views can mark it."""
+        with self._lock:
+            journal = self._journal
+            if journal is None:
+                return
+            start = len(journal)
+            as_int = [v if type(v) is int else 0 for v in (new, old)]
+            self._log_setting(setting, old, new, as_int[0], as_int[1])
+            self._after_op(start)
+
+    def _log_setting(self, setting: str, old: Any, new: Any, new_int: int, old_int: int) -> None:
+        journal = self._journal
+        if journal is None:
+            return
+        seq = self._journal_base + len(journal)
+        self._journal_extra[seq] = (setting, old, new)
+        journal.append((_now(), _LIMIT, 0, new_int, old_int, -1, 0, -1))
+
+    # ------------------------------------------------------------------ stats
+    def _largest_free_chunk(self) -> int:
+        mask = self._mask
+        if not mask:
+            return 0
+        return self._bins[mask.bit_length() - 1][-1] >> 64
+
+    def _stats(self) -> AllocatorStats:
+        largest_free = self._largest_free_chunk()
+        free = self._pool - self._in_use
+        frag = (free - largest_free) / free if free > 0 else 0.0
+        return AllocatorStats(
+            num_allocs=self._num_allocs,
+            bytes_in_use=self._in_use,
+            peak_bytes_in_use=self._peak,
+            largest_alloc_size=self._largest,
+            bytes_limit=self._limit,
+            pool_bytes=self._pool,
+            peak_pool_bytes=self._peak_pool,
+            largest_free_block_bytes=largest_free,
+            fragmentation=frag,
+        )
+
+    def stats(self) -> AllocatorStats:
+        """The allocator's statistics now (TensorFlow's ``GetStats``)."""
+        with self._lock:
+            return self._stats()
+
+    def clear_stats(self) -> None:
+        """TensorFlow's ``ClearStats``; the pool peak also restarts from the pool now."""
+        with self._lock:
+            self._num_allocs = 0
+            self._peak = self._in_use
+            self._largest = 0
+            self._peak_pool = self._pool
+
+    # ------------------------------------------------------------------ introspection
+    def _iter_chunks(self):
+        for r in self._regions:
+            c = r.first
+            while c is not None:
+                yield r, c
+                c = c.next
+
+    def _bin_infos(self) -> list[list[int]]:
+        """get_bin_debug_info: [bytes_in_bin, bytes_in_use, requested_in_use, chunks_in_bin,
+        chunks_in_use] per bin, chunks bucketed by BinNumForSize (in use included)."""
+        infos = [[0, 0, 0, 0, 0] for _ in range(K_NUM_BINS)]
+        for _, c in self._iter_chunks():
+            info = infos[bin_num_for_size(c.size)]
+            info[0] += c.size
+            info[3] += 1
+            if c.aid >= 0:
+                info[1] += c.size
+                info[2] += c.requested
+                info[4] += 1
+        return infos
+
+    def snapshot(self) -> MemoryDump:
+        """The whole state: stats, 21 bin summaries, every chunk in address order, regions."""
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> MemoryDump:
+        infos = self._bin_infos()
+        bins = []
+        for b, (in_bin, in_use, req, n_bin, n_use) in enumerate(infos):
+            free_keys = self._bins[b]
+            bins.append(BinSummary(
+                bin=b, bin_size=256 << b, total_bytes_in_use=in_use, total_bytes_in_bin=in_bin,
+                total_chunks_in_use=n_use, total_chunks_in_bin=n_bin,
+                total_requested_bytes_in_use=req, free_chunks=len(free_keys),
+                free_bytes=sum(k >> 64 for k in free_keys)))
+        chunks = [
+            MemChunk(address=c.ptr, size=c.size, requested_size=c.requested if c.aid >= 0 else 0,
+                     bin=c.bin, in_use=c.aid >= 0, allocation_id=c.aid, region=r.ptr,
+                     handle=c.handle)
+            for r, c in self._iter_chunks()
+        ]
+        regions = [RegionInfo(r.ptr, r.size) for r in self._regions]
+        seq = self._journal_base + (len(self._journal) if self._journal is not None else 0)
+        return MemoryDump(allocator_name=self._name, stats=self._stats(), bins=bins,
+                          chunks=chunks, regions=regions, memory_limit=self._limit, seq=seq)
+
+    def _chunk_debug(self, c: _Chunk, recurse: bool) -> str:
+        in_use = c.aid >= 0
+        s = (f"  Size: {_hr(c.size)} | Requested Size: {_hr(c.requested if in_use else 0)} | "
+             f"in_use: {int(in_use)} | bin_num: {c.bin}")
+        if recurse and c.prev is not None:
+            s += ", prev: " + self._chunk_debug(c.prev, False)
+        if recurse and c.next is not None:
+            s += ", next: " + self._chunk_debug(c.next, False)
+        return s
+
+    def dump_memory_log(self, num_bytes: int = 0) -> str:
+        """TensorFlow's ``DumpMemoryLog(num_bytes)``: the lines it logs, joined by newlines."""
+        with self._lock:
+            return self._dump_memory_log(num_bytes)
+
+    def _dump_memory_log(self, num_bytes: int) -> str:
+        lines = [f"BFCAllocator dump for {self._name}"]
+        infos = self._bin_infos()
+        for b, (in_bin, in_use, req, n_bin, n_use) in enumerate(infos):
+            lines.append(
+                f"Bin ({256 << b}): \tTotal Chunks: {n_bin}, Chunks in use: {n_use}. "
+                f"{_hr(in_bin)} allocated for chunks. {_hr(in_use)} in use in bin. "
+                f"{_hr(req)} client-requested in use in bin.")
+        b = bin_num_for_size(num_bytes)
+        lines.append(f"Bin for {_hr(num_bytes)} was {_hr(256 << b)}, Chunk State: ")
+        for key in self._bins[b]:
+            lines.append(self._chunk_debug(self._by_ptr[key & _MASK64], True))
+        in_use_by_size: dict[int, int] = {}
+        for r in self._regions:
+            lines.append(f"Next region of size {r.size}")
+            c = r.first
+            while c is not None:
+                if c.aid >= 0:
+                    in_use_by_size[c.size] = in_use_by_size.get(c.size, 0) + 1
+                nxt = c.next.handle if c.next is not None else K_INVALID_CHUNK_HANDLE
+                state = "InUse" if c.aid >= 0 else "Free "
+                lines.append(f"{state} at {c.ptr:x} of size {c.size} next {nxt}")
+                c = c.next
+        lines.append("     Summary of in-use Chunks by size: ")
+        total = 0
+        for size in sorted(in_use_by_size):
+            count = in_use_by_size[size]
+            lines.append(f"{count} Chunks of size {size} totalling {_hr(size * count)}")
+            total += size * count
+        lines.append(f"Sum Total of in-use chunks: {_hr(total)}")
+        lines.append(
+            f"total_region_allocated_bytes_: {self._pool} memory_limit_: {self._limit} "
+            f"available bytes: {self._limit - self._pool} "
+            f"curr_region_allocation_bytes_: {self._curr_region}")
+        lines.append("Stats: \n" + self._stats().debug_string())
+        return "\n".join(lines)
+
+    def render_occupancy(self) -> str:
+        """TensorFlow's ``RenderOccupancy``: 100 characters over the regions laid end to end:
+        ``_`` free, ``*`` requested bytes, ``x`` rounding and unsplit waste."""
+        with self._lock:
+            return self._render_occupancy()
+
+    def _render_occupancy(self) -> str:
+        resolution = 100
+        total = sum(r.size for r in self._regions)
+        if total == 0:
+            return "<allocator contains no memory>"
+        out = ["_"] * resolution
+
+        def render(offset: int, size: int, ch: str) -> None:
+            start = offset * resolution // total
+            end = (offset + size - 1) * resolution // total
+            for i in range(start, end + 1):
+                out[i] = ch
+
+        region_offset = 0
+        for r in self._regions:
+            c = r.first
+            while c is not None:
+                if c.aid >= 0:
+                    wasted = c.size - c.requested
+                    if wasted > 0:
+                        render(c.ptr - r.ptr + region_offset + c.requested, wasted, "x")
+                    render(c.ptr - r.ptr + region_offset, c.requested, "*")
+                c = c.next
+            region_offset += r.size
+        return "".join(out)
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Assert every invariant of the state; the message names the broken one.
+
+        Regions sorted and disjoint, pool bytes = their sum; each region tiled by its chunks
+        with consistent links; no two adjacent free chunks; every free chunk in exactly the
+        bin its size maps to, bins sorted by (size, address) and the non-empty mask right;
+        the address table holds exactly the chunks; stats add up.
+        """
+        with self._lock:
+            try:
+                self._check()
+            except AssertionError as exc:
+                raise AssertionError(f"{self._name}: invariant broken: {exc}\n"
+                                     + self._dump_memory_log(0)) from None
+
+    def _check(self) -> None:
+        assert self._region_ptrs == [r.ptr for r in self._regions], "region index out of step"
+        prev_end = -1
+        pool = 0
+        seen: set[int] = set()
+        in_use = 0
+        free_keys: set[int] = set()
+        for r in self._regions:
+            assert r.ptr >= prev_end, f"regions overlap at {r.ptr:#x}"
+            assert r.end == r.ptr + r.size, f"region {r.ptr:#x} end wrong"
+            prev_end = r.end
+            pool += r.size
+            c = r.first
+            assert c is not None and c.ptr == r.ptr, f"region {r.ptr:#x} has no first chunk"
+            assert c.prev is None, f"first chunk of region {r.ptr:#x} has a prev"
+            expect = r.ptr
+            while c is not None:
+                assert c.ptr == expect, f"gap or overlap at {expect:#x} (chunk at {c.ptr:#x})"
+                assert c.size > 0 and c.size % 256 == 0, f"chunk {c.ptr:#x} size {c.size}"
+                assert c.region is r, f"chunk {c.ptr:#x} names the wrong region"
+                assert self._by_ptr.get(c.ptr) is c, f"chunk {c.ptr:#x} missing from address table"
+                assert c.ptr not in seen, f"chunk {c.ptr:#x} seen twice"
+                seen.add(c.ptr)
+                if c.next is not None:
+                    assert c.next.prev is c, f"broken back link after {c.ptr:#x}"
+                if c.aid >= 0:
+                    assert c.bin == -1, f"chunk in use at {c.ptr:#x} sits in bin {c.bin}"
+                    assert 0 < c.requested <= c.size, f"chunk {c.ptr:#x} requested {c.requested}"
+                    in_use += c.size
+                else:
+                    assert c.bin == bin_num_for_size(c.size), (
+                        f"free chunk {c.ptr:#x} of size {c.size} in bin {c.bin}")
+                    free_keys.add(c.size << 64 | c.ptr)
+                    nxt = c.next
+                    assert nxt is None or nxt.aid >= 0, (
+                        f"adjacent free chunks at {c.ptr:#x} and {nxt.ptr:#x} not coalesced")
+                expect += c.size
+                c = c.next
+            assert expect == r.end, f"chunks of region {r.ptr:#x} end at {expect:#x}, not {r.end:#x}"
+        assert len(seen) == len(self._by_ptr), "address table holds chunks outside every region"
+        assert pool == self._pool, f"pool bytes {self._pool} != sum of regions {pool}"
+        assert in_use == self._in_use, f"bytes_in_use {self._in_use} != sum of chunks {in_use}"
+        assert self._peak >= self._in_use, "peak_bytes_in_use below bytes_in_use"
+        assert self._peak_pool >= self._pool, "peak_pool_bytes below pool_bytes"
+        binned: set[int] = set()
+        for b, lst in enumerate(self._bins):
+            assert lst == sorted(lst), f"bin {b} not in (size, address) order"
+            assert bool(lst) == bool(self._mask >> b & 1), f"bin mask wrong for bin {b}"
+            for key in lst:
+                assert bin_num_for_size(key >> 64) == b, f"size {key >> 64} in bin {b}"
+                assert key not in binned, f"chunk {key & _MASK64:#x} binned twice"
+                binned.add(key)
+        assert binned == free_keys, "bins and free chunks differ"
+        assert self._mask >> K_NUM_BINS == 0, "bin mask has bits above bin 20"
+
+    # ------------------------------------------------------------------ events
+    def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
+        """Call ``callback(event)`` after every change of state; returns ``unsubscribe``.
+
+        Callbacks run in the thread that made the change, after the change, in ``seq``
+        order. A callback that raises is reported with a :class:`GpudashWarning` and never
+        breaks the allocator or the other subscribers.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable; got {callback!r}")
+        with self._lock:
+            self._callbacks.append(callback)
+            self._update_journal()
+
+        def unsubscribe() -> None:
+            with self._lock:
+                try:
+                    self._callbacks.remove(callback)
+                except ValueError:
+                    return
+                self._update_journal()
+
+        return unsubscribe
+
+    def _add_sink(self, sink: Callable[[dict, dict], Any]) -> Callable[[], None]:
+        """Deliver events in columnar batches: ``sink(columns, extra)`` with numpy arrays
+        keyed like :data:`gpudash.events.COLUMNS` and ``extra`` = {seq: (setting, old,
+        new)}. Batches arrive every few thousand events and on :meth:`flush_events`."""
+        with self._lock:
+            self._sinks.append(sink)
+            self._update_journal()
+
+        def remove() -> None:
+            self.flush_events()
+            with self._lock:
+                try:
+                    self._sinks.remove(sink)
+                except ValueError:
+                    return
+                self._update_journal()
+
+        return remove
+
+    def _update_journal(self) -> None:
+        if (self._callbacks or self._sinks) and self._journal is None:
+            self._journal = []
+        elif not (self._callbacks or self._sinks) and self._journal is not None:
+            self._journal_base += len(self._journal)
+            self._journal = None
+            self._journal_extra.clear()
+
+    @property
+    def seq(self) -> int:
+        """The seq the next event will get (events so far, while anyone listens)."""
+        with self._lock:
+            return self._journal_base + (len(self._journal) if self._journal is not None else 0)
+
+    def _after_op(self, start: int) -> None:
+        """Lock held: hand the op's events to callbacks, and full batches to sinks."""
+        journal = self._journal
+        if self._callbacks and len(journal) > start:
+            base = self._journal_base
+            extra = self._journal_extra
+            dev = self.device_index
+            name = self._name
+            events = []
+            for i in range(start, len(journal)):
+                t, kind, ptr, size, req, b, region, aid = journal[i]
+                seq = base + i
+                ev = Event(seq, t, kind, ptr, size, req, b, region, aid, dev, name)
+                if kind == _LIMIT and seq in extra:
+                    ev.setting, ev.old, ev.new = extra[seq]
+                events.append(ev)
+            callbacks = list(self._callbacks)
+            # Hand over to the dispatch lock before the state lock is released, so events
+            # reach callbacks in seq order even when threads race.
+            self._dispatch_lock.acquire()
+            self._lock.release()
+            try:
+                for ev in events:
+                    for cb in callbacks:
+                        try:
+                            cb(ev)
+                        except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                            warnings.warn(
+                                f"gpudash: event subscriber {cb!r} raised {exc!r} on {ev!r}; "
+                                "the allocator goes on", GpudashWarning, stacklevel=3)
+            finally:
+                # Release dispatch first: a thread holding the state lock may be waiting
+                # for it.
+                self._dispatch_lock.release()
+                self._lock.acquire()
+            journal = self._journal
+            if journal is None:
+                return
+        if len(journal) >= _JOURNAL_FLUSH:
+            self._flush_locked()
+
+    def flush_events(self) -> None:
+        """Hand buffered events to batch sinks (the Recorder, live views) now."""
+        with self._lock:
+            if self._journal is not None:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        journal = self._journal
+        if not journal:
+            return
+        base = self._journal_base
+        n = len(journal)
+        extra = {s: v for s, v in self._journal_extra.items() if s < base + n}
+        self._journal = []
+        self._journal_base = base + n
+        self._journal_extra = {}
+        if not self._sinks:
+            return
+        table = np.array(journal, dtype=np.int64)
+        columns = {
+            "seq": np.arange(base, base + n, dtype=np.int64),
+            "time_ns": table[:, 0],
+            "kind": table[:, 1].astype(COLUMN_DTYPES["kind"]),
+            "ptr": table[:, 2],
+            "size": table[:, 3],
+            "requested": table[:, 4],
+            "bin": table[:, 5].astype(COLUMN_DTYPES["bin"]),
+            "region": table[:, 6],
+            "alloc_id": table[:, 7],
+            "device": np.full(n, self.device_index, dtype=COLUMN_DTYPES["device"]),
+        }
+        for sink in list(self._sinks):
+            try:
+                sink(columns, extra)
+            except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
+                              GpudashWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Return every region to the sub-allocator (TensorFlow's destructor). Memory still
+        in use is freed with its region; the allocator is empty afterwards."""
+        with self._lock:
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            for r in list(self._regions):
+                c = r.first
+                while c is not None:
+                    if c.aid >= 0:
+                        self._in_use -= c.size
+                        c.aid = -1
+                    c = c.next
+            self._deallocate_regions(list(self._regions))
+            if journal is not None:
+                self._after_op(start)
+        self.flush_events()

@@ -1,0 +1,219 @@
+"""The Recorder: keeps an allocator's events in a bounded columnar buffer.
+
+The allocator buffers events as plain tuples while anyone listens and hands them over in
+numpy batches (every few thousand events, and whenever a reader calls :meth:`Recorder.flush`),
+so recording costs one tuple per event on the allocation path. The Recorder copies each
+batch into fixed-size ring arrays, one per column of :data:`gpudash.events.COLUMNS`; once
+``capacity`` events are held the oldest are dropped and counted in :attr:`Recorder.dropped`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .events import COLUMN_DTYPES, COLUMNS, Event
+
+__all__ = ["Recorder"]
+
+
+def _allocators_of(source: Any) -> list:
+    """An allocator, or anything exposing ``allocators`` (a session), or a list of them."""
+    if hasattr(source, "_add_sink"):
+        return [source]
+    if hasattr(source, "allocators"):
+        return list(source.allocators)
+    if isinstance(source, (list, tuple)):
+        out = []
+        for s in source:
+            out.extend(_allocators_of(s))
+        return out
+    raise TypeError(
+        f"Recorder records a BFCAllocator, a Session or a list of them; got {type(source).__name__}"
+    )
+
+
+class Recorder:
+    """Record every event of one or more allocators into numpy columns.
+
+    Parameters
+    ----------
+    source : BFCAllocator, Session or list, optional
+        What to record; more can be added with :meth:`attach`.
+    capacity : int
+        Most events kept; older ones are dropped first.
+
+    Examples
+    --------
+    >>> from gpudash import BFCAllocator, Recorder, SimulatedDevice
+    >>> a = BFCAllocator(SimulatedDevice(1 << 30), 1 << 30)
+    >>> with Recorder(a) as rec:
+    ...     a.deallocate(a.allocate(1000))
+    >>> [str(k) for k in rec.kinds()]
+    ['extend', 'split', 'alloc', 'free', 'merge']
+    """
+
+    def __init__(self, source: Any = None, *, capacity: int = 1_000_000) -> None:
+        capacity = int(capacity)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of events; got {capacity}")
+        self._capacity = capacity
+        self._cols = {name: np.zeros(capacity, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
+        self._total = 0  # events ever received
+        self._settings: dict[tuple[int, int], tuple] = {}  # (device, seq) -> (setting, old, new)
+        self._lock = threading.Lock()
+        self._attached: list[tuple[Any, Any]] = []  # (allocator, remove)
+        self._sources = 0
+        if source is not None:
+            self.attach(source)
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, source: Any) -> "Recorder":
+        """Start recording ``source`` (an allocator, a session, or a list of them)."""
+        for alloc in _allocators_of(source):
+            if any(a is alloc for a, _ in self._attached):
+                continue
+            remove = alloc._add_sink(self._receive)
+            self._attached.append((alloc, remove))
+        return self
+
+    def detach(self) -> None:
+        """Stop recording (buffered events are taken in first)."""
+        attached, self._attached = self._attached, []
+        for _, remove in attached:
+            remove()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def flush(self) -> None:
+        """Take in the events the allocators still buffer."""
+        for alloc, _ in list(self._attached):
+            alloc.flush_events()
+
+    def _receive(self, columns: dict, extra: dict) -> None:
+        n = len(columns["seq"])
+        if n == 0:
+            return
+        cap = self._capacity
+        with self._lock:
+            if n >= cap:
+                columns = {k: v[-cap:] for k, v in columns.items()}
+                skipped = n - cap
+                n = cap
+            else:
+                skipped = 0
+            start = (self._total + skipped) % cap
+            first = min(n, cap - start)
+            for name in COLUMNS:
+                src = columns[name]
+                dst = self._cols[name]
+                dst[start:start + first] = src[:first]
+                if first < n:
+                    dst[:n - first] = src[first:]
+            self._total += n + skipped
+            if extra:
+                dev = int(columns["device"][0])
+                for seq, value in extra.items():
+                    self._settings[(dev, seq)] = value
+                if len(self._settings) > cap:
+                    for key in sorted(self._settings)[: len(self._settings) - cap]:
+                        del self._settings[key]
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped because the buffer was full."""
+        return max(0, self._total - self._capacity)
+
+    @property
+    def total(self) -> int:
+        """Events received since the Recorder started (kept or dropped)."""
+        self.flush()
+        return self._total
+
+    def __len__(self) -> int:
+        self.flush()
+        return min(self._total, self._capacity)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Copies of the kept events' columns, oldest first (ordered by time across
+        several allocators)."""
+        self.flush()
+        with self._lock:
+            n = min(self._total, self._capacity)
+            start = self._total % self._capacity if self._total > self._capacity else 0
+            out = {}
+            for name in COLUMNS:
+                col = self._cols[name]
+                out[name] = np.concatenate([col[start:n], col[:start]]) if start else col[:n].copy()
+        if len(self._attached) > 1 and n:
+            order = np.lexsort((out["seq"], out["device"], out["time_ns"]))
+            out = {k: v[order] for k, v in out.items()}
+        return out
+
+    def settings(self) -> list[dict]:
+        """The setting changes recorded (``limit`` events): dicts with device, seq,
+        setting, old, new."""
+        self.flush()
+        with self._lock:
+            return [{"device": d, "seq": s, "setting": v[0], "old": v[1], "new": v[2]}
+                    for (d, s), v in sorted(self._settings.items())]
+
+    def kinds(self) -> list:
+        """The kinds of the kept events, in order, as :class:`gpudash.EventKind`."""
+        from .events import EventKind
+
+        return [EventKind(int(k)) for k in self.columns()["kind"]]
+
+    def events(self) -> list[Event]:
+        """The kept events as :class:`gpudash.Event` objects (for small recordings)."""
+        cols = self.columns()
+        settings = {(d["device"], d["seq"]): d for d in self.settings()}
+        out = []
+        for i in range(len(cols["seq"])):
+            ev = Event(*(int(cols[name][i]) for name in COLUMNS))
+            s = settings.get((ev.device, ev.seq))
+            if s is not None:
+                ev.setting, ev.old, ev.new = s["setting"], s["old"], s["new"]
+            out.append(ev)
+        return out
+
+    def to_trace(self, meta: dict | None = None):
+        """The kept events as a :class:`gpudash.trace.Trace` (for saving, replay, analysis)."""
+        from ._version import __version__
+        from .trace import Trace
+
+        m = {"gpudash_version": __version__, "source": "gpudash"}
+        devices = []
+        for alloc, _ in self._attached:
+            devices.append({"index": alloc.device_index, "name": alloc.name,
+                            "capacity": getattr(alloc.sub_allocator, "total", None),
+                            "memory_limit": alloc.memory_limit,
+                            "options": {"allow_growth": alloc.allow_growth,
+                                        "garbage_collection": alloc.garbage_collection}})
+        m["devices"] = devices
+        m["dropped"] = self.dropped
+        if meta:
+            m.update(meta)
+        return Trace(columns=self.columns(), meta=m, settings=self.settings())
+
+    def clear(self) -> None:
+        """Forget every kept event."""
+        self.flush()
+        with self._lock:
+            self._total = 0
+            self._settings.clear()
+
+    def __repr__(self) -> str:
+        return (f"Recorder(events={min(self._total, self._capacity)}, capacity={self._capacity}, "
+                f"dropped={self.dropped}, allocators={len(self._attached)})")

@@ -1,0 +1,93 @@
+"""Import the JSON lines CuPy's ``DebugPrintHook`` prints.
+
+::
+
+    {"hook":"alloc","device_id":0,"mem_size":512,"mem_ptr":150496608256}
+    {"hook":"malloc","device_id":0,"size":24,"mem_size":512,"mem_ptr":150496608256,"pmem_id":"0x7f39200c5278"}
+    {"hook":"free","device_id":0,"mem_size":512,"mem_ptr":150496608256,"pmem_id":"0x7f39200c5278"}
+
+``alloc`` (memory taken from the device by the pool) becomes an ``extend`` event; ``malloc``
+(a pool request) an ``alloc`` with ``requested = size`` and ``size = mem_size``, or an ``oom``
+when ``mem_ptr`` is 0 (CuPy reports a failed request with zeros); ``free`` a ``free``. The lines
+carry no time: ``time_ns`` is the line number * 1000.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+from .._errors import TraceFormatError
+from .format import Trace, _EventBuilder, _source_name, _text_source
+
+__all__ = ["load_cupy_hook"]
+
+_NEEDS = {"alloc": ("mem_size", "mem_ptr"), "malloc": ("size", "mem_size", "mem_ptr"),
+          "free": ("mem_size", "mem_ptr")}
+
+
+def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True) -> Trace:
+    """Load a ``DebugPrintHook`` log as a :class:`Trace`.
+
+    Parameters
+    ----------
+    path_or_file : str, os.PathLike or file object (text or binary)
+    strict : bool, default True
+        Raise on a line that is not a hook record. With False such lines (a program's own
+        prints mixed into the same stream) are skipped and counted in
+        ``meta["skipped_lines"]``.
+
+    Returns
+    -------
+    Trace
+        One device per ``device_id`` (named ``cuda:N``); ``meta["source"] = "cupy-hook"``.
+
+    Raises
+    ------
+    TraceFormatError
+        A line that is not JSON or not a hook record (names the file and line number).
+    """
+    name = _source_name(path_or_file)
+    b = _EventBuilder()
+    skipped = failed_device_allocs = 0
+    with _text_source(path_or_file) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            problem = None
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                rec, problem = None, f"not JSON ({exc.args[0] if exc.args else exc})"
+            if rec is not None:
+                if not isinstance(rec, dict) or rec.get("hook") not in _NEEDS:
+                    problem = "not a hook record (expected \"hook\": alloc, malloc or free)"
+                else:
+                    missing = [k for k in (*_NEEDS[rec["hook"]], "device_id")
+                               if not isinstance(rec.get(k), int)]
+                    if missing:
+                        problem = f"{rec['hook']!r} record without integer {missing}"
+            if problem is not None:
+                if strict:
+                    raise TraceFormatError(
+                        f"{name}, line {lineno}: {problem}; expected a DebugPrintHook JSON "
+                        "line (pass strict=False to skip such lines)")
+                skipped += 1
+                continue
+            t, dev, hook = lineno * 1000, rec["device_id"], rec["hook"]
+            b.add_device(dev, f"cuda:{dev}")
+            if hook == "malloc":
+                if rec["mem_ptr"]:
+                    b.alloc(t, dev, rec["mem_ptr"], rec["size"], rec["mem_size"])
+                else:
+                    b.oom(t, dev, rec["size"], rec["mem_size"] or None)
+            elif hook == "free":
+                b.free(t, dev, rec["mem_ptr"], size=rec["mem_size"])
+            elif rec["mem_ptr"]:
+                b.extend(t, dev, rec["mem_ptr"], rec["mem_size"])
+            else:
+                failed_device_allocs += 1
+    meta = {"source": "cupy-hook", "skipped_lines": skipped,
+            "failed_device_allocs": failed_device_allocs}
+    return b.build(meta)

@@ -1,0 +1,954 @@
+"""The in-memory trace (:class:`Trace`) and gpudash's own trace file format (``.gdtrace``).
+
+A trace is a table of allocator events with the columns of :data:`gpudash.events.COLUMNS`
+(one numpy array per column, all the same length), a JSON-serialisable ``meta`` dict and the
+``settings`` of its ``limit`` events.
+
+File format
+-----------
+A ``.gdtrace`` file is written in batches, so a process killed mid-run loses at most the batch
+it had not written yet::
+
+    b"GPUDASH-TRACE 1\\n"                       magic line
+    record*                                    each one:
+        header   24 bytes, little endian: b"GDRC", type (u8), 3 pad bytes,
+                 json_len (u32), payload_len (u64), crc32 (u32) of the first 20 header
+                 bytes + JSON + payload
+        JSON     json_len bytes of UTF-8 JSON
+        payload  payload_len bytes
+
+Record types: ``1`` metadata (JSON = ``meta``; always the first record), ``2`` an event batch
+(JSON = ``{"n", "columns": [[name, offset, nbytes], ...], "settings"}``; payload = each column
+as ``.npy`` bytes, in :data:`~gpudash.events.COLUMNS` order), ``3`` a metadata update (JSON
+merged into ``meta``), ``4`` end (written by :meth:`TraceWriter.close`).
+
+A reader keeps every complete, crc-valid record after the metadata and warns about the bytes
+it ignored; it raises :class:`~gpudash.TraceFormatError` only when the file is not a gpudash
+trace or its metadata record is damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import struct
+import time
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import IO, Any, BinaryIO
+
+import numpy as np
+from numpy.lib import format as npformat
+
+from .._errors import GpudashWarning, TraceFormatError
+from .._version import __version__
+from ..events import COLUMN_DTYPES, COLUMNS, Event, EventKind
+
+__all__ = [
+    "Trace",
+    "Calls",
+    "TraceWriter",
+    "read_trace",
+    "write_trace",
+    "MAGIC",
+    "round_up_256",
+    "bin_for_size",
+]
+
+#: First line of every ``.gdtrace`` file.
+MAGIC = b"GPUDASH-TRACE 1\n"
+
+_RECORD = struct.Struct("<4sB3xIQI")
+_RECORD_MAGIC = b"GDRC"
+_REC_META, _REC_EVENTS, _REC_META_UPDATE, _REC_END = 1, 2, 3, 4
+_REC_NAMES = {1: "metadata", 2: "event batch", 3: "metadata update", 4: "end"}
+# a JSON header larger than this is not one gpudash wrote (guards against garbage lengths)
+_MAX_JSON = 1 << 30
+
+_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM, _LIMIT = (
+    int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND), int(EventKind.RELEASE),
+    int(EventKind.OOM), int(EventKind.LIMIT))
+
+
+def round_up_256(nbytes: int) -> int:
+    """``nbytes`` rounded up to TensorFlow's 256-byte unit (at least 256)."""
+    return max(256, (int(nbytes) + 255) & ~255)
+
+
+def bin_for_size(size: int) -> int:
+    """TensorFlow's ``BinNumForSize``: ``min(20, log2(max(size, 256) >> 8))``."""
+    return min(20, (max(int(size), 256) >> 8).bit_length() - 1)
+
+
+def _bins(size: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`bin_for_size` (exact: values are clipped below 2**21 first)."""
+    s = np.minimum(np.maximum(size, 256) >> 8, 1 << 21).astype(np.float64)
+    return np.minimum(20, np.floor(np.log2(s))).astype(np.int8)
+
+
+def _default_meta(meta: Mapping | None) -> dict:
+    out = dict(meta) if meta is not None else {}
+    out.setdefault("gpudash_version", __version__)
+    out.setdefault("source", "gpudash")
+    out.setdefault("devices", [])
+    return out
+
+
+def _kind_values(kinds: Any) -> list[int]:
+    if isinstance(kinds, (int, str, EventKind)):
+        kinds = [kinds]
+    out = []
+    for k in kinds:
+        if isinstance(k, str):
+            try:
+                k = EventKind[k.upper()]
+            except KeyError:
+                raise ValueError(f"unknown event kind {k!r}; expected one of "
+                                 f"{[str(e) for e in EventKind]}") from None
+        out.append(int(k))
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class Calls:
+    """The replayable calls of a trace: every alloc, free and refused allocation, in order.
+
+    Attributes
+    ----------
+    op : numpy.ndarray of int8
+        1 (alloc), 2 (free) or 7 (an allocation that was refused: an OOM attempt).
+    key : numpy.ndarray of int64
+        Pairs each free with its alloc (0 for OOM attempts). It is the ``alloc_id`` where the
+        trace has one (> 0), else a key assigned by matching the free's pointer to the live
+        allocation at that pointer. When a trace holds several devices whose ids collide,
+        keys become ``(device << 40) | key``.
+    nbytes : numpy.ndarray of int64
+        Bytes requested (for a free: those requested by its alloc).
+    time_ns : numpy.ndarray of int64
+        The event's time.
+    device : numpy.ndarray of int16
+        The device of each call.
+    row : numpy.ndarray of int64
+        The row of each call in the trace it came from.
+    unmatched_frees : int
+        Frees with no live allocation to pair with (a log that starts mid-run); they are
+        dropped from the call list.
+    """
+
+    op: np.ndarray
+    key: np.ndarray
+    nbytes: np.ndarray
+    time_ns: np.ndarray
+    device: np.ndarray
+    row: np.ndarray
+    unmatched_frees: int = 0
+
+    def __len__(self) -> int:
+        return len(self.op)
+
+    def __repr__(self) -> str:
+        return (f"Calls(n={len(self)}, allocs={int((self.op == 1).sum())}, "
+                f"frees={int((self.op == 2).sum())}, ooms={int((self.op == 7).sum())}, "
+                f"unmatched_frees={self.unmatched_frees})")
+
+
+class Trace:
+    """A columnar table of allocator events.
+
+    Parameters
+    ----------
+    columns : mapping of str to array-like, optional
+        Exactly the columns of :data:`gpudash.events.COLUMNS`, all the same length. Arrays of
+        the right dtype are used as they are (not copied); others are converted.
+    meta : dict, optional
+        JSON-serialisable facts about the trace. Missing ``gpudash_version``, ``source``
+        (``"gpudash"``) and ``devices`` (``[]``) are filled in. ``devices`` is a list of
+        ``{"index", "name", "capacity", "options"}``.
+    settings : list of dict, optional
+        ``{"seq", "setting", "old", "new"}`` for each ``limit`` event, keyed by its ``seq``.
+
+    Raises
+    ------
+    TraceFormatError
+        Missing or unknown columns, columns of different lengths, or values that do not fit
+        a column's dtype.
+
+    Notes
+    -----
+    Slicing and :meth:`select` keep the ``seq`` values of the rows they keep, so a row can be
+    traced back to its source; :meth:`concat` renumbers ``seq`` from 0.
+    """
+
+    __slots__ = ("columns", "meta", "settings", "_settings_by_seq")
+
+    def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping | None = None,
+                 settings: Iterable[Mapping] | None = None) -> None:
+        if columns is None:
+            columns = {name: np.empty(0, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
+        self.columns = _check_columns(columns)
+        self.meta = _default_meta(meta)
+        self.settings = [dict(s) for s in settings] if settings is not None else []
+        self._settings_by_seq: dict[int, dict] | None = None
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def empty(cls, meta: Mapping | None = None) -> Trace:
+        """A trace with no events."""
+        return cls(None, meta)
+
+    @classmethod
+    def concat(cls, traces: Iterable[Trace]) -> Trace:
+        """One trace holding the rows of ``traces`` in order, ``seq`` renumbered from 0.
+
+        ``meta`` is the first trace's, with the ``devices`` of all of them (the first entry
+        for each device index wins); settings follow their rows.
+        """
+        traces = list(traces)
+        if not traces:
+            return cls.empty()
+        cols = {name: np.concatenate([t.columns[name] for t in traces]) for name in COLUMNS}
+        cols["seq"] = np.arange(len(cols["seq"]), dtype=np.int64)
+        meta = dict(traces[0].meta)
+        devices: dict[int, dict] = {}
+        for t in traces:
+            for d in t.meta.get("devices", []):
+                devices.setdefault(int(d["index"]), d)
+        meta["devices"] = [devices[i] for i in sorted(devices)]
+        settings = []
+        offset = 0
+        for t in traces:
+            if t.settings:
+                pos = {int(s): i for i, s in enumerate(t.columns["seq"])}
+                for s in t.settings:
+                    if int(s["seq"]) in pos:
+                        settings.append({**s, "seq": offset + pos[int(s["seq"])]})
+            offset += len(t)
+        return cls(cols, meta, settings)
+
+    # ---------------------------------------------------------------- container protocol
+    def __len__(self) -> int:
+        return len(self.columns["seq"])
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name in COLUMN_DTYPES:
+            return self.columns[name]
+        raise AttributeError(f"'Trace' object has no attribute {name!r}")
+
+    def __getitem__(self, index: Any) -> Event | Trace:
+        if isinstance(index, (int, np.integer)):
+            n = len(self)
+            i = int(index) + n if index < 0 else int(index)
+            if not 0 <= i < n:
+                raise IndexError(f"event index {index} out of range for a trace of {n} events")
+            return self._event(i)
+        cols = {name: col[index] for name, col in self.columns.items()}
+        return Trace(cols, self.meta, self._settings_for(cols["seq"]))
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self._event(i)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return (len(self) == len(other)
+                and all(np.array_equal(self.columns[n], other.columns[n]) for n in COLUMNS)
+                and self.meta == other.meta and self.settings == other.settings)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Trace(events={len(self)}, devices={len(self.devices)}, "
+                f"source={self.meta.get('source')!r}, duration_ns={self.duration_ns})")
+
+    def _event(self, i: int) -> Event:
+        c = self.columns
+        kind = int(c["kind"][i])
+        device = int(c["device"][i])
+        names = {int(d["index"]): d.get("name", "") for d in self.meta.get("devices", [])}
+        setting = old = new = None
+        seq = int(c["seq"][i])
+        if kind == _LIMIT:
+            if self._settings_by_seq is None:
+                self._settings_by_seq = {int(s["seq"]): s for s in self.settings}
+            s = self._settings_by_seq.get(seq)
+            if s is not None:
+                setting, old, new = s.get("setting"), s.get("old"), s.get("new")
+        return Event(seq, int(c["time_ns"][i]), kind, int(c["ptr"][i]), int(c["size"][i]),
+                     int(c["requested"][i]), int(c["bin"][i]), int(c["region"][i]),
+                     int(c["alloc_id"][i]), device, names.get(device, ""), setting, old, new)
+
+    def _settings_for(self, seq: np.ndarray) -> list[dict]:
+        if not self.settings:
+            return []
+        keep = set(seq.tolist())
+        return [s for s in self.settings if int(s["seq"]) in keep]
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def devices(self) -> list[dict]:
+        """The devices of ``meta``; derived from the ``device`` column when meta has none."""
+        devs = self.meta.get("devices") or []
+        if devs:
+            return list(devs)
+        return [{"index": int(i), "name": f"device{int(i)}", "capacity": None, "options": None}
+                for i in np.unique(self.columns["device"])]
+
+    @property
+    def duration_ns(self) -> int:
+        """Time from the first to the last event (0 for fewer than two events)."""
+        t = self.columns["time_ns"]
+        return int(t.max() - t.min()) if len(t) else 0
+
+    def select(self, kinds: Any = None, device: int | Iterable[int] | None = None) -> Trace:
+        """The rows of some kinds and/or devices.
+
+        Parameters
+        ----------
+        kinds : EventKind, int, str or iterable of them, optional
+            ``"alloc"``, ``EventKind.FREE``, ``[1, 2]``...
+        device : int or iterable of int, optional
+            Device index or indices.
+        """
+        mask = np.ones(len(self), dtype=bool)
+        if kinds is not None:
+            mask &= np.isin(self.columns["kind"], _kind_values(kinds))
+        if device is not None:
+            devs = [device] if isinstance(device, (int, np.integer)) else list(device)
+            mask &= np.isin(self.columns["device"], devs)
+        return self[mask]
+
+    def summary(self) -> dict:
+        """Counts and peaks, computed with numpy.
+
+        Returns
+        -------
+        dict
+            ``events``, ``kinds`` (events per kind name), ``allocations``, ``frees``,
+            ``ooms``, ``devices`` (indices), ``duration_ns``, ``peak_requested_bytes`` and
+            ``peak_allocated_bytes`` (highest running sum of +bytes on alloc / -bytes on
+            free over all devices; a log that starts mid-run, whose first frees have no
+            alloc, is undercounted), and the same two per device index.
+        """
+        c = self.columns
+        kind = c["kind"]
+        counts = np.bincount(kind.astype(np.int64), minlength=9) if len(kind) else np.zeros(9)
+        is_a, is_f = kind == _ALLOC, kind == _FREE
+
+        def peak(col: np.ndarray, mask: np.ndarray | None = None) -> int:
+            a, f = is_a, is_f
+            if mask is not None:
+                a, f = a & mask, f & mask
+            delta = np.where(a, col, 0) - np.where(f, col, 0)
+            return max(0, int(np.cumsum(delta).max())) if len(delta) else 0
+
+        devs = np.unique(c["device"]).tolist()
+        return {
+            "events": len(self),
+            "kinds": {str(k): int(counts[int(k)]) for k in EventKind},
+            "allocations": int(counts[_ALLOC]),
+            "frees": int(counts[_FREE]),
+            "ooms": int(counts[_OOM]),
+            "devices": devs,
+            "duration_ns": self.duration_ns,
+            "peak_requested_bytes": peak(c["requested"]),
+            "peak_allocated_bytes": peak(c["size"]),
+            "peak_requested_bytes_by_device": {
+                d: peak(c["requested"], c["device"] == d) for d in devs},
+            "peak_allocated_bytes_by_device": {
+                d: peak(c["size"], c["device"] == d) for d in devs},
+        }
+
+    def calls(self, device: int | None = None) -> Calls:
+        """The replayable call list: every alloc, free and OOM row, in order.
+
+        Parameters
+        ----------
+        device : int, optional
+            Only this device's calls.
+
+        Returns
+        -------
+        Calls
+            See :class:`Calls`. A free that matches no live allocation (neither by
+            ``alloc_id`` nor by pointer) is dropped and counted in ``unmatched_frees``;
+            importers of logs that start mid-run produce such frees.
+        """
+        c = self.columns
+        kind = c["kind"]
+        mask = np.isin(kind, (_ALLOC, _FREE, _OOM))
+        if device is not None:
+            mask &= c["device"] == device
+        rows = np.flatnonzero(mask)
+        k = kind[rows].tolist()
+        aid = c["alloc_id"][rows].tolist()
+        ptr = c["ptr"][rows].tolist()
+        dev = c["device"][rows].tolist()
+        req = c["requested"][rows].tolist()
+        n = len(rows)
+        op = np.empty(n, dtype=np.int8)
+        key = np.zeros(n, dtype=np.int64)
+        nbytes = np.empty(n, dtype=np.int64)
+        keep = np.ones(n, dtype=bool)
+        pos_ids = c["alloc_id"][rows][c["alloc_id"][rows] > 0]
+        next_key = int(pos_ids.max()) + 1 if len(pos_ids) else 1
+        live: dict[tuple[int, int], int] = {}        # (device, key) -> requested
+        at_ptr: dict[tuple[int, int], int] = {}      # (device, ptr) -> key
+        unmatched = 0
+        for i in range(n):
+            ki = k[i]
+            d = dev[i]
+            if ki == _ALLOC:
+                a = aid[i]
+                if a <= 0:
+                    a = next_key
+                    next_key += 1
+                live[(d, a)] = req[i]
+                at_ptr[(d, ptr[i])] = a
+                op[i] = 1
+                key[i] = a
+                nbytes[i] = req[i]
+            elif ki == _FREE:
+                a = aid[i]
+                if a <= 0 or (d, a) not in live:
+                    a = at_ptr.get((d, ptr[i]), -1)
+                r = live.pop((d, a), None)
+                if r is None:
+                    unmatched += 1
+                    keep[i] = False
+                    continue
+                if at_ptr.get((d, ptr[i])) == a:
+                    del at_ptr[(d, ptr[i])]
+                op[i] = 2
+                key[i] = a
+                nbytes[i] = r
+            else:
+                op[i] = 7
+                nbytes[i] = req[i]
+        devs = c["device"][rows]
+        if n and device is None and len(np.unique(devs)) > 1:
+            alloc_keys = key[op == 1]
+            if len(np.unique(alloc_keys)) < len(alloc_keys):
+                key = np.where(op == 7, 0, (devs.astype(np.int64) << 40) | key)
+        return Calls(op[keep], key[keep], nbytes[keep], c["time_ns"][rows][keep], devs[keep],
+                     rows[keep].astype(np.int64), unmatched)
+
+
+def _check_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    names = set(columns)
+    missing = [n for n in COLUMNS if n not in names]
+    extra = sorted(names - set(COLUMNS))
+    if missing or extra:
+        raise TraceFormatError(
+            f"trace columns must be exactly {list(COLUMNS)}; "
+            + (f"missing {missing}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unknown {extra}" if extra else ""))
+    out = {}
+    for name in COLUMNS:
+        dtype = np.dtype(COLUMN_DTYPES[name])
+        col = columns[name]
+        if isinstance(col, np.ndarray) and col.dtype == dtype and col.ndim == 1:
+            out[name] = col
+            continue
+        try:
+            arr = np.asarray(col)
+            if arr.ndim != 1:
+                raise ValueError(f"expected a 1-d array, got shape {arr.shape}")
+            conv = arr.astype(dtype)
+            if arr.size and not np.array_equal(conv, arr):
+                raise ValueError(f"values do not fit {dtype}")
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise TraceFormatError(f"trace column {name!r}: {exc}") from None
+        out[name] = conv
+    lengths = {name: len(col) for name, col in out.items()}
+    if len(set(lengths.values())) > 1:
+        raise TraceFormatError(f"trace columns must all have the same length; got {lengths}")
+    return out
+
+
+# ============================================================================ builder
+class _EventBuilder:
+    """Collects events from an importer and builds a :class:`Trace`.
+
+    It applies the conventions for foreign allocators: ids from 1 in allocation order (over
+    the whole trace), frees paired with the live allocation at their pointer (taking its
+    size, requested bytes and id), sizes rounded up to 256 when unknown, ``bin`` and
+    ``region`` filled in, ``seq`` = row number.
+    """
+
+    def __init__(self) -> None:
+        self.time: list[int] = []
+        self.kind: list[int] = []
+        self.ptr: list[int] = []
+        self.size: list[int] = []
+        self.requested: list[int] = []
+        self.alloc_id: list[int] = []
+        self.device: list[int] = []
+        self._live: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._next_id = 1
+        self.unmatched_frees = 0
+        self.devices: dict[int, dict] = {}
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def add_device(self, index: int, name: str, capacity: int | None = None,
+                   options: dict | None = None) -> int:
+        if index not in self.devices:
+            self.devices[index] = {"index": index, "name": name, "capacity": capacity,
+                                   "options": options}
+        return index
+
+    def _row(self, t: int, kind: int, device: int, ptr: int, size: int, requested: int,
+             alloc_id: int) -> None:
+        self.time.append(t)
+        self.kind.append(kind)
+        self.device.append(device)
+        self.ptr.append(ptr)
+        self.size.append(size)
+        self.requested.append(requested)
+        self.alloc_id.append(alloc_id)
+
+    def alloc(self, t: int, device: int, ptr: int, requested: int,
+              size: int | None = None) -> int:
+        if size is None:
+            size = round_up_256(requested)
+        aid = self._next_id
+        self._next_id += 1
+        self._live[(device, ptr)] = (aid, size, requested)
+        self._row(t, _ALLOC, device, ptr, size, requested, aid)
+        return aid
+
+    def free(self, t: int, device: int, ptr: int, requested: int | None = None,
+             size: int | None = None) -> bool:
+        """Add a free; False when no live allocation is at ``ptr`` (still added, id -1)."""
+        hit = self._live.pop((device, ptr), None)
+        if hit is not None:
+            aid, sz, req = hit
+            self._row(t, _FREE, device, ptr, sz, req, aid)
+            return True
+        self.unmatched_frees += 1
+        req = int(requested or 0)
+        self._row(t, _FREE, device, ptr, size if size is not None else round_up_256(req),
+                  req, -1)
+        return False
+
+    def oom(self, t: int, device: int, requested: int, size: int | None = None) -> None:
+        self._row(t, _OOM, device, 0, size if size is not None else round_up_256(requested),
+                  requested, -1)
+
+    def extend(self, t: int, device: int, ptr: int, size: int,
+               requested: int | None = None) -> None:
+        self._row(t, _EXTEND, device, ptr, size, size if requested is None else requested, -1)
+
+    def release(self, t: int, device: int, ptr: int, size: int) -> None:
+        self._row(t, _RELEASE, device, ptr, size, 0, -1)
+
+    def live(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """(device, ptr) -> (alloc_id, size, requested) of allocations not yet freed."""
+        return self._live
+
+    def build(self, meta: dict) -> Trace:
+        n = len(self.kind)
+        cols = {
+            "seq": np.arange(n, dtype=np.int64),
+            "time_ns": np.array(self.time, dtype=np.int64),
+            "kind": np.array(self.kind, dtype=np.int8),
+            "ptr": np.array(self.ptr, dtype=np.int64),
+            "size": np.array(self.size, dtype=np.int64),
+            "requested": np.array(self.requested, dtype=np.int64),
+            "alloc_id": np.array(self.alloc_id, dtype=np.int64),
+            "device": np.array(self.device, dtype=np.int16),
+        }
+        kind = cols["kind"]
+        sized = np.isin(kind, (_ALLOC, _FREE, _OOM))
+        cols["bin"] = np.where(sized, _bins(cols["size"]), -1).astype(np.int8)
+        cols["region"] = _regions(cols)
+        meta = dict(meta)
+        if self.devices and not meta.get("devices"):
+            meta["devices"] = [self.devices[i] for i in sorted(self.devices)]
+        meta.setdefault("unmatched_frees", self.unmatched_frees)
+        return Trace(cols, meta)
+
+
+def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """``region`` for each row: its own address for extend/release, the containing extended
+    region (same device; the latest-starting region at or below the address) for alloc and
+    free, else 0."""
+    kind, ptr, size, device = cols["kind"], cols["ptr"], cols["size"], cols["device"]
+    region = np.zeros(len(kind), dtype=np.int64)
+    own = np.isin(kind, (_EXTEND, _RELEASE))
+    region[own] = ptr[own]
+    ext = kind == _EXTEND
+    if not ext.any():
+        return region
+    for d in np.unique(device[ext]):
+        e = ext & (device == d)
+        order = np.argsort(ptr[e], kind="stable")
+        starts, ends = ptr[e][order], (ptr[e] + size[e])[order]
+        rows = np.flatnonzero(np.isin(kind, (_ALLOC, _FREE)) & (device == d))
+        p = ptr[rows]
+        idx = np.searchsorted(starts, p, side="right") - 1
+        ok = idx >= 0
+        ok[ok] = p[ok] < ends[idx[ok]]
+        region[rows[ok]] = starts[idx[ok]]
+    return region
+
+
+# ============================================================================ file format
+def _source_name(src: Any) -> str:
+    return os.fspath(src) if isinstance(src, (str, os.PathLike)) else getattr(
+        src, "name", "<stream>")
+
+
+@contextlib.contextmanager
+def _text_source(src: Any, newline: str | None = None) -> Iterator[IO[str]]:
+    """A text stream over a path, a binary file object or a text file object (undecodable
+    bytes replaced; a caller's file object is left open)."""
+    if isinstance(src, (str, os.PathLike)):
+        with open(src, encoding="utf-8", errors="replace", newline=newline) as f:
+            yield f
+    elif isinstance(src, io.TextIOBase):
+        yield src
+    else:
+        wrapper = io.TextIOWrapper(src, encoding="utf-8", errors="replace", newline=newline)
+        try:
+            yield wrapper
+        finally:
+            wrapper.detach()
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _dumps(obj: Any, what: str) -> bytes:
+    try:
+        return json.dumps(obj, default=_json_default, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise TraceFormatError(f"the trace's {what} cannot be written as JSON: {exc}") from None
+
+
+def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata") -> bytes:
+    js = _dumps(header, what)
+    head = _RECORD.pack(_RECORD_MAGIC, rtype, len(js), len(payload), 0)[:20]
+    crc = zlib.crc32(payload, zlib.crc32(js, zlib.crc32(head)))
+    return head + struct.pack("<I", crc) + js + payload
+
+
+def _open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
+    try:
+        return open(path, ("w" if overwrite else "x") + mode)  # noqa: SIM115
+    except FileExistsError:
+        raise TraceFormatError(
+            f"{os.fspath(path)} already exists; pass overwrite=True to replace it") from None
+
+
+class TraceWriter:
+    """Writes a ``.gdtrace`` file in batches, so a killed process loses at most one batch.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file to create.
+    meta : dict
+        The trace's metadata (JSON-serialisable), written at once as the first record.
+    overwrite : bool, default False
+        Replace an existing file. Without it an existing file raises
+        :class:`~gpudash.TraceFormatError`.
+    flush_interval : float, default 1.0
+        Buffered events are written when :meth:`append` is called at least this many seconds
+        after the last write (there is no background thread).
+    batch_events : int, default 65536
+        Buffered events are also written once this many are waiting.
+    fsync : bool, default False
+        ``os.fsync`` after each batch (survives a machine crash, not only a killed process).
+
+    Examples
+    --------
+    >>> with TraceWriter("run.gdtrace", {"source": "gpudash"}) as w:  # doctest: +SKIP
+    ...     w.append(trace)
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: Mapping | None = None, *,
+                 overwrite: bool = False, flush_interval: float = 1.0,
+                 batch_events: int = 65536, fsync: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.meta = _default_meta(meta)
+        self.flush_interval = float(flush_interval)
+        self.batch_events = max(1, int(batch_events))
+        self.fsync = bool(fsync)
+        self.events_written = 0
+        self.batches_written = 0
+        self._buffer: list[dict[str, np.ndarray]] = []
+        self._buffer_settings: list[dict] = []
+        self._buffered = 0
+        first = MAGIC + _record(_REC_META, self.meta)
+        self._file: BinaryIO | None = _open_new(self.path, overwrite)
+        self._write(first)
+        self._last_flush = time.monotonic()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._file is None
+
+    def _write(self, data: bytes) -> None:
+        assert self._file is not None
+        self._file.write(data)
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+
+    def append(self, events: Trace | Mapping[str, Any], settings: Iterable[Mapping] = ()) -> None:
+        """Buffer events (a :class:`Trace` or a dict of columns) and write when due.
+
+        Parameters
+        ----------
+        events : Trace or mapping of str to array-like
+            Rows to add. A Trace brings its own settings.
+        settings : iterable of dict, optional
+            Settings of the ``limit`` rows in ``events`` when it is a dict of columns.
+        """
+        if self._file is None:
+            raise ValueError(f"TraceWriter for {self.path} is closed")
+        if isinstance(events, Trace):
+            cols, sets = events.columns, events.settings
+        else:
+            cols, sets = _check_columns(events), [dict(s) for s in settings]
+        n = len(cols["seq"])
+        if n:
+            self._buffer.append(cols)
+            self._buffered += n
+        self._buffer_settings.extend(sets)
+        if (self._buffered >= self.batch_events
+                or time.monotonic() - self._last_flush >= self.flush_interval):
+            self.flush()
+
+    def update_meta(self, **changes: Any) -> None:
+        """Merge ``changes`` into the metadata (written as a record of its own)."""
+        if self._file is None:
+            raise ValueError(f"TraceWriter for {self.path} is closed")
+        self.flush()
+        self.meta.update(changes)
+        self._write(_record(_REC_META_UPDATE, changes, what="metadata update"))
+
+    def flush(self) -> None:
+        """Write the buffered events as one batch now."""
+        self._last_flush = time.monotonic()
+        if self._file is None or (not self._buffered and not self._buffer_settings):
+            return
+        if len(self._buffer) == 1:
+            cols = self._buffer[0]
+        else:
+            cols = {name: np.concatenate([b[name] for b in self._buffer]) for name in COLUMNS}
+        payload = io.BytesIO()
+        layout = []
+        for name in COLUMNS:
+            start = payload.tell()
+            npformat.write_array(payload, np.ascontiguousarray(cols[name]), allow_pickle=False)
+            layout.append([name, start, payload.tell() - start])
+        header = {"n": self._buffered, "columns": layout, "settings": self._buffer_settings}
+        self._write(_record(_REC_EVENTS, header, payload.getvalue(), what="settings"))
+        self.events_written += self._buffered
+        self.batches_written += 1
+        self._buffer, self._buffer_settings, self._buffered = [], [], 0
+
+    def close(self) -> None:
+        """Write what is buffered and an end record, and close the file (idempotent)."""
+        if self._file is None:
+            return
+        try:
+            self.flush()
+            self._write(_record(_REC_END, {"events": self.events_written,
+                                           "batches": self.batches_written}))
+        finally:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"TraceWriter({self.path!r}, {state}, events_written={self.events_written}, "
+                f"buffered={self._buffered})")
+
+
+def write_trace(trace: Trace, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Write ``trace`` to a ``.gdtrace`` file (one batch per 1M events).
+
+    Raises
+    ------
+    TraceFormatError
+        ``path`` exists and ``overwrite`` is False, or ``meta`` is not JSON-serialisable.
+    """
+    with TraceWriter(path, trace.meta, overwrite=overwrite, flush_interval=float("inf"),
+                     batch_events=1 << 20) as w:
+        step = 1 << 20
+        for start in range(0, max(len(trace), 1), step):
+            w.append(trace[start:start + step])
+
+
+def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
+    """Read a ``.gdtrace`` file, even one cut short by a killed writer.
+
+    Parameters
+    ----------
+    path : str, os.PathLike or binary file object
+
+    Returns
+    -------
+    Trace
+        Every event up to the last complete, crc-valid batch.
+
+    Warns
+    -----
+    GpudashWarning
+        When bytes after the last good record were ignored (a truncated or damaged tail), or
+        the file has no end record (its writer was not closed).
+
+    Raises
+    ------
+    TraceFormatError
+        Not a gpudash trace, or the metadata record (the first) is damaged or cut short.
+    """
+    name = _source_name(path)
+    if isinstance(path, (str, os.PathLike)):
+        with open(path, "rb") as f:
+            data = f.read()
+    else:
+        data = path.read()
+    if not data.startswith(MAGIC):
+        raise TraceFormatError(
+            f"{name} is not a gpudash trace: expected the line {MAGIC!r} at byte 0, "
+            f"found {data[:len(MAGIC)]!r}")
+    meta, off, problem = None, len(MAGIC), None
+    batches: list[dict[str, np.ndarray]] = []
+    settings: list[dict] = []
+    recno, ended, n_events = 0, False, 0
+    while off < len(data):
+        rec_off = off
+        rec, problem = _parse_record(data, off)
+        if rec is None:
+            if recno == 0:
+                raise TraceFormatError(
+                    f"{name}: record 0 (metadata) at byte offset {rec_off} is damaged: "
+                    f"{problem}")
+            break
+        rtype, js, payload, off = rec
+        try:
+            header = json.loads(js)
+        except ValueError as exc:
+            problem = f"its JSON header does not parse ({exc})"
+            if recno == 0:
+                raise TraceFormatError(f"{name}: record 0 (metadata) at byte offset {rec_off}"
+                                       f" is damaged: {problem}") from None
+            off = rec_off
+            break
+        if recno == 0:
+            if rtype != _REC_META or not isinstance(header, dict):
+                raise TraceFormatError(
+                    f"{name}: record 0 at byte offset {rec_off} should be the metadata "
+                    f"(type {_REC_META}), found type {rtype}")
+            meta = header
+        elif rtype == _REC_EVENTS:
+            cols = _decode_batch(name, recno, rec_off, header, payload)
+            batches.append(cols)
+            n_events += len(cols["seq"])
+            settings.extend(header.get("settings", []))
+        elif rtype == _REC_META_UPDATE:
+            assert meta is not None
+            meta.update(header)
+        elif rtype == _REC_END:
+            ended = True
+            recno += 1
+            break
+        else:
+            raise TraceFormatError(f"{name}: record {recno} at byte offset {rec_off} has "
+                                   f"unknown type {rtype}")
+        recno += 1
+    if meta is None:
+        raise TraceFormatError(f"{name}: ends at byte offset {off} before its metadata record")
+    ignored = len(data) - off
+    if ignored:
+        warnings.warn(
+            f"{name}: ignored {ignored} bytes from byte offset {off} (record {recno}: "
+            f"{problem or 'data after the end record'}); read {n_events} events in "
+            f"{len(batches)} batches", GpudashWarning, stacklevel=2)
+    elif not ended:
+        warnings.warn(
+            f"{name}: no end record after {recno} records (the writer was not closed); "
+            f"read {n_events} events in {len(batches)} batches", GpudashWarning,
+            stacklevel=2)
+    if not batches:
+        return Trace(None, meta, settings)
+    if len(batches) == 1:
+        cols = batches[0]
+    else:
+        cols = {n: np.concatenate([b[n] for b in batches]) for n in COLUMNS}
+    return Trace(cols, meta, settings)
+
+
+def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
+    end = len(data)
+    if end - off < _RECORD.size:
+        return None, (f"cut short: a record header needs {_RECORD.size} bytes, "
+                      f"{end - off} left")
+    magic, rtype, jlen, plen, crc = _RECORD.unpack_from(data, off)
+    if magic != _RECORD_MAGIC:
+        return None, f"expected the record marker {_RECORD_MAGIC!r}, found {magic!r}"
+    body = off + _RECORD.size
+    if jlen > _MAX_JSON or body + jlen + plen > end:
+        return None, (f"cut short: the record needs {_RECORD.size + jlen + plen} bytes, "
+                      f"{end - off} left")
+    js = data[body:body + jlen]
+    payload = data[body + jlen:body + jlen + plen]
+    got = zlib.crc32(payload, zlib.crc32(js, zlib.crc32(data[off:off + 20])))
+    if got != crc:
+        return None, f"crc32 mismatch (stored {crc:#010x}, computed {got:#010x})"
+    return (rtype, js, payload, body + jlen + plen), None
+
+
+def _decode_batch(name: str, recno: int, off: int, header: dict,
+                  payload: bytes) -> dict[str, np.ndarray]:
+    where = f"{name}: record {recno} (event batch) at byte offset {off}"
+    try:
+        n = int(header["n"])
+        layout = {c[0]: (int(c[1]), int(c[2])) for c in header["columns"]}
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise TraceFormatError(f"{where}: expected a JSON header with 'n' and 'columns'") \
+            from None
+    cols = {}
+    for col in COLUMNS:
+        if col not in layout:
+            raise TraceFormatError(f"{where}: column {col!r} is missing")
+        start, nbytes = layout[col]
+        try:
+            arr = npformat.read_array(io.BytesIO(payload[start:start + nbytes]),
+                                      allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data ({exc})")\
+                from None
+        if arr.dtype != np.dtype(COLUMN_DTYPES[col]) or arr.shape != (n,):
+            raise TraceFormatError(
+                f"{where}: column {col!r} should be {n} values of "
+                f"{np.dtype(COLUMN_DTYPES[col])}, found shape {arr.shape} of {arr.dtype}")
+        cols[col] = arr
+    return cols

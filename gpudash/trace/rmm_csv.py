@@ -1,0 +1,145 @@
+"""Import the CSV log of RAPIDS RMM's ``logging_resource_adaptor``.
+
+::
+
+    Thread,Time,Action,Pointer,Size,Stream
+    140215557785344,23:59:59.999812,allocate,0x7f8b6a000000,1024,0x0
+    140215557785344,00:00:00.000101,free,0x7f8b6a000000,1024,0x0
+    140215557785344,00:00:00.000350,allocate failure,(nil),68719476736,0x0
+
+Columns are read by name (``csv.DictReader``), so their order and extra columns do not
+matter. ``allocate`` becomes an ``alloc`` event, ``free`` a ``free``, ``allocate failure`` an
+``oom``. Times have no date: a time more than 12 hours earlier than the previous one is taken
+as the next day (the log crossed midnight). ``time_ns`` counts from midnight of the first
+day. A ``.dev{N}`` suffix in the file name (``rmm_log.dev1.csv``, as
+``rmm.reinitialize(logging=True)`` names per-device logs) gives the device index.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from typing import IO
+
+from .._errors import TraceFormatError
+from .format import Trace, _EventBuilder, _source_name, _text_source
+
+__all__ = ["load_rmm_csv", "device_from_filename"]
+
+_REQUIRED = ("Time", "Action", "Pointer", "Size")
+_TIME = re.compile(r"\s*(\d{1,2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*$")
+_DEV = re.compile(r"\.dev(\d+)(?:\.[^.]*)?$")
+_DAY_NS = 86_400 * 10**9
+_HALF_DAY_NS = _DAY_NS // 2
+
+
+def device_from_filename(name: str) -> int | None:
+    """The device index of a per-device RMM log name (``log.dev1.csv`` -> 1), else None."""
+    m = _DEV.search(os.path.basename(name))
+    return int(m.group(1)) if m else None
+
+
+def _pointer(text: str) -> int:
+    text = text.strip()
+    if text in ("(nil)", "0", "nullptr"):
+        return 0
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise ValueError(f"Pointer {text!r} is neither 0x... nor (nil)") from None
+
+
+def _size(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"Size {text!r} is not a byte count") from None
+    if value < 0:
+        raise ValueError(f"Size {text!r} is negative")
+    return value
+
+
+def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = None) -> Trace:
+    """Load an RMM logging CSV as a :class:`Trace`.
+
+    Parameters
+    ----------
+    path_or_file : str, os.PathLike or file object
+    device : int, optional
+        Device index; by default from a ``.dev{N}`` file-name suffix, else 0.
+
+    Returns
+    -------
+    Trace
+        ``meta["source"] = "rmm-csv"``; meta also counts ``threads``, ``streams``,
+        ``null_frees`` (frees of ``(nil)``, skipped), ``null_allocs`` (0-byte allocations that
+        returned ``(nil)``, skipped) and ``days`` crossed.
+
+    Raises
+    ------
+    TraceFormatError
+        No ``Time``/``Action``/``Pointer``/``Size`` column, or a row whose values do not parse
+        (names the file, line and column).
+    """
+    name = _source_name(path_or_file)
+    if device is None:
+        device = device_from_filename(name) or 0
+    b = _EventBuilder()
+    b.add_device(device, f"cuda:{device}")
+    threads: set[str] = set()
+    streams: set[str] = set()
+    null_frees = null_allocs = 0
+    day = 0
+    prev = None
+    with _text_source(path_or_file, newline="") as f:
+        reader = csv.DictReader(f, skipinitialspace=True)
+        fields = [h.strip() for h in (reader.fieldnames or [])]
+        missing = [c for c in _REQUIRED if c not in fields]
+        if missing:
+            raise TraceFormatError(
+                f"{name}, line 1: expected an RMM log header with columns "
+                f"Thread,Time,Action,Pointer,Size,Stream; missing {missing} "
+                f"(found {fields})")
+        reader.fieldnames = fields
+        for row in reader:
+            line = reader.line_num
+            try:
+                m = _TIME.match(row["Time"] or "")
+                if m is None:
+                    raise ValueError(f"Time {row['Time']!r} is not HH:MM:SS.ffffff")
+                h, mi, s, frac = m.groups()
+                t = ((int(h) * 60 + int(mi)) * 60 + int(s)) * 10**9 + int(
+                    (frac or "0").ljust(9, "0"))
+                if prev is not None and t + day * _DAY_NS < prev - _HALF_DAY_NS:
+                    day += 1
+                t += day * _DAY_NS
+                prev = t
+                action = (row["Action"] or "").strip()
+                ptr = _pointer(row["Pointer"] or "")
+                size = _size(row["Size"] or "")
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise TraceFormatError(f"{name}, line {line}: {exc}") from None
+            if row.get("Thread"):
+                threads.add(row["Thread"])
+            if row.get("Stream"):
+                streams.add(row["Stream"].strip())
+            if action == "allocate":
+                if ptr:
+                    b.alloc(t, device, ptr, size)
+                else:
+                    null_allocs += 1
+            elif action == "free":
+                if ptr:
+                    b.free(t, device, ptr, size)
+                else:
+                    null_frees += 1
+            elif action == "allocate failure":
+                b.oom(t, device, size)
+            else:
+                raise TraceFormatError(
+                    f"{name}, line {line}: Action {action!r}; expected 'allocate', 'free' or "
+                    "'allocate failure'")
+    meta = {"source": "rmm-csv", "threads": len(threads), "streams": len(streams),
+            "null_frees": null_frees, "null_allocs": null_allocs, "days": day}
+    return b.build(meta)
