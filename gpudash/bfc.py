@@ -62,7 +62,8 @@ K_INVALID_CHUNK_HANDLE = (1 << 64) - 1  # SIZE_MAX, as DumpMemoryLog prints it
 K_FIRST_GROWTH_REGION = 2 << 20
 
 _MASK64 = (1 << 64) - 1
-_JOURNAL_FLUSH = 8192  # events buffered before batch sinks receive them
+_W = 8  # ints per journal record
+_JOURNAL_FLUSH = 8192 * _W  # journal ints buffered before batch sinks receive them
 
 # Event kinds as plain ints for the hot path.
 _ALLOC = int(EventKind.ALLOC)
@@ -98,6 +99,112 @@ def bin_num_for_size(nbytes: int) -> int:
     """
     b = (max(nbytes, 256) >> 8).bit_length() - 1
     return b if b < 20 else 20
+
+
+
+def _count_events(journal: list[int], start: int, end: int | None = None) -> int:
+    """Events in the journal records between ``start`` and ``end`` (an alloc may carry a
+    split, a free up to two merges)."""
+    n = 0
+    for i in range(start, len(journal) if end is None else end, _W):
+        code = journal[i + 1]
+        if code == _ALLOC:
+            n += 2 if journal[i + 5] else 1
+        elif code == _FREE:
+            n += 1 + (journal[i + 6] > 0) + (journal[i + 7] > 0)
+        else:
+            n += 1
+    return n
+
+
+def _bins_of(sizes: np.ndarray) -> np.ndarray:
+    """BinNumForSize over an array (exact for sizes below 2**53)."""
+    v = np.maximum(sizes, 256) >> 8
+    return np.minimum(np.frexp(v.astype(np.float64))[1] - 1, 20)
+
+
+def _expand_numpy(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: list[int],
+                  region_ends: list[int], device: int) -> dict[str, np.ndarray]:
+    """Journal records (one row per op) -> event columns (one row per event), vectorised.
+
+    Allocation ids of alloc events are consecutive, so they follow from ``next_aid``;
+    regions follow from the region table now, corrected for regions released within the
+    batch (processed newest first, so an address range reused by a later region resolves
+    to the region that was live at each event).
+    """
+    t, code, ptr, size, req, a, b, c = (rec[:, i] for i in range(_W))
+    n_rec = len(code)
+    is_alloc = code == _ALLOC
+    is_free = code == _FREE
+    split = is_alloc & (a > 0)
+    m_next = is_free & (b > 0)
+    m_prev = is_free & (c > 0)
+    counts = 1 + split + m_next + m_prev
+    total = int(counts.sum())
+    rid = np.repeat(np.arange(n_rec), counts)
+    pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    # region of each record
+    rptr = np.zeros(n_rec, dtype=np.int64)
+    chunky = is_alloc | is_free
+    if region_ptrs:
+        rp = np.asarray(region_ptrs, dtype=np.int64)
+        re = np.asarray(region_ends, dtype=np.int64)
+        idx = np.searchsorted(rp, ptr, side="right") - 1
+        ok = chunky & (idx >= 0)
+        ok[ok] &= ptr[ok] < re[idx[ok]]
+        rptr[ok] = rp[idx[ok]]
+    rel = np.flatnonzero(code == _RELEASE)
+    for j in rel[::-1]:
+        inside = chunky[:j] & (ptr[:j] >= ptr[j]) & (ptr[:j] < ptr[j] + size[j])
+        rptr[:j][inside] = ptr[j]
+    ext = (code == _EXTEND) | (code == _RELEASE)
+    rptr[ext] = ptr[ext]
+
+    aid = np.full(n_rec, -1, dtype=np.int64)
+    n_alloc = int(is_alloc.sum())
+    aid[is_alloc] = np.arange(next_aid - n_alloc, next_aid, dtype=np.int64)
+    aid[is_free] = a[is_free]
+
+    e_code = code[rid].copy()
+    e_ptr = ptr[rid].copy()
+    e_size = size[rid].copy()
+    e_req = req[rid].copy()
+    e_aid = aid[rid].copy()
+    e_b, e_c, e_a = b[rid], c[rid], a[rid]
+    rsize = size[rid]
+
+    ev_split = split[rid] & (pos == 0)
+    e_code[ev_split] = _SPLIT
+    e_ptr[ev_split] += rsize[ev_split]
+    e_size[ev_split] = e_a[ev_split]
+    e_req[ev_split] = rsize[ev_split]
+    e_aid[ev_split] = -1
+
+    ev_next = m_next[rid] & (pos == 1)
+    ev_prev = m_prev[rid] & (pos == 1 + (e_b > 0))
+    e_code[ev_next | ev_prev] = _MERGE
+    e_aid[ev_next | ev_prev] = -1
+    e_size[ev_next] = rsize[ev_next] + e_b[ev_next]
+    e_req[ev_next] = e_b[ev_next]
+    e_ptr[ev_prev] -= e_c[ev_prev]
+    e_size[ev_prev] = e_c[ev_prev] + rsize[ev_prev] + e_b[ev_prev]
+    e_req[ev_prev] = rsize[ev_prev] + e_b[ev_prev]
+
+    binned = (e_code == _ALLOC) | (e_code == _FREE) | (e_code == _SPLIT) | (e_code == _OOM)
+    e_bin = np.where(binned, _bins_of(e_size), -1)
+    return {
+        "seq": np.arange(seq0, seq0 + total, dtype=np.int64),
+        "time_ns": t[rid],
+        "kind": e_code.astype(COLUMN_DTYPES["kind"]),
+        "ptr": e_ptr,
+        "size": e_size,
+        "requested": e_req,
+        "bin": e_bin.astype(COLUMN_DTYPES["bin"]),
+        "region": rptr[rid],
+        "alloc_id": e_aid,
+        "device": np.full(total, device, dtype=COLUMN_DTYPES["device"]),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -342,10 +449,19 @@ class BFCAllocator:
         self._failure_logs = 0
 
         # Events: ``_journal`` is None while nobody listens (the hot paths then skip all
-        # event work). Entries: (time_ns, kind, ptr, size, requested, bin, region, aid).
-        self._journal: list[tuple] | None = None
-        self._journal_base = 0  # seq of _journal[0]
+        # event work). Otherwise it is a flat list of op records of _W ints each:
+        #   (time_ns, code, ptr, size, requested, a, b, c)
+        # alloc: a = bytes split off into a new free chunk (0: no split)
+        # free:  a = allocation id, b = bytes of the next chunk merged, c = bytes of the
+        #        previous chunk merged into
+        # extend: requested = the rounded request; release/oom/limit: as the event table.
+        # One record per operation (not per event) keeps recording cheap; records are
+        # expanded into events for callbacks (per op) and for sinks (in numpy, per batch).
+        self._journal: list[int] | None = None
+        self._journal_seq = 0  # seq of the first event of _journal
         self._journal_extra: dict[int, tuple] = {}  # seq -> (setting, old, new)
+        self._counted = (0, 0)  # (journal position, events in the records before it)
+        self._flush_at = _JOURNAL_FLUSH  # journal length at which _after_op must run
         self._callbacks: list[Callable[[Event], Any]] = []
         self._sinks: list[Callable[[dict, dict], Any]] = []
         self._dispatch_lock = threading.RLock()
@@ -428,8 +544,6 @@ class BFCAllocator:
             b = 20
         with self._lock:
             journal = self._journal
-            if journal is not None:
-                start = len(journal)
             # -- FindChunkPtr, inline: best fit by (size, address) from bin b upwards.
             mask = self._mask >> b
             if mask:
@@ -452,8 +566,10 @@ class BFCAllocator:
                     ptr = key & _MASK64
                     chunk = self._by_ptr[ptr]
                     size = key >> 64
+                    remainder = 0
                     if size >= rounded << 1 or size - rounded >= self._max_frag:
-                        self._split(chunk, rounded, journal)
+                        remainder = size - rounded
+                        self._split(chunk, rounded)
                         size = rounded
                     chunk.requested = nbytes
                     aid = chunk.aid = self._next_aid
@@ -466,10 +582,12 @@ class BFCAllocator:
                     if size > self._largest:
                         self._largest = size
                     if journal is not None:
-                        journal.append((_now(), _ALLOC, ptr, size, nbytes, bin_num_for_size(size),
-                                        chunk.region.ptr, aid))
-                        self._after_op(start)
+                        start = len(journal)
+                        journal.extend((_now(), _ALLOC, ptr, size, nbytes, remainder, 0, 0))
+                        if start >= self._flush_at:
+                            self._after_op(start)
                     return ptr
+            start = len(journal) if journal is not None else 0
             ptr = self._allocate_slow(nbytes, rounded, b)
             if journal is not None:
                 self._after_op(start)
@@ -502,9 +620,10 @@ class BFCAllocator:
         ptr = key & _MASK64
         chunk = self._by_ptr[ptr]
         size = key >> 64
-        journal = self._journal
+        remainder = 0
         if size >= rounded << 1 or size - rounded >= self._max_frag:
-            self._split(chunk, rounded, journal)
+            remainder = size - rounded
+            self._split(chunk, rounded)
             size = rounded
         chunk.requested = nbytes
         aid = chunk.aid = self._next_aid
@@ -516,9 +635,9 @@ class BFCAllocator:
             self._peak = self._in_use
         if size > self._largest:
             self._largest = size
+        journal = self._journal
         if journal is not None:
-            journal.append((_now(), _ALLOC, ptr, size, nbytes, bin_num_for_size(size),
-                            chunk.region.ptr, aid))
+            journal.extend((_now(), _ALLOC, ptr, size, nbytes, remainder, 0, 0))
         return ptr
 
     def _allocate_slow(self, nbytes: int, rounded: int, b: int) -> int:
@@ -574,7 +693,7 @@ class BFCAllocator:
             memory_log = self._dump_memory_log(rounded)
             occupancy = self._render_occupancy()
             if journal is not None:
-                journal.append((_now(), _OOM, 0, rounded, nbytes, bin_num_for_size(rounded), 0, -1))
+                journal.extend((_now(), _OOM, 0, rounded, nbytes, 0, 0, 0))
                 self._after_op(start)
             if self._failure_logs < K_MAX_FAILURE_LOGS:
                 self._failure_logs += 1
@@ -621,7 +740,7 @@ class BFCAllocator:
             self._mask ^= 1 << b
         c.bin = -1
 
-    def _split(self, c: _Chunk, num_bytes: int, journal: list | None) -> None:
+    def _split(self, c: _Chunk, num_bytes: int) -> None:
         """SplitChunk: keep ``num_bytes`` in ``c``; the rest becomes a free chunk after it."""
         new = self._new_chunk()
         new.ptr = ptr = c.ptr + num_bytes
@@ -637,19 +756,14 @@ class BFCAllocator:
         if neighbor is not None:
             neighbor.prev = new
         self._insert_free(new)
-        if journal is not None:
-            journal.append((_now(), _SPLIT, ptr, new.size, num_bytes, new.bin, c.region.ptr, -1))
 
-    def _merge(self, c1: _Chunk, c2: _Chunk, journal: list | None) -> None:
+    def _merge(self, c1: _Chunk, c2: _Chunk) -> None:
         """Merge: ``c2`` (``c1``'s next) is absorbed into ``c1`` and deleted."""
-        absorbed = c2.size
         nxt = c1.next = c2.next
         if nxt is not None:
             nxt.prev = c1
-        c1.size += absorbed
+        c1.size += c2.size
         self._delete_chunk(c2)
-        if journal is not None:
-            journal.append((_now(), _MERGE, c1.ptr, c1.size, absorbed, -1, c1.region.ptr, -1))
 
     # ------------------------------------------------------------------ deallocate
     def deallocate(self, ptr: int) -> None:
@@ -667,22 +781,23 @@ class BFCAllocator:
             if c is None or c.aid < 0:
                 raise self._invalid_pointer(ptr, "deallocate")
             journal = self._journal
-            size = c.size
+            freed = size = c.size
             self._in_use -= size
-            if journal is not None:
-                start = len(journal)
-                journal.append((_now(), _FREE, ptr, size, c.requested, bin_num_for_size(size),
-                                c.region.ptr, c.aid))
+            aid = c.aid
+            requested = c.requested
             c.aid = -1
             # TryToCoalesce: the next chunk first, then the previous one.
+            next_size = prev_size = 0
             n = c.next
             if n is not None and n.aid < 0:
+                next_size = n.size
                 self._remove_free(n)
-                self._merge(c, n, journal)
+                self._merge(c, n)
             p = c.prev
             if p is not None and p.aid < 0:
+                prev_size = p.size
                 self._remove_free(p)
-                self._merge(p, c, journal)
+                self._merge(p, c)
                 c = p
             # InsertFreeChunkIntoBin, inline.
             size = c.size
@@ -695,7 +810,10 @@ class BFCAllocator:
             if self._waiters:
                 self._cond.notify_all()
             if journal is not None:
-                self._after_op(start)
+                start = len(journal)
+                journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size, prev_size))
+                if start >= self._flush_at:
+                    self._after_op(start)
 
     def _invalid_pointer(self, ptr: Any, what: str) -> InvalidPointerError:
         try:
@@ -808,7 +926,7 @@ class BFCAllocator:
         self._insert_free(c)
         journal = self._journal
         if journal is not None:
-            journal.append((_now(), _EXTEND, ptr, nbytes, rounded, -1, ptr, -1))
+            journal.extend((_now(), _EXTEND, ptr, nbytes, rounded, 0, 0, 0))
 
     def _free_regions(self) -> list[_Region]:
         out = []
@@ -841,7 +959,7 @@ class BFCAllocator:
             del self._region_ptrs[i]
             del self._regions[i]
             if journal is not None:
-                journal.append((_now(), _RELEASE, r.ptr, r.size, 0, -1, r.ptr, -1))
+                journal.extend((_now(), _RELEASE, r.ptr, r.size, 0, 0, 0, 0))
         return freed
 
     def _deallocate_free_regions(self, rounded: int) -> bool:
@@ -975,9 +1093,8 @@ class BFCAllocator:
         journal = self._journal
         if journal is None:
             return
-        seq = self._journal_base + len(journal)
-        self._journal_extra[seq] = (setting, old, new)
-        journal.append((_now(), _LIMIT, 0, new_int, old_int, -1, 0, -1))
+        self._journal_extra[self._seq_now()] = (setting, old, new)
+        journal.extend((_now(), _LIMIT, 0, new_int, old_int, 0, 0, 0))
 
     # ------------------------------------------------------------------ stats
     def _largest_free_chunk(self) -> int:
@@ -1059,9 +1176,8 @@ class BFCAllocator:
             for r, c in self._iter_chunks()
         ]
         regions = [RegionInfo(r.ptr, r.size) for r in self._regions]
-        seq = self._journal_base + (len(self._journal) if self._journal is not None else 0)
         return MemoryDump(allocator_name=self._name, stats=self._stats(), bins=bins,
-                          chunks=chunks, regions=regions, memory_limit=self._limit, seq=seq)
+                          chunks=chunks, regions=regions, memory_limit=self._limit, seq=self._seq_now())
 
     def _chunk_debug(self, c: _Chunk, recurse: bool) -> str:
         in_use = c.aid >= 0
@@ -1262,35 +1378,87 @@ class BFCAllocator:
         return remove
 
     def _update_journal(self) -> None:
-        if (self._callbacks or self._sinks) and self._journal is None:
+        if self._journal:
+            self._flush_locked()
+        listening = bool(self._callbacks or self._sinks)
+        if listening and self._journal is None:
             self._journal = []
-        elif not (self._callbacks or self._sinks) and self._journal is not None:
-            self._journal_base += len(self._journal)
+            self._counted = (0, 0)
+        elif not listening and self._journal is not None:
             self._journal = None
             self._journal_extra.clear()
+        # With per-event callbacks every op must dispatch; otherwise only a full journal
+        # needs attention.
+        self._flush_at = 0 if self._callbacks else _JOURNAL_FLUSH
+
+    def _seq_now(self) -> int:
+        """Lock held: the seq the next event will get."""
+        journal = self._journal
+        if journal is None:
+            return self._journal_seq
+        pos, n = self._counted
+        if pos < len(journal):
+            n += _count_events(journal, pos)
+            self._counted = (len(journal), n)
+        return self._journal_seq + n
 
     @property
     def seq(self) -> int:
-        """The seq the next event will get (events so far, while anyone listens)."""
+        """The seq the next event will get (events are counted while anyone listens)."""
         with self._lock:
-            return self._journal_base + (len(self._journal) if self._journal is not None else 0)
+            return self._seq_now()
+
+    def _expand_python(self, records: list[int], seq: int) -> list[Event]:
+        """Lock held, right after the op: a few journal records as Event objects."""
+        out: list[Event] = []
+        extra = self._journal_extra
+        dev = self.device_index
+        name = self._name
+        for i in range(0, len(records), _W):
+            t, code, ptr, size, req, a, b, c = records[i:i + _W]
+            region = self._region_for(ptr) if code in (_ALLOC, _FREE) else None
+            rptr = region.ptr if region is not None else 0
+            if code == _ALLOC:
+                if a:
+                    out.append(Event(seq, t, _SPLIT, ptr + size, a, size, bin_num_for_size(a),
+                                     rptr, -1, dev, name))
+                    seq += 1
+                aid = self._by_ptr[ptr].aid
+                out.append(Event(seq, t, _ALLOC, ptr, size, req, bin_num_for_size(size), rptr,
+                                 aid, dev, name))
+                seq += 1
+            elif code == _FREE:
+                out.append(Event(seq, t, _FREE, ptr, size, req, bin_num_for_size(size), rptr,
+                                 a, dev, name))
+                seq += 1
+                if b:
+                    out.append(Event(seq, t, _MERGE, ptr, size + b, b, -1, rptr, -1, dev, name))
+                    seq += 1
+                if c:
+                    out.append(Event(seq, t, _MERGE, ptr - c, c + size + b, size + b, -1, rptr,
+                                     -1, dev, name))
+                    seq += 1
+            else:
+                b_ = bin_num_for_size(size) if code == _OOM else -1
+                rptr = ptr if code in (_EXTEND, _RELEASE) else 0
+                ev = Event(seq, t, code, ptr, size, req, b_, rptr, -1, dev, name)
+                if code == _LIMIT and seq in extra:
+                    ev.setting, ev.old, ev.new = extra[seq]
+                out.append(ev)
+                seq += 1
+        return out
 
     def _after_op(self, start: int) -> None:
         """Lock held: hand the op's events to callbacks, and full batches to sinks."""
         journal = self._journal
         if self._callbacks and len(journal) > start:
-            base = self._journal_base
-            extra = self._journal_extra
-            dev = self.device_index
-            name = self._name
-            events = []
-            for i in range(start, len(journal)):
-                t, kind, ptr, size, req, b, region, aid = journal[i]
-                seq = base + i
-                ev = Event(seq, t, kind, ptr, size, req, b, region, aid, dev, name)
-                if kind == _LIMIT and seq in extra:
-                    ev.setting, ev.old, ev.new = extra[seq]
-                events.append(ev)
+            # seq of the op's first event: count the events of the records before it.
+            pos, n = self._counted
+            if pos < start:
+                n += _count_events(journal, pos, start)
+            seq = self._journal_seq + n
+            events = self._expand_python(journal[start:], seq)
+            self._counted = (len(journal), n + _count_events(journal, start))
             callbacks = list(self._callbacks)
             # Hand over to the dispatch lock before the state lock is released, so events
             # reach callbacks in seq order even when threads race.
@@ -1326,27 +1494,19 @@ class BFCAllocator:
         journal = self._journal
         if not journal:
             return
-        base = self._journal_base
-        n = len(journal)
-        extra = {s: v for s, v in self._journal_extra.items() if s < base + n}
+        seq0 = self._journal_seq
+        extra = self._journal_extra
+        pos, counted = self._counted
         self._journal = []
-        self._journal_base = base + n
         self._journal_extra = {}
+        self._counted = (0, 0)
         if not self._sinks:
+            self._journal_seq = seq0 + counted + _count_events(journal, pos)
             return
-        table = np.array(journal, dtype=np.int64)
-        columns = {
-            "seq": np.arange(base, base + n, dtype=np.int64),
-            "time_ns": table[:, 0],
-            "kind": table[:, 1].astype(COLUMN_DTYPES["kind"]),
-            "ptr": table[:, 2],
-            "size": table[:, 3],
-            "requested": table[:, 4],
-            "bin": table[:, 5].astype(COLUMN_DTYPES["bin"]),
-            "region": table[:, 6],
-            "alloc_id": table[:, 7],
-            "device": np.full(n, self.device_index, dtype=COLUMN_DTYPES["device"]),
-        }
+        columns = _expand_numpy(np.array(journal, dtype=np.int64).reshape(-1, _W), seq0,
+                                self._next_aid, self._region_ptrs,
+                                [r.end for r in self._regions], self.device_index)
+        self._journal_seq = seq0 + len(columns["seq"])
         for sink in list(self._sinks):
             try:
                 sink(columns, extra)
