@@ -38,6 +38,8 @@ _LAZY = {
     "HostMemory": "gpudash.devices",
     "CudaMemory": "gpudash.devices",
     "GPUOptions": "gpudash.options",
+    "Session": "gpudash.session",
+    "Device": "gpudash.session",
     "ConfigProto": "gpudash.options",
 }
 

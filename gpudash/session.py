@@ -1,0 +1,766 @@
+"""Sessions: TensorFlow's ``ConfigProto``/``GPUOptions`` over gpudash's BFC allocators.
+
+A :class:`Session` gives each visible device its own :class:`~gpudash.BFCAllocator` (named
+like TensorFlow's, ``GPU_0_bfc``), with the memory limit TensorFlow would compute, and, unlike
+TensorFlow, lets the fraction, growth and deferred-deletion settings change while it runs
+(:meth:`Session.configure`).
+
+Frees go through deferred deletion, TensorFlow's ``EventMgr`` model: freed blocks wait in a
+per-device queue until their bytes reach ``deferred_deletion_bytes``; the queue is then
+flushed as one batch that reaches the allocator once the device reports the work done (a CUDA
+event recorded on the stream at flush time; on simulated devices at the next poll). A batch
+is also flushed when an allocation would otherwise fail (flush, then retry). One background
+thread per session polls every ``polling_active_delay_usecs`` while batches are in flight and
+every ``polling_inactive_delay_msecs`` otherwise.
+
+Threading: every allocator has its own lock; the session's lock guards the deferred queues
+and makes :meth:`Session.configure` atomic with respect to other configure calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+import weakref
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from ._errors import BackendUnavailableError, ConfigError, GpudashWarning, OutOfMemoryError
+from ._units import format_bytes, parse_bytes
+from .bfc import AllocatorStats, BFCAllocator
+from .devices import CudaMemory, HostMemory, SimulatedDevice, cuda_device_count
+from .options import (
+    ConfigProto,
+    GPUOptions,
+    allow_growth_from_env,
+    garbage_collection_from_env,
+    memory_limit,
+    resolve_visible_devices,
+    simulated_devices_from_env,
+)
+
+__all__ = ["Session", "Device", "CudaMallocAllocator", "DEFAULT_SIMULATED_BYTES"]
+
+logger = logging.getLogger("gpudash")
+
+#: Capacity of the simulated device used when no GPU is present and nothing else is asked.
+DEFAULT_SIMULATED_BYTES = 16 << 30
+#: TensorFlow's host BFC limit (``1 << 17`` MB).
+HOST_BFC_LIMIT = (1 << 17) << 20
+
+_said_once: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    """Log a notice once per process (the simulated-device fallback, for example)."""
+    if key not in _said_once:
+        _said_once.add(key)
+        logger.warning(message)
+
+
+class CudaMallocAllocator(BFCAllocator):
+    """``allocator_type="cuda_malloc"``: no pooling, for comparison.
+
+    Every allocation is a region of exactly its rounded size, asked of the sub-allocator at
+    once and returned to it at free, like TensorFlow's ``GPUcudaMallocAllocator``. It keeps
+    the BFC allocator's interface (stats, snapshots, events), so views work unchanged.
+    """
+
+    def _extend(self, rounded: int) -> bool:
+        available = self._limit - self._pool
+        if rounded > available:
+            return False
+        ptr = self._sub_alloc(rounded)
+        if ptr is None:
+            return False
+        self._add_region(ptr, rounded, rounded)
+        return True
+
+    def deallocate(self, ptr: int) -> None:
+        super().deallocate(ptr)
+        if not ptr:
+            return
+        with self._lock:
+            region = self._region_for(ptr)
+            if region is not None and region.first.aid < 0 and region.first.next is None:
+                journal = self._journal
+                start = len(journal) if journal is not None else 0
+                self._deallocate_regions([region])
+                if journal is not None:
+                    self._after_op(start)
+
+
+@dataclass
+class _Deferred:
+    """One device's deferred-deletion queue (TensorFlow's EventMgr, per stream)."""
+
+    threshold: int
+    pending: list = field(default_factory=list)  # pointers freed, not yet flushed
+    pending_bytes: int = 0
+    inflight: deque = field(default_factory=deque)  # (marker, [ptrs], bytes)
+    flushes: int = 0
+    completed_bytes: int = 0
+
+
+class Device:
+    """One gpudash device of a session: backend, allocator, limit and deferred frees.
+
+    Attributes
+    ----------
+    index : int
+        gpudash's id (``/device:GPU:<index>``).
+    visible_id : int
+        The id among visible devices that it maps to (``visible_device_list``).
+    backend : SimulatedDevice or CudaMemory
+        The sub-allocator under the BFC allocator.
+    allocator : BFCAllocator
+        The device's allocator, named ``GPU_<index>_bfc``.
+    total, available : int
+        Device memory and free memory when the session started.
+    options : GPUOptions
+        The settings now in force on this device.
+    """
+
+    def __init__(self, index: int, visible_id: int, backend: Any, allocator: BFCAllocator,
+                 total: int, available: int, cc_major: int, options: GPUOptions,
+                 deferred_threshold: int) -> None:
+        self.index = index
+        self.visible_id = visible_id
+        self.backend = backend
+        self.allocator = allocator
+        self.total = total
+        self.available = available
+        self.cc_major = cc_major
+        self.options = options
+        self._deferred = _Deferred(threshold=deferred_threshold)
+
+    @property
+    def name(self) -> str:
+        return f"/device:GPU:{self.index}"
+
+    @property
+    def kind(self) -> str:
+        """``"simulated"`` or ``"cuda"``."""
+        return getattr(self.backend, "kind", "simulated")
+
+    @property
+    def memory_limit(self) -> int:
+        return self.allocator.memory_limit
+
+    @property
+    def over_limit(self) -> bool:
+        """True while memory in use exceeds the limit (after the fraction was lowered)."""
+        return self.allocator.over_limit
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes freed but not yet returned to the allocator (queued or in flight)."""
+        d = self._deferred
+        return d.pending_bytes + sum(b for _, _, b in d.inflight)
+
+    def stats(self) -> AllocatorStats:
+        return self.allocator.stats()
+
+    def __repr__(self) -> str:
+        return (f"Device({self.name}, {self.kind}, total={format_bytes(self.total)}, "
+                f"limit={format_bytes(self.memory_limit)}, allocator={self.allocator.name!r})")
+
+
+class _Release:
+    """Owner object handed to CuPy: when CuPy drops the memory, the block is freed (through
+    deferred deletion) on the session that gave it."""
+
+    __slots__ = ("session", "ptr", "device", "__weakref__")
+
+    def __init__(self, session: "Session", ptr: int, device: int) -> None:
+        self.session = weakref.ref(session)
+        self.ptr = ptr
+        self.device = device
+
+    def __del__(self) -> None:
+        sess = self.session()
+        if sess is not None and not sess.closed and self.ptr:
+            try:
+                sess.free(self.ptr, device=self.device)
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+
+def _parse_device(device: Any, n: int) -> int:
+    if device is None:
+        return 0
+    if isinstance(device, Device):
+        return device.index
+    if isinstance(device, str):
+        text = device.strip().lower().rsplit(":", 1)
+        try:
+            device = int(text[-1])
+        except ValueError:
+            raise ConfigError(
+                f"device must be an index or a name like 'GPU:0' or '/device:GPU:0'; "
+                f"got {device!r}") from None
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise ConfigError(f"device must be an integer index; got {device!r}")
+    if not 0 <= device < n:
+        raise ConfigError(f"device {device} does not exist: this session has {n} device(s) "
+                          f"(0..{n - 1})")
+    return device
+
+
+def _simulate_sizes(simulate: Any) -> list[int]:
+    """``simulate=`` argument: True, a size, a count x size string, or a list of sizes."""
+    if simulate is True:
+        return [DEFAULT_SIMULATED_BYTES]
+    if isinstance(simulate, (list, tuple)):
+        return [parse_bytes(s, name="a simulated device size") for s in simulate]
+    if isinstance(simulate, str) and "x" in simulate.lower().replace("0x", ""):
+        sizes = simulated_devices_from_env({"GPUDASH_SIMULATE": simulate})
+        return sizes or [DEFAULT_SIMULATED_BYTES]
+    return [parse_bytes(simulate, name="the simulated device size")]
+
+
+class Session:
+    """A set of devices, each with its own BFC allocator, configured like TensorFlow.
+
+    Parameters
+    ----------
+    config : ConfigProto, GPUOptions, dict or TensorFlow ConfigProto, optional
+        The options. A ``GPUOptions`` (or a dict of its fields) is taken as
+        ``ConfigProto(gpu_options=...)``.
+    simulate : bool, int, str or list, optional
+        Run on simulated devices: ``True`` (one of 16 GiB), a size (``"8GiB"``), a count and
+        size (``"2x16GiB"``) or a list of sizes. Default: ``GPUDASH_SIMULATE`` if set, else
+        real GPUs when CUDA is usable, else one simulated 16 GiB device (see Notes).
+    environ : mapping, optional
+        Environment to read (default ``os.environ``): ``TF_FORCE_GPU_ALLOW_GROWTH``,
+        ``TF_ENABLE_GPU_GARBAGE_COLLECTION``, ``GPUDASH_SIMULATE``, ``CUDA_VISIBLE_DEVICES``
+        (applied by CUDA itself to real devices).
+    poll : bool
+        Start the deferred-deletion polling thread (default True).
+
+    Notes
+    -----
+    Without a usable GPU: with no ``config`` the session falls back to a simulated device
+    and says so once (a ``gpudash`` logger warning). With a ``config`` whose
+    ``allow_soft_placement`` is True it does the same; with ``allow_soft_placement=False``
+    it raises :class:`~gpudash.ConfigError` saying how to use a simulated device.
+
+    Examples
+    --------
+    >>> import gpudash
+    >>> config = gpudash.ConfigProto(allow_soft_placement=True)
+    >>> config.gpu_options.per_process_gpu_memory_fraction = 0.5
+    >>> with gpudash.Session(config=config, simulate="16GiB") as sess:
+    ...     p = sess.allocate(1 << 20)
+    ...     sess.devices[0].memory_limit
+    8589934592
+    """
+
+    def __init__(self, config: Any = None, *, simulate: Any = None,
+                 environ: Mapping[str, str] | None = None, poll: bool = True) -> None:
+        env = os.environ if environ is None else environ
+        self._config = self._to_config(config)
+        gpu = self._config.gpu_options
+        self._allocator_type = gpu.normalized_allocator_type
+        self._log_placement = self._config.log_device_placement
+        self._allow_growth = allow_growth_from_env(gpu.allow_growth, env)
+        self._garbage_collection = garbage_collection_from_env(env)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._installed: dict | None = None
+        self.devices: list[Device] = []
+        self.host_allocator: BFCAllocator | None = None
+        self._build_devices(config is not None, simulate, env)
+        if self._allow_growth != gpu.allow_growth:
+            self._config.gpu_options.allow_growth = self._allow_growth
+        if gpu.force_gpu_compatible:
+            self._build_host_allocator()
+        self._wake = threading.Condition(self._lock)
+        self._poller: threading.Thread | None = None
+        if poll:
+            self._poller = threading.Thread(target=Session._poll_loop, args=(weakref.ref(self),),
+                                            name="gpudash-event-poller", daemon=True)
+            self._poller.start()
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _to_config(config: Any) -> ConfigProto:
+        if config is None:
+            return ConfigProto()
+        if isinstance(config, ConfigProto):
+            return config.copy()
+        if isinstance(config, GPUOptions):
+            return ConfigProto(gpu_options=config)
+        if isinstance(config, Mapping):
+            if set(config) <= set(GPUOptions().as_dict()):
+                return ConfigProto(gpu_options=dict(config))
+            return ConfigProto.from_dict(config)
+        if hasattr(config, "gpu_options"):
+            return ConfigProto.from_tf(config)
+        if hasattr(config, "per_process_gpu_memory_fraction"):
+            return ConfigProto(gpu_options=GPUOptions.from_tf(config))
+        raise ConfigError(
+            f"config must be a gpudash.ConfigProto, GPUOptions, dict or TensorFlow ConfigProto; "
+            f"got {type(config).__name__}")
+
+    def _build_devices(self, explicit_config: bool, simulate: Any,
+                       env: Mapping[str, str]) -> None:
+        gpu = self._config.gpu_options
+        sizes = None
+        if simulate is not None and simulate is not False:
+            sizes = _simulate_sizes(simulate)
+        else:
+            sizes = simulated_devices_from_env(env)
+        if sizes is None:
+            ok, reason = CudaMemory.available()
+            if ok:
+                self._build_cuda_devices()
+                return
+            if explicit_config and not self._config.allow_soft_placement:
+                raise ConfigError(
+                    f"no CUDA GPU can be used here ({reason}) and allow_soft_placement is "
+                    "False. To run on a simulated device pass simulate='16GiB' (or "
+                    "'2x16GiB'), set GPUDASH_SIMULATE=1x16GiB, or set "
+                    "config.allow_soft_placement = True to fall back automatically.")
+            _say_once("simulated-fallback",
+                      f"gpudash: no CUDA GPU here ({reason}); using a simulated "
+                      f"{format_bytes(DEFAULT_SIMULATED_BYTES)} device.")
+            sizes = [DEFAULT_SIMULATED_BYTES]
+        unified = gpu.per_process_gpu_memory_fraction > 1.0
+        ids = resolve_visible_devices(gpu.visible_device_list, len(sizes))
+        for index, vid in enumerate(ids):
+            backend = SimulatedDevice(sizes[vid], name=f"sim{vid}", index=vid, unified=unified)
+            cc = backend.compute_capability[0]
+            self._add_device(index, vid, backend, sizes[vid], sizes[vid], cc)
+
+    def _build_cuda_devices(self) -> None:
+        gpu = self._config.gpu_options
+        unified = gpu.per_process_gpu_memory_fraction > 1.0
+        ids = resolve_visible_devices(gpu.visible_device_list, cuda_device_count())
+        for index, vid in enumerate(ids):
+            backend = CudaMemory(vid, managed=unified)
+            free, total = backend.memory_info()
+            self._add_device(index, vid, backend, total, free, backend.compute_capability[0])
+
+    def _add_device(self, index: int, vid: int, backend: Any, total: int, available: int,
+                    cc_major: int) -> None:
+        gpu = self._config.gpu_options
+        limit = memory_limit(total, available, gpu.per_process_gpu_memory_fraction, cc_major)
+        cls = CudaMallocAllocator if self._allocator_type == "cuda_malloc" else BFCAllocator
+        alloc = cls(backend, limit, allow_growth=self._allow_growth,
+                    garbage_collection=self._garbage_collection, name=f"GPU_{index}_bfc")
+        alloc.device_index = index
+        self.devices.append(Device(index, vid, backend, alloc, total, available, cc_major,
+                                   gpu.copy(allow_growth=self._allow_growth),
+                                   gpu.effective_deferred_deletion_bytes))
+
+    def _build_host_allocator(self) -> None:
+        if self.devices and self.devices[0].kind == "cuda":
+            backend: Any = CudaMemory(self.devices[0].visible_id, pinned_host=True)
+        else:
+            backend = HostMemory()
+        self.host_allocator = BFCAllocator(backend, HOST_BFC_LIMIT, allow_growth=True,
+                                           name="gpu_host_bfc")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> ConfigProto:
+        """The configuration now in force (a copy; change it with :meth:`configure`)."""
+        return self._config.copy()
+
+    @property
+    def gpu_options(self) -> GPUOptions:
+        return self._config.gpu_options.copy()
+
+    @property
+    def allocators(self) -> list[BFCAllocator]:
+        """Each device's allocator, in device order."""
+        return [d.allocator for d in self.devices]
+
+    def allocator(self, device: Any = 0) -> BFCAllocator:
+        return self.devices[_parse_device(device, len(self.devices))].allocator
+
+    def device(self, device: Any = 0) -> Device:
+        return self.devices[_parse_device(device, len(self.devices))]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def simulated(self) -> bool:
+        """True when the devices are simulated."""
+        return all(d.kind == "simulated" for d in self.devices)
+
+    def __repr__(self) -> str:
+        kind = "simulated" if self.simulated else "cuda"
+        state = "closed" if self._closed else "open"
+        return f"Session({len(self.devices)} {kind} device(s), {state}, {self._config!r})"
+
+    def stats(self, device: Any = None) -> AllocatorStats | dict[int, AllocatorStats]:
+        """Allocator stats of one device, or of all devices as ``{index: stats}``."""
+        if device is not None:
+            return self.device(device).stats()
+        return {d.index: d.stats() for d in self.devices}
+
+    # ------------------------------------------------------------------ allocation
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this session is closed; create a new gpudash.Session()")
+
+    def allocate(self, nbytes: int, device: Any = 0) -> int:
+        """Allocate on a device; if the allocator is out of memory, flush the device's
+        deferred frees and retry once before raising :class:`~gpudash.OutOfMemoryError`."""
+        self._check_open()
+        dev = self.devices[_parse_device(device, len(self.devices))]
+        try:
+            ptr = dev.allocator.allocate(nbytes)
+        except OutOfMemoryError:
+            if not self._drain(dev):
+                raise
+            ptr = dev.allocator.allocate(nbytes)
+        if self._log_placement and ptr:
+            logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
+                        dev.allocator.name)
+        return ptr
+
+    def free(self, ptr: int, device: Any = None) -> None:
+        """Free through deferred deletion (the block reaches the allocator later)."""
+        if not ptr:
+            return
+        dev = self._device_of(ptr) if device is None else self.device(device)
+        size = dev.allocator.allocated_size(ptr)  # validates the pointer now
+        with self._lock:
+            d = dev._deferred
+            d.pending.append(ptr)
+            d.pending_bytes += size
+            if d.pending_bytes >= d.threshold:
+                self._flush_pending(dev)
+
+    def free_now(self, ptr: int, device: Any = None) -> None:
+        """Free at once, bypassing deferred deletion."""
+        dev = self._device_of(ptr) if device is None else self.device(device)
+        dev.allocator.deallocate(ptr)
+
+    def _device_of(self, ptr: int) -> Device:
+        for dev in self.devices:
+            if dev.allocator.owns(ptr):
+                return dev
+        # Let the first allocator raise its precise InvalidPointerError.
+        self.devices[0].allocator.allocated_size(ptr)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ deferred deletion
+    def _marker(self, dev: Device) -> Any:
+        """A completion marker for work queued so far: a CUDA event on the current stream,
+        or None on a simulated device (complete at the next poll)."""
+        if dev.kind != "cuda":
+            return None
+        import cupy
+
+        with cupy.cuda.Device(dev.visible_id):
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            event.record()
+        return event
+
+    def _flush_pending(self, dev: Device) -> None:
+        """Lock held: queued frees become one in-flight batch (TensorFlow's QueueTensors)."""
+        d = dev._deferred
+        if not d.pending:
+            return
+        d.inflight.append((self._marker(dev), d.pending, d.pending_bytes))
+        d.pending = []
+        d.pending_bytes = 0
+        d.flushes += 1
+        self._wake.notify_all()
+
+    def _complete(self, dev: Device, wait: bool) -> int:
+        """Return finished in-flight batches to the allocator; ``wait`` blocks on CUDA
+        events. Returns the bytes returned."""
+        done: list[int] = []
+        with self._lock:
+            d = dev._deferred
+            freed = 0
+            while d.inflight:
+                marker, ptrs, nbytes = d.inflight[0]
+                if marker is not None:
+                    if wait:
+                        marker.synchronize()
+                    elif not marker.done:
+                        break
+                d.inflight.popleft()
+                done.extend(ptrs)
+                freed += nbytes
+            d.completed_bytes += freed
+        for ptr in done:
+            dev.allocator.deallocate(ptr)
+        return freed
+
+    def _drain(self, dev: Device) -> bool:
+        """Flush and complete everything queued on ``dev``; True if anything was freed."""
+        with self._lock:
+            self._flush_pending(dev)
+        return self._complete(dev, wait=True) > 0
+
+    def flush(self, device: Any = None) -> int:
+        """Return every deferred free to its allocator now (all devices by default);
+        returns the bytes returned."""
+        devices = self.devices if device is None else [self.device(device)]
+        total = 0
+        for dev in devices:
+            with self._lock:
+                self._flush_pending(dev)
+            total += self._complete(dev, wait=True)
+        return total
+
+    def poll(self) -> int:
+        """One poll, as the background thread does: finished batches reach the allocator."""
+        return sum(self._complete(dev, wait=False) for dev in self.devices)
+
+    @staticmethod
+    def _poll_loop(ref: "weakref.ref[Session]") -> None:
+        """The poller thread. It holds only a weak reference between polls, so a session
+        that is dropped without close() is still collected (and the thread ends)."""
+        while True:
+            sess = ref()
+            if sess is None:
+                return
+            with sess._lock:
+                if sess._closed:
+                    return
+                busy = any(d._deferred.inflight for d in sess.devices)
+                gpu = sess._config.gpu_options
+                if busy:
+                    timeout = gpu.effective_polling_active_delay_usecs / 1e6
+                else:
+                    timeout = gpu.effective_polling_inactive_delay_msecs / 1e3
+                wake = sess._wake
+            del sess
+            with wake:
+                wake.wait(timeout)
+            sess = ref()
+            if sess is None or sess._closed:
+                return
+            try:
+                sess.poll()
+            except Exception as exc:  # noqa: BLE001 - the poller must survive
+                warnings.warn(f"gpudash: deferred-deletion poll failed: {exc!r}", GpudashWarning)
+            del sess
+
+    # ------------------------------------------------------------------ live reconfiguration
+    def configure(self, per_process_gpu_memory_fraction: float | None = None,
+                  allow_growth: bool | None = None, deferred_deletion_bytes: int | None = None,
+                  device: Any = None) -> None:
+        """Change settings of the running session (all devices, or one).
+
+        Every value is validated before anything changes (a bad one raises
+        :class:`~gpudash.ConfigError` and changes nothing).
+
+        - Raising the fraction raises the limit; without growth the new headroom is taken
+          at once. Lowering it returns wholly free regions until the pool fits; memory in
+          use is never moved or freed, and while it exceeds the limit the device reports
+          ``over_limit`` and new extensions are refused.
+        - Growth off to on stops preallocating and lets free regions go; on to off
+          preallocates up to the limit.
+        - Lowering ``deferred_deletion_bytes`` flushes what is queued above it.
+
+        Each change is recorded as a ``limit`` event with its old and new value.
+        """
+        self._check_open()
+        changes = {}
+        if per_process_gpu_memory_fraction is not None:
+            changes["per_process_gpu_memory_fraction"] = per_process_gpu_memory_fraction
+        if allow_growth is not None:
+            changes["allow_growth"] = allow_growth
+        if deferred_deletion_bytes is not None:
+            changes["deferred_deletion_bytes"] = deferred_deletion_bytes
+        if not changes:
+            return
+        targets = self.devices if device is None else [self.device(device)]
+        # Validate everything first.
+        new_opts = {dev.index: dev.options.copy(**changes) for dev in targets}
+        limits = {}
+        for dev in targets:
+            opts = new_opts[dev.index]
+            fraction = opts.per_process_gpu_memory_fraction
+            if fraction > 1.0 and not getattr(dev.backend, "unified", False) and not getattr(
+                    dev.backend, "managed", False):
+                raise ConfigError(
+                    f"per_process_gpu_memory_fraction={fraction} oversubscribes {dev.name}, "
+                    "which needs unified memory; create the session with a fraction above 1 "
+                    "to use unified memory, or choose a fraction <= 1")
+            limits[dev.index] = memory_limit(dev.total, dev.available, fraction, dev.cc_major)
+        with self._lock:
+            for dev in targets:
+                opts = new_opts[dev.index]
+                old = dev.options
+                alloc = dev.allocator
+                if "per_process_gpu_memory_fraction" in changes:
+                    alloc.set_memory_limit(limits[dev.index])
+                    alloc.note_setting("per_process_gpu_memory_fraction",
+                                       old.per_process_gpu_memory_fraction,
+                                       opts.per_process_gpu_memory_fraction)
+                if "allow_growth" in changes and opts.allow_growth != old.allow_growth:
+                    alloc.set_allow_growth(opts.allow_growth)
+                    if opts.allow_growth:
+                        alloc.release_free_regions()
+                if not opts.allow_growth and (
+                        "allow_growth" in changes
+                        or limits.get(dev.index, 0) > alloc.pool_bytes):
+                    alloc.preallocate()
+                if "deferred_deletion_bytes" in changes:
+                    d = dev._deferred
+                    d.threshold = opts.effective_deferred_deletion_bytes
+                    alloc.note_setting("deferred_deletion_bytes",
+                                       old.effective_deferred_deletion_bytes, d.threshold)
+                    if d.pending_bytes >= d.threshold:
+                        self._flush_pending(dev)
+                dev.options = opts
+            if device is None:
+                self._config.gpu_options = self._config.gpu_options.copy(**changes)
+
+    def release_free_regions(self, device: Any = None) -> int:
+        """Return wholly free regions to the devices; the bytes returned."""
+        devices = self.devices if device is None else [self.device(device)]
+        return sum(d.allocator.release_free_regions() for d in devices)
+
+    # ------------------------------------------------------------------ CuPy
+    def install(self) -> "Session":
+        """Route CuPy's allocations through this session's allocators.
+
+        Frees go through deferred deletion; with ``force_gpu_compatible`` pinned host memory
+        comes from the session's pinned-memory BFC. :meth:`uninstall` restores what was there.
+
+        Raises
+        ------
+        BackendUnavailableError
+            When CuPy cannot be imported, or the session runs on simulated devices (their
+            addresses have no memory behind them).
+        """
+        self._check_open()
+        if self._installed is not None:
+            return self
+        if self.simulated:
+            raise BackendUnavailableError(
+                "install() routes CuPy's real allocations, but this session runs on simulated "
+                "devices (no memory behind their addresses); use a machine with a CUDA GPU")
+        try:
+            import cupy
+        except ImportError as exc:  # pragma: no cover - cupy is a test dependency
+            raise BackendUnavailableError(
+                "install() needs CuPy: pip install 'gpudash[cuda12]'") from exc
+        state = {"allocator": cupy.cuda.get_allocator(), "pinned": False}
+        cupy.cuda.set_allocator(self._cupy_malloc)
+        if self.host_allocator is not None:
+            cupy.cuda.set_pinned_memory_allocator(self._cupy_pinned_malloc)
+            state["pinned"] = True
+        self._installed = state
+        return self
+
+    def uninstall(self) -> None:
+        """Restore CuPy's allocators as they were before :meth:`install`."""
+        state, self._installed = self._installed, None
+        if state is None:
+            return
+        import cupy
+
+        cupy.cuda.set_allocator(state["allocator"])
+        if state["pinned"]:
+            cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+
+    @property
+    def installed(self) -> bool:
+        return self._installed is not None
+
+    @contextmanager
+    def as_default(self) -> Iterator["Session"]:
+        """``with sess.as_default():`` CuPy allocates through this session inside the block."""
+        was = self.installed
+        self.install()
+        try:
+            yield self
+        finally:
+            if not was:
+                self.uninstall()
+
+    def _device_for_cuda_id(self, cuda_id: int) -> Device:
+        for dev in self.devices:
+            if dev.visible_id == cuda_id:
+                return dev
+        raise BackendUnavailableError(
+            f"CuPy allocated on CUDA device {cuda_id}, which this session does not manage "
+            f"(its devices map to CUDA ids {[d.visible_id for d in self.devices]})")
+
+    def _cupy_malloc(self, size: int) -> Any:
+        import cupy
+
+        dev = self._device_for_cuda_id(cupy.cuda.runtime.getDevice())
+        ptr = self.allocate(size, device=dev.index)
+        owner = _Release(self, ptr, dev.index)
+        mem = cupy.cuda.memory.UnownedMemory(ptr, size, owner, dev.visible_id)
+        return cupy.cuda.memory.MemoryPointer(mem, 0)
+
+    def _cupy_pinned_malloc(self, size: int) -> Any:
+        import cupy
+
+        host = self.host_allocator
+        ptr = host.allocate(size)
+        mem = _PinnedBlock(host, ptr, size)
+        return cupy.cuda.pinned_memory.PinnedMemoryPointer(mem, 0)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Drain deferred frees, return every region, stop the poller, uninstall from CuPy.
+
+        Nothing leaks: afterwards every backend holds no block from this session.
+        """
+        if self._closed:
+            return
+        self.uninstall()
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join(timeout=5)
+        for dev in self.devices:
+            dev.allocator.close()
+        if self.host_allocator is not None:
+            self.host_allocator.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                with self._lock:
+                    self._closed = True
+                    self._wake.notify_all()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class _PinnedBlock:
+    """Pinned host memory handed to CuPy; returned to the host BFC when CuPy drops it."""
+
+    def __init__(self, allocator: BFCAllocator, ptr: int, size: int) -> None:
+        self.allocator = allocator
+        self.ptr = ptr
+        self.size = size
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def __del__(self) -> None:
+        try:
+            self.allocator.deallocate(self.ptr)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
