@@ -26,7 +26,7 @@ from fractions import Fraction
 
 from ._errors import ConfigError
 
-__all__ = ["parse_bytes", "format_bytes", "human_readable_num_bytes", "UNITS"]
+__all__ = ["UNITS", "format_bytes", "human_readable_num_bytes", "parse_bytes"]
 
 #: Unit name (lower case) -> bytes. Binary units are powers of 1024, decimal ones of 1000.
 UNITS: dict[str, int] = {

@@ -31,10 +31,10 @@ from ._errors import BackendUnavailableError, ConfigError, InvalidPointerError
 from ._units import format_bytes, parse_bytes
 
 __all__ = [
-    "SubAllocator",
-    "SimulatedDevice",
-    "HostMemory",
     "CudaMemory",
+    "HostMemory",
+    "SimulatedDevice",
+    "SubAllocator",
     "cuda_device_count",
 ]
 
@@ -65,7 +65,7 @@ def _align_up(x: int, alignment: int) -> int:
 class _BlockTable:
     """Live blocks of one sub-allocator: ptr -> size, with the pointers kept sorted."""
 
-    __slots__ = ("sizes", "ptrs", "used")
+    __slots__ = ("ptrs", "sizes", "used")
 
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
@@ -498,11 +498,11 @@ def _probe_uncached() -> tuple[bool, str, int]:
         from cupy.cuda import runtime
     except ImportError as exc:
         return False, f"CuPy is not installed ({exc}); pip install 'gpudash[cuda12]'", 0
-    except Exception as exc:  # a broken installation must not crash the probe
+    except Exception as exc:  # noqa: BLE001 - the probe never raises, whatever is broken
         return False, f"CuPy could not be imported: {type(exc).__name__}: {exc}", 0
     try:
         count = int(runtime.getDeviceCount())
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError, or libcuda failing to load
         name = _cuda_error_name(exc)
         if name == "cudaErrorInsufficientDriver":
             return False, f"no CUDA driver: {name}", 0

@@ -27,26 +27,27 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from ._errors import ConfigError, GpudashWarning
 from ._units import human_readable_num_bytes, parse_bytes
 
 __all__ = [
-    "GPUOptions",
-    "ConfigProto",
     "DEFAULT_DEFERRED_DELETION_BYTES",
     "DEFAULT_POLLING_ACTIVE_DELAY_USECS",
     "DEFAULT_POLLING_INACTIVE_DELAY_MSECS",
+    "ConfigProto",
+    "GPUOptions",
+    "allow_growth_from_env",
+    "cuda_visible_devices",
+    "garbage_collection_from_env",
+    "memory_limit",
+    "min_system_memory",
     "normalize_allocator_type",
     "parse_device_list",
-    "allow_growth_from_env",
-    "garbage_collection_from_env",
-    "cuda_visible_devices",
-    "simulated_devices_from_env",
     "resolve_visible_devices",
-    "min_system_memory",
-    "memory_limit",
+    "simulated_devices_from_env",
 ]
 
 #: EventMgr's flush threshold when ``deferred_deletion_bytes`` is 0 (``8*1048576``).
@@ -303,8 +304,11 @@ class GPUOptions:
     __slots__ = tuple(_GPU_FIELDS)
     __hash__ = None  # type: ignore[assignment]  # mutable
 
-    FIELDS: tuple[str, ...] = tuple(_GPU_FIELDS)
-    DEFAULTS: dict[str, Any] = {k: v[0] for k, v in _GPU_FIELDS.items()}
+    #: The eight field names, in proto order.
+    FIELDS: ClassVar[tuple[str, ...]] = tuple(_GPU_FIELDS)
+    #: TensorFlow's defaults (read-only).
+    DEFAULTS: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {k: v[0] for k, v in _GPU_FIELDS.items()})
 
     per_process_gpu_memory_fraction: float
     allocator_type: str
@@ -476,7 +480,7 @@ class ConfigProto:
     __slots__ = tuple(_CONFIG_FIELDS)
     __hash__ = None  # type: ignore[assignment]
 
-    FIELDS: tuple[str, ...] = tuple(_CONFIG_FIELDS)
+    FIELDS: ClassVar[tuple[str, ...]] = tuple(_CONFIG_FIELDS)
 
     gpu_options: GPUOptions
     allow_soft_placement: bool
