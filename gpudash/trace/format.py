@@ -169,7 +169,9 @@ class Trace:
         (``"gpudash"``) and ``devices`` (``[]``) are filled in. ``devices`` is a list of
         ``{"index", "name", "capacity", "options"}``.
     settings : list of dict, optional
-        ``{"seq", "setting", "old", "new"}`` for each ``limit`` event, keyed by its ``seq``.
+        ``{"seq", "setting", "old", "new"}`` for each ``limit`` event, matched to its row by
+        ``seq`` (and by ``device`` when the dict has one: a Recorder of several allocators
+        numbers each allocator's events from 0).
 
     Raises
     ------
@@ -183,7 +185,7 @@ class Trace:
     traced back to its source; :meth:`concat` renumbers ``seq`` from 0.
     """
 
-    __slots__ = ("columns", "meta", "settings", "_settings_by_seq")
+    __slots__ = ("columns", "meta", "settings")
 
     def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping | None = None,
                  settings: Iterable[Mapping] | None = None) -> None:
@@ -192,7 +194,6 @@ class Trace:
         self.columns = _check_columns(columns)
         self.meta = _default_meta(meta)
         self.settings = [dict(s) for s in settings] if settings is not None else []
-        self._settings_by_seq: dict[int, dict] | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -221,11 +222,8 @@ class Trace:
         settings = []
         offset = 0
         for t in traces:
-            if t.settings:
-                pos = {int(s): i for i, s in enumerate(t.columns["seq"])}
-                for s in t.settings:
-                    if int(s["seq"]) in pos:
-                        settings.append({**s, "seq": offset + pos[int(s["seq"])]})
+            for s, row in t._settings_rows():
+                settings.append({**s, "seq": offset + row})
             offset += len(t)
         return cls(cols, meta, settings)
 
@@ -246,7 +244,11 @@ class Trace:
                 raise IndexError(f"event index {index} out of range for a trace of {n} events")
             return self._event(i)
         cols = {name: col[index] for name, col in self.columns.items()}
-        return Trace(cols, self.meta, self._settings_for(cols["seq"]))
+        kept = Trace(cols, self.meta)
+        if self.settings:
+            rows = set(np.arange(len(self))[index].tolist())
+            kept.settings = [s for s, row in self._settings_rows() if row in rows]
+        return kept
 
     def __iter__(self):
         for i in range(len(self)):
@@ -273,20 +275,30 @@ class Trace:
         setting = old = new = None
         seq = int(c["seq"][i])
         if kind == _LIMIT:
-            if self._settings_by_seq is None:
-                self._settings_by_seq = {int(s["seq"]): s for s in self.settings}
-            s = self._settings_by_seq.get(seq)
-            if s is not None:
-                setting, old, new = s.get("setting"), s.get("old"), s.get("new")
+            for s in self.settings:
+                if int(s["seq"]) == seq and int(s.get("device", device)) == device:
+                    setting, old, new = s.get("setting"), s.get("old"), s.get("new")
+                    break
         return Event(seq, int(c["time_ns"][i]), kind, int(c["ptr"][i]), int(c["size"][i]),
                      int(c["requested"][i]), int(c["bin"][i]), int(c["region"][i]),
                      int(c["alloc_id"][i]), device, names.get(device, ""), setting, old, new)
 
-    def _settings_for(self, seq: np.ndarray) -> list[dict]:
+    def _settings_rows(self) -> list[tuple[dict, int]]:
+        """Each setting with the row of its ``limit`` event (settings with no row left out)."""
         if not self.settings:
             return []
-        keep = set(seq.tolist())
-        return [s for s in self.settings if int(s["seq"]) in keep]
+        c = self.columns
+        rows = np.flatnonzero(c["kind"] == _LIMIT)
+        by_seq: dict[int, list[int]] = {}
+        for r in rows.tolist():
+            by_seq.setdefault(int(c["seq"][r]), []).append(r)
+        out = []
+        for s in self.settings:
+            for r in by_seq.get(int(s["seq"]), ()):
+                if "device" not in s or int(s["device"]) == int(c["device"][r]):
+                    out.append((s, r))
+                    break
+        return out
 
     # ---------------------------------------------------------------- queries
     @property
@@ -384,7 +396,25 @@ class Trace:
         if device is not None:
             mask &= c["device"] == device
         rows = np.flatnonzero(mask)
-        k = kind[rows].tolist()
+        fast = _calls_by_id(kind[rows], c["alloc_id"][rows], c["device"][rows],
+                            c["requested"][rows])
+        if fast is not None:
+            op, key, nbytes = fast
+            keep = np.ones(len(rows), dtype=bool)
+            unmatched = 0
+        else:
+            op, key, nbytes, keep, unmatched = self._calls_loop(rows)
+        devs = c["device"][rows]
+        if (len(rows) and device is None and devs.min() != devs.max()
+                and _has_duplicates(key[op == 1])):
+            key = np.where(op == 7, 0, (devs.astype(np.int64) << 40) | key)
+        return Calls(op[keep], key[keep], nbytes[keep], c["time_ns"][rows][keep], devs[keep],
+                     rows[keep].astype(np.int64), unmatched)
+
+    def _calls_loop(self, rows: np.ndarray) -> tuple:
+        """Pair frees with allocs one row at a time (ids missing, or frees to drop)."""
+        c = self.columns
+        k = c["kind"][rows].tolist()
         aid = c["alloc_id"][rows].tolist()
         ptr = c["ptr"][rows].tolist()
         dev = c["device"][rows].tolist()
@@ -414,7 +444,7 @@ class Trace:
                 nbytes[i] = req[i]
             elif ki == _FREE:
                 a = aid[i]
-                if a <= 0 or (d, a) not in live:
+                if a <= 0:
                     a = at_ptr.get((d, ptr[i]), -1)
                 r = live.pop((d, a), None)
                 if r is None:
@@ -429,13 +459,45 @@ class Trace:
             else:
                 op[i] = 7
                 nbytes[i] = req[i]
-        devs = c["device"][rows]
-        if n and device is None and len(np.unique(devs)) > 1:
-            alloc_keys = key[op == 1]
-            if len(np.unique(alloc_keys)) < len(alloc_keys):
-                key = np.where(op == 7, 0, (devs.astype(np.int64) << 40) | key)
-        return Calls(op[keep], key[keep], nbytes[keep], c["time_ns"][rows][keep], devs[keep],
-                     rows[keep].astype(np.int64), unmatched)
+        return op, key, nbytes, keep, unmatched
+
+
+def _has_duplicates(values: np.ndarray, presorted: bool = False) -> bool:
+    # a sort, not np.unique: numpy 2's hash-based unique is several times slower here
+    s = values if presorted else np.sort(values)
+    return bool(len(s) > 1 and (s[1:] == s[:-1]).any())
+
+
+def _calls_by_id(kind: np.ndarray, alloc_id: np.ndarray, device: np.ndarray,
+                 requested: np.ndarray) -> tuple | None:
+    """Vectorised pairing for the usual case: every alloc and free has an id (> 0), ids are
+    unique per device, and every free follows its alloc and is its only free. None when the
+    trace is not like that (the caller then pairs row by row)."""
+    is_a, is_f = kind == _ALLOC, kind == _FREE
+    ids = alloc_id[is_a | is_f]
+    if len(ids) and (ids.min() <= 0 or ids.max() >= 1 << 47):
+        return None
+    comb = (device.astype(np.int64) << 47) | alloc_id
+    a_idx, f_idx = np.flatnonzero(is_a), np.flatnonzero(is_f)
+    a_keys = comb[a_idx]
+    order = np.argsort(a_keys, kind="stable")
+    sk = a_keys[order]
+    if _has_duplicates(sk, presorted=True):
+        return None
+    f_keys = comb[f_idx]
+    if len(f_idx):
+        if not len(sk) or _has_duplicates(f_keys):
+            return None
+        j = np.minimum(np.searchsorted(sk, f_keys), len(sk) - 1)
+        alloc_pos = a_idx[order[j]]
+        if not ((sk[j] == f_keys) & (alloc_pos < f_idx)).all():
+            return None
+    op = np.where(is_a, 1, np.where(is_f, 2, 7)).astype(np.int8)
+    key = np.where(op == 7, 0, alloc_id).astype(np.int64)
+    nbytes = requested.astype(np.int64, copy=True)
+    if len(f_idx):
+        nbytes[f_idx] = requested[alloc_pos]
+    return op, key, nbytes
 
 
 def _check_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -489,7 +551,7 @@ class _EventBuilder:
         self.requested: list[int] = []
         self.alloc_id: list[int] = []
         self.device: list[int] = []
-        self._live: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._live: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._next_id = 1
         self.unmatched_frees = 0
         self.devices: dict[int, dict] = {}
@@ -520,7 +582,7 @@ class _EventBuilder:
             size = round_up_256(requested)
         aid = self._next_id
         self._next_id += 1
-        self._live[(device, ptr)] = (aid, size, requested)
+        self._live[(device, ptr)] = (aid, size, requested, len(self.kind))
         self._row(t, _ALLOC, device, ptr, size, requested, aid)
         return aid
 
@@ -529,7 +591,7 @@ class _EventBuilder:
         """Add a free; False when no live allocation is at ``ptr`` (still added, id -1)."""
         hit = self._live.pop((device, ptr), None)
         if hit is not None:
-            aid, sz, req = hit
+            aid, sz, req, _ = hit
             self._row(t, _FREE, device, ptr, sz, req, aid)
             return True
         self.unmatched_frees += 1
@@ -549,9 +611,15 @@ class _EventBuilder:
     def release(self, t: int, device: int, ptr: int, size: int) -> None:
         self._row(t, _RELEASE, device, ptr, size, 0, -1)
 
-    def live(self) -> dict[tuple[int, int], tuple[int, int, int]]:
-        """(device, ptr) -> (alloc_id, size, requested) of allocations not yet freed."""
+    def live(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """(device, ptr) -> (alloc_id, size, requested, row) of allocations not yet freed."""
         return self._live
+
+    def set_requested(self, device: int, ptr: int, requested: int) -> None:
+        """Correct the requested bytes of the live allocation at ``ptr`` (learnt later)."""
+        aid, size, _, row = self._live[(device, ptr)]
+        self._live[(device, ptr)] = (aid, size, requested, row)
+        self.requested[row] = requested
 
     def build(self, meta: dict) -> Trace:
         n = len(self.kind)
@@ -651,7 +719,7 @@ def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata
 
 def _open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
     try:
-        return open(path, ("w" if overwrite else "x") + mode)  # noqa: SIM115
+        return open(path, ("w" if overwrite else "x") + mode)
     except FileExistsError:
         raise TraceFormatError(
             f"{os.fspath(path)} already exists; pass overwrite=True to replace it") from None
@@ -835,6 +903,9 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             data = f.read()
     else:
         data = path.read()
+    if len(data) < len(MAGIC) and MAGIC.startswith(data):
+        raise TraceFormatError(
+            f"{name}: cut short at byte {len(data)}, inside the magic line {MAGIC!r}")
     if not data.startswith(MAGIC):
         raise TraceFormatError(
             f"{name} is not a gpudash trace: expected the line {MAGIC!r} at byte 0, "

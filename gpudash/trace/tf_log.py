@@ -16,13 +16,16 @@ allocator's last ``AllocateRaw NAME N`` line (VLOG 3), else the region size. An 
 size is its request rounded up to 256 (the log does not say which chunk served it). An OOM's
 ``requested`` is exact when TensorFlow printed the size in bytes (``"200B"``), else the
 rounded size. Times come from the glog prefix: ``I0000 00:00:1796221057.331681`` (absl before
-``InitializeLog``: seconds since the epoch) or ``I1202 17:04:05.123456`` (day of year and
-time of day). The allocator limit is taken from "Created device ... with N MB memory" (GPU
-allocators) or the ``Limit:`` line of a memory dump.
+``InitializeLog``: seconds since the epoch), ``I1202 17:04:05.123456`` (day of year and time
+of day: the year is not logged) or ``2021-03-04 12:34:56.789012: I`` (older TensorFlow: since
+the epoch); lines without one take the last time seen, or their line number * 1000. The
+allocator limit is taken from "Created device ... with N MB memory" (GPU allocators) or the
+``Limit:`` line of a memory dump.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -34,6 +37,8 @@ from .format import Trace, _EventBuilder, _source_name, _text_source, round_up_2
 __all__ = ["load_tf_log"]
 
 _PREFIX = re.compile(r"([IWEF])(\d\d)(\d\d) (\d\d):(\d\d):(\d+)\.(\d{1,9})\s")
+# TensorFlow's own format before absl logging: "2021-03-04 12:34:56.789012: I tensorflow/..."
+_PREFIX_DATED = re.compile(r"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{1,9}): [IWEF] ")
 _CREATE = re.compile(r"Creating new BFCAllocator named: (\S+)")
 _EXTENDING = re.compile(r"Extending allocation by .*? bytes for (\S+?)\.?\s*$")
 _ALLOCATED = re.compile(r"Allocated memory at (0x[0-9a-fA-F]+) to (0x[0-9a-fA-F]+)")
@@ -46,6 +51,7 @@ _LIMIT = re.compile(r"^\s*Limit:\s+(\d+)\s*$")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
           "Ei": 1 << 60}
 _JAN1 = datetime.date(2000, 1, 1).toordinal()
+_EPOCH = datetime.date(1970, 1, 1).toordinal()
 
 
 def _prefix_time(m: re.Match) -> int:
@@ -56,6 +62,13 @@ def _prefix_time(m: re.Match) -> int:
             days = datetime.date(2000, int(mo), int(dd)).toordinal() - _JAN1
         except ValueError:
             days = 0
+    seconds = ((days * 24 + int(hh)) * 60 + int(mi)) * 60 + int(ss)
+    return seconds * 10**9 + int(frac.ljust(9, "0"))
+
+
+def _dated_time(m: re.Match) -> int:
+    y, mo, dd, hh, mi, ss, frac = m.groups()
+    days = datetime.date(int(y), int(mo), int(dd)).toordinal() - _EPOCH
     seconds = ((days * 24 + int(hh)) * 60 + int(mi)) * 60 + int(ss)
     return seconds * 10**9 + int(frac.ljust(9, "0"))
 
@@ -115,6 +128,11 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
             m = _PREFIX.match(line)
             if m is not None:
                 now = _prefix_time(m)
+            elif c0.isdigit():
+                m = _PREFIX_DATED.match(line)
+                if m is not None:
+                    with contextlib.suppress(ValueError):   # an impossible date
+                        now = _dated_time(m)
             t = now if now is not None else lineno * 1000
             try:
                 if "[mem-debug] " in line:
@@ -169,9 +187,9 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
                         size = int(rounded)
                         requested = int(value) if unit is None else size
                     else:
-                        requested = int(round(value))
+                        requested = round(value)
                         size = round_up_256(requested)
-                        approx += 1
+                        approx += unit is not None
                     b.oom(t, dev(alloc), requested, size)
                 elif "Created device " in line:
                     m = _CREATED_DEVICE.search(line)

@@ -1,0 +1,127 @@
+"""Load a trace in any format gpudash knows (sniffed from its first bytes) and save one.
+
+========================  ===================================================  ==============
+format                    recognised by                                        loader
+========================  ===================================================  ==============
+``gdtrace``               the ``GPUDASH-TRACE`` magic line                     read_trace
+``torch-pickle``          a pickle (first byte 0x80)                           load_torch_snapshot
+``torch-json``            JSON whose first key of interest is ``segments`` or  load_torch_snapshot
+                          ``device_traces`` (or a JSON list of segments)
+``tf-vectors``            JSON with a ``steps`` list                           load_tf_vectors
+``cupy-hook``             JSON lines whose first line has a ``"hook"``         load_cupy_hook
+``rmm-csv``               a CSV header with Time, Action, Pointer and Size     load_rmm_csv
+``tf-log``                text mentioning ``bfc_allocator`` / ``BFCAllocator``  load_tf_log
+========================  ===================================================  ==============
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+
+from .._errors import TraceFormatError
+from .cupy_hook import load_cupy_hook
+from .format import MAGIC, Trace, read_trace, write_trace
+from .rmm_csv import load_rmm_csv
+from .tf_log import load_tf_log
+from .tf_vectors import load_tf_vectors
+from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
+
+__all__ = ["load_trace", "save_trace", "sniff_format", "FORMATS"]
+
+#: Format name -> loader.
+FORMATS: dict[str, Callable[..., Trace]] = {
+    "gdtrace": read_trace,
+    "torch-pickle": load_torch_snapshot,
+    "torch-json": load_torch_snapshot,
+    "tf-vectors": load_tf_vectors,
+    "cupy-hook": load_cupy_hook,
+    "rmm-csv": load_rmm_csv,
+    "tf-log": load_tf_log,
+}
+
+_SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle")
+_HEAD = 1 << 16
+_JSON_KEY = re.compile(rb'"(segments|device_traces|steps)"\s*:')
+_TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,")
+
+
+def sniff_format(path: str | os.PathLike) -> str | None:
+    """The format name of the file at ``path`` from its first 64 KiB, or None."""
+    with open(path, "rb") as f:
+        head = f.read(_HEAD)
+    if head.startswith(MAGIC):
+        return "gdtrace"
+    if head[:1] == b"\x80":
+        return "torch-pickle"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text[:1] == b"{":
+        first = text.split(b"\n", 1)[0]
+        try:
+            obj = json.loads(first)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and "hook" in obj:
+            return "cupy-hook"
+        m = _JSON_KEY.search(text)
+        if m is not None:
+            return "tf-vectors" if m.group(1) == b"steps" else "torch-json"
+        return None
+    if text[:1] == b"[":
+        return "torch-json"
+    first_line = text.split(b"\n", 1)[0].decode("utf-8", "replace")
+    cols = {c.strip() for c in first_line.split(",")}
+    if {"Time", "Action", "Pointer", "Size"} <= cols:
+        return "rmm-csv"
+    if any(w in head for w in _TF_WORDS):
+        return "tf-log"
+    return None
+
+
+def load_trace(path: str | os.PathLike, format: str | None = None, **options) -> Trace:
+    """Load a trace of any known format.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    format : str, optional
+        One of :data:`FORMATS`; sniffed from the file's first bytes when omitted.
+    **options
+        Passed to the loader (``device=`` for RMM, ``strict=`` for CuPy...).
+
+    Raises
+    ------
+    TraceFormatError
+        An unknown format (the message lists the known ones), or the loader's own errors.
+    """
+    if format is None:
+        format = sniff_format(path)
+        if format is None:
+            raise TraceFormatError(
+                f"{os.fspath(path)}: cannot tell its format; known formats: "
+                f"{', '.join(FORMATS)} (pass format=... to choose one)")
+    loader = FORMATS.get(format)
+    if loader is None:
+        raise TraceFormatError(
+            f"unknown trace format {format!r}; known formats: {', '.join(FORMATS)}")
+    return loader(path, **options)
+
+
+def save_trace(trace: Trace, path: str | os.PathLike, format: str = "gdtrace",
+               overwrite: bool = False) -> None:
+    """Save ``trace`` as ``gdtrace`` (lossless), ``torch-json`` or ``torch-pickle``.
+
+    Raises
+    ------
+    TraceFormatError
+        ``path`` exists and ``overwrite`` is False, or an unknown format.
+    """
+    if format == "gdtrace":
+        write_trace(trace, path, overwrite=overwrite)
+    elif format in ("torch-json", "torch-pickle"):
+        save_torch_snapshot(trace, path, overwrite=overwrite, format=format[6:])
+    else:
+        raise TraceFormatError(
+            f"cannot save as {format!r}; formats gpudash writes: {', '.join(_SAVE_FORMATS)}")

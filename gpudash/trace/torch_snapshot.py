@@ -1,0 +1,407 @@
+"""Import and export PyTorch CUDA memory snapshots (``torch.cuda.memory._dump_snapshot``).
+
+A snapshot is a dict of builtin types (``segments``, ``device_traces``,
+``allocator_settings``...), written as a pickle by PyTorch or as JSON by MemoryViz and by
+:func:`save_torch_snapshot`. Pickles are read with an unpickler that refuses every global, so
+loading one never runs code; PyTorch is not needed.
+
+Import
+------
+``device_traces[d]`` entries become events of device ``d``: ``alloc`` -> alloc,
+``free_completed`` -> free (``free_requested`` only counted in ``meta["free_requested"]``),
+``segment_alloc``/``segment_map`` -> extend, ``segment_free``/``segment_unmap`` -> release,
+``oom`` -> oom (its ``device_free`` is kept in ``meta["oom_device_free"]`` as
+``[row, bytes]``); ``time_us`` -> ``time_ns``. ``snapshot``, ``annotate`` and other actions are
+counted in ``meta["skipped_actions"]``. Trace entries carry only a block's size, so
+``requested`` is that size (or the entry's ``requested_size``, which gpudash's export adds).
+
+The history is a ring buffer, so the trace may start after allocations and segments that
+still exist. As MemoryViz does, the importer walks the trace backwards from the final
+``segments`` to find what existed before its first entry, and adds an extend per such segment
+and an alloc per such block first (counted in ``meta["reconstructed"]``). Without any trace
+this gives the snapshot's state: one extend per segment, one alloc per allocated or
+pending-free block (``active_allocated``, ``active_pending_free`` or
+``active_awaiting_free``). Expandable segments are left out of that reconstruction (their
+mapped ranges are not segment addresses). Legacy blocks with ``history: [{real_size, ...}]``
+and no ``requested_size`` or ``address`` are read too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import os
+import pickle
+from collections import Counter
+from typing import IO, Any
+
+from .._errors import TraceFormatError
+from ..events import EventKind
+from .format import Trace, _EventBuilder, _open_new, _source_name
+
+__all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
+
+_ALLOCATED_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free"}
+_PENDING_STATES = {"active_pending_free", "active_awaiting_free"}
+
+
+class _NoGlobalsUnpickler(pickle.Unpickler):
+    """An unpickler for builtin data only: any global (class, function) is refused."""
+
+    def __init__(self, file: IO[bytes], name: str) -> None:
+        super().__init__(file)
+        self._name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise TraceFormatError(
+            f"refusing to load {self._name}: the pickle names the global {module}.{name}; a "
+            "PyTorch memory snapshot holds only builtin types (dict, list, str, int, float)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise TraceFormatError(
+            f"refusing to load {self._name}: the pickle uses a persistent id; a PyTorch "
+            "memory snapshot holds only builtin types")
+
+
+def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
+    """The raw snapshot dict of a pickle or JSON file, loaded without running code.
+
+    A legacy snapshot that is a bare list of segments is returned as ``{"segments": [...]}``.
+
+    Raises
+    ------
+    TraceFormatError
+        Neither a builtin-only pickle nor JSON, a pickle naming a global, or not a snapshot.
+    """
+    name = _source_name(path_or_file)
+    if isinstance(path_or_file, (str, os.PathLike)):
+        with open(path_or_file, "rb") as f:
+            data = f.read()
+    else:
+        data = path_or_file.read()
+        if isinstance(data, str):
+            data = data.encode()
+    obj = None
+    if data[:1] == b"\x80":
+        obj = _unpickle(data, name)
+    else:
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            obj = _unpickle(data, name)   # protocol 0/1 pickles have no PROTO opcode
+    if isinstance(obj, list):
+        obj = {"segments": obj}
+    if not isinstance(obj, dict) or not ({"segments", "device_traces"} & set(obj)):
+        raise TraceFormatError(
+            f"{name}: expected a PyTorch memory snapshot, a dict with 'segments' and/or "
+            f"'device_traces'; found {type(obj).__name__}"
+            + (f" with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) else ""))
+    return obj
+
+
+def _unpickle(data: bytes, name: str) -> Any:
+    try:
+        return _NoGlobalsUnpickler(io.BytesIO(data), name).load()
+    except TraceFormatError:
+        raise
+    except Exception as exc:  # any unpickling failure is a format error
+        raise TraceFormatError(
+            f"{name}: neither JSON nor a readable pickle ({type(exc).__name__}: {exc})") from None
+
+
+def _int(value: Any, where: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{where}: expected an integer {what}, found {value!r}")
+    return value
+
+
+def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
+                        reconstruct: bool = True) -> Trace:
+    """Load a PyTorch memory snapshot (pickle, JSON or an already-loaded dict) as a Trace.
+
+    Parameters
+    ----------
+    path_or_file : str, os.PathLike, binary file object or dict
+    reconstruct : bool, default True
+        Add the segments and allocations that existed before the first trace entry (see
+        the module docstring). With False only the trace entries are imported (unless there
+        are none, when the final state is).
+
+    Returns
+    -------
+    Trace
+        Devices ``cuda:N``; ``meta["source"] = "pytorch-snapshot"``, with
+        ``allocator_settings``, ``free_requested``, ``pending_free_blocks``,
+        ``reconstructed``, ``skipped_actions``, ``oom_device_free``.
+
+    Raises
+    ------
+    TraceFormatError
+        Unreadable file, a refused pickle global, or an entry without the fields its action
+        needs (names ``device_traces[d][i]`` or ``segments[i]``).
+    """
+    if isinstance(path_or_file, dict):
+        name, snap = "<dict>", path_or_file
+    else:
+        name, snap = _source_name(path_or_file), load_torch_snapshot_dict(path_or_file)
+    segments = snap.get("segments") or []
+    traces = snap.get("device_traces") or []
+    if not isinstance(segments, list) or not isinstance(traces, list):
+        raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
+
+    # ---- final state from segments
+    final_segs: dict[int, dict[int, int]] = {}
+    final_blocks: dict[int, dict[int, tuple[int, int]]] = {}
+    pending = 0
+    for si, seg in enumerate(segments):
+        where = f"{name}: segments[{si}]"
+        if not isinstance(seg, dict):
+            raise TraceFormatError(f"{where}: expected a dict, found {type(seg).__name__}")
+        dev = _int(seg.get("device", 0), where, "device")
+        base = _int(seg.get("address"), where, "address")
+        total = _int(seg.get("total_size"), where, "total_size")
+        if not seg.get("is_expandable", False):
+            final_segs.setdefault(dev, {})[base] = total
+        offset = base
+        for bi, blk in enumerate(seg.get("blocks") or []):
+            bwhere = f"{where}.blocks[{bi}]"
+            if not isinstance(blk, dict):
+                raise TraceFormatError(f"{bwhere}: expected a dict")
+            size = _int(blk.get("size"), bwhere, "size")
+            addr = _int(blk.get("address", offset), bwhere, "address")
+            offset = addr + size
+            state = blk.get("state")
+            if state is None and "allocated" in blk:  # very old snapshots
+                state = "active_allocated" if blk["allocated"] else "inactive"
+            if state not in _ALLOCATED_STATES:
+                continue
+            pending += state in _PENDING_STATES
+            req = blk.get("requested_size")
+            if req is None:
+                hist = blk.get("history") or []
+                req = hist[-1].get("real_size") if hist and isinstance(hist[-1], dict) else None
+            final_blocks.setdefault(dev, {})[addr] = (size, _int(req if req is not None
+                                                                 else size, bwhere,
+                                                                 "requested_size"))
+
+    # ---- trace entries
+    entries: list[tuple[int, int, int, int, dict]] = []
+    first_time: dict[int, int] = {}
+    for dev, lst in enumerate(traces):
+        if not lst:
+            continue
+        if not isinstance(lst, list):
+            raise TraceFormatError(f"{name}: device_traces[{dev}] must be a list")
+        for i, e in enumerate(lst):
+            if not isinstance(e, dict) or "action" not in e:
+                raise TraceFormatError(f"{name}: device_traces[{dev}][{i}]: expected a dict "
+                                       "with an 'action'")
+            tu = e.get("time_us")
+            t = int(tu) * 1000 if isinstance(tu, (int, float)) else i * 1000
+            first_time.setdefault(dev, t)
+            entries.append((t, 1, dev, i, e))
+
+    # ---- what existed before the first entry
+    init_segs = {d: dict(s) for d, s in final_segs.items()}
+    init_blocks = {d: dict(s) for d, s in final_blocks.items()}
+    if entries and not reconstruct:
+        init_segs, init_blocks = {}, {}
+    for dev, lst in enumerate(traces):
+        if not lst or not reconstruct:
+            continue
+        segs, blocks = init_segs.setdefault(dev, {}), init_blocks.setdefault(dev, {})
+        for e in reversed(lst):
+            a, addr, size = e.get("action"), e.get("addr"), e.get("size")
+            if not isinstance(addr, int) or not isinstance(size, int):
+                continue
+            if a == "alloc":
+                blocks.pop(addr, None)
+            elif a == "free_completed":
+                blocks[addr] = (size, e.get("requested_size", size))
+            elif a in ("segment_alloc", "segment_map"):
+                segs.pop(addr, None)
+            elif a in ("segment_free", "segment_unmap"):
+                segs[addr] = size
+    initial: list[tuple[int, int, int, int, dict]] = []
+    n_rec_segs = n_rec_blocks = 0
+    for dev in sorted(set(init_segs) | set(init_blocks)):
+        t0 = first_time.get(dev, 0)
+        for addr, size in sorted(init_segs.get(dev, {}).items()):
+            initial.append((t0, 0, dev, len(initial),
+                            {"action": "segment_alloc", "addr": addr, "size": size}))
+            n_rec_segs += 1
+        for addr, (size, req) in sorted(init_blocks.get(dev, {}).items()):
+            initial.append((t0, 0, dev, len(initial), {"action": "alloc", "addr": addr,
+                                                       "size": size, "requested_size": req}))
+            n_rec_blocks += 1
+
+    b = _EventBuilder()
+    free_requested = 0
+    skipped: Counter[str] = Counter()
+    oom_free: list[list[int]] = []
+    all_entries = initial + entries
+    all_entries.sort(key=lambda x: x[:4])
+    for dev in sorted({x[2] for x in all_entries} | set(final_segs)):
+        b.add_device(dev, f"cuda:{dev}")
+    for t, phase, dev, i, e in all_entries:
+        a = e["action"]
+        where = (f"{name}: device_traces[{dev}][{i}]" if phase else
+                 f"{name}: segments (device {dev})")
+        if a == "free_requested":
+            free_requested += 1
+        elif a == "oom":
+            size = _int(e.get("size"), where, "size")
+            b.oom(t, dev, size)
+            oom_free.append([len(b) - 1, int(e.get("device_free") or 0)])
+        elif a in ("alloc", "free_completed", "segment_alloc", "segment_map", "segment_free",
+                   "segment_unmap"):
+            addr = _int(e.get("addr"), where, "addr")
+            size = _int(e.get("size"), where, "size")
+            if a == "alloc":
+                b.alloc(t, dev, addr, _int(e.get("requested_size", size), where,
+                                           "requested_size"), size)
+            elif a == "free_completed":
+                b.free(t, dev, addr, e.get("requested_size", size), size)
+            elif a in ("segment_alloc", "segment_map"):
+                b.extend(t, dev, addr, size)
+            else:
+                b.release(t, dev, addr, size)
+        else:
+            skipped[str(a)] += 1
+    # trace entries carry no requested size: take it from the final blocks still live
+    live = b.live()
+    for dev, blocks in final_blocks.items():
+        for addr, (size, req) in blocks.items():
+            hit = live.get((dev, addr))
+            if hit is not None and hit[1] == size and hit[2] != req:
+                b.set_requested(dev, addr, req)
+    meta = {
+        "source": "pytorch-snapshot",
+        "allocator_settings": snap.get("allocator_settings") or {},
+        "free_requested": free_requested,
+        "pending_free_blocks": pending,
+        "reconstructed": {"segments": n_rec_segs, "allocations": n_rec_blocks},
+        "skipped_actions": dict(skipped),
+        "oom_device_free": oom_free,
+    }
+    return b.build(_jsonable(meta))
+
+
+def _jsonable(obj: Any) -> Any:
+    """Tuples (pickled pool ids...) as lists, so meta equals its JSON round trip."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _snapshot_dict(trace: Trace) -> dict:
+    c = trace.columns
+    kind = c["kind"].tolist()
+    ptr, size, req = c["ptr"].tolist(), c["size"].tolist(), c["requested"].tolist()
+    dev_col, t_col = c["device"].tolist(), (c["time_ns"] // 1000).tolist()
+    devices = set(dev_col) | {int(d["index"]) for d in trace.meta.get("devices", [])}
+    n_dev = max(devices) + 1 if devices else 0
+    traces: list[list[dict]] = [[] for _ in range(n_dev)]
+    allocs: dict[tuple[int, int], tuple[int, int]] = {}
+    segs: dict[tuple[int, int], int] = {}
+    ALLOC, FREE, EXTEND, RELEASE, OOM = (
+        int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND),
+        int(EventKind.RELEASE), int(EventKind.OOM))
+    for k, p, s, r, d, t in zip(kind, ptr, size, req, dev_col, t_col, strict=True):
+        base = {"stream": 0, "time_us": t, "frames": []}
+        if k == ALLOC:
+            traces[d].append({"action": "alloc", "addr": p, "size": s, "requested_size": r,
+                              **base})
+            allocs[(d, p)] = (s, r)
+        elif k == FREE:
+            traces[d].append({"action": "free_requested", "addr": p, "size": s, **base})
+            traces[d].append({"action": "free_completed", "addr": p, "size": s,
+                              "requested_size": r, **base})
+            allocs.pop((d, p), None)
+        elif k == EXTEND:
+            traces[d].append({"action": "segment_alloc", "addr": p, "size": s, **base})
+            segs[(d, p)] = s
+        elif k == RELEASE:
+            traces[d].append({"action": "segment_free", "addr": p, "size": s, **base})
+            segs.pop((d, p), None)
+        elif k == OOM:
+            traces[d].append({"action": "oom", "device_free": 0, "size": r, **base})
+    # final state: live segments, tiled by their live blocks and inactive gaps
+    segments = []
+    for d in range(n_dev):
+        starts = sorted(p for (dd, p) in segs if dd == d)
+        members: dict[int, list[tuple[int, int, int]]] = {p: [] for p in starts}
+        orphans = []
+        for (dd, p), (s, r) in sorted(allocs.items()):
+            if dd != d:
+                continue
+            j = bisect.bisect_right(starts, p) - 1
+            if j >= 0 and p < starts[j] + segs[(d, starts[j])]:
+                members[starts[j]].append((p, s, r))
+            else:
+                orphans.append((p, s, r))
+        for base in starts:
+            segments.append(_segment(d, base, segs[(d, base)], members[base]))
+        for p, s, r in orphans:  # allocations outside any known segment
+            segments.append(_segment(d, p, s, [(p, s, r)]))
+    return {"segments": segments, "device_traces": traces,
+            "allocator_settings": trace.meta.get("allocator_settings") or {},
+            "external_annotations": []}
+
+
+def _segment(dev: int, base: int, total: int, blocks: list[tuple[int, int, int]]) -> dict:
+    out, cursor = [], base
+    for p, s, r in blocks:
+        if p > cursor:
+            out.append({"address": cursor, "size": p - cursor, "requested_size": 0,
+                        "state": "inactive", "frames": []})
+        out.append({"address": p, "size": s, "requested_size": r, "state": "active_allocated",
+                    "frames": []})
+        cursor = max(cursor, p + s)
+    if cursor < base + total:
+        out.append({"address": cursor, "size": base + total - cursor, "requested_size": 0,
+                    "state": "inactive", "frames": []})
+    allocated = sum(s for _, s, _ in blocks)
+    return {"device": dev, "address": base, "total_size": total, "allocated_size": allocated,
+            "active_size": allocated, "requested_size": sum(r for _, _, r in blocks),
+            "stream": 0, "segment_type": "large" if total > (1 << 20) else "small",
+            "segment_pool_id": [0, 0], "is_expandable": False, "frames": [], "blocks": out}
+
+
+def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: bool = False,
+                        format: str | None = None) -> None:
+    """Write ``trace`` as a PyTorch memory snapshot that MemoryViz can open.
+
+    ``device_traces`` come from the events (alloc, free_requested + free_completed,
+    segment_alloc, segment_free, oom; ``time_us`` = ``time_ns // 1000``; entries also carry
+    ``requested_size``, which :func:`load_torch_snapshot` reads back); ``segments`` are the
+    final state: the regions still extended, tiled by their live blocks and inactive gaps
+    (a live allocation in no known region gets a segment of its own).
+
+    Parameters
+    ----------
+    trace : Trace
+    path : str or os.PathLike
+    overwrite : bool, default False
+    format : {"json", "pickle"}, optional
+        By default a protocol-4 pickle when ``path`` ends in ``.pickle`` or ``.pkl``, else
+        JSON (MemoryViz reads both; it rejects protocol-5 pickles).
+
+    Raises
+    ------
+    TraceFormatError
+        ``path`` exists and ``overwrite`` is False.
+    """
+    if format is None:
+        format = "pickle" if str(path).lower().endswith((".pickle", ".pkl")) else "json"
+    if format not in ("json", "pickle"):
+        raise ValueError(f"format must be 'json' or 'pickle'; got {format!r}")
+    snap = _snapshot_dict(trace)
+    with _open_new(path, overwrite) as f:
+        if format == "pickle":
+            pickle.dump(snap, f, protocol=4)
+        else:
+            f.write(json.dumps(snap, separators=(",", ":")).encode())
