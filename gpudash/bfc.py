@@ -589,11 +589,14 @@ class BFCAllocator:
                     return ptr
             start = len(journal) if journal is not None else 0
             ptr = self._allocate_slow(nbytes, rounded, b)
+            exc = None if ptr or self._retry_timeout else self._oom_locked(nbytes, rounded)
             if journal is not None:
                 self._after_op(start)
         if ptr:
             return ptr
-        return self._fail(nbytes, rounded, b)
+        if exc is not None:
+            raise exc
+        return self._retry(nbytes, rounded, b)
 
     def _take(self, nbytes: int, rounded: int, b: int) -> int:
         """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits."""
@@ -652,56 +655,60 @@ class BFCAllocator:
                 return ptr
         return 0
 
-    def _fail(self, nbytes: int, rounded: int, b: int) -> int:
-        """Retry (when ``retry_timeout``) and finally raise OutOfMemoryError."""
-        if self._retry_timeout > 0:
-            deadline = time.monotonic() + self._retry_timeout
-            with self._lock:
-                while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    self._waiters += 1
-                    try:
-                        self._cond.wait(remaining)
-                    finally:
-                        self._waiters -= 1
-                    journal = self._journal
-                    start = len(journal) if journal is not None else 0
-                    ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
-                    if journal is not None:
-                        self._after_op(start)
-                    if ptr:
-                        return ptr
+    def _retry(self, nbytes: int, rounded: int, b: int) -> int:
+        """TensorFlow's AllocatorRetry: wait for frees until ``retry_timeout`` has passed,
+        retrying after each, then make one last attempt and raise OutOfMemoryError."""
+        deadline = time.monotonic() + self._retry_timeout
         with self._lock:
-            # One last attempt, as AllocatorRetry makes after its deadline.
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._waiters += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._waiters -= 1
+                journal = self._journal
+                start = len(journal) if journal is not None else 0
+                ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
+                if journal is not None:
+                    self._after_op(start)
+                if ptr:
+                    return ptr
             journal = self._journal
             start = len(journal) if journal is not None else 0
             ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
-            if ptr:
-                if journal is not None:
-                    self._after_op(start)
-                return ptr
-            message = (
-                f"Allocator ({self._name}) ran out of memory trying to allocate "
-                f"{_hr(nbytes)} (rounded to {rounded})requested by op \n"
-                "If the cause is memory fragmentation maybe the environment variable "
-                "'TF_GPU_ALLOCATOR=cuda_malloc_async' will improve the situation. \n"
-                "Current allocation summary follows.\n"
-                "Current allocation summary follows."
-            )
-            memory_log = self._dump_memory_log(rounded)
-            occupancy = self._render_occupancy()
+            exc = None if ptr else self._oom_locked(nbytes, rounded)
             if journal is not None:
-                journal.extend((_now(), _OOM, 0, rounded, nbytes, 0, 0, 0))
                 self._after_op(start)
-            if self._failure_logs < K_MAX_FAILURE_LOGS:
-                self._failure_logs += 1
-                logger.warning("%s", message.split("\n", 1)[0])
-                logger.debug("%s\n%s", memory_log, occupancy)
-        raise OutOfMemoryError(message + "\n" + memory_log + "\n" + occupancy,
-                               requested=nbytes, rounded=rounded, allocator=self._name,
-                               memory_log=memory_log)
+        if ptr:
+            return ptr
+        raise exc
+
+    def _oom_locked(self, nbytes: int, rounded: int) -> OutOfMemoryError:
+        """Lock held, the allocation has failed: journal the ``oom`` event, log as
+        TensorFlow does (at most 10 warnings), and build the error with the memory log."""
+        message = (
+            f"Allocator ({self._name}) ran out of memory trying to allocate "
+            f"{_hr(nbytes)} (rounded to {rounded})requested by op \n"
+            "If the cause is memory fragmentation maybe the environment variable "
+            "'TF_GPU_ALLOCATOR=cuda_malloc_async' will improve the situation. \n"
+            "Current allocation summary follows.\n"
+            "Current allocation summary follows."
+        )
+        memory_log = self._dump_memory_log(rounded)
+        occupancy = self._render_occupancy()
+        journal = self._journal
+        if journal is not None:
+            journal.extend((_now(), _OOM, 0, rounded, nbytes, 0, 0, 0))
+        if self._failure_logs < K_MAX_FAILURE_LOGS:
+            self._failure_logs += 1
+            logger.warning("%s", message.split("\n", 1)[0])
+            logger.debug("%s\n%s", memory_log, occupancy)
+        return OutOfMemoryError(message + "\n" + memory_log + "\n" + occupancy,
+                                requested=nbytes, rounded=rounded, allocator=self._name,
+                                memory_log=memory_log)
 
     # ------------------------------------------------------------------ chunks
     def _new_chunk(self) -> _Chunk:
@@ -887,7 +894,10 @@ class BFCAllocator:
         if ptr is None and not self._started_backpedal:
             self._started_backpedal = True
             while ptr is None:
-                nbytes = rounded_bytes(int(np.float32(nbytes) * K_BACKPEDAL_FACTOR))
+                smaller = rounded_bytes(int(np.float32(nbytes) * K_BACKPEDAL_FACTOR))
+                # TSL spins forever when rounding undoes the 0.9 (regions below ~2.5 KiB);
+                # XLA forces progress by one unit, and so does gpudash.
+                nbytes = smaller if smaller < nbytes else nbytes - K_MIN_ALLOCATION_SIZE
                 if nbytes < rounded:
                     break
                 ptr = self._sub_alloc(nbytes)
@@ -1178,6 +1188,44 @@ class BFCAllocator:
         regions = [RegionInfo(r.ptr, r.size) for r in self._regions]
         return MemoryDump(allocator_name=self._name, stats=self._stats(), bins=bins,
                           chunks=chunks, regions=regions, memory_limit=self._limit, seq=self._seq_now())
+
+    def chunk_table(self) -> dict[str, np.ndarray]:
+        """Every chunk as numpy columns, in address order: ``ptr``, ``size``, ``requested``
+        (0 when free), ``alloc_id`` (-1 when free), ``bin`` (-1 in use), ``region`` and
+        ``in_use`` (bool); plus ``regions`` (an (n, 2) array of region address and size).
+
+        The cheap, columnar form of :meth:`snapshot` for views that redraw often.
+        """
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        reqs: list[int] = []
+        aids: list[int] = []
+        bins: list[int] = []
+        regs: list[int] = []
+        with self._lock:
+            region_rows = [(r.ptr, r.size) for r in self._regions]
+            for r in self._regions:
+                rp = r.ptr
+                c = r.first
+                while c is not None:
+                    ptrs.append(c.ptr)
+                    sizes.append(c.size)
+                    reqs.append(c.requested if c.aid >= 0 else 0)
+                    aids.append(c.aid)
+                    bins.append(c.bin)
+                    regs.append(rp)
+                    c = c.next
+        aid = np.array(aids, dtype=np.int64)
+        return {
+            "ptr": np.array(ptrs, dtype=np.int64),
+            "size": np.array(sizes, dtype=np.int64),
+            "requested": np.array(reqs, dtype=np.int64),
+            "alloc_id": aid,
+            "bin": np.array(bins, dtype=np.int8),
+            "region": np.array(regs, dtype=np.int64),
+            "in_use": aid >= 0,
+            "regions": np.array(region_rows, dtype=np.int64).reshape(-1, 2),
+        }
 
     def _chunk_debug(self, c: _Chunk, recurse: bool) -> str:
         in_use = c.aid >= 0

@@ -52,12 +52,16 @@ class BumpSubAllocator:
     - ``fail_sizes``: refuse any request of exactly one of these sizes;
     - ``fail_next``: refuse the next that many requests;
     - ``fail_always``: refuse everything.
+
+    ``fuse``: after that many calls (an allocator stuck retrying), every request succeeds
+    and an error is recorded, so a stalled loop ends and the test fails instead of hanging.
     """
 
     def __init__(self, base: int = 1 << 40, *, capacity: int | None = None,
                  fail_sizes=(), fail_next: int = 0, fail_always: bool = False,
-                 gap: int = 0) -> None:
+                 gap: int = 0, fuse: int = 10_000) -> None:
         self.base = base
+        self.fuse = fuse
         self.next = base
         self.capacity = capacity
         self.fail_sizes = set(fail_sizes)
@@ -73,7 +77,10 @@ class BumpSubAllocator:
         nbytes = int(nbytes)
         if nbytes <= 0:
             self.errors.append(f"alloc({nbytes}) asked for a non-positive size")
-        refuse = (
+        blown = len(self.calls) >= self.fuse
+        if blown:
+            self.errors.append(f"fuse: {len(self.calls)} calls, the allocator keeps retrying")
+        refuse = not blown and (
             self.fail_always
             or nbytes in self.fail_sizes
             or self.fail_next > 0

@@ -391,6 +391,16 @@ def test_extend_terminates_when_sub_allocator_always_fails():
     assert sub.calls <= _AlwaysFailingSubAllocator.FUSE
 
 
+def test_backpedal_terminates_for_small_requests():
+    # the same stall with growth on: 1 MiB backs off down to 2304, where
+    # RoundedBytes(0.9 * 2304) == 2304 >= 1024 (TSL would spin forever; XLA forces progress)
+    sub = _AlwaysFailingSubAllocator()
+    a = gpudash.BFCAllocator(sub, 1 * MIB, allow_growth=True, name="backpedal")
+    with pytest.raises(gpudash.OutOfMemoryError):
+        a.allocate(1000)
+    assert sub.calls <= _AlwaysFailingSubAllocator.FUSE
+
+
 # --------------------------------------------------------------------------------------------
 # §3, §6 Extend and growth
 # --------------------------------------------------------------------------------------------
@@ -506,7 +516,9 @@ def test_backpedal_once_per_lifetime():
     n = len(sub.asked)
     with pytest.raises(gpudash.OutOfMemoryError):
         a.allocate(256)
-    assert sub.asked[n:] == [4 * MIB]
+    # no second backpedal: only the full 4 MiB is asked (how many times is checked in
+    # test_failed_allocation_asks_sub_allocator_once)
+    assert sub.asked[n:] and set(sub.asked[n:]) == {4 * MIB}
     a.deallocate(p)
     a.deallocate(q)
     a.check()
@@ -524,13 +536,29 @@ def test_backpedal_stops_below_request():
         if nxt < 1 * MIB:
             break
         want.append(nxt)
-    assert sub.asked == want
+    assert sub.asked[:len(want)] == want
+    # any further attempt within the same call must not backpedal again
+    assert set(sub.asked[len(want):]) <= {2 * MIB}
+
+
+def test_failed_allocation_asks_sub_allocator_once():
+    """With retry_timeout=0 (TensorFlow's no-retry path, §4.1) a failed allocation is one
+    AllocateRawInternal: one Extend, so one request to a refusing sub-allocator (after the
+    one-time backpedal is spent)."""
+    sub = BumpSubAllocator(fail_always=True)
+    a = gpudash.BFCAllocator(sub, 1 * GIB, allow_growth=True)
+    with pytest.raises(gpudash.OutOfMemoryError):
+        a.allocate(1 * MIB)  # spends the backpedal
+    n = len(sub.asked)
+    with pytest.raises(gpudash.OutOfMemoryError):
+        a.allocate(1 * MIB)
+    assert sub.asked[n:] == [2 * MIB]
 
 
 @pytest.mark.parametrize("size", [16 * GIB, 40231108608, 3 * GIB + 12345 * 256])
 def test_backpedal_single_precision_factor(size):
     """kBackpedalFactor is a C++ float: bytes * 0.9f is computed in single precision. For
-    large regions this differs from double precision (e.g. 16 GiB: 15461882880, not
+    large regions this differs from double precision (e.g. 16 GiB: 15461881856, not
     15461882368)."""
     sub = BumpSubAllocator(fail_sizes={size})
     a = gpudash.BFCAllocator(sub, size, allow_growth=False)
