@@ -29,7 +29,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from ._errors import BackendUnavailableError, ConfigError, GpudashWarning, OutOfMemoryError
+from ._errors import (
+    BackendUnavailableError,
+    ConfigError,
+    GpudashWarning,
+    InvalidPointerError,
+    OutOfMemoryError,
+)
 from ._units import format_bytes, parse_bytes
 from .bfc import AllocatorStats, BFCAllocator
 from .devices import CudaMemory, HostMemory, SimulatedDevice, cuda_device_count
@@ -80,6 +86,10 @@ class CudaMallocAllocator(BFCAllocator):
         self._add_region(ptr, rounded, rounded)
         return True
 
+    def preallocate(self) -> int:
+        """Nothing to preallocate: this allocator holds no pool."""
+        return 0
+
     def deallocate(self, ptr: int) -> None:
         super().deallocate(ptr)
         if not ptr:
@@ -100,6 +110,7 @@ class _Deferred:
 
     threshold: int
     pending: list = field(default_factory=list)  # pointers freed, not yet flushed
+    queued: set = field(default_factory=set)  # every pointer pending or in flight
     pending_bytes: int = 0
     inflight: deque = field(default_factory=deque)  # (marker, [ptrs], bytes)
     flushes: int = 0
@@ -263,6 +274,7 @@ class Session:
     def __init__(self, config: Any = None, *, simulate: Any = None,
                  environ: Mapping[str, str] | None = None, poll: bool = True) -> None:
         env = os.environ if environ is None else environ
+        self._environ = env
         self._config = self._to_config(config)
         gpu = self._config.gpu_options
         self._allocator_type = gpu.normalized_allocator_type
@@ -294,7 +306,7 @@ class Session:
         if isinstance(config, ConfigProto):
             return config.copy()
         if isinstance(config, GPUOptions):
-            return ConfigProto(gpu_options=config)
+            return ConfigProto(gpu_options=config.copy())
         if isinstance(config, Mapping):
             if set(config) <= set(GPUOptions().as_dict()):
                 return ConfigProto(gpu_options=dict(config))
@@ -349,7 +361,8 @@ class Session:
     def _add_device(self, index: int, vid: int, backend: Any, total: int, available: int,
                     cc_major: int) -> None:
         gpu = self._config.gpu_options
-        limit = memory_limit(total, available, gpu.per_process_gpu_memory_fraction, cc_major)
+        limit = memory_limit(total, available, gpu.per_process_gpu_memory_fraction, cc_major,
+                             environ=self._environ)
         cls = CudaMallocAllocator if self._allocator_type == "cuda_malloc" else BFCAllocator
         alloc = cls(backend, limit, allow_growth=self._allow_growth,
                     garbage_collection=self._garbage_collection, name=f"GPU_{index}_bfc")
@@ -420,8 +433,9 @@ class Session:
         try:
             ptr = dev.allocator.allocate(nbytes)
         except OutOfMemoryError:
-            if not self._drain(dev):
-                raise
+            # Flush, then retry: memory queued for deletion, or being returned by the
+            # poller right now, may be what this allocation needs.
+            self._drain(dev)
             ptr = dev.allocator.allocate(nbytes)
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
@@ -436,6 +450,11 @@ class Session:
         size = dev.allocator.allocated_size(ptr)  # validates the pointer now
         with self._lock:
             d = dev._deferred
+            if ptr in d.queued:
+                raise InvalidPointerError(
+                    f"{dev.allocator.name}: free({ptr:#x}): this address is already queued for "
+                    "deletion (double free?)")
+            d.queued.add(ptr)
             d.pending.append(ptr)
             d.pending_bytes += size
             if d.pending_bytes >= d.threshold:
@@ -443,6 +462,8 @@ class Session:
 
     def free_now(self, ptr: int, device: Any = None) -> None:
         """Free at once, bypassing deferred deletion."""
+        if not ptr:
+            return
         dev = self._device_of(ptr) if device is None else self.device(device)
         dev.allocator.deallocate(ptr)
 
@@ -480,8 +501,11 @@ class Session:
 
     def _complete(self, dev: Device, wait: bool) -> int:
         """Return finished in-flight batches to the allocator; ``wait`` blocks on CUDA
-        events. Returns the bytes returned."""
-        done: list[int] = []
+        events. Returns the bytes returned.
+
+        The frees happen under the session lock, so a concurrent :meth:`flush` or a
+        flush-and-retry never sees a batch that has left the queue but not yet reached
+        the allocator."""
         with self._lock:
             d = dev._deferred
             freed = 0
@@ -493,18 +517,18 @@ class Session:
                     elif not marker.done:
                         break
                 d.inflight.popleft()
-                done.extend(ptrs)
+                for ptr in ptrs:
+                    d.queued.discard(ptr)
+                    dev.allocator.deallocate(ptr)
                 freed += nbytes
             d.completed_bytes += freed
-        for ptr in done:
-            dev.allocator.deallocate(ptr)
         return freed
 
-    def _drain(self, dev: Device) -> bool:
-        """Flush and complete everything queued on ``dev``; True if anything was freed."""
+    def _drain(self, dev: Device) -> int:
+        """Flush and complete everything queued on ``dev``; the bytes returned."""
         with self._lock:
             self._flush_pending(dev)
-        return self._complete(dev, wait=True) > 0
+            return self._complete(dev, wait=True)
 
     def flush(self, device: Any = None) -> int:
         """Return every deferred free to its allocator now (all devices by default);
@@ -593,7 +617,8 @@ class Session:
                     f"per_process_gpu_memory_fraction={fraction} oversubscribes {dev.name}, "
                     "which needs unified memory; create the session with a fraction above 1 "
                     "to use unified memory, or choose a fraction <= 1")
-            limits[dev.index] = memory_limit(dev.total, dev.available, fraction, dev.cc_major)
+            limits[dev.index] = memory_limit(dev.total, dev.available, fraction, dev.cc_major,
+                                             environ=self._environ)
         with self._lock:
             for dev in targets:
                 opts = new_opts[dev.index]
