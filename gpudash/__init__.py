@@ -40,6 +40,14 @@ _LAZY = {
     "GPUOptions": "gpudash.options",
     "Session": "gpudash.session",
     "Device": "gpudash.session",
+    "default_session": "gpudash.session",
+    "Dashboard": "gpudash.widgets.dashboard",
+    "run_in_background": "gpudash.background",
+    "Trace": "gpudash.trace",
+    "load_trace": "gpudash.trace",
+    "replay": "gpudash.trace.replay",
+    "min_fraction": "gpudash.trace.whatif",
+    "sweep": "gpudash.trace.whatif",
     "ConfigProto": "gpudash.options",
 }
 
@@ -54,6 +62,20 @@ __all__ = [
     "GpudashWarning",
     *_LAZY,
 ]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext gpudash``: register gpudash's magics (imported only now)."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext gpudash``: remove the magics and restore CuPy's allocator."""
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)
 
 
 def __getattr__(name: str) -> Any:

@@ -49,7 +49,8 @@ from .options import (
     simulated_devices_from_env,
 )
 
-__all__ = ["Session", "Device", "CudaMallocAllocator", "DEFAULT_SIMULATED_BYTES"]
+__all__ = ["Session", "Device", "CudaMallocAllocator", "DEFAULT_SIMULATED_BYTES",
+           "default_session", "set_default_session"]
 
 logger = logging.getLogger("gpudash")
 
@@ -430,12 +431,15 @@ class Session:
         deferred frees and retry once before raising :class:`~gpudash.OutOfMemoryError`."""
         self._check_open()
         dev = self.devices[_parse_device(device, len(self.devices))]
+        returned = dev._deferred.completed_bytes
         try:
             ptr = dev.allocator.allocate(nbytes)
         except OutOfMemoryError:
-            # Flush, then retry: memory queued for deletion, or being returned by the
-            # poller right now, may be what this allocation needs.
+            # Flush, then retry if deferred frees reached the allocator since the attempt
+            # began (queued ones, or a batch the poller was returning at that moment).
             self._drain(dev)
+            if dev._deferred.completed_bytes == returned:
+                raise
             ptr = dev.allocator.allocate(nbytes)
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
@@ -789,3 +793,36 @@ class _PinnedBlock:
             self.allocator.deallocate(self.ptr)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+_default: Session | None = None
+_default_lock = threading.Lock()
+
+
+def default_session(create: bool = True, **kwargs: Any) -> Session | None:
+    """The session ``%gpudash`` and the notebooks share; created on first use (with
+    ``allow_soft_placement=True``, so it falls back to a simulated device without a GPU).
+
+    Parameters
+    ----------
+    create : bool
+        Create one when there is none (or it was closed); else return None.
+    **kwargs
+        Passed to :class:`Session` when one is created.
+    """
+    global _default
+    with _default_lock:
+        if (_default is None or _default.closed) and create:
+            if "config" not in kwargs:
+                kwargs["config"] = ConfigProto(allow_soft_placement=True)
+            _default = Session(**kwargs)
+        if _default is not None and _default.closed:
+            return None
+        return _default
+
+
+def set_default_session(session: Session | None) -> None:
+    """Make ``session`` the default session (None forgets it)."""
+    global _default
+    with _default_lock:
+        _default = session

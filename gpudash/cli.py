@@ -1,0 +1,373 @@
+"""The ``gpudash`` command (also ``python -m gpudash``).
+
+Subcommands: ``demo``, ``replay``, ``whatif``, ``info``, ``convert``, ``lab``. Every one has
+``--help``. Exit code 0 on success; 1 with a one-line reason for a user error (bad file,
+bad value) -- never a traceback for those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._errors import GpudashError
+from ._units import format_bytes, parse_bytes
+from ._version import __version__
+
+__all__ = ["main"]
+
+WORKLOADS = ("training", "inference", "fragmentation")
+
+
+class _UserError(Exception):
+    """A problem with what the user asked for: reported in one line, exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 with usage; we say one line
+        raise _UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except GpudashError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a fraction must be a number; got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"a fraction must be >= 0 (0 = TensorFlow's default); got {text}")
+    return value
+
+
+def _fractions_arg(text: str) -> list[float]:
+    return [_fraction_arg(part) for part in text.split(",") if part.strip()]
+
+
+def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
+    if fraction:
+        p.add_argument("--fraction", type=_fraction_arg, default=None, metavar="F",
+                       help="per_process_gpu_memory_fraction (default: TensorFlow's rule, "
+                            "free memory minus the system reserve)")
+    p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=True,
+                   help="allow_growth (default: on)")
+    p.add_argument("--device", type=_bytes_arg, default=16 << 30, metavar="SIZE",
+                   help="simulated device size, e.g. 16GiB (default 16GiB)")
+    p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=False,
+                   help="garbage collection of free regions before an OOM (default: off)")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="gpudash", description="See and tune GPU memory: TensorFlow's BFC "
+                     "allocator, live and replayed.")
+    parser.add_argument("--version", action="version", version=f"gpudash {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("demo", help="run a synthetic workload live on a simulated device, "
+                       "print TensorFlow's memory log and write the HTML report",
+                       description="Run a synthetic workload through a gpudash session on a "
+                       "simulated device, print TensorFlow's memory log at the peak and "
+                       "write the HTML report.")
+    p.add_argument("--workload", choices=WORKLOADS, default="training")
+    p.add_argument("--steps", type=int, default=8, help="size of the workload (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_settings(p)
+    p.add_argument("--html", type=Path, default=Path("gpudash-demo.html"), metavar="OUT",
+                   help="report file (default gpudash-demo.html)")
+    p.add_argument("--no-html", action="store_true", help="do not write the report")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+
+    p = sub.add_parser("replay", help="replay a trace through gpudash's BFC allocator",
+                       description="Replay an allocation trace (gpudash, TensorFlow log, "
+                       "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device.")
+    p.add_argument("trace", type=Path, metavar="TRACE")
+    _add_settings(p)
+    p.add_argument("--deferred", type=_bytes_arg, default=0, metavar="BYTES",
+                   help="deferred_deletion_bytes (default 0: frees apply at once)")
+    p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+
+    p = sub.add_parser("whatif", help="the smallest fraction a trace needs, and a sweep",
+                       description="Find the smallest per_process_gpu_memory_fraction at which "
+                       "the trace replays without running out of memory, and sweep settings.")
+    p.add_argument("trace", type=Path, metavar="TRACE")
+    _add_settings(p, fraction=False)
+    p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
+                   help="fractions to sweep (default 0.1..1.0)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="processes for the sweep (default: up to 2)")
+    p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+
+    sub.add_parser("info", help="the devices gpudash sees (NVML or simulated)",
+                   description="List the GPUs NVML reports, or the simulated device gpudash "
+                   "would use.")
+
+    p = sub.add_parser("convert", help="convert a trace between formats",
+                       description="Read any trace gpudash knows and write it as a gpudash "
+                       "trace (.gdtrace) or a PyTorch snapshot (.json / .pickle).")
+    p.add_argument("input", type=Path, metavar="IN")
+    p.add_argument("output", type=Path, metavar="OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+    p = sub.add_parser("lab", help="open the quick-start notebook in JupyterLab",
+                       description="Start JupyterLab on the quick-start notebook.")
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--no-browser", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    return parser
+
+
+# ---------------------------------------------------------------------------- commands
+def _say(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def _load(path: Path):
+    from .trace import load_trace
+
+    if not path.exists():
+        raise _UserError(f"no such file: {path}")
+    return load_trace(path)
+
+
+def _check_out(path: Path | None, overwrite: bool) -> None:
+    if path is not None and path.exists() and not overwrite:
+        raise _UserError(f"{path} exists; pass --overwrite to replace it")
+
+
+def _workload_calls(name: str, steps: int, seed: int):
+    from .trace import workloads as w
+
+    if steps < 1:
+        raise _UserError(f"--steps must be >= 1; got {steps}")
+    if name == "training":
+        return w.training_loop_calls(steps=steps, seed=seed)
+    if name == "inference":
+        return w.inference_server_calls(requests=50 * steps, seed=seed)
+    return w.fragmentation_stress_calls(rounds=250 * steps, seed=seed)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .options import ConfigProto
+    from .recorder import Recorder
+    from .session import Session
+    from .trace.workloads import run_workload
+
+    if not args.no_html:
+        _check_out(args.html, args.overwrite)
+    config = ConfigProto(allow_soft_placement=True)
+    config.gpu_options.allow_growth = args.growth
+    if args.fraction is not None:
+        config.gpu_options.per_process_gpu_memory_fraction = args.fraction
+    _say(f"gpudash demo: {args.workload} workload on a simulated "
+         f"{format_bytes(args.device)} device")
+    with Session(config, simulate=args.device, environ={}) as sess:
+        dev = sess.devices[0]
+        alloc = dev.allocator
+        _say(f"  allocator {alloc.name}: limit {format_bytes(alloc.memory_limit)}, "
+             f"allow_growth={alloc.allow_growth}")
+        rec = Recorder(sess)
+        peak = {"bytes": -1, "log": ""}
+
+        def allocate(nbytes: int) -> int:
+            ptr = sess.allocate(nbytes)
+            if alloc.bytes_in_use > peak["bytes"]:
+                peak["bytes"] = alloc.bytes_in_use
+                peak["pending"] = True
+            return ptr
+
+        def deallocate(ptr: int) -> None:
+            if peak.pop("pending", False):  # about to fall from a peak: keep its log
+                peak["log"] = alloc.dump_memory_log(0)
+            sess.free_now(ptr)
+
+        run = run_workload(_workload_calls(args.workload, args.steps, args.seed),
+                           allocate, deallocate)
+        if peak.pop("pending", False):
+            peak["log"] = alloc.dump_memory_log(0)
+        stats = alloc.stats()
+        trace = rec.to_trace({"workload": args.workload})
+        rec.detach()
+    _say("")
+    _say(f"TensorFlow's memory log at the peak ({format_bytes(peak['bytes'])} in use):")
+    _say(peak["log"])
+    _say("")
+    _say(f"{run.allocs} allocations, {run.frees} frees, {run.ooms} out of memory; "
+         f"peak in use {format_bytes(stats.peak_bytes_in_use)}, "
+         f"peak pool {format_bytes(stats.peak_pool_bytes)}; {len(trace)} events recorded")
+    if not args.no_html:
+        from .report import write_report
+
+        write_report(trace, args.html, title=f"gpudash demo: {args.workload}",
+                     device_bytes=args.device, overwrite=args.overwrite,
+                     replay_options={"allow_growth": args.growth, "fraction": args.fraction,
+                                     "garbage_collection": args.gc})
+        _say(f"report: {args.html}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .trace.replay import replay
+
+    _check_out(args.html, args.overwrite)
+    trace = _load(args.trace)
+    result = replay(trace, device_bytes=args.device, fraction=args.fraction,
+                    allow_growth=args.growth, garbage_collection=args.gc,
+                    deferred_deletion_bytes=args.deferred, progress=True)
+    _say(f"{args.trace}: {result.calls} calls replayed on a {format_bytes(args.device)} device, "
+         f"limit {format_bytes(result.memory_limit)}")
+    if result.fits:
+        _say("fits: no allocation ran out of memory")
+    else:
+        idx, nbytes = result.first_oom
+        _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call {idx} "
+             f"({format_bytes(nbytes)})")
+    _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
+         f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), worst "
+         f"fragmentation {result.worst_fragmentation:.1%}, {result.events_per_second:,.0f} "
+         "events/s")
+    if args.html is not None:
+        from .report import write_report
+
+        write_report(trace, args.html, title=f"gpudash replay: {args.trace.name}",
+                     device_bytes=args.device, overwrite=args.overwrite,
+                     replay_options={"allow_growth": args.growth, "fraction": args.fraction,
+                                     "garbage_collection": args.gc,
+                                     "deferred_deletion_bytes": args.deferred})
+        _say(f"report: {args.html}")
+    return 0
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from .trace.whatif import min_fraction, sweep
+
+    _check_out(args.html, args.overwrite)
+    if args.jobs < 1:
+        raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
+    trace = _load(args.trace)
+    best = min_fraction(trace, args.device, allow_growth=args.growth,
+                        garbage_collection=args.gc, progress=True)
+    if best.fraction is None:
+        _say(f"{args.trace}: does not fit on a {format_bytes(args.device)} device even at "
+             "fraction 1.0")
+    else:
+        _say(f"{args.trace}: smallest fraction that fits: {best.fraction:.3f} "
+             f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
+             f"allow_growth={args.growth}, {best.replays} replays")
+    kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
+                    "garbage_collection": args.gc}
+    if args.fractions:
+        kwargs["fractions"] = args.fractions
+    table = sweep(trace, **kwargs)
+    _say("")
+    _say(table.to_text())
+    if args.html is not None:
+        from .report import write_report
+
+        write_report(trace, args.html, title=f"gpudash what-if: {args.trace.name}",
+                     device_bytes=args.device, overwrite=args.overwrite, sweep_table=table,
+                     replay_options={"allow_growth": args.growth, "fraction": best.fraction,
+                                     "garbage_collection": args.gc})
+        _say(f"report: {args.html}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .devices import CudaMemory
+    from .nvml import device_facts, nvml_available
+    from .options import simulated_devices_from_env
+
+    ok, reason = nvml_available()
+    if ok:
+        facts = device_facts()
+        _say(f"NVML: {len(facts)} GPU(s)")
+        for f in facts:
+            _say(f"  GPU {f.index}: {f.name}  total {format_bytes(f.total)}  "
+                 f"free {format_bytes(f.free)}  used {format_bytes(f.used)}  "
+                 f"this process {f.process_used if isinstance(f.process_used, str) else format_bytes(f.process_used) if f.process_used else 'N/A'}  "
+                 f"compute capability {f.compute_capability}")
+    else:
+        _say(f"NVML: not available ({reason})")
+    cuda_ok, cuda_reason = CudaMemory.available()
+    _say(f"CUDA through CuPy: {'available' if cuda_ok else 'not available (' + cuda_reason + ')'}")
+    sizes = simulated_devices_from_env()
+    if sizes:
+        _say("GPUDASH_SIMULATE: " + ", ".join(format_bytes(s) for s in sizes))
+    elif not cuda_ok:
+        _say("gpudash sessions here run on a simulated 16.00 GiB device "
+             "(set GPUDASH_SIMULATE=2x16GiB to change it)")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .trace import save_trace
+
+    _check_out(args.output, args.overwrite)
+    trace = _load(args.input)
+    suffix = args.output.suffix.lower()
+    fmt = {".json": "torch-json", ".pickle": "torch-pickle", ".pkl": "torch-pickle"}.get(
+        suffix, "gdtrace")
+    save_trace(trace, args.output, format=fmt, overwrite=args.overwrite)
+    _say(f"{args.input} -> {args.output} ({fmt}, {len(trace)} events)")
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    notebook = root / "notebooks" / "01_quickstart.ipynb"
+    if not notebook.exists():
+        raise _UserError(f"the quick-start notebook is not at {notebook} (run gpudash lab "
+                         "from a clone of the repository)")
+    exe = shutil.which("jupyter-lab") or shutil.which("jupyter")
+    if exe is None:
+        raise _UserError("JupyterLab is not installed: pip install 'gpudash[lab]'")
+    cmd = [exe] + ([] if exe.endswith("jupyter-lab") else ["lab"])
+    cmd += [str(notebook), f"--port={args.port}"]
+    if args.no_browser:
+        cmd.append("--no-browser")
+    _say(" ".join(cmd))
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd, cwd=root)
+
+
+COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif, "info": cmd_info,
+            "convert": cmd_convert, "lab": cmd_lab}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return COMMANDS[args.command](args)
+    except _UserError as exc:
+        print(f"gpudash: error: {exc}", file=sys.stderr)
+        return 1
+    except (GpudashError, OSError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"gpudash: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gpudash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""IPython magics: ``%load_ext gpudash`` registers them, ``%unload_ext gpudash`` removes them.
+
+- ``%gpudash [--fraction F] [--growth/--no-growth] [--simulate SIZE] [--device N]``: create
+  (or reuse) the default session and show its dashboard. Without a GPU the session runs on a
+  simulated device, and says so once.
+- ``%gpudash_config key=value ...``: change the live session (``sess.configure``); keys are
+  ``per_process_gpu_memory_fraction`` (or ``fraction``), ``allow_growth`` (``growth``),
+  ``deferred_deletion_bytes`` (``deferred``, sizes like ``16MiB``) and ``device``.
+- ``%%gpudash_track``: run the cell under recording and show a compact summary.
+- ``%gpudash_cells on|off``: a one-line memory summary after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from ._errors import GpudashError
+from ._units import format_bytes, parse_bytes
+
+__all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+_KEYS = {
+    "per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
+    "fraction": "per_process_gpu_memory_fraction",
+    "allow_growth": "allow_growth",
+    "growth": "allow_growth",
+    "deferred_deletion_bytes": "deferred_deletion_bytes",
+    "deferred": "deferred_deletion_bytes",
+    "device": "device",
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_value(key: str, text: str) -> Any:
+    if key == "allow_growth":
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise UsageError(f"allow_growth must be true or false; got {text!r}")
+    if key == "per_process_gpu_memory_fraction":
+        try:
+            return float(text)
+        except ValueError:
+            raise UsageError(
+                f"per_process_gpu_memory_fraction must be a number >= 0; got {text!r}") from None
+    if key == "deferred_deletion_bytes":
+        try:
+            return parse_bytes(text, name="deferred_deletion_bytes")
+        except GpudashError as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _cells_line(before: Any, after: Any, seconds: float) -> str:
+    delta = after.bytes_in_use - before.bytes_in_use
+    sign = "+" if delta >= 0 else "-"
+    return (f"gpudash: in use {sign}{format_bytes(abs(delta))} -> "
+            f"{format_bytes(after.bytes_in_use)}, peak {format_bytes(after.peak_bytes_in_use)}, "
+            f"pool {format_bytes(after.pool_bytes)}, "
+            f"{after.num_allocs - before.num_allocs} allocation(s), {seconds:.2f} s")
+
+
+@magics_class
+class GpudashMagics(Magics):
+    """gpudash's magics (see the module docstring)."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session: Any = None
+        self.dashboard: Any = None
+        self._cells_on = False
+        self._cell_start: tuple[Any, float] | None = None
+
+    # ------------------------------------------------------------------ session
+    def _get_session(self, simulate: Any = None, fraction: float | None = None,
+                     growth: bool | None = None) -> Any:
+        from .options import ConfigProto
+        from .session import Session, default_session, set_default_session
+
+        if self.session is None or self.session.closed:
+            self.session = default_session(create=False)
+        if self.session is not None and not self.session.closed:
+            changes = {}
+            if fraction is not None:
+                changes["per_process_gpu_memory_fraction"] = fraction
+            if growth is not None:
+                changes["allow_growth"] = growth
+            if changes:
+                self.session.configure(**changes)
+            return self.session
+        config = ConfigProto(allow_soft_placement=True)
+        if fraction is not None:
+            config.gpu_options.per_process_gpu_memory_fraction = fraction
+        if growth is not None:
+            config.gpu_options.allow_growth = growth
+        self.session = Session(config, simulate=simulate)
+        set_default_session(self.session)
+        if not self.session.simulated:
+            self.session.install()
+        return self.session
+
+    @line_magic
+    def gpudash(self, line: str = "") -> Any:
+        """Create or reuse the default session and show its dashboard.
+
+        ``%gpudash [--fraction F] [--growth | --no-growth] [--simulate SIZE] [--device N]``
+        """
+        parser = argparse.ArgumentParser(prog="%gpudash", add_help=False, exit_on_error=False)
+        parser.add_argument("--fraction", type=float, default=None)
+        parser.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None)
+        parser.add_argument("--simulate", default=None)
+        parser.add_argument("--device", type=int, default=0)
+        try:
+            args, extra = parser.parse_known_args(shlex.split(line))
+        except (argparse.ArgumentError, ValueError) as exc:
+            raise UsageError(f"%gpudash: {exc}") from None
+        if extra:
+            raise UsageError(f"%gpudash: unknown arguments {extra}; usage: %gpudash "
+                             "[--fraction F] [--growth|--no-growth] [--simulate SIZE] [--device N]")
+        try:
+            sess = self._get_session(args.simulate, args.fraction, args.growth)
+        except GpudashError as exc:
+            raise UsageError(str(exc)) from None
+        from .widgets import Dashboard
+
+        if self.dashboard is not None:
+            self.dashboard.close()
+        try:
+            self.dashboard = Dashboard(sess, device=args.device)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return self.dashboard
+
+    @line_magic
+    def gpudash_config(self, line: str = "") -> None:
+        """Change the live session: ``%gpudash_config fraction=0.3 growth=false``."""
+        if self.session is None or self.session.closed:
+            raise UsageError("no gpudash session yet: run %gpudash first")
+        changes: dict[str, Any] = {}
+        for item in shlex.split(line):
+            key, sep, value = item.partition("=")
+            if not sep or key not in _KEYS:
+                raise UsageError(
+                    f"%gpudash_config takes key=value pairs with keys {sorted(set(_KEYS))}; "
+                    f"got {item!r}")
+            name = _KEYS[key]
+            changes[name] = _parse_value(name, value)
+        if not changes:
+            raise UsageError("%gpudash_config: nothing to change, e.g. %gpudash_config fraction=0.5")
+        try:
+            self.session.configure(**changes)
+        except GpudashError as exc:
+            raise UsageError(str(exc)) from None
+        dev = self.session.devices[changes.get("device", 0) or 0]
+        print(f"gpudash: {dev.name} limit {format_bytes(dev.memory_limit)}, "
+              f"allow_growth={dev.allocator.allow_growth}, "
+              f"deferred_deletion_bytes={format_bytes(dev._deferred.threshold)}")
+
+    @cell_magic
+    def gpudash_track(self, line: str, cell: str) -> Any:
+        """Run the cell under recording and show a compact memory summary."""
+        from .recorder import Recorder
+
+        sess = self._get_session()
+        before = {d.index: d.stats() for d in sess.devices}
+        for d in sess.devices:
+            d.allocator.clear_stats()
+        rec = Recorder(sess)
+        t0 = time.perf_counter()
+        error = None
+        try:
+            self.shell.ex(cell)
+        except BaseException as exc:  # shown after the summary
+            error = exc
+        finally:
+            rec.detach()
+        summary = TrackSummary.from_recording(rec, sess, before, time.perf_counter() - t0)
+        from IPython.display import display
+
+        display(summary)
+        if error is not None:
+            raise error
+        return None
+
+    @line_magic
+    def gpudash_cells(self, line: str = "") -> None:
+        """``%gpudash_cells on|off``: a memory line after every cell."""
+        arg = line.strip().lower()
+        events = self.shell.events
+        if arg in _TRUE:
+            if not self._cells_on:
+                events.register("pre_run_cell", self._pre_run_cell)
+                events.register("post_run_cell", self._post_run_cell)
+                self._cells_on = True
+        elif arg in _FALSE:
+            self._cells_off()
+        else:
+            raise UsageError("usage: %gpudash_cells on|off")
+
+    def _cells_off(self) -> None:
+        if self._cells_on:
+            self.shell.events.unregister("pre_run_cell", self._pre_run_cell)
+            self.shell.events.unregister("post_run_cell", self._post_run_cell)
+            self._cells_on = False
+
+    def _pre_run_cell(self, info: Any = None) -> None:
+        sess = self._get_session()
+        dev = sess.devices[0]
+        self._cell_start = (dev.stats(), time.perf_counter())
+
+    def _post_run_cell(self, result: Any = None) -> None:
+        if self._cell_start is None or self.session is None or self.session.closed:
+            return
+        before, t0 = self._cell_start
+        self._cell_start = None
+        print(_cells_line(before, self.session.devices[0].stats(), time.perf_counter() - t0))
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        self._cells_off()
+        if self.dashboard is not None:
+            self.dashboard.close()
+            self.dashboard = None
+        if self.session is not None:
+            self.session.uninstall()
+
+
+class TrackSummary:
+    """What ``%%gpudash_track`` shows: change in use, peak, allocations, OOMs, worst
+    fragmentation and a small timeline, per device."""
+
+    def __init__(self, rows: list[dict], seconds: float, timeline: dict) -> None:
+        self.rows = rows
+        self.seconds = seconds
+        self.timeline = timeline
+
+    @classmethod
+    def from_recording(cls, rec: Any, sess: Any, before: dict, seconds: float) -> "TrackSummary":
+        import numpy as np
+
+        from .events import EventKind
+
+        cols = rec.columns()
+        rows = []
+        timeline = {}
+        for d in sess.devices:
+            mask = cols["device"] == d.index
+            kind = cols["kind"][mask]
+            size = cols["size"][mask]
+            after = d.stats()
+            delta = np.where(kind == EventKind.ALLOC, size, 0) - np.where(
+                kind == EventKind.FREE, size, 0)
+            in_use = before[d.index].bytes_in_use + np.cumsum(delta)
+            timeline[d.index] = in_use
+            rows.append({
+                "device": d.name,
+                "in_use_change": after.bytes_in_use - before[d.index].bytes_in_use,
+                "in_use": after.bytes_in_use,
+                "peak": after.peak_bytes_in_use,
+                "allocations": int((kind == EventKind.ALLOC).sum()),
+                "ooms": int((kind == EventKind.OOM).sum()),
+                "worst_fragmentation": _worst_fragmentation(d, after),
+                "pool": after.pool_bytes,
+            })
+        return cls(rows, seconds, timeline)
+
+    def __str__(self) -> str:
+        lines = [f"gpudash_track: {self.seconds:.2f} s"]
+        for r in self.rows:
+            sign = "+" if r["in_use_change"] >= 0 else "-"
+            lines.append(
+                f"  {r['device']}: in use {sign}{format_bytes(abs(r['in_use_change']))} "
+                f"(now {format_bytes(r['in_use'])}), peak {format_bytes(r['peak'])}, "
+                f"{r['allocations']} allocation(s), {r['ooms']} out of memory, "
+                f"worst fragmentation {r['worst_fragmentation']:.1%}, "
+                f"pool {format_bytes(r['pool'])}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = {"text/plain": str(self)}
+        try:
+            fig = self.figure()
+        except Exception:  # noqa: BLE001 - the text is enough
+            return bundle
+        bundle.update(fig._repr_mimebundle_(**kwargs) or {})
+        bundle["text/plain"] = str(self)
+        return bundle
+
+    def figure(self) -> Any:
+        """A small timeline of bytes in use during the cell, one line per device."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for r, (_, series) in zip(self.rows, self.timeline.items()):
+            fig.add_scatter(y=series, mode="lines", name=r["device"], line={"shape": "hv"})
+        fig.update_layout(height=160, margin={"l": 50, "r": 10, "t": 24, "b": 20},
+                          title={"text": "bytes in use during the cell", "font": {"size": 12}},
+                          showlegend=len(self.rows) > 1)
+        return fig
+
+
+def _worst_fragmentation(dev: Any, stats: Any) -> float:
+    """The worst external fragmentation seen: the allocator's figure now (gpudash samples
+    it per event in replays; live, the end state is what is known cheaply)."""
+    return float(stats.fragmentation)
+
+
+_MAGICS: dict[int, GpudashMagics] = {}
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Called by ``%load_ext gpudash``."""
+    magics = GpudashMagics(ipython)
+    ipython.register_magics(magics)
+    _MAGICS[id(ipython)] = magics
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Called by ``%unload_ext gpudash``: removes the magics, closes the dashboard, stops
+    the per-cell lines and restores CuPy's allocator."""
+    magics = _MAGICS.pop(id(ipython), None)
+    if magics is None:
+        return
+    magics.close()
+    manager = ipython.magics_manager
+    for kind in ("line", "cell"):
+        table = manager.magics[kind]
+        for name in [n for n, fn in table.items() if getattr(fn, "__self__", None) is magics]:
+            del table[name]
+    manager.registry.pop(type(magics).__name__, None)

@@ -1,0 +1,152 @@
+"""The IPython extension, driven through a real IPython shell."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing import globalipapp
+
+import gpudash
+from gpudash import session as session_mod
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture()
+def ip():
+    globalipapp.start_ipython()  # once per process; later calls return None
+    shell = globalipapp.get_ipython()
+    session_mod.set_default_session(None)
+    shell.run_line_magic("load_ext", "gpudash")
+    yield shell
+    shell.run_line_magic("unload_ext", "gpudash")
+    sess = session_mod.default_session(create=False)
+    if sess is not None:
+        sess.close()
+    session_mod.set_default_session(None)
+
+
+def _session():
+    return session_mod.default_session(create=False)
+
+
+def test_load_registers_and_unload_removes_every_magic(ip):
+    names = {"gpudash", "gpudash_config", "gpudash_cells"}
+    assert names <= set(ip.magics_manager.magics["line"])
+    assert "gpudash_track" in ip.magics_manager.magics["cell"]
+    ip.run_line_magic("unload_ext", "gpudash")
+    assert not names & set(ip.magics_manager.magics["line"])
+    assert "gpudash_track" not in ip.magics_manager.magics["cell"]
+    ip.run_line_magic("load_ext", "gpudash")  # the fixture unloads again
+
+
+def test_gpudash_creates_a_simulated_session_and_a_dashboard(ip):
+    dash = ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5")
+    try:
+        from gpudash.widgets import Dashboard
+
+        assert isinstance(dash, Dashboard)
+        sess = _session()
+        assert sess.simulated
+        assert sess.devices[0].total == 8 * GiB
+        assert sess.devices[0].memory_limit == 4 * GiB
+        # a second %gpudash reuses the session and applies the new fraction
+        dash2 = ip.run_line_magic("gpudash", "--fraction 0.25")
+        assert _session() is sess
+        assert sess.devices[0].memory_limit == 2 * GiB
+        assert dash2 is not dash
+    finally:
+        ip.run_line_magic("unload_ext", "gpudash")
+        ip.run_line_magic("load_ext", "gpudash")
+
+
+def test_gpudash_config_changes_the_live_session(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5 --growth")
+    sess = _session()
+    ip.run_line_magic("gpudash_config", "fraction=0.25 growth=false deferred=1MiB")
+    dev = sess.devices[0]
+    assert dev.memory_limit == 2 * GiB
+    assert dev.allocator.allow_growth is False
+    assert dev.allocator.pool_bytes == 2 * GiB  # growth off: preallocated
+    assert dev._deferred.threshold == MiB
+    assert "limit 2.00 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("fraction=-1", "per_process_gpu_memory_fraction"),
+    ("fraction=abc", "must be a number"),
+    ("growth=maybe", "allow_growth must be true or false"),
+    ("deferred=-5", "deferred"),
+    ("colour=blue", "key=value"),
+    ("", "nothing to change"),
+])
+def test_gpudash_config_refuses_bad_values_and_changes_nothing(ip, line, fragment):
+    ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5")
+    sess = _session()
+    before = sess.devices[0].memory_limit
+    with pytest.raises(UsageError, match=fragment):
+        ip.run_line_magic("gpudash_config", line)
+    assert sess.devices[0].memory_limit == before
+
+
+def test_gpudash_config_without_a_session_says_what_to_do(ip):
+    with pytest.raises(UsageError, match="run %gpudash first"):
+        ip.run_line_magic("gpudash_config", "fraction=0.5")
+
+
+def test_gpudash_track_summarises_the_cell(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5")
+    ip.user_ns.update(sess=_session(), MiB=MiB)
+    ip.run_cell_magic("gpudash_track", "",
+                      "ptrs = [sess.allocate(MiB) for _ in range(10)]\n"
+                      "sess.free_now(ptrs.pop())\n")
+    out = capsys.readouterr().out
+    assert "gpudash_track" in out
+    assert "in use +9.00 MiB" in out
+    assert "10 allocation(s)" in out
+    assert "0 out of memory" in out
+
+
+def test_gpudash_track_counts_out_of_memory_and_re_raises(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 1GiB --fraction 0.5")
+    ip.user_ns.update(sess=_session(), MiB=MiB)
+    cell = ("try:\n    sess.allocate(900 * MiB)\nexcept gpudash.OutOfMemoryError:\n    pass\n"
+            "raise RuntimeError('boom')\n")
+    ip.user_ns["gpudash"] = gpudash
+    with pytest.raises(RuntimeError, match="boom"):
+        ip.run_cell_magic("gpudash_track", "", cell)
+    out = capsys.readouterr().out
+    assert "1 out of memory" in out  # the summary is shown before the error
+
+
+def test_gpudash_cells_prints_a_line_after_each_cell(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB")
+    ip.user_ns["sess"] = _session()
+    ip.run_line_magic("gpudash_cells", "on")
+    ip.run_cell("p = sess.allocate(5 * 1024 * 1024)")
+    out = capsys.readouterr().out
+    assert "gpudash: in use +5.00 MiB" in out
+    assert "1 allocation(s)" in out
+    ip.run_line_magic("gpudash_cells", "off")
+    ip.run_cell("q = 1")
+    assert "gpudash:" not in capsys.readouterr().out
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpudash_cells", "sometimes")
+
+
+def test_unload_stops_the_per_cell_lines(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB")
+    ip.run_line_magic("gpudash_cells", "on")
+    ip.run_line_magic("unload_ext", "gpudash")
+    capsys.readouterr()
+    ip.run_cell("z = 2")
+    assert "gpudash:" not in capsys.readouterr().out
+    ip.run_line_magic("load_ext", "gpudash")
+
+
+def test_bad_gpudash_arguments_are_usage_errors(ip):
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpudash", "--fraction lots")
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpudash", "--bogus")
