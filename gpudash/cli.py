@@ -323,7 +323,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    import shutil
+    import importlib.util
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
@@ -331,11 +331,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if not notebook.exists():
         raise _UserError(f"the quick-start notebook is not at {notebook} (run gpudash lab "
                          "from a clone of the repository)")
-    exe = shutil.which("jupyter-lab") or shutil.which("jupyter")
-    if exe is None:
+    if importlib.util.find_spec("jupyterlab") is None:
         raise _UserError("JupyterLab is not installed: pip install 'gpudash[lab]'")
-    cmd = [exe] + ([] if exe.endswith("jupyter-lab") else ["lab"])
-    cmd += [str(notebook), f"--port={args.port}"]
+    cmd = [sys.executable, "-m", "jupyterlab", str(notebook), f"--port={args.port}"]
     if args.no_browser:
         cmd.append("--no-browser")
     _say(" ".join(cmd))

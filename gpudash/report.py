@@ -22,6 +22,7 @@ from ._version import __version__
 __all__ = ["build_report", "write_report", "timeline_figure", "heatmap_figure",
            "bins_figure", "chunkmap_figure"]
 
+_GIB = float(1 << 30)
 _COLORS = {"in_use": "#d62728", "free": "#2ca02c", "waste": "#ff7f0e", "pool": "#1f77b4",
            "limit": "#444444"}
 
@@ -51,18 +52,18 @@ def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = Non
     else:
         xs_d, in_use_d, pool_d = xs, in_use, pool
     fig = go.Figure()
-    fig.add_scatter(x=xs_d, y=pool_d, name="pool", mode="lines",
+    fig.add_scatter(x=xs_d, y=pool_d / _GIB, name="pool", mode="lines",
                     line={"color": _COLORS["pool"], "shape": "hv"})
-    fig.add_scatter(x=xs_d, y=in_use_d, name="in use", mode="lines", fill="tozeroy",
+    fig.add_scatter(x=xs_d, y=in_use_d / _GIB, name="in use", mode="lines", fill="tozeroy",
                     line={"color": _COLORS["in_use"], "shape": "hv"})
     if n:
-        fig.add_scatter(x=[xs[0], xs[-1]], y=[limit, limit], name="limit", mode="lines",
-                        line={"color": _COLORS["limit"], "dash": "dash"})
+        fig.add_scatter(x=[xs[0], xs[-1]], y=[limit / _GIB, limit / _GIB], name="limit",
+                        mode="lines", line={"color": _COLORS["limit"], "dash": "dash"})
     if ooms is not None and len(ooms):
         ooms = np.asarray(ooms)
         ooms = ooms[ooms < n]
-        fig.add_scatter(x=xs[ooms], y=in_use[ooms], name="out of memory", mode="markers",
-                        marker={"symbol": "x", "size": 10, "color": "black"})
+        fig.add_scatter(x=xs[ooms], y=in_use[ooms] / _GIB, name="out of memory",
+                        mode="markers", marker={"symbol": "x", "size": 10, "color": "black"})
     for s in settings or []:
         at = s.get("x")
         if at is None:
@@ -70,7 +71,7 @@ def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = Non
         fig.add_vline(x=at, line={"dash": "dot", "color": "#9467bd"},
                       annotation_text=f"{s['setting']} {s['old']}\u2192{s['new']}",
                       annotation_position="top left")
-    fig.update_layout(title="Memory timeline", xaxis_title=x_title, yaxis_title="bytes",
+    fig.update_layout(title="Memory timeline", xaxis_title=x_title, yaxis_title="GiB",
                       height=360, margin={"l": 60, "r": 20, "t": 50, "b": 40},
                       legend={"orientation": "h"})
     return fig
@@ -98,13 +99,14 @@ def bins_figure(dump: Any) -> Any:
     labels = [format_bytes(b.bin_size).replace(".00", "") for b in dump.bins]
     labels[-1] += "+"
     fig = go.Figure()
-    fig.add_bar(x=labels, y=[b.free_bytes for b in dump.bins], name="free bytes",
+    fig.add_bar(x=labels, y=[b.free_bytes / (1 << 20) for b in dump.bins], name="free",
                 marker_color=_COLORS["free"],
                 customdata=[b.free_chunks for b in dump.bins],
-                hovertemplate="bin %{x}<br>free %{y} B in %{customdata} chunk(s)<extra></extra>")
-    fig.add_bar(x=labels, y=[b.total_bytes_in_use for b in dump.bins], name="in use bytes",
-                marker_color=_COLORS["in_use"])
-    fig.update_layout(title="Bin occupancy", barmode="group", yaxis_title="bytes",
+                hovertemplate="bin %{x}<br>free %{y:.2f} MiB in %{customdata} chunk(s)"
+                              "<extra></extra>")
+    fig.add_bar(x=labels, y=[b.total_bytes_in_use / (1 << 20) for b in dump.bins],
+                name="in use", marker_color=_COLORS["in_use"])
+    fig.update_layout(title="Bin occupancy", barmode="group", yaxis_title="MiB",
                       height=340, margin={"l": 60, "r": 20, "t": 50, "b": 60})
     return fig
 
@@ -169,7 +171,7 @@ def _settings_marks(trace: Any, n_calls: int) -> list[dict]:
 
 def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int = 16 << 30,
                  replay_options: dict | None = None, sweep_table: Any = None,
-                 fractions: tuple = (0.25, 0.5, 0.75, 1.0)) -> str:
+                 fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
     from .analysis import bin_occupancy, chunk_map_at_peak, heatmap
     from .trace.replay import replay

@@ -1,0 +1,140 @@
+"""Regenerate the notebooks from this script (kept so that their source is reviewable).
+
+Run: ``python notebooks/make_notebooks.py``. The notebooks are stored without outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+
+def write(name: str, cells: list) -> None:
+    nb = new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+    })
+    nbformat.write(nb, HERE / name)
+
+
+md, code = new_markdown_cell, new_code_cell
+
+write("01_quickstart.ipynb", [
+    md("# gpudash quick start\n\n"
+       "gpudash runs TensorFlow's BFC allocator in Python and shows it live. `%gpudash` opens "
+       "a dashboard on the default session: a real GPU when CUDA is usable, otherwise a "
+       "simulated 16 GiB device (it says so once)."),
+    code("%load_ext gpudash"),
+    code("%gpudash --fraction 0.5 --growth"),
+    md("The session behind the dashboard. Its allocator is named like TensorFlow's "
+       "(`GPU_0_bfc`) and its limit is `fraction x total`, as TensorFlow computes it."),
+    code("import gpudash\n"
+         "sess = gpudash.default_session()\n"
+         "dev = sess.devices[0]\n"
+         "print(dev, dev.allocator)"),
+    md("Run a workload **in the background**, so the dashboard's controls stay usable while "
+       "it runs (while a cell is executing the kernel handles no widget messages). Drag the "
+       "fraction slider while it runs: the limit changes on the live session."),
+    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
+         "\n"
+         "def workload(stop_event=None):\n"
+         "    calls = training_loop_calls(steps=30, layers=12, batch=64, hidden=4096)\n"
+         "    return run_workload(calls, sess.allocate, sess.free, sleep=0.002,\n"
+         "                        stop=stop_event.is_set if stop_event else None)\n"
+         "\n"
+         "task = gpudash.run_in_background(workload)\n"
+         "task"),
+    code("run = task.result(timeout=600)\n"
+         "print(run)\n"
+         "print(sess.stats(0))"),
+    md("Settings can also change from code (or with `%gpudash_config`). Lowering the fraction "
+       "returns wholly free regions; memory in use is never moved."),
+    code("%gpudash_config fraction=0.3"),
+    code("print(f\"limit {dev.memory_limit:,} bytes, pool {dev.allocator.pool_bytes:,} bytes, \"\n"
+         "      f\"over limit: {dev.over_limit}\")"),
+    md("`%%gpudash_track` records one cell and summarises it."),
+    code("%%gpudash_track\n"
+         "ptrs = [sess.allocate(8 << 20) for _ in range(16)]\n"
+         "for p in ptrs[::2]:\n"
+         "    sess.free(p)"),
+    md("TensorFlow's own memory log of the allocator, as it would print on an OOM:"),
+    code("print(dev.allocator.dump_memory_log()[:2000])"),
+])
+
+write("02_tuning_fraction.ipynb", [
+    md("# What fraction would this need?\n\n"
+       "Replay a recorded allocation trace through gpudash's BFC allocator under other "
+       "settings. Traces can come from gpudash itself, TensorFlow's verbose allocator log, "
+       "PyTorch memory snapshots, RAPIDS RMM logs or CuPy's `DebugPrintHook`."),
+    code("import gpudash\n"
+         "from pathlib import Path\n"
+         "from gpudash.trace import load_trace\n"
+         "\n"
+         "samples = Path(gpudash.__file__).resolve().parent.parent / 'assets' / 'samples'\n"
+         "trace = load_trace(samples / 'training.gdtrace')\n"
+         "trace"),
+    code("from gpudash.trace.replay import replay\n"
+         "\n"
+         "result = replay(trace, device_bytes='16GiB', fraction=0.05)\n"
+         "result"),
+    md("The smallest fraction, to 0.5 %, at which the trace runs without running out of "
+       "memory, and a sweep over fractions with and without growth:"),
+    code("from gpudash.trace.whatif import min_fraction, sweep\n"
+         "\n"
+         "best = min_fraction(trace, '16GiB', allow_growth=True)\n"
+         "print(f'smallest fraction: {best.fraction:.3f} ({best.limit_bytes:,} bytes)')"),
+    code("table = sweep(trace, fractions=(0.02, 0.05, 0.1, 0.2, 0.5), allow_growth=(True, False),\n"
+         "              device_bytes='16GiB', jobs=1)\n"
+         "print(table.to_text())"),
+    md("Interactively: the what-if view replays the trace when the slider is released and "
+       "marks where it runs out of memory."),
+    code("from gpudash.widgets import WhatIfView\n"
+         "\n"
+         "view = WhatIfView(trace, device_bytes='16GiB')\n"
+         "view"),
+])
+
+write("03_fragmentation.ipynb", [
+    md("# Fragmentation: heatmap and chunk map\n\n"
+       "A workload that interleaves small and large allocations and frees them out of order "
+       "leaves holes. The heatmap shows, for each address range (rows) over time (columns), "
+       "the fraction of bytes in use."),
+    code("import gpudash\n"
+         "from gpudash.trace.workloads import fragmentation_stress, training_loop\n"
+         "from gpudash.trace.replay import replay\n"
+         "from gpudash.analysis import heatmap, chunk_map_at_peak\n"
+         "\n"
+         "frag = fragmentation_stress(rounds=1500, seed=1)\n"
+         "train = training_loop(steps=6, layers=8, hidden=2048)\n"
+         "r_frag = replay(frag, device_bytes='16GiB', fraction=0.5)\n"
+         "r_train = replay(train, device_bytes='16GiB', fraction=0.5)\n"
+         "print(f'worst external fragmentation: stress {r_frag.worst_fragmentation:.1%}, '\n"
+         "      f'training {r_train.worst_fragmentation:.1%}')"),
+    code("from gpudash.report import heatmap_figure, chunkmap_figure, bins_figure\n"
+         "\n"
+         "hm = heatmap(r_frag.recording, rows=256, cols=400)\n"
+         "heatmap_figure(hm.values, hm.row_edges, hm.col_edges)"),
+    code("peak = chunk_map_at_peak(r_frag.recording)\n"
+         "chunkmap_figure(peak, title='Chunk map at the peak')"),
+    code("bins_figure(peak)"),
+    md("The same views live, on a session: run the stress workload in the background and "
+       "watch the chunk map and heatmap fill in."),
+    code("from gpudash.trace.workloads import fragmentation_stress_calls, run_workload\n"
+         "from gpudash.widgets import Dashboard\n"
+         "\n"
+         "sess = gpudash.Session(gpudash.ConfigProto(allow_soft_placement=True), simulate='4GiB')\n"
+         "dash = Dashboard(sess, views=('stats', 'heatmap', 'chunkmap'))\n"
+         "task = gpudash.run_in_background(\n"
+         "    run_workload, fragmentation_stress_calls(rounds=800, seed=2), sess.allocate, sess.free_now)\n"
+         "dash"),
+    code("print(task.result(timeout=600))\n"
+         "dash.refresh()\n"
+         "print(sess.stats(0))"),
+    code("dash.close()\n"
+         "sess.close()"),
+])
+print("notebooks written")

@@ -1,0 +1,154 @@
+"""The ``gpudash`` command: every subcommand, its exit codes and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpudash.cli import main
+from gpudash.trace import load_trace, write_trace
+from gpudash.trace.workloads import training_loop
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture()
+def small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "train.gdtrace"
+    write_trace(training_loop(steps=2, layers=3, batch=8, hidden=256), path)
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_command(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    for cmd in ("demo", "replay", "whatif", "info", "convert", "lab"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("cmd", ["demo", "replay", "whatif", "info", "convert", "lab"])
+def test_every_subcommand_has_help(cmd):
+    proc = subprocess.run([sys.executable, "-m", "gpudash", cmd, "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "usage: gpudash " + cmd in proc.stdout
+
+
+def test_demo_prints_the_memory_log_and_writes_the_report(tmp_path, capsys):
+    out_html = tmp_path / "demo.html"
+    code, out, err = run(capsys, "demo", "--steps", "2", "--html", str(out_html))
+    assert code == 0, err
+    assert "BFCAllocator dump for GPU_0_bfc" in out
+    assert "Sum Total of in-use chunks:" in out
+    assert "Limit:" in out and "MaxInUse:" in out
+    text = out_html.read_text()
+    for plot in ("timeline", "heatmap", "bins", "chunkmap"):
+        assert f'data-plot="{plot}"' in text
+    assert "What if" in text
+    # offline: plotly.js is inline; no script is loaded from elsewhere
+    assert re.search(r"<script[^>]*\bsrc=", text) is None
+    assert "plotly" in text.lower() and len(text) > 1_000_000  # the library itself is in
+
+
+def test_demo_refuses_to_overwrite_without_being_asked(tmp_path, capsys):
+    out_html = tmp_path / "demo.html"
+    out_html.write_text("keep me")
+    code, _, err = run(capsys, "demo", "--steps", "1", "--html", str(out_html))
+    assert code == 1
+    assert "exists" in err and "--overwrite" in err
+    assert out_html.read_text() == "keep me"
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_replay_reports_fit_and_oom(small_trace, capsys):
+    code, out, _ = run(capsys, "replay", str(small_trace), "--device", "16GiB", "--fraction", "0.5")
+    assert code == 0
+    assert "fits" in out
+    code, out, _ = run(capsys, "replay", str(small_trace), "--device", "16GiB",
+                       "--fraction", "0.00001", "--no-growth")
+    assert code == 0
+    assert "OUT OF MEMORY" in out
+
+
+def test_replay_imports_a_tensorflow_log(capsys):
+    code, out, _ = run(capsys, "replay", str(DATA / "fragment_202.log"), "--fraction", "0.5")
+    assert code == 0, out
+    assert "calls replayed" in out
+
+
+def test_whatif_prints_the_smallest_fraction_and_a_sweep(small_trace, capsys):
+    code, out, err = run(capsys, "whatif", str(small_trace), "--device", "1GiB",
+                         "--fractions", "0.1,0.5,1.0", "--jobs", "1")
+    assert code == 0, err
+    assert "smallest fraction that fits" in out
+    assert "fraction" in out and "peak pool" in out
+
+
+def test_convert_round_trips_to_pytorch_json(small_trace, tmp_path, capsys):
+    out_json = tmp_path / "snap.json"
+    code, out, _ = run(capsys, "convert", str(small_trace), str(out_json))
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert "device_traces" in data and "segments" in data
+    back = load_trace(out_json)
+    orig = load_trace(small_trace)
+    assert back.summary()["allocations"] == orig.summary()["allocations"]
+    code, _, err = run(capsys, "convert", str(small_trace), str(out_json))
+    assert code == 1 and "--overwrite" in err
+
+
+def test_info_reports_devices_without_a_driver(capsys):
+    code, out, _ = run(capsys, "info")
+    assert code == 0
+    assert "NVML" in out and "CUDA" in out
+
+
+def test_lab_dry_run_names_the_quickstart(capsys):
+    code, out, _ = run(capsys, "lab", "--dry-run", "--no-browser")
+    assert code == 0
+    assert "01_quickstart.ipynb" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["replay", "missing.gdtrace"], "no such file"),
+    (["replay", "x", "--fraction", "abc"], "must be a number"),
+    (["replay", "x", "--fraction", "-1"], ">= 0"),
+    (["replay", "x", "--device", "lots"], "byte count"),
+    (["whatif", "x", "--jobs", "0"], None),
+    (["frobnicate"], "invalid choice"),
+])
+def test_user_errors_are_one_line_and_exit_1(argv, fragment, capsys, tmp_path):
+    code, out, err = run(capsys, *argv)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpudash: error:")
+    assert "Traceback" not in err
+    if fragment:
+        assert fragment in err
+
+
+def test_bad_trace_file_is_a_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = run(capsys, "replay", str(bad))
+    assert code == 1
+    assert "bad.json" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_console_script_runs_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "gpudash", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("gpudash ")
