@@ -144,7 +144,8 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
     colors = {"in use": _COLORS["in_use"], "waste": _COLORS["waste"], "free": _COLORS["free"]}
     for key, d in cats.items():
         fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
-                    marker_color=colors[key], hovertext=d["text"], hoverinfo="text")
+                    marker={"color": colors[key], "line": {"width": 0}},
+                    hovertext=d["text"], hoverinfo="text")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="offset in region (MiB)",
                       height=max(220, 60 + 40 * len(names)),
                       margin={"l": 160, "r": 20, "t": 50, "b": 40})

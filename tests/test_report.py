@@ -1,0 +1,73 @@
+"""The HTML report: content checks, and a real headless Chromium that renders its plots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpudash import GpudashError
+from gpudash.report import build_report, write_report
+from gpudash.trace.workloads import fragmentation_stress, training_loop
+
+CHROMIUM = os.environ.get("GPUDASH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def test_report_shows_oom_when_the_fraction_is_too_small():
+    trace = training_loop(steps=2, layers=4, batch=16, hidden=1024)
+    text = build_report(trace, device_bytes=1 << 30,
+                        replay_options={"fraction": 0.01, "allow_growth": True})
+    assert "OUT OF MEMORY" in text
+    assert "out of memory" in text  # the OOM markers' legend entry
+    text = build_report(trace, device_bytes=1 << 30, replay_options={"fraction": 1.0})
+    assert "fits: no allocation ran out of memory" in text
+
+
+def test_write_report_never_overwrites_unasked(tmp_path):
+    path = tmp_path / "r.html"
+    path.write_text("mine")
+    with pytest.raises(GpudashError, match="overwrite=True"):
+        write_report(training_loop(steps=1, layers=1, hidden=64), path)
+    assert path.read_text() == "mine"
+
+
+@pytest.mark.browser
+def test_report_renders_every_plot_in_headless_chromium(tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    trace = fragmentation_stress(rounds=600, seed=3)
+    path = write_report(trace, tmp_path / "report.html", title="gpudash report",
+                        device_bytes=4 << 30, replay_options={"fraction": 0.5})
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(path.as_uri())
+            page.wait_for_function(
+                "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8",
+                timeout=30_000)
+            plots = page.locator("section.plot")
+            assert plots.count() == 4
+            # every figure drew its data: bars, heatmap image or lines are present
+            for name, selector in (("timeline", ".scatterlayer .trace"),
+                                   ("heatmap", ".heatmaplayer image, .hm image"),
+                                   ("bins", ".barlayer .trace"),
+                                   ("chunkmap", ".barlayer .trace")):
+                section = page.locator(f'section[data-plot="{name}"]')
+                assert section.locator(selector).count() > 0, name
+            assert page.locator("#whatif table tr").count() >= 2
+            assert errors == []
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+            if os.environ.get("GPUDASH_UPDATE_ASSETS"):
+                shutil.copy(tmp_path / "report.png", ASSETS / "report.png")
+        finally:
+            browser.close()
