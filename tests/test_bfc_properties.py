@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -312,3 +313,106 @@ for _growth in (True, False):
         for _frac in (0.0, 0.01):
             globals()[f"TestBFC_growth{int(_growth)}_gc{int(_gc)}_frac{int(_frac * 100)}"] = (
                 _make(_growth, _gc, _frac))
+
+
+# --------------------------------------------------------------------------------------------
+# set_memory_limit / release_free_regions, deterministic cases (gpudash extensions)
+# --------------------------------------------------------------------------------------------
+
+
+def test_lowering_limit_below_in_use_refuses_extensions_only():
+    sub = BumpSubAllocator()
+    a = gpudash.BFCAllocator(sub, 64 * MIB, allow_growth=True, name="lim")
+    p = a.allocate(1 * MIB)  # region 2 MiB
+    q = a.allocate(4 * MIB)  # region 4 MiB
+    before = {x: (a.allocated_size(x), a.requested_size(x)) for x in (p, q)}
+    a.set_memory_limit(1 * MIB)
+    assert a.memory_limit == 1 * MIB and a.stats().bytes_limit == 1 * MIB
+    # memory in use is neither moved nor freed
+    assert {x: (a.allocated_size(x), a.requested_size(x)) for x in (p, q)} == before
+    assert a.pool_bytes == 6 * MIB and sub.freed == []
+    # fits in the free rest of the first region: still served
+    r = a.allocate(512 * KIB)
+    assert a.snapshot().regions[0].ptr <= r < a.snapshot().regions[0].ptr + 2 * MIB
+    # needs a new region: refused, without asking the sub-allocator
+    n = len(sub.calls)
+    with pytest.raises(gpudash.OutOfMemoryError):
+        a.allocate(2 * MIB)
+    assert len(sub.calls) == n
+    a.check()
+    # raising it again lets allocations extend further
+    a.set_memory_limit(64 * MIB)
+    s = a.allocate(2 * MIB)
+    assert len(sub.granted) == 3 and a.pool_bytes > 6 * MIB
+    for x in (p, q, r, s):
+        a.deallocate(x)
+    a.check()
+
+
+def test_lowering_limit_releases_free_regions_until_pool_fits():
+    sub = BumpSubAllocator()
+    a = gpudash.BFCAllocator(sub, 64 * MIB, allow_growth=True, name="lim")
+    ptrs = [a.allocate(n) for n in (2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB)]  # 4 full regions
+    assert sub.granted == [2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB]
+    for x in ptrs[:3]:
+        a.deallocate(x)
+    a.set_memory_limit(20 * MIB)  # pool 30 MiB: at least 10 MiB of free regions must go
+    assert a.pool_bytes <= 20 * MIB
+    released = sub.freed
+    assert released and all(n in (2 * MIB, 4 * MIB, 8 * MIB) for _, n in released)
+    assert a.pool_bytes == 30 * MIB - sum(n for _, n in released)
+    assert a.allocated_size(ptrs[3]) == 16 * MIB
+    a.check()
+    check_snapshot(a.snapshot())
+    # lowering below what is in use releases every free region and keeps the rest
+    a.set_memory_limit(1 * MIB)
+    assert a.pool_bytes == 16 * MIB
+    assert sub.outstanding == {ptrs[3]: 16 * MIB}
+    a.check()
+
+
+def test_raising_limit_releases_nothing():
+    sub = BumpSubAllocator()
+    a = gpudash.BFCAllocator(sub, 8 * MIB, allow_growth=True)
+    p = a.allocate(1 * MIB)
+    a.deallocate(p)
+    a.set_memory_limit(16 * MIB)
+    assert sub.freed == [] and a.pool_bytes == 2 * MIB
+
+
+def test_release_free_regions_returns_bytes():
+    sub = BumpSubAllocator()
+    a = gpudash.BFCAllocator(sub, 64 * MIB, allow_growth=True, garbage_collection=True)
+    p = a.allocate(1 * MIB)
+    q = a.allocate(3 * MIB)
+    a.deallocate(p)
+    assert a.release_free_regions() == 2 * MIB
+    assert a.release_free_regions() == 0
+    assert a.pool_bytes == 4 * MIB
+    a.deallocate(q)
+    assert a.release_free_regions() == 4 * MIB
+    assert a.pool_bytes == 0 and sub.outstanding == {}
+    assert a.render_occupancy() == "<allocator contains no memory>"
+    # and the allocator still works afterwards
+    r = a.allocate(100)
+    assert a.allocated_size(r) == 256
+    a.check()
+
+
+def test_properties_read_only_values():
+    a = gpudash.BFCAllocator(BumpSubAllocator(), 5 * MIB, allow_growth=False, name="props")
+    assert (a.memory_limit, a.allow_growth, a.name, a.pool_bytes) == (5 * MIB, False, "props", 0)
+    d = a.snapshot()
+    assert d.allocator_name == "props"
+    assert list(d.chunks) == []
+    assert list(d.regions) == [] and len(d.bins) == 21
+    s = a.stats()
+    assert (s.num_allocs, s.bytes_in_use, s.peak_bytes_in_use, s.largest_alloc_size,
+            s.bytes_limit, s.pool_bytes, s.peak_pool_bytes, s.largest_free_block_bytes) == (
+        0, 0, 0, 0, 5 * MIB, 0, 0, 0)
+    assert s.fragmentation == 0.0
+    p = a.allocate(1000)
+    d = a.snapshot()
+    assert d.stats.bytes_in_use == 1024 and d.stats.num_allocs == 1
+    assert a.stats().fragmentation == 0.0  # one free chunk: 1 - largest/total = 0
+    a.deallocate(p)

@@ -200,12 +200,14 @@ def test_bin_debug_info():
             ptrs.append(p)
             allocated.append(a.allocated_size(p))
     md = a.snapshot()
+    assert md.allocator_name == "GPU_0_bfc"
     assert len(md.chunks) == 1 + num_sizes * per_size
     assert len(md.bins) == 21
     for b in md.bins:
         i = b.bin
         if i < num_sizes:
-            assert a.requested_size(ptrs[2 * i]) + a.requested_size(ptrs[2 * i + 1]) == 2 * (256 << i)
+            requested = a.requested_size(ptrs[2 * i]) + a.requested_size(ptrs[2 * i + 1])
+            assert requested == 2 * (256 << i)
             alloc_size = allocated[2 * i] + allocated[2 * i + 1]
             assert b.total_bytes_in_use == alloc_size
             assert b.total_bytes_in_bin == alloc_size
