@@ -44,6 +44,15 @@ class Recorder:
         What to record; more can be added with :meth:`attach`.
     capacity : int
         Most events kept; older ones are dropped first.
+    path : str or os.PathLike, optional
+        Also stream every event to this ``.gdtrace`` file, one batch every
+        ``flush_interval`` seconds from a background thread, so that a process killed
+        mid-run loses at most its last ``flush_interval`` of events. Closed by
+        :meth:`detach` (or the context manager).
+    overwrite : bool
+        Replace an existing ``path``.
+    flush_interval : float
+        Seconds between batches written to ``path``.
 
     Examples
     --------
@@ -55,7 +64,8 @@ class Recorder:
     ['extend', 'split', 'alloc', 'free', 'merge']
     """
 
-    def __init__(self, source: Any = None, *, capacity: int = 1_000_000) -> None:
+    def __init__(self, source: Any = None, *, capacity: int = 1_000_000,
+                 path: Any = None, overwrite: bool = False, flush_interval: float = 1.0) -> None:
         capacity = int(capacity)
         if capacity <= 0:
             raise ValueError(f"capacity must be a positive number of events; got {capacity}")
@@ -65,9 +75,43 @@ class Recorder:
         self._settings: dict[tuple[int, int], tuple] = {}  # (device, seq) -> (setting, old, new)
         self._lock = threading.Lock()
         self._attached: list[tuple[Any, Any]] = []  # (allocator, remove)
-        self._sources = 0
+        self._writer = None
+        self._streamer: threading.Thread | None = None
+        self._stop = threading.Event()
+        if path is not None:
+            from ._version import __version__
+            from .trace import TraceWriter
+
+            meta = {"gpudash_version": __version__, "source": "gpudash",
+                    "devices": [self._device_meta(a) for a in _allocators_of(source)]
+                    if source is not None else []}
+            self._writer = TraceWriter(path, meta, overwrite=overwrite,
+                                       flush_interval=float("inf"), batch_events=1 << 62)
+            self._flush_interval = float(flush_interval)
         if source is not None:
             self.attach(source)
+        if self._writer is not None:
+            self._streamer = threading.Thread(target=self._stream, name="gpudash-recorder",
+                                              daemon=True)
+            self._streamer.start()
+
+    @staticmethod
+    def _device_meta(alloc: Any) -> dict:
+        return {"index": alloc.device_index, "name": alloc.name,
+                "capacity": getattr(alloc.sub_allocator, "total", None),
+                "memory_limit": alloc.memory_limit,
+                "options": {"allow_growth": alloc.allow_growth,
+                            "garbage_collection": alloc.garbage_collection}}
+
+    def _stream(self) -> None:
+        while not self._stop.wait(self._flush_interval):
+            self._write_batch()
+
+    def _write_batch(self) -> None:
+        self.flush()
+        with self._lock:
+            if self._writer is not None:
+                self._writer.flush()
 
     # ------------------------------------------------------------------ wiring
     def attach(self, source: Any) -> "Recorder":
@@ -80,10 +124,22 @@ class Recorder:
         return self
 
     def detach(self) -> None:
-        """Stop recording (buffered events are taken in first)."""
+        """Stop recording (buffered events are taken in first); closes the stream file."""
         attached, self._attached = self._attached, []
         for _, remove in attached:
             remove()
+        self._stop.set()
+        if self._streamer is not None and self._streamer is not threading.current_thread():
+            self._streamer.join(timeout=5)
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    @property
+    def path(self) -> str | None:
+        """The file events stream to, if any."""
+        return self._writer.path if self._writer is not None else None
 
     def __enter__(self) -> "Recorder":
         return self
@@ -101,6 +157,7 @@ class Recorder:
         if n == 0:
             return
         cap = self._capacity
+        full = columns
         with self._lock:
             if n >= cap:
                 columns = {k: v[-cap:] for k, v in columns.items()}
@@ -117,8 +174,12 @@ class Recorder:
                 if first < n:
                     dst[:n - first] = src[first:]
             self._total += n + skipped
+            dev = int(columns["device"][0])
+            if self._writer is not None:
+                self._writer.append(full, settings=[
+                    {"device": dev, "seq": seq, "setting": v[0], "old": v[1], "new": v[2]}
+                    for seq, v in extra.items()])
             if extra:
-                dev = int(columns["device"][0])
                 for seq, value in extra.items():
                     self._settings[(dev, seq)] = value
                 if len(self._settings) > cap:
@@ -194,14 +255,7 @@ class Recorder:
         from .trace import Trace
 
         m = {"gpudash_version": __version__, "source": "gpudash"}
-        devices = []
-        for alloc, _ in self._attached:
-            devices.append({"index": alloc.device_index, "name": alloc.name,
-                            "capacity": getattr(alloc.sub_allocator, "total", None),
-                            "memory_limit": alloc.memory_limit,
-                            "options": {"allow_growth": alloc.allow_growth,
-                                        "garbage_collection": alloc.garbage_collection}})
-        m["devices"] = devices
+        m["devices"] = [self._device_meta(alloc) for alloc, _ in self._attached]
         m["dropped"] = self.dropped
         if meta:
             m.update(meta)
