@@ -13,6 +13,8 @@ from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors, load_vector_json
 from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
+from .replay import ReplayResult, replay
+from .whatif import MinFractionResult, SweepTable, min_fraction, sweep
 
 __all__ = [
     "Trace",
@@ -28,4 +30,10 @@ __all__ = [
     "save_torch_snapshot",
     "load_rmm_csv",
     "load_cupy_hook",
+    "replay",
+    "ReplayResult",
+    "min_fraction",
+    "MinFractionResult",
+    "sweep",
+    "SweepTable",
 ]

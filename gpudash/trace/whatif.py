@@ -1,0 +1,405 @@
+"""What-if questions over a trace: the smallest memory fraction that fits, and settings sweeps.
+
+Both replay the trace (:func:`gpudash.trace.replay.replay`) without recording:
+
+- :func:`min_fraction` bisects ``per_process_gpu_memory_fraction`` for the smallest value at
+  which no allocation is refused;
+- :func:`sweep` replays a grid of fractions x ``allow_growth`` settings, in this process or
+  in two worker processes, and returns a :class:`SweepTable`.
+
+A caveat on bisection: for the BFC allocator "fits" is not always monotone in the fraction.
+With growth, regions double from 2 MiB and the last one is cut to what the limit leaves, so
+a slightly larger limit can produce a different region layout (and a worse one). The
+fraction :func:`min_fraction` returns has been replayed and fits; smaller fractions that
+also fit may exist below a failing one (``MinFractionResult.non_monotone`` says when the
+bisection saw such an inversion).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import multiprocessing
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._units import format_bytes
+from .format import Trace
+from .replay import _calls_lists, _progress_fn, _replay_lists, resolve_settings
+
+__all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
+
+#: The fractions :func:`sweep` tries by default: 0.1, 0.2, ..., 1.0.
+DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+
+# ---------------------------------------------------------------------------- min_fraction
+@dataclass
+class MinFractionResult:
+    """What :func:`min_fraction` found.
+
+    Attributes
+    ----------
+    fraction : float or None
+        The smallest fraction found at which the replay refuses nothing (within
+        ``tolerance``); None when even ``hi`` fails.
+    limit_bytes : int or None
+        The allocator limit at that fraction.
+    replays : int
+        Replays run.
+    history : list of (float, int)
+        ``(fraction, oom_count)`` of every replay, in order. Failing replays stop at their
+        first OOM unless ``count_ooms=True``, so their count is then 1 ("at least one").
+    non_monotone : bool
+        True when some replay failed at a larger fraction than one that fitted.
+    device_bytes : int
+        The simulated device size.
+    """
+
+    fraction: float | None
+    limit_bytes: int | None
+    replays: int
+    history: list[tuple[float, int]] = field(default_factory=list)
+    non_monotone: bool = False
+    device_bytes: int = 0
+
+    @property
+    def fits(self) -> bool:
+        """True when some fraction up to ``hi`` fits."""
+        return self.fraction is not None
+
+    def __repr__(self) -> str:
+        if self.fraction is None:
+            return (f"MinFractionResult(no fit up to the largest fraction tried, "
+                    f"replays={self.replays})")
+        return (f"MinFractionResult(fraction={self.fraction:.4f}, "
+                f"limit={format_bytes(self.limit_bytes or 0)} of "
+                f"{format_bytes(self.device_bytes)}, replays={self.replays})")
+
+
+def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: float = 0.005,
+                 lo: float = 0.0, hi: float = 1.0, count_ooms: bool = False,
+                 progress: Any = None, **options: Any) -> MinFractionResult:
+    """The smallest ``per_process_gpu_memory_fraction`` at which the trace replays without OOM.
+
+    Parameters
+    ----------
+    trace : Trace
+    device_bytes : int or str, default "16GiB"
+        Size of the simulated device.
+    tolerance : float, default 0.005
+        Bisection stops when the failing and fitting fractions are this close (absolute).
+    lo : float, default 0.0
+        A fraction assumed to fail (exclusive lower bound).
+    hi : float, default 1.0
+        The largest fraction tried; if it fails the result's ``fraction`` is None.
+    count_ooms : bool, default False
+        Replay failing settings to the end to count every OOM (slower); by default a
+        failing replay stops at its first OOM.
+    progress : callable or True, optional
+        ``progress(done, total)`` in replays (``total`` is the bisection's upper bound on
+        replays); True prints to stderr.
+    **options
+        Other :func:`~gpudash.trace.replay.replay` settings (``allow_growth``,
+        ``garbage_collection``, ``deferred_deletion_bytes``, ``device``, ``options``...).
+
+    Returns
+    -------
+    MinFractionResult
+
+    Notes
+    -----
+    Bisection on the fraction: each step replays at the midpoint (``record=False``,
+    ``per_call=False``) and keeps the half where the boundary lies. The returned fraction is
+    one that was replayed and fits. Fitting need not be monotone in the fraction (see this
+    module's docstring), so a smaller fitting fraction may exist.
+
+    Examples
+    --------
+    >>> from gpudash.trace.workloads import training_loop
+    >>> r = min_fraction(training_loop(steps=2, layers=2, hidden=1024), "1GiB")
+    >>> r.fits and r.fraction < 0.2
+    True
+    """
+    tolerance = float(tolerance)
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0; got {tolerance}")
+    lo, hi = float(lo), float(hi)
+    if not 0.0 <= lo < hi:
+        raise ValueError(f"need 0 <= lo < hi; got lo={lo}, hi={hi}")
+    if "fraction" in options or "memory_limit" in options:
+        raise ValueError("min_fraction chooses the fraction itself; do not pass fraction= or "
+                         "memory_limit=")
+    extra = options.pop("options", None)
+    base = resolve_settings(trace, extra, device_bytes=device_bytes, **options)
+    dev_bytes = base["device_bytes"]
+    ops, keys, nbytes, n_events = _calls_lists(trace, base["device"])
+    report = _progress_fn(progress, "min_fraction")
+    total = 1 + max(1, math.ceil(math.log2(max((hi - lo) / tolerance, 1.0))))
+    history: list[tuple[float, int]] = []
+
+    def fits(frac: float) -> bool:
+        s = dict(base, fraction=frac,
+                 memory_limit=_limit_for(dev_bytes, frac, int(base["cc_major"])))
+        r = _replay_lists(s, ops, keys, nbytes, n_events, record=False, per_call=False,
+                          max_ooms=None if count_ooms else 1, progress=None)
+        history.append((frac, r.oom_count))
+        if report is not None:
+            report(min(len(history), total - 1), total)
+        return r.fits
+
+    if not fits(hi):
+        if report is not None:
+            report(total, total)
+        return MinFractionResult(None, None, len(history), history, False, dev_bytes)
+    good, bad = hi, lo
+    while good - bad > tolerance:
+        mid = (good + bad) / 2.0
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    if report is not None:
+        report(total, total)
+    fitted = [f for f, n in history if n == 0]
+    failed = [f for f, n in history if n > 0]
+    non_monotone = bool(fitted and failed and max(failed) > min(fitted))
+    return MinFractionResult(good, _limit_for(dev_bytes, good, int(base["cc_major"])),
+                             len(history), history, non_monotone, dev_bytes)
+
+
+def _limit_for(device_bytes: int, fraction: float, cc_major: int) -> int:
+    from ..options import memory_limit
+
+    return memory_limit(device_bytes, device_bytes, fraction, cc_major, environ={})
+
+
+# ---------------------------------------------------------------------------- sweep
+_ROW_KEYS = ("fraction", "allow_growth", "limit_bytes", "fits", "oom_count", "first_oom",
+             "peak_pool_bytes", "peak_bytes_in_use", "worst_fragmentation", "extensions")
+
+# Worker-process state: the trace's calls, set once per process by _init_worker.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, n_events: int) -> None:
+    _WORKER["calls"] = (ops.tolist(), keys.tolist(), nbytes.tolist(), n_events)
+
+
+def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
+    ops, keys, nbytes, n_events = calls if calls is not None else _WORKER["calls"]
+    r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=True,
+                      max_ooms=None, progress=None)
+    return {
+        "fraction": settings["fraction"],
+        "allow_growth": settings["allow_growth"],
+        "limit_bytes": r.memory_limit,
+        "fits": r.fits,
+        "oom_count": r.oom_count,
+        "first_oom": r.first_oom[0] if r.first_oom else None,
+        "peak_pool_bytes": r.peak_pool_bytes,
+        "peak_bytes_in_use": r.peak_bytes_in_use,
+        "worst_fragmentation": r.worst_fragmentation,
+        "extensions": r.extensions,
+    }
+
+
+def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
+          allow_growth: bool | Iterable[bool] = (True, False), *,
+          device_bytes: int | str = "16GiB", jobs: int = 1, progress: Any = None,
+          **options: Any) -> SweepTable:
+    """Replay a trace under every fraction x allow_growth setting.
+
+    Parameters
+    ----------
+    trace : Trace
+    fractions : iterable of float or None
+        ``per_process_gpu_memory_fraction`` values (None or 0: TensorFlow's default rule).
+    allow_growth : bool or iterable of bool
+    device_bytes : int or str, default "16GiB"
+    jobs : int, default 1
+        1 replays in this process; 2 or more use that many worker processes
+        (:class:`~concurrent.futures.ProcessPoolExecutor`), each given the trace's calls as
+        numpy arrays once.
+    progress : callable or True, optional
+        ``progress(done, total)`` in settings; True prints to stderr.
+    **options
+        Other :func:`~gpudash.trace.replay.replay` settings, the same for every row.
+
+    Returns
+    -------
+    SweepTable
+        One row per setting, fraction-major, in the order given.
+    """
+    if isinstance(allow_growth, (bool, np.bool_)):
+        allow_growth = (bool(allow_growth),)
+    fractions = list(fractions)
+    growths = [bool(g) for g in allow_growth]
+    if not fractions or not growths:
+        raise ValueError("sweep needs at least one fraction and one allow_growth value")
+    jobs = int(jobs)
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1; got {jobs}")
+    for bad in ("fraction", "memory_limit"):
+        if bad in options:
+            raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
+    extra = options.pop("options", None)
+    settings = [resolve_settings(trace, extra, device_bytes=device_bytes, fraction=f,
+                                 allow_growth=g, **options)
+                for f in fractions for g in growths]
+    calls = trace.calls(settings[0]["device"])
+    n_events = int(np.count_nonzero(trace.columns["device"] == settings[0]["device"]))
+    report = _progress_fn(progress, "sweep")
+    total = len(settings)
+    rows: list[dict | None] = [None] * total
+    done = 0
+    if jobs == 1 or total == 1:
+        lists = (calls.op.tolist(), calls.key.tolist(), calls.nbytes.tolist(), n_events)
+        for i, s in enumerate(settings):
+            rows[i] = _sweep_one(s, lists)
+            done += 1
+            if report is not None:
+                report(done, total)
+    else:
+        ctx = _mp_context()
+        with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx,
+                                 initializer=_init_worker,
+                                 initargs=(calls.op, calls.key, calls.nbytes, n_events)) as ex:
+            futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
+            for fut in as_completed(futures):
+                rows[futures[fut]] = fut.result()
+                done += 1
+                if report is not None:
+                    report(done, total)
+    return SweepTable([r for r in rows if r is not None],
+                      device_bytes=settings[0]["device_bytes"])
+
+
+def _mp_context() -> Any:
+    """forkserver where there is one (fast after the first start, and safe with threads),
+    else spawn."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+class SweepTable:
+    """The rows of a :func:`sweep`, with table views.
+
+    Parameters
+    ----------
+    rows : list of dict
+        Each with ``fraction``, ``allow_growth``, ``limit_bytes``, ``fits``, ``oom_count``,
+        ``first_oom`` (call index or None), ``peak_pool_bytes``, ``peak_bytes_in_use``,
+        ``worst_fragmentation`` and ``extensions``.
+    device_bytes : int, optional
+        The simulated device size (shown by :meth:`to_text`).
+    """
+
+    COLUMNS = _ROW_KEYS
+
+    def __init__(self, rows: Sequence[dict], device_bytes: int | None = None) -> None:
+        self.rows = [dict(r) for r in rows]
+        self.device_bytes = device_bytes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SweepTable):
+            return NotImplemented
+        return self.rows == other.rows
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The rows as numpy columns (``fraction`` NaN for TensorFlow's default,
+        ``first_oom`` -1 where none)."""
+        rows = self.rows
+        out = {
+            "fraction": np.array([np.nan if r["fraction"] is None else r["fraction"]
+                                  for r in rows], dtype=np.float64),
+            "allow_growth": np.array([r["allow_growth"] for r in rows], dtype=bool),
+            "fits": np.array([r["fits"] for r in rows], dtype=bool),
+            "first_oom": np.array([-1 if r["first_oom"] is None else r["first_oom"]
+                                   for r in rows], dtype=np.int64),
+            "worst_fragmentation": np.array([r["worst_fragmentation"] for r in rows],
+                                            dtype=np.float64),
+        }
+        for k in ("limit_bytes", "oom_count", "peak_pool_bytes", "peak_bytes_in_use",
+                  "extensions"):
+            out[k] = np.array([r[k] for r in rows], dtype=np.int64)
+        return {k: out[k] for k in _ROW_KEYS}
+
+    def best(self) -> dict | None:
+        """The fitting row with the smallest fraction (then the smallest peak pool), or None.
+
+        Rows at TensorFlow's default fraction count as the limit they resolved to.
+        """
+        fitting = [r for r in self.rows if r["fits"]]
+        if not fitting:
+            return None
+        return min(fitting, key=lambda r: (r["limit_bytes"], r["peak_pool_bytes"],
+                                           not r["allow_growth"]))
+
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
+                "peak in use", "worst frag", "regions"]
+        body = []
+        for r in self.rows:
+            body.append([
+                "default" if r["fraction"] is None else f"{r['fraction']:.3g}",
+                "yes" if r["allow_growth"] else "no",
+                format_bytes(r["limit_bytes"]),
+                "yes" if r["fits"] else "NO",
+                f"{r['oom_count']:,}",
+                "-" if r["first_oom"] is None else f"{r['first_oom']:,}",
+                format_bytes(r["peak_pool_bytes"]),
+                format_bytes(r["peak_bytes_in_use"]),
+                f"{r['worst_fragmentation']:.3f}",
+                str(r["extensions"]),
+            ])
+        return head, body
+
+    def to_text(self) -> str:
+        """An aligned plain-text table with human-readable bytes."""
+        head, body = self._cells()
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+        lines.append("  ".join("-" * w for w in widths))
+        for row in body:
+            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if self.device_bytes:
+            lines.append(f"(device {format_bytes(self.device_bytes)})")
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """A plain ``<table>`` (no styling)."""
+        head, body = self._cells()
+        out = ["<table>", "<thead><tr>"
+               + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr></thead>",
+               "<tbody>"]
+        for row in body:
+            out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        out.append("</tbody></table>")
+        return "\n".join(out)
+
+    _repr_html_ = to_html
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        best = self.best()
+        b = "none fits" if best is None else (
+            f"best fraction={best['fraction']}, allow_growth={best['allow_growth']}")
+        return f"SweepTable(rows={len(self.rows)}, {b})"
