@@ -598,6 +598,26 @@ class BFCAllocator:
             raise exc
         return self._retry(nbytes, rounded, b)
 
+    def try_allocate(self, nbytes: int) -> int:
+        """Like :meth:`allocate`, but 0 instead of raising when memory is short: nothing is
+        logged and no ``oom`` event is recorded (TensorFlow's first, quiet attempt before
+        its retry loop). Callers that can free memory retry with :meth:`allocate`."""
+        if type(nbytes) is not int:
+            nbytes = _coerce_size(nbytes)
+        if nbytes <= 0:
+            if nbytes == 0:
+                return 0
+            raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+        rounded = (nbytes + 255) & ~255
+        b = bin_num_for_size(rounded)
+        with self._lock:
+            journal = self._journal
+            start = len(journal) if journal is not None else 0
+            ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
+            if journal is not None:
+                self._after_op(start)
+        return ptr
+
     def _take(self, nbytes: int, rounded: int, b: int) -> int:
         """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits."""
         mask = self._mask >> b
@@ -1393,6 +1413,8 @@ class BFCAllocator:
         if not callable(callback):
             raise TypeError(f"callback must be callable; got {callback!r}")
         with self._lock:
+            if self._journal:
+                self._flush_locked()
             self._callbacks.append(callback)
             self._update_journal()
 
@@ -1411,6 +1433,8 @@ class BFCAllocator:
         keyed like :data:`gpudash.events.COLUMNS` and ``extra`` = {seq: (setting, old,
         new)}. Batches arrive every few thousand events and on :meth:`flush_events`."""
         with self._lock:
+            if self._journal:
+                self._flush_locked()  # earlier events go to earlier listeners only
             self._sinks.append(sink)
             self._update_journal()
 

@@ -189,7 +189,13 @@ class GpudashMagics(Magics):
         summary = TrackSummary.from_recording(rec, sess, before, time.perf_counter() - t0)
         from IPython.display import display
 
-        display(summary)
+        # Two outputs: front ends show only the richest type of one bundle, and the text
+        # must not hide behind the figure.
+        print(summary)
+        try:
+            display(summary.figure())
+        except Exception:  # noqa: BLE001 - the text is the summary; the plot is a bonus
+            pass
         if error is not None:
             raise error
         return None
@@ -289,16 +295,6 @@ class TrackSummary:
         return "\n".join(lines)
 
     __repr__ = __str__
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = {"text/plain": str(self)}
-        try:
-            fig = self.figure()
-        except Exception:  # noqa: BLE001 - the text is enough
-            return bundle
-        bundle.update(fig._repr_mimebundle_(**kwargs) or {})
-        bundle["text/plain"] = str(self)
-        return bundle
 
     def figure(self) -> Any:
         """A small timeline of bytes in use during the cell, one line per device."""

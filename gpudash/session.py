@@ -431,15 +431,11 @@ class Session:
         deferred frees and retry once before raising :class:`~gpudash.OutOfMemoryError`."""
         self._check_open()
         dev = self.devices[_parse_device(device, len(self.devices))]
-        returned = dev._deferred.completed_bytes
-        try:
-            ptr = dev.allocator.allocate(nbytes)
-        except OutOfMemoryError:
-            # Flush, then retry if deferred frees reached the allocator since the attempt
-            # began (queued ones, or a batch the poller was returning at that moment).
+        ptr = dev.allocator.try_allocate(nbytes)
+        if not ptr and nbytes:
+            # Flush deferred frees, then the real attempt (which raises OutOfMemoryError,
+            # logged and recorded once, if memory is still short).
             self._drain(dev)
-            if dev._deferred.completed_bytes == returned:
-                raise
             ptr = dev.allocator.allocate(nbytes)
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,

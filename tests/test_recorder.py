@@ -162,3 +162,29 @@ def test_a_killed_process_loses_at_most_its_last_second(tmp_path):
     assert last >= t0
     # at most the last second (plus scheduling slack) is missing
     assert killed_at - last < 1.6e9, (killed_at - last) / 1e9
+
+
+def test_a_recorder_attached_later_gets_no_earlier_events():
+    a = BFCAllocator(SimulatedDevice(1 << 30), 1 << 30)
+    first = Recorder(a)
+    for _ in range(10):
+        a.allocate(MiB)
+    second = Recorder(a)
+    a.allocate(MiB)
+    kinds = [EventKind(int(k)) for k in second.columns()["kind"]]
+    assert kinds.count(EventKind.ALLOC) == 1
+    assert [EventKind(int(k)) for k in first.columns()["kind"]].count(EventKind.ALLOC) == 11
+
+
+def test_try_allocate_is_quiet_and_allocate_reports(caplog):
+    a = BFCAllocator(SimulatedDevice(1 << 30), 4 * MiB, allow_growth=False, name="quiet")
+    rec = Recorder(a)
+    with caplog.at_level("WARNING", logger="gpudash"):
+        assert a.try_allocate(8 * MiB) == 0
+        assert "ran out of memory" not in caplog.text
+        with pytest.raises(gpudash.OutOfMemoryError):
+            a.allocate(8 * MiB)
+        assert caplog.text.count("ran out of memory") == 1
+    kinds = [EventKind(int(k)) for k in rec.columns()["kind"]]
+    assert kinds.count(EventKind.OOM) == 1
+    assert a.try_allocate(MiB) != 0
