@@ -1,0 +1,275 @@
+"""Dashboard costs: refresh CPU time, bytes on the wire, allocator throughput.
+
+(a) Kernel CPU time of one refresh (``LiveModel.refresh_now``, measured with
+    ``time.thread_time``) on a device with ~10,000 live chunks, with every view of a
+    ``Dashboard`` attached and redrawing (the chunk map's rate cap lifted), and for the model
+    alone. Target: < 50 ms.
+(b) Bytes sent per refresh, per view: every widget's comm is a recording comm that JSON-encodes
+    each message as the kernel would (plus binary buffers).
+(c) Allocator throughput: allocate+free pairs a second in a tight loop (mixed sizes, 300
+    slots, over a pool of ~2,000 live chunks) on a bare session; with a no-op batch sink (what
+    any sink costs: the allocator journals every op while anyone listens and expands each
+    batch into numpy columns); and watched by a warm dashboard, paused (the model's sink) and
+    refreshing at 4 Hz (the refresher thread also competes for the GIL). Runs are
+    interleaved; medians. Target: >= 70 % of the bare rate.
+
+Run: ``python benchmarks/bench_dashboard.py [--chunks N] [--pairs N] [--repeat R]``.
+Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import comm
+from comm.base_comm import BaseComm
+
+import gpudash
+from gpudash.widgets import Dashboard, LiveModel
+
+MIB = 1 << 20
+
+
+class RecordingComm(BaseComm):
+    """Keeps the size of every message instead of publishing it."""
+
+    log: list = []
+
+    def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+        size = len(json.dumps(data)) + sum(memoryview(b).nbytes for b in buffers or ())
+        RecordingComm.log.append((self.comm_id, size))
+
+    def open(self, data=None, metadata=None, buffers=None):
+        self._closed = False
+        self.publish_msg("comm_open", data=data, buffers=buffers)
+
+    def close(self, data=None, metadata=None, buffers=None, deleting=False):
+        self._closed = True
+
+
+def install_recording_comm() -> None:
+    comm.create_comm = lambda *a, **k: RecordingComm(**k)
+
+
+def populate(sess: gpudash.Session, live: int, seed: int = 1,
+             max_bytes: int = 1 << 20) -> list[int]:
+    """``2 * live`` allocations, every other one freed: ~``live`` in use, ~``live`` free."""
+    rng = random.Random(seed)
+    ptrs = [sess.allocate(rng.randint(1, max_bytes)) for _ in range(2 * live)]
+    for p in ptrs[::2]:
+        sess.free_now(p)
+    return ptrs[1::2]
+
+
+def bench_refresh(chunks: int, repeat: int) -> dict:
+    install_recording_comm()
+    out = {}
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        live = populate(sess, chunks)
+        n_chunks = len(sess.devices[0].allocator.chunk_table()["ptr"])
+        out["chunks"] = n_chunks
+        out["live"] = len(live)
+
+        # model alone
+        with LiveModel(sess, start=False) as model:
+            times = []
+            for i in range(repeat):
+                sess.free_now(live[i])
+                live[i] = sess.allocate(1000 + i)
+                t0 = time.thread_time()
+                model.refresh_now()
+                times.append(time.thread_time() - t0)
+            out["model_ms"] = 1e3 * statistics.median(times)
+
+        # every view attached, every view redrawing
+        with Dashboard(sess, rate_hz=4) as dash:
+            dash.model.paused = True  # this thread refreshes; the refresher sleeps
+            time.sleep(0.3)
+            for view in dash.views.values():
+                if hasattr(view, "max_rate_hz"):
+                    view.max_rate_hz = None
+            widgets_of = {name: _model_ids(view) for name, view in dash.views.items()}
+            widgets_of["controls"] = _model_ids(dash.controls)
+            times, sizes, per_view = [], [], {name: [] for name in widgets_of}
+            for i in range(repeat):
+                sess.free_now(live[i])
+                live[i] = sess.allocate(2000 + i)
+                RecordingComm.log.clear()
+                t0 = time.thread_time()
+                dash.model.refresh_now()
+                times.append(time.thread_time() - t0)
+                sizes.append(sum(n for _, n in RecordingComm.log))
+                for name, ids in widgets_of.items():
+                    per_view[name].append(sum(n for cid, n in RecordingComm.log if cid in ids))
+            out["dashboard_ms"] = 1e3 * statistics.median(times)
+            out["bytes"] = statistics.median(sizes)
+            out["bytes_per_view"] = {k: statistics.median(v) for k, v in per_view.items()}
+
+            # the default: the chunk map capped at 1 Hz (most refreshes skip it)
+            dash.views["chunkmap"].max_rate_hz = 1.0
+            dash.views["chunkmap"]._last_draw = time.monotonic()
+            times, sizes = [], []
+            for i in range(repeat):
+                sess.free_now(live[i])
+                live[i] = sess.allocate(3000 + i)
+                RecordingComm.log.clear()
+                t0 = time.thread_time()
+                dash.model.refresh_now()
+                times.append(time.thread_time() - t0)
+                sizes.append(sum(n for _, n in RecordingComm.log))
+            out["capped_ms"] = 1e3 * statistics.median(times)
+            out["capped_bytes"] = statistics.median(sizes)
+    return out
+
+
+def bench_steady_state_bytes(history: int = 5000, columns: int = 600) -> dict:
+    """Bytes per refresh once the timeline holds ``history`` points and the heatmap
+    ``columns`` columns (views redrawing at every refresh, no rate caps)."""
+    from gpudash.widgets import HeatmapView, TimelineView
+
+    install_recording_comm()
+    out = {}
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        live = populate(sess, 100, max_bytes=64 * MIB)  # ~3 GiB of 16 in use
+        rng = random.Random(2)
+        with LiveModel(sess, start=False, history=history, heatmap_columns=columns) as model:
+            for _ in range(history):
+                j = rng.randrange(len(live))
+                sess.free_now(live[j])
+                live[j] = sess.allocate(rng.randint(1, 64 * MIB))
+                model.refresh_now()
+            views = {"timeline": TimelineView(model),
+                     "heatmap": HeatmapView(model, max_rate_hz=None)}
+            sess.free_now(live[0])
+            live[0] = sess.allocate(100 * MIB)
+            RecordingComm.log.clear()
+            model.refresh_now()
+            for name, view in views.items():
+                ids = _model_ids(view)
+                out[name] = sum(n for cid, n in RecordingComm.log if cid in ids)
+                view.close()
+    return out
+
+
+def _model_ids(widget) -> set:
+    """model ids of a widget and everything it holds (children, figures)."""
+    import ipywidgets
+
+    ids = set()
+    stack = [widget]
+    while stack:
+        w = stack.pop()
+        if not isinstance(w, ipywidgets.Widget) or w.model_id in ids:
+            continue
+        ids.add(w.model_id)
+        stack.extend(getattr(w, "children", ()))
+        for attr in ("figure", "html", "layout"):
+            child = getattr(w, attr, None)
+            if isinstance(child, ipywidgets.Widget):
+                stack.append(child)
+    return ids
+
+
+def make_workload(pairs: int, live: int = 300, seed: int = 7) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randrange(live), int(2 ** rng.uniform(0, 22))) for _ in range(pairs)]
+
+
+def run_pairs(alloc, steps, live: int = 300) -> float:
+    slots = [0] * live
+    allocate, deallocate = alloc.allocate, alloc.deallocate
+    t0 = time.perf_counter()
+    for slot, nbytes in steps:
+        deallocate(slots[slot])
+        slots[slot] = allocate(nbytes)
+    for p in slots:
+        deallocate(p)
+    return len(steps) / (time.perf_counter() - t0)
+
+
+def bench_throughput(pairs: int, repeat: int, background_chunks: int) -> dict:
+    """Identical sessions, runs interleaved: one bare; one with a no-op batch sink (the
+    allocator's own cost of journaling events and expanding them into numpy columns, which
+    any sink pays); one watched by a warm dashboard, paused (the model's sink) and then
+    refreshing at 4 Hz."""
+    install_recording_comm()
+    steps = make_workload(pairs)
+    rates: dict[str, list[float]] = {"bare": [], "no-op sink": [], "dashboard paused": [],
+                                     "dashboard 4 Hz": []}
+    sessions = [gpudash.Session(simulate="32GiB", poll=False) for _ in range(3)]
+    try:
+        for sess in sessions:
+            populate(sess, background_chunks)  # a realistic pool for the views to draw
+        a_bare, a_noop, a_watched = (s.devices[0].allocator for s in sessions)
+        remove = a_noop._add_sink(lambda columns, extra: None)
+        with Dashboard(sessions[2], rate_hz=4) as dash:
+            dash.model.paused = True
+            run_pairs(a_watched, steps[: pairs // 10])  # warm up
+            dash.model.refresh_now()
+            refreshes = 0
+            for _ in range(repeat):
+                rates["bare"].append(run_pairs(a_bare, steps))
+                rates["no-op sink"].append(run_pairs(a_noop, steps))
+                rates["dashboard paused"].append(run_pairs(a_watched, steps))
+                dash.model.paused = False
+                before = dash.model.refreshes
+                rates["dashboard 4 Hz"].append(run_pairs(a_watched, steps))
+                refreshes = dash.model.refreshes - before
+                dash.model.paused = True
+        remove()
+    finally:
+        for sess in sessions:
+            sess.close()
+    out = {k: statistics.median(v) for k, v in rates.items()}
+    out["refreshes_last_run"] = refreshes
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=10_000, help="live chunks for (a), (b)")
+    parser.add_argument("--pairs", type=int, default=200_000, help="pairs for (c)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--background-chunks", type=int, default=2_000,
+                        help="live chunks in the pool during (c)")
+    args = parser.parse_args(argv)
+
+    r = bench_refresh(args.chunks, args.repeat)
+    full = bench_steady_state_bytes()
+    t = bench_throughput(args.pairs, args.repeat, args.background_chunks)
+    bare = t["bare"]
+    rows = [
+        ("chunks in the table (a, b)", f"{r['chunks']:,} ({r['live']:,} live)", ""),
+        ("(a) refresh CPU, model only", f"{r['model_ms']:.1f} ms", ""),
+        ("(a) refresh CPU, all views redraw", f"{r['dashboard_ms']:.1f} ms", "target < 50 ms"),
+        ("(a) refresh CPU, chunk map capped 1 Hz", f"{r['capped_ms']:.1f} ms", "default"),
+        ("(b) bytes per refresh, all views", f"{r['bytes'] / 1e3:,.1f} kB", ""),
+    ]
+    for name, n in r["bytes_per_view"].items():
+        rows.append((f"(b)   {name}", f"{n / 1e3:,.1f} kB", ""))
+    rows.append(("(b) bytes per refresh, chunk map capped", f"{r['capped_bytes'] / 1e3:,.1f} kB",
+                 "default caps"))
+    rows.append(("(b) timeline, 5,000 points of history", f"{full['timeline'] / 1e3:,.1f} kB",
+                 "steady state"))
+    rows.append(("(b) heatmap, 256 x 600 cells", f"{full['heatmap'] / 1e3:,.1f} kB",
+                 "steady state (capped 1 Hz)"))
+    for name in ("bare", "no-op sink", "dashboard paused", "dashboard 4 Hz"):
+        rate = t[name]
+        rows.append((f"(c) alloc+free pairs/s, {name}", f"{rate:,.0f}",
+                     f"{rate / bare:.0%} of bare" + (" (target >= 70%)"
+                                                     if name == "dashboard 4 Hz" else "")))
+    rows.append(("(c) refreshes during the last 4 Hz run", str(t["refreshes_last_run"]), ""))
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows)
+    print(f"{'measure':<{w0}}  {'value':>{w1}}  note")
+    print(f"{'-' * w0}  {'-' * w1}  {'-' * 24}")
+    for a, b, c in rows:
+        print(f"{a:<{w0}}  {b:>{w1}}  {c}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,857 @@
+"""The live model: turns a fast event stream into a few consistent updates a second.
+
+:class:`LiveModel` attaches one batch sink to each device's allocator. Events only mark a
+device dirty and add to counters (allocations, frees, OOMs, setting changes); nothing is
+computed per event. A refresher **thread** (not an asyncio task: a running cell blocks the
+kernel's event loop, but widget messages sent from a thread still reach the browser) wakes
+``rate_hz`` times a second, asks the allocators to hand over buffered events
+(``flush_events``) and, for each device that changed, builds one :class:`DeviceState`:
+
+- the chunk table (``BFCAllocator.chunk_table()``) and stats made consistent with it,
+- per-bin counts (numpy over the chunk table),
+- fragmentation figures (external, internal, pool - in use),
+- a timeline point ``(time, in_use, pool, limit)`` appended to a bounded history,
+- a heatmap column: the fraction of bytes in use in each of ``heatmap_rows`` equal slices of
+  the device's address space (regions laid end to end, exact partial coverage, computed with
+  difference arrays),
+
+and hands the changed states to its listeners (the views), in the refresher thread.
+
+Threading: the sinks run in the allocating thread, under the allocator's lock, and only take
+the model's small lock to add counters. The refresher copies what it needs under the
+allocator's lock (``chunk_table``) and computes outside it. ``refresh_now`` and the thread
+never refresh at the same time.
+
+Views read the model (``state(device)``, ``add_listener``) and act through it
+(``configure``, ``release_free_regions``, ``flush_deferred``); they never reach the session
+or the allocator themselves.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import traitlets
+
+from .._errors import ConfigError
+from ..bfc import AllocatorStats
+from ..events import EventKind
+
+__all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark",
+           "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "typed_array",
+           "decode_array"]
+
+logger = logging.getLogger("gpudash")
+
+#: TensorFlow's number of BFC bins (256 B << b, the last one open-ended).
+NUM_BINS = 21
+
+_ALLOC = int(EventKind.ALLOC)
+_FREE = int(EventKind.FREE)
+_OOM = int(EventKind.OOM)
+_LIMIT = int(EventKind.LIMIT)
+
+#: Most OOM marks and setting marks a device keeps (oldest dropped).
+MAX_MARKS = 200
+
+
+# --------------------------------------------------------------------------------------
+# numpy helpers shared by the model and the views
+# --------------------------------------------------------------------------------------
+
+
+def bin_of_sizes(sizes: np.ndarray) -> np.ndarray:
+    """TensorFlow's ``BinNumForSize`` over an array of byte counts (int8 bins 0..20)."""
+    v = np.maximum(np.asarray(sizes, dtype=np.int64), 256) >> 8
+    # frexp gives the exponent e with v = m * 2**e, 0.5 <= m < 1: floor(log2 v) = e - 1
+    # (exact for v < 2**53, far above any allocation).
+    b = np.frexp(v.astype(np.float64))[1] - 1
+    return np.minimum(b, NUM_BINS - 1).astype(np.int8)
+
+
+def bin_labels() -> list[str]:
+    """Labels of the 21 bins: ``256B``, ``512B``, ``1KiB`` ... ``256MiB+``."""
+    out = []
+    for b in range(NUM_BINS):
+        n = 256 << b
+        for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if n >= 1 << shift:
+                label = f"{n >> shift}{unit}"
+                break
+        else:
+            label = f"{n}B"
+        out.append(label + ("+" if b == NUM_BINS - 1 else ""))
+    return out
+
+
+def heatmap_column(table: dict, rows: int, row_bytes: int) -> np.ndarray:
+    """Fraction of bytes in use in each address row, from a chunk table.
+
+    The device's regions are laid end to end in address order (offset 0 is the first byte
+    of the lowest region), and the offsets ``[0, rows * row_bytes)`` are cut into ``rows``
+    equal slices. Row ``r``'s value is (bytes of in-use chunks inside the slice) /
+    ``row_bytes``: partial coverage is exact. Rows past the end of the pool hold no memory
+    and read 0. Bytes past ``rows * row_bytes`` are ignored.
+
+    Computed with difference arrays: each in-use interval adds its partial first and last
+    rows directly (``bincount`` with weights) and marks its fully covered rows with +1/-1
+    in a difference array whose cumulative sum counts full rows.
+    """
+    span = rows * row_bytes
+    regions = table["regions"]
+    in_use = table["in_use"]
+    if not len(regions) or not in_use.any():
+        return np.zeros(rows, dtype=np.float64)
+    # Offset of each region when regions are laid end to end in address order.
+    reg_ptr = regions[:, 0]
+    reg_start = np.concatenate(([0], np.cumsum(regions[:, 1])[:-1]))
+    ri = np.searchsorted(reg_ptr, table["region"][in_use])
+    s = table["ptr"][in_use] - reg_ptr[ri] + reg_start[ri]
+    e = s + table["size"][in_use]
+    keep = s < span
+    s = s[keep]
+    e = np.minimum(e[keep], span)
+    r0 = s // row_bytes
+    r1 = (e - 1) // row_bytes
+    same = r0 == r1
+    partial = np.bincount(r0[same], weights=(e - s)[same], minlength=rows).astype(np.float64)
+    multi = ~same
+    r0m, r1m, sm, em = r0[multi], r1[multi], s[multi], e[multi]
+    partial += np.bincount(r0m, weights=(r0m + 1) * row_bytes - sm, minlength=rows)
+    partial += np.bincount(r1m, weights=em - r1m * row_bytes, minlength=rows)
+    diff = np.zeros(rows + 1, dtype=np.int64)
+    np.add.at(diff, r0m + 1, 1)
+    np.add.at(diff, r1m, -1)
+    full = np.cumsum(diff[:rows])
+    return (partial + full * float(row_bytes)) / row_bytes
+
+
+# --- arrays on the wire ---------------------------------------------------------------
+
+def _plotly_typed_arrays() -> bool:
+    import plotly
+
+    try:
+        return int(plotly.__version__.split(".")[0]) >= 6
+    except ValueError:  # pragma: no cover - odd version string
+        return False
+
+
+_TYPED: bool | None = None
+
+
+def typed_array(values: Any, dtype: Any) -> Any:
+    """An array for a plotly figure: a typed-array spec (``{"dtype", "bdata", "shape"}``,
+    base64) with plotly >= 6, whose plotly.js decodes it; else a numpy array.
+
+    A spec is one string to the widget machinery, where a nested list costs a Python call per
+    element (ipywidgets walks lists looking for buffers) and several bytes per number.
+    """
+    global _TYPED
+    arr = np.ascontiguousarray(values, dtype=dtype)
+    if _TYPED is None:
+        _TYPED = _plotly_typed_arrays()
+    if not _TYPED:
+        return arr
+    spec = {"dtype": _DTYPE_CODES[arr.dtype.str[1:]],
+            "bdata": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+                                      .tobytes()).decode("ascii")}
+    if arr.ndim > 1:
+        spec["shape"] = ",".join(str(n) for n in arr.shape)
+    return spec
+
+
+_DTYPE_CODES = {"i1": "i1", "u1": "u1", "i2": "i2", "u2": "u2", "i4": "i4", "u4": "u4",
+                "f4": "f4", "f8": "f8"}
+_CODE_DTYPES = {"i1": np.int8, "u1": np.uint8, "i2": np.int16, "u2": np.uint16,
+                "i4": np.int32, "u4": np.uint32, "f4": np.float32, "f8": np.float64,
+                "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16,
+                "int32": np.int32, "uint32": np.uint32, "float32": np.float32,
+                "float64": np.float64}
+
+
+def decode_array(value: Any) -> np.ndarray:
+    """The numpy array behind a figure attribute (a typed-array spec, an array or a list)."""
+    if isinstance(value, dict) and "bdata" in value:
+        arr = np.frombuffer(base64.b64decode(value["bdata"]), dtype=_CODE_DTYPES[value["dtype"]])
+        shape = value.get("shape")
+        if shape is not None and "," in str(shape):
+            arr = arr.reshape([int(n) for n in str(shape).split(",")])
+        return arr
+    if value is None:
+        return np.zeros(0)
+    return np.asarray(value)
+
+
+# --------------------------------------------------------------------------------------
+# Records handed to views
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BinCounts:
+    """Per-bin figures of one state, arrays of 21 (chunks bucketed by ``BinNumForSize``)."""
+
+    free_chunks: np.ndarray
+    free_bytes: np.ndarray
+    in_use_chunks: np.ndarray
+    in_use_bytes: np.ndarray
+    requested_bytes: np.ndarray
+
+    @classmethod
+    def from_table(cls, table: dict) -> BinCounts:
+        b = bin_of_sizes(table["size"]).astype(np.intp)
+        used = table["in_use"]
+        size = table["size"]
+
+        def count(mask: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+            w = None if weights is None else weights[mask].astype(np.float64)
+            return np.bincount(b[mask], weights=w, minlength=NUM_BINS).astype(np.int64)
+
+        free = ~used
+        return cls(free_chunks=count(free), free_bytes=count(free, size),
+                   in_use_chunks=count(used), in_use_bytes=count(used, size),
+                   requested_bytes=count(used, table["requested"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class OomMark:
+    """An allocation that failed: when (ms since the epoch), the rounded and asked bytes,
+    and the bytes in use the model saw next (where the timeline marks it)."""
+
+    time_ms: float
+    rounded: int
+    requested: int
+    in_use: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingMark:
+    """A setting changed on the allocator (a ``limit`` event)."""
+
+    time_ms: float
+    seq: int
+    setting: str
+    old: Any
+    new: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceState:
+    """One consistent picture of a device, built by one refresh.
+
+    Attributes
+    ----------
+    device, name : int, str
+        The device's index in the model and its name.
+    time_ms : float
+        When the state was taken (ms since the epoch; ``LiveModel.seconds`` turns it into
+        seconds since the model started, the views' x axis).
+    version : int
+        Counts the states built for this device (1 for the first).
+    stats : AllocatorStats
+        TensorFlow's stats; ``bytes_in_use``, ``pool_bytes``, ``largest_free_block_bytes``
+        and ``fragmentation`` are computed from ``table``, so they agree with it.
+    table : dict of numpy arrays
+        ``BFCAllocator.chunk_table()``.
+    bins : BinCounts
+    internal_fragmentation : int
+        Allocated - requested bytes of the live chunks (rounding waste).
+    capacity : int
+        The device's memory (what the heatmap rows split).
+    counters : dict
+        ``allocs``, ``frees``, ``ooms``, ``settings``, ``events``: totals since the model
+        started.
+    timeline : dict of numpy arrays
+        ``time_ms``, ``in_use``, ``pool``, ``limit``: the bounded history (copies).
+    ooms, settings : tuple
+        The latest :class:`OomMark` / :class:`SettingMark` records (bounded).
+    heatmap_time_ms, heatmap : numpy arrays
+        Times of the kept heatmap columns and the columns (``rows x columns``, float32
+        fractions in use, oldest first); ``heatmap[:, -1]`` belongs to this state.
+    heatmap_row_bytes : int
+        Bytes per heatmap row.
+    """
+
+    device: int
+    name: str
+    time_ms: float
+    version: int
+    stats: AllocatorStats
+    table: dict
+    bins: BinCounts
+    internal_fragmentation: int
+    capacity: int
+    counters: dict
+    timeline: dict
+    ooms: tuple
+    settings: tuple
+    heatmap_time_ms: np.ndarray
+    heatmap: np.ndarray
+    heatmap_row_bytes: int
+
+    @property
+    def limit(self) -> int:
+        return self.stats.bytes_limit
+
+    @property
+    def reserved_unused(self) -> int:
+        """Pool bytes not in use (PyTorch's reserved - allocated)."""
+        return self.stats.pool_bytes - self.stats.bytes_in_use
+
+    @property
+    def over_limit(self) -> bool:
+        return self.stats.bytes_in_use > self.stats.bytes_limit
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.table["size"])
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"DeviceState(device={self.device}, version={self.version}, "
+                f"chunks={self.num_chunks}, in_use={s.bytes_in_use}, pool={s.pool_bytes}, "
+                f"limit={s.bytes_limit})")
+
+
+# --------------------------------------------------------------------------------------
+# Per-device bookkeeping
+# --------------------------------------------------------------------------------------
+
+
+class _Timeline:
+    """Bounded (time, in_use, pool, limit) history. When full, the older half is halved by
+    merging neighbour pairs (the max of in_use and pool, the later limit), so peaks survive
+    and recent points keep full resolution."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(4, int(capacity))
+        self.data = np.zeros((4, self.capacity), dtype=np.float64)
+        self.n = 0
+
+    def append(self, t: float, in_use: int, pool: int, limit: int) -> None:
+        if self.n == self.capacity:
+            self._decimate()
+        self.data[:, self.n] = (t, in_use, pool, limit)
+        self.n += 1
+
+    def _decimate(self) -> None:
+        d = self.data
+        half = (self.n // 2) & ~1
+        old = d[:, :half].reshape(4, half // 2, 2)
+        merged = np.empty((4, half // 2))
+        merged[0] = old[0, :, 0]
+        merged[1] = old[1].max(axis=1)
+        merged[2] = old[2].max(axis=1)
+        merged[3] = old[3, :, 1]
+        rest = d[:, half:self.n].copy()
+        k = half // 2
+        d[:, :k] = merged
+        d[:, k:k + rest.shape[1]] = rest
+        self.n = k + rest.shape[1]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        d = self.data[:, :self.n]
+        return {"time_ms": d[0].copy(), "in_use": d[1].copy(), "pool": d[2].copy(),
+                "limit": d[3].copy()}
+
+
+class _Heatmap:
+    """The last ``columns`` heatmap columns (rows x columns float32, oldest first)."""
+
+    def __init__(self, rows: int, columns: int, span: int) -> None:
+        self.rows = int(rows)
+        self.columns = max(1, int(columns))
+        self.row_bytes = max(256, -(-int(span) // self.rows))
+        self.z = np.zeros((self.rows, self.columns), dtype=np.float32)
+        self.t = np.zeros(self.columns, dtype=np.float64)
+        self.n = 0
+
+    def fit(self, pool: int) -> None:
+        """Double the row size (merging row pairs of the kept columns, which is exact for
+        equal rows) until the pool fits in the rows."""
+        while pool > self.rows * self.row_bytes:
+            z = self.z
+            merged = np.zeros_like(z)
+            half = self.rows // 2
+            pairs = z[: half * 2].reshape(half, 2, -1).mean(axis=1)
+            merged[:half] = pairs
+            if self.rows % 2:
+                merged[half] = z[-1] / 2
+            self.z = merged
+            self.row_bytes *= 2
+
+    def append(self, t: float, column: np.ndarray) -> None:
+        if self.n == self.columns:
+            self.z[:, :-1] = self.z[:, 1:]
+            self.t[:-1] = self.t[1:]
+            self.n -= 1
+        self.z[:, self.n] = column
+        self.t[self.n] = t
+        self.n += 1
+
+
+class _Device:
+    """What the model keeps for one allocator."""
+
+    def __init__(self, index: int, name: str, allocator: Any, capacity: int, history: int,
+                 rows: int, columns: int, session_device: Any = None) -> None:
+        self.index = index
+        self.name = name
+        self.allocator = allocator
+        self.session_device = session_device
+        self.capacity = capacity
+        self.timeline = _Timeline(history)
+        span = max(capacity, allocator.memory_limit, allocator.pool_bytes, 1)
+        self.heatmap = _Heatmap(rows, columns, span)
+        self.remove_sink: Callable[[], None] | None = None
+        self.counters = {"allocs": 0, "frees": 0, "ooms": 0, "settings": 0, "events": 0}
+        self.pending_ooms: list[tuple[int, int, int]] = []
+        self.ooms: deque = deque(maxlen=MAX_MARKS)
+        self.settings: deque = deque(maxlen=MAX_MARKS)
+        self.version = 0
+        self.state: DeviceState | None = None
+
+
+def _capacity_of(allocator: Any, session_device: Any) -> int:
+    if session_device is not None:
+        return int(session_device.total)
+    total = getattr(allocator.sub_allocator, "total", None)
+    if isinstance(total, int) and total > 0:
+        return total
+    return int(allocator.memory_limit)
+
+
+# --------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------
+
+
+class LiveModel(traitlets.HasTraits):
+    """Coalesce allocator events into a few consistent device states a second.
+
+    Parameters
+    ----------
+    source : Session or BFCAllocator
+        What to watch: every device of a session, or one allocator.
+    rate_hz : float
+        Refreshes a second (at most); changeable while running.
+    history : int
+        Timeline points kept per device (older ones are merged in pairs).
+    heatmap_rows, heatmap_columns : int
+        Address rows of the heatmap, and how many columns (states) it keeps.
+    start : bool
+        Start the refresher thread (default True); without it, call :meth:`refresh_now`.
+
+    Attributes
+    ----------
+    start_ms : float
+        When the model started (ms since the epoch); the time views count seconds from it.
+    rate_hz, paused : traits
+        Adjustable while running (the controls link to them).
+    refreshes : int
+        Refreshes that notified listeners.
+    errors : deque of str
+        Tracebacks of listeners (views) that raised, newest last (at most 20); a failing
+        view never stops the others or the refresher.
+
+    Examples
+    --------
+    >>> import gpudash
+    >>> from gpudash.widgets import LiveModel
+    >>> with gpudash.Session(simulate="1GiB", poll=False) as sess, LiveModel(sess) as model:
+    ...     p = sess.allocate(1000)
+    ...     model.refresh_now()[0].stats.bytes_in_use
+    1024
+    """
+
+    rate_hz = traitlets.Float(4.0, help="Refreshes a second, at most (0.1 to 60).")
+    paused = traitlets.Bool(False, help="While True the refresher sends no updates.")
+    closed = traitlets.Bool(False, read_only=True, help="True once close() ran.")
+
+    def __init__(self, source: Any, *, rate_hz: float = 4.0, history: int = 5000,
+                 heatmap_rows: int = 256, heatmap_columns: int = 600,
+                 start: bool = True) -> None:
+        super().__init__()
+        history, heatmap_rows, heatmap_columns = int(history), int(heatmap_rows), int(
+            heatmap_columns)
+        for label, v in (("history", history), ("heatmap_rows", heatmap_rows),
+                         ("heatmap_columns", heatmap_columns)):
+            if v < 1:
+                raise ConfigError(f"{label} must be a positive integer; got {v}")
+        try:
+            self.rate_hz = rate_hz
+        except traitlets.TraitError as exc:
+            raise ConfigError(str(exc)) from None
+        self._session = None
+        self.start_ms = time.time_ns() / 1e6
+        pairs: list[tuple[Any, Any]] = []
+        if hasattr(source, "devices") and hasattr(source, "configure"):
+            self._session = source
+            pairs = [(d.allocator, d) for d in source.devices]
+        elif hasattr(source, "_add_sink"):
+            pairs = [(source, None)]
+        else:
+            raise TypeError(f"LiveModel watches a gpudash.Session or a BFCAllocator; got "
+                            f"{type(source).__name__}")
+        self._lock = threading.Lock()  # counters, dirty set, listeners
+        self._refresh_lock = threading.RLock()  # one refresh at a time
+        self._listeners: list[Callable[[dict], Any]] = []
+        self._dirty: set[int] = set()
+        self.errors: deque = deque(maxlen=20)
+        self.refreshes = 0
+        self._devices: list[_Device] = []
+        for i, (alloc, sdev) in enumerate(pairs):
+            name = sdev.name if sdev is not None else alloc.name
+            dev = _Device(i, name, alloc, _capacity_of(alloc, sdev), history, heatmap_rows,
+                          heatmap_columns, sdev)
+            self._devices.append(dev)
+        ref = weakref.ref(self)
+        removes = []
+        for dev in self._devices:
+            dev.remove_sink = dev.allocator._add_sink(_make_sink(ref, dev.index))
+            removes.append(dev.remove_sink)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._finalizer = weakref.finalize(self, _shutdown, removes, self._stop, self._wake)
+        self.refresh_now(force=True)
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=_refresh_loop, args=(ref, self._stop,
+                                                                        self._wake),
+                                            name="gpudash-live-model", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ traits
+    @traitlets.validate("rate_hz")
+    def _validate_rate_hz(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0.1 <= value <= 60.0:
+            raise traitlets.TraitError(f"rate_hz must be between 0.1 and 60 refreshes a "
+                                       f"second; got {value}")
+        return value
+
+    @traitlets.observe("rate_hz")
+    def _on_rate_hz_change(self, change: dict) -> None:
+        self._poke()  # take the new interval at once
+
+    @traitlets.observe("paused")
+    def _on_paused_change(self, change: dict) -> None:
+        self._poke()  # a resume refreshes at once
+
+    def _poke(self) -> None:
+        wake = getattr(self, "_wake", None)
+        if wake is not None:
+            wake.set()
+
+    # ------------------------------------------------------------------ reading
+    def seconds(self, time_ms: Any) -> Any:
+        """Seconds since the model started, for times in ms since the epoch (a number, a list
+        or an array): the x axis of the time views."""
+        if isinstance(time_ms, (list, tuple)):
+            return [(t - self.start_ms) / 1e3 for t in time_ms]
+        return (time_ms - self.start_ms) / 1e3
+
+    @property
+    def start_label(self) -> str:
+        """The model's start as local wall-clock time (``HH:MM:SS``)."""
+        import datetime
+
+        return datetime.datetime.fromtimestamp(self.start_ms / 1e3).strftime("%H:%M:%S")
+
+    @property
+    def session(self) -> Any:
+        """The session watched, or None when the model watches one allocator."""
+        return self._session
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def device_names(self) -> list[str]:
+        return [d.name for d in self._devices]
+
+    def state(self, device: int = 0) -> DeviceState:
+        """The latest state of a device."""
+        return self._devices[self._index(device)].state  # type: ignore[return-value]
+
+    @property
+    def states(self) -> dict[int, DeviceState]:
+        """The latest state of every device, ``{index: state}``."""
+        return {d.index: d.state for d in self._devices}  # type: ignore[misc]
+
+    def _index(self, device: Any) -> int:
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise ConfigError(f"device must be an index into the model's devices; "
+                              f"got {device!r}")
+        if not 0 <= int(device) < len(self._devices):
+            raise ConfigError(f"device {device} does not exist: the model watches "
+                              f"{len(self._devices)} device(s)")
+        return int(device)
+
+    def add_listener(self, callback: Callable[[dict], Any]) -> Callable[[], None]:
+        """Call ``callback({index: DeviceState})`` with the devices that changed, after each
+        refresh (in the refresher thread); returns ``remove``. A listener that raises is
+        logged and kept in :attr:`errors`; the others still run."""
+        if not callable(callback):
+            raise TypeError(f"listener must be callable; got {callback!r}")
+        with self._lock:
+            self._listeners.append(callback)
+
+        def remove() -> None:
+            with self._lock:
+                try:
+                    self._listeners.remove(callback)
+                except ValueError:
+                    pass
+
+        return remove
+
+    # ------------------------------------------------------------------ events in
+    def _receive(self, index: int, columns: dict, extra: dict) -> None:
+        """Batch sink (allocating thread, allocator lock held): count, mark dirty."""
+        kind = columns["kind"]
+        n = len(kind)
+        if not n:
+            return
+        allocs = int(np.count_nonzero(kind == _ALLOC))
+        frees = int(np.count_nonzero(kind == _FREE))
+        oom_at = np.flatnonzero(kind == _OOM)
+        ooms = []
+        if len(oom_at):
+            t, size, req = columns["time_ns"], columns["size"], columns["requested"]
+            ooms = [(int(t[i]), int(size[i]), int(req[i])) for i in oom_at[-MAX_MARKS:]]
+        settings = []
+        if extra:
+            seqs = columns["seq"]
+            times = columns["time_ns"]
+            first = int(seqs[0])
+            for seq, (setting, old, new) in sorted(extra.items()):
+                i = seq - first
+                t = int(times[i]) if 0 <= i < n else time.time_ns()
+                settings.append(SettingMark(t / 1e6, int(seq), str(setting), old, new))
+        dev = self._devices[index]
+        with self._lock:
+            c = dev.counters
+            c["allocs"] += allocs
+            c["frees"] += frees
+            c["ooms"] += int(len(oom_at))
+            c["settings"] += len(settings)
+            c["events"] += n
+            dev.pending_ooms.extend(ooms)
+            dev.settings.extend(settings)
+            self._dirty.add(index)
+
+    # ------------------------------------------------------------------ refresh
+    def request_refresh(self) -> None:
+        """Wake the refresher now (after a control changed something)."""
+        self._wake.set()
+
+    def refresh_now(self, force: bool = False) -> dict[int, DeviceState]:
+        """Take in buffered events and rebuild the states of devices that changed (every
+        device with ``force``); notify listeners; return the latest states of all devices.
+        Works while paused."""
+        with self._refresh_lock:
+            if self.closed:
+                return self.states
+            for dev in self._devices:
+                dev.allocator.flush_events()
+            with self._lock:
+                dirty = set(range(len(self._devices))) if force else self._dirty
+                self._dirty = set()
+                listeners = list(self._listeners)
+            changed = {}
+            for i in sorted(dirty):
+                changed[i] = self._build(self._devices[i])
+            if changed:
+                self.refreshes += 1
+                for cb in listeners:
+                    try:
+                        cb(changed)
+                    except Exception as exc:  # noqa: BLE001 - isolate views
+                        self.errors.append(f"{cb!r}: {''.join(traceback.format_exception(exc))}")
+                        logger.error("gpudash: live view %r failed on update: %r", cb, exc)
+            return self.states
+
+    def _build(self, dev: _Device) -> DeviceState:
+        alloc = dev.allocator
+        table = alloc.chunk_table()
+        raw = alloc.stats()
+        now_ms = time.time_ns() / 1e6
+        size = table["size"]
+        used = table["in_use"]
+        in_use = int(size[used].sum())
+        pool = int(table["regions"][:, 1].sum())
+        free_sizes = size[~used]
+        largest_free = int(free_sizes.max()) if len(free_sizes) else 0
+        free = pool - in_use
+        frag = (free - largest_free) / free if free > 0 else 0.0
+        stats = dataclasses.replace(
+            raw, bytes_in_use=in_use, pool_bytes=pool, largest_free_block_bytes=largest_free,
+            fragmentation=frag, peak_bytes_in_use=max(raw.peak_bytes_in_use, in_use),
+            peak_pool_bytes=max(raw.peak_pool_bytes, pool))
+        bins = BinCounts.from_table(table)
+        internal = in_use - int(table["requested"][used].sum())
+        dev.timeline.append(now_ms, in_use, pool, stats.bytes_limit)
+        hm = dev.heatmap
+        hm.fit(pool)
+        hm.append(now_ms, heatmap_column(table, hm.rows, hm.row_bytes))
+        with self._lock:
+            pending, dev.pending_ooms = dev.pending_ooms, []
+            counters = dict(dev.counters)
+            settings = tuple(dev.settings)
+        for t_ns, rounded, requested in pending:
+            dev.ooms.append(OomMark(t_ns / 1e6, rounded, requested, in_use))
+        dev.version += 1
+        state = DeviceState(
+            device=dev.index, name=dev.name, time_ms=now_ms, version=dev.version, stats=stats,
+            table=table, bins=bins, internal_fragmentation=internal, capacity=dev.capacity,
+            counters=counters, timeline=dev.timeline.arrays(), ooms=tuple(dev.ooms),
+            settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
+            heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes)
+        dev.state = state
+        return state
+
+    # ------------------------------------------------------------------ acting (controls)
+    def _require_session(self, what: str) -> Any:
+        if self._session is None:
+            raise ConfigError(f"{what} needs a gpudash.Session; this model watches a single "
+                              "allocator")
+        return self._session
+
+    def device_settings(self, device: int = 0) -> dict:
+        """The settings in force on a device: ``fraction``, ``allow_growth``,
+        ``deferred_deletion_bytes`` (effective), ``limit`` and ``total`` bytes."""
+        dev = self._devices[self._index(device)]
+        alloc = dev.allocator
+        out = {"limit": alloc.memory_limit, "total": dev.capacity,
+               "allow_growth": alloc.allow_growth, "fraction": None,
+               "deferred_deletion_bytes": None}
+        sdev = dev.session_device
+        if sdev is not None:
+            opts = sdev.options
+            out["fraction"] = opts.per_process_gpu_memory_fraction
+            out["deferred_deletion_bytes"] = opts.effective_deferred_deletion_bytes
+        return out
+
+    def configure(self, device: int | None = None, **changes: Any) -> None:
+        """``Session.configure(**changes, device=...)`` on the watched session, then wake
+        the refresher. Raises what the session raises (nothing changes then)."""
+        sess = self._require_session("configure()")
+        sess.configure(device=device, **changes)
+        self.request_refresh()
+
+    def release_free_regions(self, device: int | None = None) -> int:
+        """Return wholly free regions of one device (or all) to the backend; bytes returned."""
+        if self._session is not None:
+            freed = self._session.release_free_regions(device)
+        else:
+            freed = self._devices[0].allocator.release_free_regions()
+        self.request_refresh()
+        return freed
+
+    def flush_deferred(self, device: int | None = None) -> int:
+        """Return the session's deferred frees to the allocators now; bytes returned."""
+        sess = self._require_session("flush_deferred()")
+        freed = sess.flush(device)
+        self.request_refresh()
+        return freed
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Stop the refresher thread and detach every sink. Idempotent."""
+        if self.closed:
+            return
+        with self._refresh_lock:
+            self.set_trait("closed", True)
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        for dev in self._devices:
+            remove, dev.remove_sink = dev.remove_sink, None
+            if remove is not None:
+                remove()
+        with self._lock:
+            self._listeners.clear()
+        self._finalizer.detach()
+
+    @property
+    def running(self) -> bool:
+        """True while the refresher thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> LiveModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("paused" if self.paused else "live")
+        return (f"LiveModel({len(self._devices)} device(s), {state}, rate_hz={self.rate_hz:g}, "
+                f"refreshes={self.refreshes})")
+
+
+def _make_sink(ref: weakref.ref[LiveModel], index: int) -> Callable[[dict, dict], None]:
+    """A sink holding the model weakly, so a dropped model can be collected."""
+
+    def sink(columns: dict, extra: dict) -> None:
+        model = ref()
+        if model is not None:
+            model._receive(index, columns, extra)
+
+    return sink
+
+
+def _shutdown(removes: list, stop: threading.Event, wake: threading.Event) -> None:
+    """Finalizer of a model collected without close(): stop the thread, detach sinks."""
+    stop.set()
+    wake.set()
+    for remove in removes:
+        try:
+            remove()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def _refresh_loop(ref: weakref.ref[LiveModel], stop: threading.Event,
+                  wake: threading.Event) -> None:
+    """The refresher thread: sleeps ``1 / rate_hz`` (or until woken by a control, a rate
+    change or a resume), refreshes, and holds the model only weakly while it sleeps."""
+    last = time.monotonic()
+    while not stop.is_set():
+        model = ref()
+        if model is None:
+            return
+        interval = None if model.paused else 1.0 / model.rate_hz
+        del model
+        if interval is not None:
+            interval = max(0.0, last + interval - time.monotonic())
+        wake.wait(interval)
+        wake.clear()
+        if stop.is_set():
+            return
+        model = ref()
+        if model is None:
+            return
+        if not model.paused:
+            last = time.monotonic()
+            try:
+                model.refresh_now()
+            except Exception as exc:  # noqa: BLE001 - the refresher must survive
+                model.errors.append(f"refresh: {''.join(traceback.format_exception(exc))}")
+                logger.error("gpudash: live refresh failed: %r", exc)
+        del model

@@ -1,0 +1,473 @@
+"""The views, with real ipywidgets/plotly widgets over a recording comm (no kernel, no
+browser): what they draw, what they send, and the dashboard that composes them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import test_widgets_model as shared
+import traitlets
+from test_widgets_model import GIB, MIB, fill, wait_for
+
+import gpudash
+from gpudash.widgets import (
+    BinsView,
+    ChunkMapView,
+    Dashboard,
+    HeatmapView,
+    LiveModel,
+    StatsView,
+    TimelineView,
+)
+from gpudash.widgets.model import bin_labels, bin_of_sizes, decode_array
+from gpudash.widgets.timeline import setting_label
+
+comms = shared.comms  # fixtures shared with the model tests (recording comm, a session)
+sess = shared.sess
+
+
+@pytest.fixture
+def model(sess):
+    m = LiveModel(sess, start=False)
+    yield m
+    m.close()
+
+
+def _wire_json_ok(log) -> None:
+    """Every message could be sent by a kernel (the recording comm JSON-encodes them)."""
+    assert all(m.nbytes > 0 for m in log)
+
+
+# --------------------------------------------------------------------------------------
+# Chunk map
+# --------------------------------------------------------------------------------------
+
+
+def test_chunk_map_arrays_match_chunk_table(comms, sess, model):
+    fill(sess, 20_000)
+    view = ChunkMapView(model, max_rate_hz=None)
+    model.refresh_now()
+    table = sess.devices[0].allocator.chunk_table()
+    a = view.arrays
+    used = table["in_use"]
+    np.testing.assert_array_equal(a["used_ptr"], table["ptr"][used])
+    np.testing.assert_array_equal(a["used_size"], table["size"][used])
+    np.testing.assert_array_equal(a["used_requested"], table["requested"][used])
+    np.testing.assert_array_equal(a["used_alloc_id"], table["alloc_id"][used])
+    np.testing.assert_array_equal(a["used_offset"], (table["ptr"] - table["region"])[used])
+    np.testing.assert_array_equal(a["free_ptr"], table["ptr"][~used])
+    np.testing.assert_array_equal(a["free_size"], table["size"][~used])
+    np.testing.assert_array_equal(a["free_bin"], bin_of_sizes(table["size"][~used]))
+    assert len(a["used_ptr"]) + len(a["free_ptr"]) == len(table["ptr"]) >= 10_000
+
+    # One bar trace per category, with arrays (not one trace per chunk) ...
+    fig = view.figure
+    assert [t.name for t in fig.data] == ["in use", "waste", "free"]
+    tr_used, tr_waste, tr_free = fig.data
+    # ... whose decoded values are the table's.
+    custom = decode_array(tr_used.customdata)
+    assert custom.shape == (used.sum(), 5)
+    np.testing.assert_array_equal(custom[:, 0].astype(np.int64), table["ptr"][used])
+    np.testing.assert_array_equal(custom[:, 1].astype(np.int64), table["size"][used])
+    np.testing.assert_array_equal(custom[:, 2].astype(np.int64), table["requested"][used])
+    np.testing.assert_array_equal(custom[:, 4].astype(np.int64), table["alloc_id"][used])
+    np.testing.assert_allclose(decode_array(tr_used.x) * MIB, table["size"][used], rtol=1e-6)
+    np.testing.assert_allclose(decode_array(tr_free.base) * MIB,
+                               (table["ptr"] - table["region"])[~used], rtol=1e-6, atol=1)
+    waste = table["size"][used] - table["requested"][used]
+    assert len(decode_array(tr_waste.x)) == int((waste > 0).sum())
+    assert "0x%{customdata[0]:x}" in tr_used.hovertemplate
+    assert "bin" in tr_used.hovertemplate and "allocation id" in tr_used.hovertemplate
+    _wire_json_ok(comms)
+
+
+def test_chunk_map_regions_are_rows_and_unchanged_state_is_not_resent(comms):
+    with gpudash.Session(simulate="1GiB", config={"allow_growth": True}, poll=False) as sess, \
+            LiveModel(sess, start=False) as model:
+        ptrs = [sess.allocate(3 * MIB) for _ in range(8)]
+        view = ChunkMapView(model, max_rate_hz=None)
+        model.refresh_now()
+        regions = sess.devices[0].allocator.chunk_table()["regions"]
+        assert len(regions) > 1
+        assert list(view.figure.layout.yaxis.tickvals) == list(range(len(regions)))
+        assert view.figure.layout.yaxis.ticktext[0].startswith(hex(int(regions[0, 0])))
+        drawn = view.redraws
+        sent = comms.nbytes(view.figure)
+        # an alloc + free that leaves the same chunks: a refresh, but nothing to send
+        sess.free_now(sess.allocate(100))
+        model.refresh_now()
+        assert view.redraws == drawn and comms.nbytes(view.figure) == sent
+        sess.free_now(ptrs[0])
+        model.refresh_now()
+        assert view.redraws == drawn + 1
+
+
+def test_chunk_map_rate_cap_draws_the_last_state_later(comms, sess, model):
+    view = ChunkMapView(model, max_rate_hz=5.0)
+    first = view.redraws
+    for _ in range(3):
+        sess.allocate(MIB)
+        model.refresh_now()
+    # the last state arrives within the cap's interval, drawn by a timer
+    assert wait_for(lambda: len(view.arrays["used_ptr"]) == 3, timeout=5)
+    assert view.redraws <= first + 3
+    view.close()
+
+
+# --------------------------------------------------------------------------------------
+# Bins
+# --------------------------------------------------------------------------------------
+
+
+def test_bins_view_shows_the_21_bins(comms, sess, model):
+    fill(sess, 2000)
+    view = BinsView(model)
+    model.refresh_now()
+    snap = sess.devices[0].allocator.snapshot()
+    free_bytes, used_bytes, free_chunks = view.figure.data
+    assert list(free_bytes.x) == bin_labels()
+    np.testing.assert_allclose(np.asarray(free_bytes.y) * MIB,
+                               [b.free_bytes for b in snap.bins], rtol=1e-9, atol=1)
+    np.testing.assert_allclose(np.asarray(used_bytes.y) * MIB,
+                               [b.total_bytes_in_use for b in snap.bins], rtol=1e-9, atol=1)
+    assert list(free_chunks.y) == [b.free_chunks for b in snap.bins]
+    assert free_bytes.text[0].endswith("B")
+    _wire_json_ok(comms)
+
+
+# --------------------------------------------------------------------------------------
+# Timeline
+# --------------------------------------------------------------------------------------
+
+
+def test_setting_labels():
+    assert setting_label("per_process_gpu_memory_fraction", 0.5, 0.3) == "fraction 0.5→0.3"
+    assert setting_label("allow_growth", False, True) == "growth off→on"
+    assert setting_label("memory_limit", 8 * GIB, 4 * GIB) == "limit 8.00 GiB→4.00 GiB"
+
+
+def test_timeline_marks_oom_and_setting_change(comms, sess, model):
+    view = TimelineView(model)
+    sess.configure(per_process_gpu_memory_fraction=0.5)
+    model.refresh_now()
+    p = sess.allocate(GIB)
+    sess.configure(per_process_gpu_memory_fraction=0.3)
+    with pytest.raises(gpudash.OutOfMemoryError):
+        sess.allocate(8 * GIB)
+    st = model.refresh_now()[0]
+
+    in_use, pool, limit, oom = view.figure.data
+    assert len(view.marked_ooms) == 1
+    assert view.marked_ooms[0].requested == 8 * GIB
+    # x: seconds since the model started
+    assert len(oom.x) == 1 and oom.x[0] == pytest.approx(model.seconds(st.ooms[0].time_ms))
+    assert "8.00 GiB" in oom.text[0]
+    texts = [a.text for a in view.figure.layout.annotations]
+    assert any("fraction 0.5→0.3" in t for t in texts), texts
+    assert len(view.figure.layout.shapes) == len(texts) == 2
+    # the lines: the limit fell to 0.3 of the device
+    y_limit = decode_array(limit.y)
+    assert y_limit[-1] * MIB == pytest.approx(int(0.3 * sess.devices[0].total), rel=1e-6)
+    assert decode_array(in_use.y)[-1] * MIB == pytest.approx(GIB, rel=1e-6)
+    # step lines keep the points where the value changes (and the last one)
+    x_in = decode_array(in_use.x)
+    assert x_in[-1] == model.seconds(st.timeline["time_ms"][-1])
+    assert set(x_in) <= set(model.seconds(st.timeline["time_ms"]))
+    total = sess.devices[0].total
+    assert list(y_limit[1:] * MIB) == pytest.approx([total // 2, int(0.3 * total)], rel=1e-6)
+    # the annotation and the marker reached the wire
+    updates = comms.updates(view.figure, "_py2js_update")
+    assert any("fraction 0.5→0.3" in str(u) for u in updates)
+    sess.free_now(p)
+
+
+# --------------------------------------------------------------------------------------
+# Heatmap
+# --------------------------------------------------------------------------------------
+
+
+def test_heatmap_appends_columns_without_recreating_the_figure(comms, sess, model):
+    view = HeatmapView(model, max_rate_hz=None)
+    fig = view.figure
+    n_open = sum(1 for m in comms if m.msg_type == "comm_open")
+    first = view.z.shape[1]
+    for i in range(5):
+        sess.allocate(512 * MIB)
+        model.refresh_now()
+        assert view.figure is fig
+        z = decode_array(fig.data[0].z)
+        assert z.shape == (256, first + i + 1)
+        assert len(decode_array(fig.data[0].x)) == first + i + 1
+    assert view.columns_appended == first + 5
+    # later columns show more memory in use: percentages per row, 0..100
+    z = decode_array(fig.data[0].z)
+    assert z.max() == 100 and z[:, -1].sum() > z[:, 1].sum()
+    np.testing.assert_array_equal(z[:, -1], np.rint(model.state(0).heatmap[:, -1] * 100))
+    # no figure (or other widget) was created on the way: only updates
+    assert sum(1 for m in comms if m.msg_type == "comm_open") == n_open
+    assert len(comms.updates(fig, "_py2js_update")) >= 5
+
+
+def test_heatmap_drops_oldest_columns(comms):
+    with gpudash.Session(simulate="1GiB", poll=False) as sess, \
+            LiveModel(sess, start=False, heatmap_columns=4, heatmap_rows=32) as model:
+        view = HeatmapView(model, max_rate_hz=None)
+        for _ in range(10):
+            sess.allocate(MIB)
+            model.refresh_now()
+        assert view.z.shape == (32, 4)
+        np.testing.assert_array_equal(view.x, model.state(0).heatmap_time_ms)
+
+
+# --------------------------------------------------------------------------------------
+# Stats
+# --------------------------------------------------------------------------------------
+
+
+def test_stats_view_table_and_over_limit(comms, sess, model):
+    view = StatsView(model)
+    p = sess.allocate(4 * GIB)
+    model.refresh_now()
+    html = view.html.value
+    for label in ("num_allocs", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size",
+                  "bytes_limit", "pool_bytes", "peak_pool_bytes", "largest_free_block_bytes",
+                  "external fragmentation", "internal fragmentation", "pool - in use"):
+        assert label in html
+    assert "4.00 GiB" in html and "OVER LIMIT" not in html
+    sess.configure(per_process_gpu_memory_fraction=0.1)  # 1.6 GiB < 4 GiB in use
+    model.refresh_now()
+    assert "OVER LIMIT" in view.html.value
+    sess.free_now(p)
+    model.refresh_now()
+    assert "OVER LIMIT" not in view.html.value
+    assert comms.updates(view.html, "value")
+
+
+# --------------------------------------------------------------------------------------
+# Views in general
+# --------------------------------------------------------------------------------------
+
+
+def test_views_follow_the_device_trait(comms):
+    with gpudash.Session(simulate="2x1GiB", poll=False) as sess, \
+            LiveModel(sess, start=False) as model:
+        sess.allocate(100 * MIB, device=1)
+        model.refresh_now()
+        view = ChunkMapView(model, max_rate_hz=None)
+        assert len(view.arrays["used_ptr"]) == 0
+        view.device = 1
+        assert len(view.arrays["used_ptr"]) == 1
+        assert view.figure.layout.title.text.startswith("/device:GPU:1")
+        with pytest.raises(traitlets.TraitError):
+            view.device = 2
+
+
+def test_views_have_cheap_reprs(comms, model):
+    for cls in (ChunkMapView, BinsView, TimelineView, HeatmapView):
+        view = cls(model)
+        assert repr(view).startswith(f"{cls.__name__}(device=0")
+        view.close()
+    assert repr(StatsView(model)).startswith("StatsView(")
+
+
+def test_view_close_stops_listening(comms, sess, model):
+    view = TimelineView(model)
+    view.close()
+    sess.allocate(1000)
+    model.refresh_now()
+    assert not model.errors
+    assert model._listeners == []
+
+
+# --------------------------------------------------------------------------------------
+# Dashboard
+# --------------------------------------------------------------------------------------
+
+
+def test_dashboard_on_two_simulated_devices(comms):
+    with gpudash.Session(simulate="2x1GiB", poll=False) as sess:
+        dash = Dashboard(sess, rate_hz=20)
+        try:
+            assert set(dash.views) == {"stats", "timeline", "heatmap", "chunkmap", "bins"}
+            assert dash.controls.device_picker.layout.display != "none"
+            bundle = dash._repr_mimebundle_()
+            assert "application/vnd.jupyter.widget-view+json" in bundle
+            assert repr(dash).startswith("Dashboard(views=")
+            sess.allocate(10 * MIB, device=1)
+            # the refresher thread delivers it
+            assert wait_for(lambda: dash.model.state(1).stats.bytes_in_use == 10 * MIB)
+            dash.controls.device_picker.value = 1
+            for name in ("timeline", "heatmap", "chunkmap", "bins"):
+                assert dash.views[name].device == 1
+            assert wait_for(lambda: len(dash.views["chunkmap"].arrays["used_ptr"]) == 1)
+            assert "/device:GPU:1" in dash.views["stats"].html.value
+            assert not dash.model.errors
+            _wire_json_ok(comms)
+        finally:
+            dash.close()
+        assert not dash.model.running
+        assert all(d.allocator._sinks == [] for d in sess.devices)
+
+
+def test_dashboard_views_option_and_pause(comms, sess):
+    with Dashboard(sess, views=("stats", "timeline"), rate_hz=20) as dash:
+        assert set(dash.views) == {"stats", "timeline"}
+        timeline = dash.views["timeline"]
+        dash.controls.pause.value = True
+        assert dash.model.paused
+        time.sleep(0.1)
+        version = timeline._version
+        for _ in range(10):
+            sess.allocate(MIB)
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert timeline._version == version  # paused: no updates
+        dash.controls.pause.value = False
+        assert wait_for(lambda: timeline._version > version)
+    with pytest.raises(ValueError):
+        Dashboard(sess, views=("nope",))
+
+
+def test_bytes_per_refresh_are_bounded(comms, sess):
+    """A refresh with 10k chunks sends well under a few MB (measured in the benchmark)."""
+    fill(sess, 20_000)
+    with Dashboard(sess, rate_hz=0.1) as dash:
+        dash.model.paused = True
+        for view in dash.views.values():
+            if hasattr(view, "max_rate_hz"):
+                view.max_rate_hz = None
+        sess.allocate(1000)
+        comms.clear()
+        dash.model.refresh_now()
+        total = comms.nbytes()
+        assert 0 < total < 2_000_000
+        assert comms.nbytes(dash.views["chunkmap"].figure) > total / 2  # the big one
+
+
+# --------------------------------------------------------------------------------------
+# What-if
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    from gpudash.trace.workloads import training_loop
+
+    return training_loop(steps=3, layers=4, hidden=2048)  # peak in use ~270 MiB
+
+
+def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small_trace):
+    from gpudash.widgets import WhatIfView
+
+    view = WhatIfView(small_trace, device_bytes="1GiB", fraction=0.9)
+    try:
+        assert view.result.fits and "fits" in view.status.value
+        assert len(view.timeline.data[4].x) == 0  # no first-OOM marker
+
+        view.slider.value = 0.1  # as the browser would, on release
+        assert "replaying" in view.status.value
+        assert view.wait(30)
+        r = view.result
+        assert not r.fits and r.memory_limit == int(0.1 * GIB)
+        assert "out of memory" in view.status.value
+        assert f"call {r.first_oom[0]}" in view.status.value
+        first = view.timeline.data[4]
+        assert list(first.x) == [r.first_oom[0]] and "first OOM" in first.text[0]
+        assert len(decode_array(view.timeline.data[3].x)) == r.oom_count
+        limit_y = view.timeline.data[2].y
+        assert limit_y[0] * MIB == pytest.approx(r.memory_limit)
+        # the heatmap of the replay, and the first OOM marked on it
+        z = decode_array(view.heatmap.data[0].z)
+        assert z.shape == view.heatmap_data["z"].shape and z.max() > 0
+        assert list(view.heatmap.data[1].x) == [r.first_oom[0]] * 2
+
+        view.slider.value = 0.8
+        assert view.wait(30)
+        assert view.result.fits and "fits" in view.status.value
+        assert len(view.timeline.data[4].x) == 0
+        assert view.replays == 3
+
+        assert view.wait_min_fraction(60)
+        assert "minimum fraction that fits" in view.min_fraction_text.value
+        assert repr(view).startswith("WhatIfView(fraction=0.80")
+    finally:
+        view.close()
+
+
+def test_replay_heatmap_matches_brute_force(small_trace):
+    from gpudash.trace.replay import replay
+    from gpudash.widgets.whatif import replay_heatmap
+
+    r = replay(small_trace, device_bytes="1GiB", fraction=0.5, allow_growth=True)
+    cols = r.recording.columns
+    rows, samples = 32, 17
+    hm = replay_heatmap(cols, rows=rows, samples=samples, call_ops=small_trace.calls(0).op)
+    lo, rb = hm["lo"], hm["row_bytes"]
+    kinds = cols["kind"].tolist()
+    live: dict[int, tuple[int, int]] = {}
+    ends = set(hm["event"].tolist())
+    got_cols = []
+    for i, k in enumerate(kinds):
+        if k == 1:
+            live[int(cols["alloc_id"][i])] = (int(cols["ptr"][i]), int(cols["size"][i]))
+        elif k == 2:
+            live.pop(int(cols["alloc_id"][i]), None)
+        if i in ends:
+            col = np.zeros(rows)
+            for p, n in live.values():
+                s, e = p - lo, p - lo + n
+                for row in range(rows):
+                    col[row] += max(0, min(e, (row + 1) * rb) - max(s, row * rb))
+            got_cols.append(col / rb)
+    np.testing.assert_allclose(hm["z"], np.array(got_cols).T, atol=1e-9)
+    x = hm["x"]
+    assert np.all(np.diff(x) >= 0) and 0 <= x[0] and x[-1] < r.calls
+
+
+# --------------------------------------------------------------------------------------
+# In a real kernel
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dashboard_in_a_kernel_updates_from_its_thread(tmp_path):
+    """A real ipykernel: the refresher thread's updates reach the widget state while a
+    background workload runs, and a slider moved by the kernel reconfigures the session."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cells = [
+        "import sys, time\nsys.path.insert(0, %r)\nimport gpudash\n"
+        "from gpudash.widgets import Dashboard\nfrom gpudash.background import run_in_background\n"
+        "sess = gpudash.Session(simulate='2x4GiB')\ndash = Dashboard(sess)\ndash" % str(root),
+        "def work(stop_event):\n    ptrs = []\n    for i in range(20000):\n"
+        "        if stop_event.is_set():\n            break\n"
+        "        ptrs.append(sess.allocate(4096 + i % 100 * 256))\n"
+        "        if len(ptrs) > 500:\n            sess.free(ptrs.pop(0))\n    return len(ptrs)\n"
+        "task = run_in_background(work)\ntask.widget()",
+        "task.result(timeout=60)\ndash.controls.fraction.value = 0.3\ntime.sleep(1.0)\n"
+        "print(sess.devices[0].memory_limit == int(0.3 * sess.devices[0].total), "
+        "list(dash.model.errors))",
+        "dash.close(); sess.close(); print(dash.model.running)",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     store_widget_state=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    texts = [o.get("text", "") for o in outputs if o.get("output_type") == "stream"]
+    assert texts[0].strip() == "True []"
+    assert texts[-1].strip() == "False"
+    bundle = outputs[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    stats = [m["state"]["value"] for m in state.values()
+             if m["model_name"] == "HTMLModel" and "num_allocs" in m["state"].get("value", "")]
+    assert stats and "20,000" in stats[0]  # sent by the refresher thread
