@@ -60,7 +60,8 @@ write("01_quickstart.ipynb", [
     code("%%gpudash_track\n"
          "ptrs = [sess.allocate(8 << 20) for _ in range(16)]\n"
          "for p in ptrs[::2]:\n"
-         "    sess.free(p)"),
+         "    sess.free(p)      # deferred deletion, as TensorFlow's EventMgr\n"
+         "sess.flush()          # hand the queued frees to the allocator now"),
     md("TensorFlow's own memory log of the allocator, as it would print on an OOM:"),
     code("print(dev.allocator.dump_memory_log()[:2000])"),
 ])

@@ -180,7 +180,10 @@ def test_quickstart_shows_the_session_dashboard_and_settings(run_notebook):
 
     track_text = ex.text("%%gpudash_track")
     assert "gpudash_track" in track_text and "allocation(s)" in track_text, track_text
-    assert "in use +64.00 MiB" in track_text, track_text  # 16 x 8 MiB, half freed
+    # 16 x 8 MiB, half freed and flushed: 8 blocks stay, each a chunk of at least 8 MiB
+    # (BFC hands out a whole free chunk when splitting would waste less than it keeps)
+    m = re.search(r"in use \+([\d.]+) MiB", track_text)
+    assert m and 64 <= float(m.group(1)) < 128, track_text
 
     log_text = ex.text("dump_memory_log")
     assert "GPU_0_bfc" in log_text and "Bin (" in log_text, log_text[:500]
