@@ -464,6 +464,7 @@ class BFCAllocator:
         self._flush_at = _JOURNAL_FLUSH  # journal length at which _after_op must run
         self._callbacks: list[Callable[[Event], Any]] = []
         self._sinks: list[Callable[[dict, dict], Any]] = []
+        self._raw_sinks: list[Callable[[list, dict], Any]] = []
         self._dispatch_lock = threading.RLock()
         self.device_index = 0
 
@@ -1428,21 +1429,27 @@ class BFCAllocator:
 
         return unsubscribe
 
-    def _add_sink(self, sink: Callable[[dict, dict], Any]) -> Callable[[], None]:
-        """Deliver events in columnar batches: ``sink(columns, extra)`` with numpy arrays
-        keyed like :data:`gpudash.events.COLUMNS` and ``extra`` = {seq: (setting, old,
-        new)}. Batches arrive every few thousand events and on :meth:`flush_events`."""
+    def _add_sink(self, sink: Callable[[Any, dict], Any], *, raw: bool = False
+                  ) -> Callable[[], None]:
+        """Deliver events in batches, every few thousand events and on :meth:`flush_events`.
+
+        ``sink(columns, extra)``: numpy arrays keyed like :data:`gpudash.events.COLUMNS`
+        (one row per event) and ``extra`` = {seq: (setting, old, new)}. With ``raw=True``,
+        ``sink(records, extra)`` gets the journal itself instead: a flat list of ints, 8 per
+        operation (see ``BFCAllocator.__init__``), read-only, with no conversion at all --
+        for listeners that only count (the live views).
+        """
         with self._lock:
             if self._journal:
                 self._flush_locked()  # earlier events go to earlier listeners only
-            self._sinks.append(sink)
+            (self._raw_sinks if raw else self._sinks).append(sink)
             self._update_journal()
 
         def remove() -> None:
             self.flush_events()
             with self._lock:
                 try:
-                    self._sinks.remove(sink)
+                    (self._raw_sinks if raw else self._sinks).remove(sink)
                 except ValueError:
                     return
                 self._update_journal()
@@ -1452,7 +1459,7 @@ class BFCAllocator:
     def _update_journal(self) -> None:
         if self._journal:
             self._flush_locked()
-        listening = bool(self._callbacks or self._sinks)
+        listening = bool(self._callbacks or self._sinks or self._raw_sinks)
         if listening and self._journal is None:
             self._journal = []
             self._counted = (0, 0)
@@ -1572,6 +1579,12 @@ class BFCAllocator:
         self._journal = []
         self._journal_extra = {}
         self._counted = (0, 0)
+        for sink in list(self._raw_sinks):
+            try:
+                sink(journal, extra)
+            except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
+                              GpudashWarning, stacklevel=3)
         if not self._sinks:
             self._journal_seq = seq0 + counted + _count_events(journal, pos)
             return

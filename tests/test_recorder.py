@@ -188,3 +188,19 @@ def test_try_allocate_is_quiet_and_allocate_reports(caplog):
     kinds = [EventKind(int(k)) for k in rec.columns()["kind"]]
     assert kinds.count(EventKind.OOM) == 1
     assert a.try_allocate(MiB) != 0
+
+
+def test_raw_sinks_get_one_record_per_operation_without_conversion():
+    a = BFCAllocator(SimulatedDevice(1 << 30), 1 << 30)
+    batches = []
+    remove = a._add_sink(lambda records, extra: batches.append(list(records)), raw=True)
+    ptrs = [a.allocate(1000) for _ in range(3)]
+    for p in ptrs:
+        a.deallocate(p)
+    a.flush_events()
+    records = [r for b in batches for r in b]
+    codes = records[1::8]
+    assert len(records) % 8 == 0
+    assert codes == [int(EventKind.EXTEND)] + [int(EventKind.ALLOC)] * 3 + [int(EventKind.FREE)] * 3
+    remove()
+    assert a._journal is None

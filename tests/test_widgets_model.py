@@ -462,10 +462,11 @@ def test_failing_listener_is_isolated(sess):
 def test_close_stops_thread_and_detaches_sinks(sess):
     alloc = sess.devices[0].allocator
     model = LiveModel(sess, rate_hz=20)
-    assert model.running and len(alloc._sinks) == 1
+    assert model.running and len(alloc._raw_sinks) == 1  # a raw (counting) sink
     model.close()
     assert not model.running
-    assert alloc._sinks == []
+    assert alloc._raw_sinks == [] and alloc._sinks == []
+    assert alloc._journal is None  # nobody listens any more
     assert model.closed
     model.close()  # idempotent
     assert "closed" in repr(model)
@@ -481,7 +482,7 @@ def test_dropped_model_is_collected_and_detaches(sess):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
-    assert alloc._sinks == []
+    assert alloc._sinks == [] and alloc._raw_sinks == []
 
 
 def test_repr_is_cheap_and_informative(sess):

@@ -308,7 +308,7 @@ def test_dashboard_on_two_simulated_devices(comms):
         finally:
             dash.close()
         assert not dash.model.running
-        assert all(d.allocator._sinks == [] for d in sess.devices)
+        assert all(d.allocator._sinks == [] == d.allocator._raw_sinks for d in sess.devices)
 
 
 def test_dashboard_views_option_and_pause(comms, sess):

@@ -519,7 +519,7 @@ class LiveModel(traitlets.HasTraits):
         ref = weakref.ref(self)
         removes = []
         for dev in self._devices:
-            dev.remove_sink = dev.allocator._add_sink(_make_sink(ref, dev.index))
+            dev.remove_sink = dev.allocator._add_sink(_make_sink(ref, dev.index), raw=True)
             removes.append(dev.remove_sink)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -619,34 +619,36 @@ class LiveModel(traitlets.HasTraits):
         return remove
 
     # ------------------------------------------------------------------ events in
-    def _receive(self, index: int, columns: dict, extra: dict) -> None:
-        """Batch sink (allocating thread, allocator lock held): count, mark dirty."""
-        kind = columns["kind"]
-        n = len(kind)
+    def _receive(self, index: int, records: list, extra: dict) -> None:
+        """Raw batch sink (allocating thread, allocator lock held): count, mark dirty.
+
+        ``records`` is the allocator's journal, 8 ints per operation (time_ns, code, ptr,
+        size, requested, ...); only list operations run here, no numpy conversion, so a
+        dashboard costs the allocator little.
+        """
+        n = len(records) // 8
         if not n:
             return
-        allocs = int(np.count_nonzero(kind == _ALLOC))
-        frees = int(np.count_nonzero(kind == _FREE))
-        oom_at = np.flatnonzero(kind == _OOM)
+        codes = records[1::8]
+        allocs = codes.count(_ALLOC)
+        frees = codes.count(_FREE)
+        n_ooms = codes.count(_OOM)
         ooms = []
-        if len(oom_at):
-            t, size, req = columns["time_ns"], columns["size"], columns["requested"]
-            ooms = [(int(t[i]), int(size[i]), int(req[i])) for i in oom_at[-MAX_MARKS:]]
+        if n_ooms:
+            at = [i for i, c in enumerate(codes) if c == _OOM][-MAX_MARKS:]
+            ooms = [(records[8 * i], records[8 * i + 3], records[8 * i + 4]) for i in at]
         settings = []
         if extra:
-            seqs = columns["seq"]
-            times = columns["time_ns"]
-            first = int(seqs[0])
-            for seq, (setting, old, new) in sorted(extra.items()):
-                i = seq - first
-                t = int(times[i]) if 0 <= i < n else time.time_ns()
+            limit_times = [records[8 * i] for i, c in enumerate(codes) if c == _LIMIT]
+            for k, (seq, (setting, old, new)) in enumerate(sorted(extra.items())):
+                t = limit_times[k] if k < len(limit_times) else time.time_ns()
                 settings.append(SettingMark(t / 1e6, int(seq), str(setting), old, new))
         dev = self._devices[index]
         with self._lock:
             c = dev.counters
             c["allocs"] += allocs
             c["frees"] += frees
-            c["ooms"] += int(len(oom_at))
+            c["ooms"] += n_ooms
             c["settings"] += len(settings)
             c["events"] += n
             dev.pending_ooms.extend(ooms)
@@ -808,10 +810,10 @@ class LiveModel(traitlets.HasTraits):
 def _make_sink(ref: weakref.ref[LiveModel], index: int) -> Callable[[dict, dict], None]:
     """A sink holding the model weakly, so a dropped model can be collected."""
 
-    def sink(columns: dict, extra: dict) -> None:
+    def sink(records: list, extra: dict) -> None:
         model = ref()
         if model is not None:
-            model._receive(index, columns, extra)
+            model._receive(index, records, extra)
 
     return sink
 
