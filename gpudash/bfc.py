@@ -16,8 +16,8 @@ Layout of the state (all guarded by one lock):
   bins jumps to the next bin that can serve a request;
 - regions are kept sorted by address.
 
-Hot paths (``allocate``/``deallocate``) bind attributes to locals and are written inline;
-every branch they skip is measured in ``benchmarks/bench_allocator.py``.
+Hot paths (``allocate``/``deallocate``) bind attributes to locals and do their event work
+only while someone listens; ``benchmarks/bench_allocator.py`` measures them.
 """
 
 from __future__ import annotations
@@ -545,50 +545,12 @@ class BFCAllocator:
             b = 20
         with self._lock:
             journal = self._journal
-            # -- FindChunkPtr, inline: best fit by (size, address) from bin b upwards.
-            mask = self._mask >> b
-            if mask:
-                bins = self._bins
-                key = -1
-                lst = bins[b]
-                if mask & 1:
-                    i = bisect_left(lst, rounded << 64)
-                    if i < len(lst):
-                        key = lst.pop(i)
-                        nb = b
-                    mask ^= 1
-                if key < 0 and mask:
-                    nb = b + ((mask & -mask).bit_length() - 1)
-                    lst = bins[nb]
-                    key = lst.pop(0)
-                if key >= 0:
-                    if not lst:
-                        self._mask ^= 1 << nb
-                    ptr = key & _MASK64
-                    chunk = self._by_ptr[ptr]
-                    size = key >> 64
-                    remainder = 0
-                    if size >= rounded << 1 or size - rounded >= self._max_frag:
-                        remainder = size - rounded
-                        self._split(chunk, rounded)
-                        size = rounded
-                    chunk.requested = nbytes
-                    aid = chunk.aid = self._next_aid
-                    self._next_aid = aid + 1
-                    chunk.bin = -1
-                    self._num_allocs += 1
-                    in_use = self._in_use = self._in_use + size
-                    if in_use > self._peak:
-                        self._peak = in_use
-                    if size > self._largest:
-                        self._largest = size
-                    if journal is not None:
-                        start = len(journal)
-                        journal.extend((_now(), _ALLOC, ptr, size, nbytes, remainder, 0, 0))
-                        if start >= self._flush_at:
-                            self._after_op(start)
-                    return ptr
             start = len(journal) if journal is not None else 0
+            ptr = self._take(nbytes, rounded, b)
+            if ptr:
+                if journal is not None and start >= self._flush_at:
+                    self._after_op(start)
+                return ptr
             ptr = self._allocate_slow(nbytes, rounded, b)
             exc = None if ptr or self._retry_timeout else self._oom_locked(nbytes, rounded)
             if journal is not None:
