@@ -55,7 +55,7 @@ DEFAULT_DEFERRED_DELETION_BYTES = 8 * 1048576
 #: EventMgr's sleep between polls while events are pending when the field is 0.
 DEFAULT_POLLING_ACTIVE_DELAY_USECS = 10
 #: gpudash's idle poll interval when the field is 0 (the 2015 EventMgr's hard-coded 1 ms).
-DEFAULT_POLLING_INACTIVE_DELAY_MSECS = 1
+DEFAULT_POLLING_INACTIVE_DELAY_MSECS = 100
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
@@ -417,11 +417,12 @@ class GPUOptions:
 
     @property
     def effective_polling_inactive_delay_msecs(self) -> int:
-        """``polling_inactive_delay_msecs``, or 1 when it is 0.
+        """``polling_inactive_delay_msecs``, or 100 when it is 0.
 
         TensorFlow documents this field but never reads it (its 2015 EventMgr hard-coded a
-        1 ms wait on an empty queue; later ones block until work arrives). gpudash uses it as
-        the interval of its idle poll.
+        1 ms wait on an empty queue; later ones block until work arrives). gpudash's poller
+        wakes as soon as a batch is queued, and otherwise polls at this interval, so an idle
+        session costs next to nothing.
         """
         return self.polling_inactive_delay_msecs or DEFAULT_POLLING_INACTIVE_DELAY_MSECS
 

@@ -251,7 +251,7 @@ def test_effective_values():
     opts = GPUOptions()
     assert opts.effective_deferred_deletion_bytes == 8 * 1048576
     assert opts.effective_polling_active_delay_usecs == 10
-    assert opts.effective_polling_inactive_delay_msecs == 1
+    assert opts.effective_polling_inactive_delay_msecs == 100
     assert opts.normalized_allocator_type == "BFC"
     opts = GPUOptions(deferred_deletion_bytes=4096, polling_active_delay_usecs=3,
                       polling_inactive_delay_msecs=7)

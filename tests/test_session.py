@@ -998,3 +998,24 @@ def test_stats_and_repr(make):
     assert sess.stats(1).bytes_in_use == MiB
     assert "simulated" in repr(sess) and "open" in repr(sess)
     assert "GPU_1_bfc" in repr(sess.devices[1])
+
+
+def test_idle_poller_does_not_spin_and_wakes_for_a_batch():
+    """An idle session polls every polling_inactive_delay_msecs (default 100 ms), and a
+    queued batch wakes the poller at once rather than after the idle interval."""
+    import time as _time
+
+    with gpudash.Session(simulate="1GiB", config={"deferred_deletion_bytes": 1 << 20}) as sess:
+        calls = []
+        real_poll = sess.poll
+        sess.poll = lambda: calls.append(_time.monotonic()) or real_poll()
+        _time.sleep(0.55)
+        assert len(calls) <= 8, len(calls)  # ~5 at 100 ms, never a busy loop
+        p = sess.allocate(2 << 20)
+        t0 = _time.monotonic()
+        sess.free(p)  # 2 MiB >= 1 MiB: flushed as a batch, the poller is woken
+        alloc = sess.devices[0].allocator
+        while alloc.bytes_in_use and _time.monotonic() - t0 < 2:
+            _time.sleep(0.001)
+        assert alloc.bytes_in_use == 0
+        assert _time.monotonic() - t0 < 0.09  # well before the next idle poll
