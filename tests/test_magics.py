@@ -150,3 +150,20 @@ def test_bad_gpudash_arguments_are_usage_errors(ip):
         ip.run_line_magic("gpudash", "--fraction lots")
     with pytest.raises(UsageError):
         ip.run_line_magic("gpudash", "--bogus")
+
+
+def test_unload_restores_cupys_allocator(ip, monkeypatch):
+    """On a GPU, %gpudash installs the session into CuPy; %unload_ext must restore CuPy's own
+    allocator. Checked here with CuPy's real set/get_allocator on a session that claims to
+    be on a GPU (its allocations are never made)."""
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(session_mod.Session, "simulated", property(lambda self: False))
+    before = cupy.cuda.get_allocator()
+    ip.run_line_magic("gpudash", "--simulate 1GiB")
+    sess = _session()
+    assert sess.installed
+    assert cupy.cuda.get_allocator() is not before
+    ip.run_line_magic("unload_ext", "gpudash")
+    assert not sess.installed
+    assert cupy.cuda.get_allocator() == before
+    ip.run_line_magic("load_ext", "gpudash")
