@@ -28,6 +28,13 @@ def test_widgets_and_their_settings(comms, sess, model):
     assert c.device_picker.layout.display == "none"  # one device: no dropdown
     assert "GiB" in c.limit_label.value
     assert c.deferred_label.value == "8.00 MiB"  # TensorFlow's default threshold
+    # the buttons are as wide as their labels (none cut off), and say more on hover
+    for button in (c.release, c.flush):
+        assert button.layout.width == "auto" and button.tooltip
+    assert c.release.description == "Release free regions"
+    assert c.flush.description == "Flush deferred frees"
+    # rows wrap in a narrow output area instead of cutting their last widgets off
+    assert all(row.layout.flex_flow == "row wrap" for row in c.children[:3])
     assert repr(c).startswith("ControlsView(device=0")
 
 

@@ -459,6 +459,34 @@ def test_failing_listener_is_isolated(sess):
         assert len(model.errors) == 1 and "boom" in model.errors[0]
 
 
+def test_tick_listeners_hear_every_refresh(sess):
+    """Ticks come after every refresh, also those in which nothing changed (the timeline
+    draws the latest state up to the latest refresh)."""
+    with LiveModel(sess, start=False) as model:
+        ticks = []
+        remove = model.add_tick_listener(lambda now, changed: ticks.append((now, changed)))
+        model.refresh_now()  # nothing changed: no states, still a tick
+        assert ticks == [(model.last_refresh_ms, set())]
+        assert model.last_refresh_ms >= model.start_ms
+        sess.allocate(MIB)
+        st = model.refresh_now()[0]
+        assert ticks[-1] == (st.time_ms, {0}) and st.time_ms == model.last_refresh_ms
+        assert ticks[0][0] <= ticks[1][0]
+
+        def bad(now, changed):
+            raise RuntimeError("tick failed")
+
+        model.add_tick_listener(bad)
+        model.refresh_now()
+        assert len(ticks) == 3 and any("tick failed" in e for e in model.errors)
+        remove()
+        model.refresh_now()
+        assert len(ticks) == 3
+        with pytest.raises(TypeError):
+            model.add_tick_listener(42)
+    assert model._tick_listeners == []
+
+
 def test_close_stops_thread_and_detaches_sinks(sess):
     alloc = sess.devices[0].allocator
     model = LiveModel(sess, rate_hz=20)

@@ -134,6 +134,13 @@ def test_bins_view_shows_the_21_bins(comms, sess, model):
                                [b.total_bytes_in_use for b in snap.bins], rtol=1e-9, atol=1)
     assert list(free_chunks.y) == [b.free_chunks for b in snap.bins]
     assert free_bytes.text[0].endswith("B")
+    # the rows say what they show in their y titles: no subplot titles, which sat where
+    # the legend is; the legend is one row above the plot, as in the other figures
+    layout = view.figure.layout
+    assert not layout.annotations
+    assert (layout.yaxis.title.text, layout.yaxis2.title.text) == ("MiB", "free chunks")
+    assert layout.legend.orientation == "h" and layout.legend.yanchor == "bottom"
+    assert layout.legend.y >= 1
     _wire_json_ok(comms)
 
 
@@ -158,7 +165,7 @@ def test_timeline_marks_oom_and_setting_change(comms, sess, model):
         sess.allocate(8 * GIB)
     st = model.refresh_now()[0]
 
-    in_use, pool, limit, oom = view.figure.data
+    in_use, pool, limit, oom = view.figure.data[:4]
     assert len(view.marked_ooms) == 1
     assert view.marked_ooms[0].requested == 8 * GIB
     # x: seconds since the model started
@@ -166,6 +173,8 @@ def test_timeline_marks_oom_and_setting_change(comms, sess, model):
     assert "8.00 GiB" in oom.text[0]
     texts = [a.text for a in view.figure.layout.annotations]
     assert any("fraction 0.5→0.3" in t for t in texts), texts
+    # one setting a line: the rotated label stays short (the limit moved with the fraction)
+    assert any("<br>fraction 0.5→0.3" in t for t in texts) and not any(", " in t for t in texts)
     assert len(view.figure.layout.shapes) == len(texts) == 2
     # the lines: the limit fell to 0.3 of the device
     y_limit = decode_array(limit.y)
@@ -181,6 +190,52 @@ def test_timeline_marks_oom_and_setting_change(comms, sess, model):
     updates = comms.updates(view.figure, "_py2js_update")
     assert any("fraction 0.5→0.3" in str(u) for u in updates)
     sess.free_now(p)
+
+
+def test_timeline_draws_the_latest_state_up_to_the_latest_refresh(comms, sess, model):
+    """A new limit with no later events is a line up to the latest refresh, not only a jump
+    at the right edge; moving that line's end sends a few bytes, not the lines again."""
+    view = TimelineView(model)
+    view.tail_interval = 0.0
+    fig = view.figure
+    p = sess.allocate(GIB)
+    model.refresh_now()
+    sess.configure(per_process_gpu_memory_fraction=0.75)  # then nothing happens
+    st = model.refresh_now()[0]
+    limit = fig.data[2]
+    tails = fig.data[4:7]
+    assert [t.name for t in tails] == ["in use", "pool", "limit"]
+    for tail, line in zip(tails, fig.data[:3]):
+        assert tail.showlegend is False and tail.legendgroup == line.legendgroup == line.name
+        assert tail.line.color == line.line.color
+    new_limit = int(0.75 * sess.devices[0].total) / MIB
+    t_last = model.seconds(st.timeline["time_ms"][-1])
+    assert decode_array(limit.y)[-1] == pytest.approx(new_limit)
+    assert list(tails[2].x)[0] == pytest.approx(t_last)
+    assert list(tails[2].y) == pytest.approx([new_limit] * 2)
+
+    version, sent = view._version, comms.nbytes(fig)
+    time.sleep(0.05)
+    model.refresh_now()  # the refresher's next refresh: nothing changed
+    assert view._version == version  # no new state drawn...
+    end = model.seconds(model.last_refresh_ms)
+    assert end > t_last + 0.04
+    for tail, key in zip(tails, ("in_use", "pool", "limit")):  # ...the state holds until now
+        assert list(tail.x) == pytest.approx([t_last, end])
+        assert list(tail.y) == pytest.approx([st.timeline[key][-1] / MIB] * 2)
+    assert 0 < comms.nbytes(fig) - sent < 1000
+    # at most every tail_interval seconds
+    view.tail_interval = 3600.0
+    sent = comms.nbytes(fig)
+    model.refresh_now()
+    assert comms.nbytes(fig) == sent
+    # a new state: drawn up to its own time, the tail starts there again
+    sess.free_now(p)
+    st = model.refresh_now()[0]
+    assert list(tails[0].x)[0] == pytest.approx(model.seconds(st.timeline["time_ms"][-1]))
+    assert list(tails[0].y) == pytest.approx([0.0, 0.0])
+    view.close()
+    assert model._tick_listeners == []
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +263,13 @@ def test_heatmap_appends_columns_without_recreating_the_figure(comms, sess, mode
     # no figure (or other widget) was created on the way: only updates
     assert sum(1 for m in comms if m.msg_type == "comm_open") == n_open
     assert len(comms.updates(fig, "_py2js_update")) >= 5
+    # the pool and limit lines reach the right edge of the last column (half a column past
+    # its time), so the latest limit is a line, not a jump at the edge
+    sec = model.seconds
+    for trace, key in ((fig.data[1], "pool"), (fig.data[2], "limit")):
+        lx, ly = decode_array(trace.x), decode_array(trace.y)
+        assert lx[-1] == pytest.approx(sec(view.x[-1] + (view.x[-1] - view.x[-2]) / 2))
+        assert ly[-1] == ly[-2] == pytest.approx(model.state(0).timeline[key][-1] / MIB)
 
 
 def test_heatmap_drops_oldest_columns(comms):
@@ -264,6 +326,33 @@ def test_views_follow_the_device_trait(comms):
             view.device = 2
 
 
+def _is_width_watcher(widget) -> bool:
+    esm = str(getattr(widget, "_esm", ""))
+    return "ResizeObserver" in esm and "gpudashFitTimer" in esm
+
+
+def test_figures_fit_the_box_they_are_shown_in(comms, model):
+    """No fixed width (plotly's default 700 px overflows a narrower dashboard cell): the
+    figures autosize, refit on window resizes and on each view attached."""
+    for cls in (ChunkMapView, BinsView, TimelineView, HeatmapView):
+        view = cls(model)
+        fig = view.figure
+        assert fig.layout.width is None and fig.layout.autosize is True
+        assert fig._config.get("responsive") is True
+        assert fig._view_count == 0  # the frontend counts the views it attaches
+
+        def relayouts(fig=fig):
+            return [u for u in comms.updates(fig, "_py2js_relayout") if u]
+
+        n = len(relayouts())
+        fig.set_state({"_view_count": 1})  # as the frontend does when it attaches a view
+        assert len(relayouts()) == n + 1
+        assert relayouts()[-1]["relayout_data"] == {"autosize": True}
+        fig.set_state({"_view_count": 0})  # a view removed: nothing to fit
+        assert len(relayouts()) == n + 1
+        view.close()
+
+
 def test_views_have_cheap_reprs(comms, model):
     for cls in (ChunkMapView, BinsView, TimelineView, HeatmapView):
         view = cls(model)
@@ -292,6 +381,19 @@ def test_dashboard_on_two_simulated_devices(comms):
         try:
             assert set(dash.views) == {"stats", "timeline", "heatmap", "chunkmap", "bins"}
             assert dash.controls.device_picker.layout.display != "none"
+            # two columns that may be narrower than their figures' content: the figures
+            # fit them (no fixed width)
+            grid = dash.children[-2]
+            assert grid.layout.grid_template_columns == "repeat(2, minmax(0, 1fr))"
+            assert all(v.figure.layout.width is None for v in grid.children)
+            # and they refit when the dashboard's width changes without a window resize (a
+            # side panel): the watcher of its width, made before the figures
+            watcher = dash.children[-1]
+            assert _is_width_watcher(watcher)
+            figures = [dash.views[n].figure for n in ("timeline", "heatmap", "chunkmap", "bins")]
+            opened = [m.comm_id for m in comms if m.msg_type == "comm_open"]
+            assert all(opened.index(watcher.model_id) < opened.index(f.model_id)
+                       for f in figures)
             bundle = dash._repr_mimebundle_()
             assert "application/vnd.jupyter.widget-view+json" in bundle
             assert repr(dash).startswith("Dashboard(views=")
@@ -365,6 +467,9 @@ def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small
     try:
         assert view.result.fits and "fits" in view.status.value
         assert len(view.timeline.data[4].x) == 0  # no first-OOM marker
+        for fig in (view.timeline, view.heatmap):  # as wide as the output area
+            assert fig.layout.width is None and fig.layout.autosize is True
+        assert sum(_is_width_watcher(c) for c in view.children) == 1
 
         view.slider.value = 0.1  # as the browser would, on release
         assert "replaying" in view.status.value
@@ -378,6 +483,11 @@ def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small
         assert len(decode_array(view.timeline.data[3].x)) == r.oom_count
         limit_y = view.timeline.data[2].y
         assert limit_y[0] * MIB == pytest.approx(r.memory_limit)
+        # room above the limit for the OOM markers on it; the first OOM's label below its
+        # marker (not above the plot, where it was cut off)
+        assert view.timeline.layout.yaxis.range[1] * MIB >= 1.1 * r.memory_limit
+        (note,) = view.timeline.layout.annotations
+        assert note.ay > 0 and note.yanchor == "top" and "first OOM" in note.text
         # the heatmap of the replay, and the first OOM marked on it
         z = decode_array(view.heatmap.data[0].z)
         assert z.shape == view.heatmap_data["z"].shape and z.max() > 0

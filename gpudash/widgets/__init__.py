@@ -64,6 +64,9 @@ class _ModelView(_w.VBox):
 
     ``max_rate_hz`` caps how often a heavy view redraws: a state that arrives too soon is
     kept and drawn when the interval is over (by a timer, so the last state is never lost).
+
+    A subclass that defines ``_tick(now_ms, changed)`` also hears every refresh of the model
+    (:meth:`LiveModel.add_tick_listener`), under the same lock as its draws.
     """
 
     device = _t.Int(0, help="Index (in the model) of the device this view shows.")
@@ -85,6 +88,8 @@ class _ModelView(_w.VBox):
         self._build()
         self._ready = True
         self._remove_listener = model.add_listener(self._on_model_update)
+        self._remove_tick = (model.add_tick_listener(self._on_tick)
+                             if type(self)._tick is not _ModelView._tick else None)
         self.redraw()
 
     @_t.validate("device")
@@ -124,6 +129,14 @@ class _ModelView(_w.VBox):
                     return
         self._render(state)
 
+    def _on_tick(self, now_ms: float, changed: set) -> None:
+        with self._draw_lock:
+            if self._drawn_device == self.device:
+                self._tick(now_ms, changed)
+
+    def _tick(self, now_ms: float, changed: set) -> None:
+        """Hook: the model refreshed at ``now_ms`` (``changed``: the devices rebuilt)."""
+
     def _draw_pending(self) -> None:
         with self._draw_lock:
             self._timer = None
@@ -158,6 +171,10 @@ class _ModelView(_w.VBox):
         if remove is not None:
             remove()
             self._remove_listener = None
+        remove_tick = getattr(self, "_remove_tick", None)
+        if remove_tick is not None:
+            remove_tick()
+            self._remove_tick = None
         timer = getattr(self, "_timer", None)
         if timer is not None:
             timer.cancel()
@@ -169,18 +186,108 @@ class _ModelView(_w.VBox):
         return f"{type(self).__name__}(device={self.device}, model={self.model!r})"
 
 
-def _figure(height: int = 300, title: str = "", **layout: Any) -> Any:
-    """An empty ``FigureWidget`` with gpudash's compact layout: the title at the top left,
-    the legend in one row above the plot, at the right (they never overlap)."""
+def _figure(height: int = 300, title: str = "", base: Any = None, **layout: Any) -> Any:
+    """A ``FigureWidget`` (empty, or of ``base``, e.g. ``make_subplots(...)``) with gpudash's
+    compact layout: the title at the top left, the legend in one row above the plot, at the
+    right (they never overlap); as wide as the box it is shown in (:func:`_fit_width`)."""
     import plotly.graph_objects as go
 
-    fig = go.FigureWidget()
+    fig = go.FigureWidget(base) if base is not None else go.FigureWidget()
     fig.update_layout(**_layout(height, title), **layout)
+    _fit_width(fig)
     return fig
 
 
 def _layout(height: int, title: str) -> dict:
+    # no width: the figure is as wide as its box (_fit_width)
     return dict(height=height, margin=dict(l=60, r=20, t=72, b=40), template="plotly_white",
                 title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top",
                            font=dict(size=14)),
                 legend=dict(orientation="h", x=1, xanchor="right", y=1.01, yanchor="bottom"))
+
+
+def _fit_width(fig: Any) -> Any:
+    """Make a ``FigureWidget`` as wide as the box it is shown in (a dashboard grid cell, an
+    output area), not plotly's default 700 px, which a narrower cell cuts off.
+
+    plotly.js reads the width of the figure's element when it plots; the widget plots before
+    the element is attached to the page, when it has no width yet, and falls back to 700 px.
+    So, with ``layout.autosize`` set and no ``layout.width``:
+
+    - ``responsive`` (plotly.js config) refits the figure when the window is resized;
+    - every layout update from the kernel refits it (plotly.js autosizes on each relayout
+      when ``layout.autosize`` is set);
+    - and the frontend counts the figure's views attached to the page (ipywidgets'
+      ``_view_count``, counted once it is not None): when a view is attached, the figure is
+      sent ``relayout({autosize: true})``, a few bytes, so a new view fits at once, even one
+      of a figure that is not updated again.
+
+    A box whose width changes without a window resize (a JupyterLab side panel opened or
+    closed) is the job of the width watcher that :class:`Dashboard` and :class:`WhatIfView`
+    hold (:func:`_width_watcher`).
+    """
+    fig.layout.width = None
+    fig.layout.autosize = True
+    fig._config = dict(fig._config or {}, responsive=True)
+
+    def on_view_count(change: dict) -> None:
+        if (change["new"] or 0) > (change["old"] or 0):
+            send = getattr(fig, "_send_relayout_msg", None)
+            if send is not None:
+                send({"autosize": True})
+
+    fig.observe(on_view_count, "_view_count")
+    fig._view_count = 0
+    return fig
+
+
+#: The width watcher's front end: when the width of the box it is shown in changes (a
+#: JupyterLab side panel opened or closed: no window resize), it dispatches one window
+#: ``resize`` event (coalesced over 150 ms and over every watcher of the page), which refits
+#: the figures plotted with ``responsive``. Nothing goes to the kernel. (The first width it
+#: sees is the one the figures were fitted to when they were shown.)
+_WATCHER_ESM = """
+export default {
+  render({ el }) {
+    el.style.width = "100%";
+    el.style.height = "0px";
+    el.style.overflow = "hidden";
+    let last = 0;
+    const observer = new ResizeObserver((entries) => {
+      const width = Math.round(entries[entries.length - 1].contentRect.width);
+      if (!width || width === last) return;
+      const first = last === 0;
+      last = width;
+      if (first) return;
+      clearTimeout(window.__gpudashFitTimer);
+      window.__gpudashFitTimer = setTimeout(
+        () => window.dispatchEvent(new Event("resize")), 150);
+    });
+    observer.observe(el);
+    return () => observer.disconnect();
+  },
+};
+"""
+
+_watcher_class: Any = None
+
+
+def _width_watcher() -> Any:
+    """An invisible widget (0 px high, as wide as its box) that refits the figures of the
+    page when the box's width changes; None without anywidget.
+
+    Create it before the figures: an anywidget model must load its front end within 2 s of
+    its creation in the page, and the figures' (plotly.js, megabytes) load first otherwise.
+    """
+    global _watcher_class
+    if _watcher_class is None:
+        try:
+            import anywidget
+        except ImportError:  # pragma: no cover - a dependency; figures still fit on display
+            return None
+
+        class _WidthWatcher(anywidget.AnyWidget):
+            _esm = _WATCHER_ESM
+
+        _watcher_class = _WidthWatcher
+    return _watcher_class()

@@ -13,7 +13,7 @@ import numpy as np
 import traitlets
 
 from .._units import format_bytes
-from . import _layout, _ModelView
+from . import _figure, _ModelView
 from .model import NUM_BINS, bin_labels
 
 __all__ = ["BinsView"]
@@ -45,14 +45,11 @@ class BinsView(_ModelView):
         from plotly.subplots import make_subplots
 
         labels = bin_labels()
-        base = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                             row_heights=[0.6, 0.4],
-                             subplot_titles=("bytes per bin (MiB)", "free chunks per bin"))
-        fig = go.FigureWidget(base)
-        fig.update_layout(**_layout(self._height, "bins"), barmode="group")
-        fig.update_layout(margin=dict(r=110),
-                          legend=dict(orientation="v", x=1.01, xanchor="left", y=1,
-                                      yanchor="top"))
+        # The rows say what they show in their y titles, not in subplot titles: those sit
+        # where the legend row is (above the plot), and between the rows.
+        base = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                             row_heights=[0.6, 0.4])
+        fig = _figure(self._height, "bins", base=base, barmode="group")
         zeros = [0] * NUM_BINS
         fig.add_trace(go.Bar(name="free bytes", x=labels, y=zeros, marker_color="#b8d8b0",
                              hovertemplate="bin %{x}: %{text} free<extra></extra>"),
@@ -64,6 +61,8 @@ class BinsView(_ModelView):
                              hovertemplate="bin %{x}: %{y} free chunks<extra></extra>"),
                       row=2, col=1)
         fig.update_xaxes(type="category", row=2, col=1, title_text="bin (chunk size)")
+        fig.update_yaxes(title_text="MiB", row=1, col=1)
+        fig.update_yaxes(title_text="free chunks", rangemode="tozero", row=2, col=1)
         self.figure = fig
         self.children = (fig,)
 
@@ -82,5 +81,5 @@ class BinsView(_ModelView):
             used_b.y = np.round(c.in_use_bytes / _MIB, 6)
             used_b.text = [format_bytes(int(v)) for v in c.in_use_bytes]
             free_n.y = c.free_chunks.astype(np.int32)
-            fig.layout.title.text = f"{state.name}: bins"
+            fig.layout.title.text = f"{state.name}: bytes and free chunks per bin"
         self.redraws += 1

@@ -103,9 +103,14 @@ class ControlsView(widgets.VBox):
         self._links = [widgets.link((self.pause, "value"), (model, "paused")),
                        widgets.link((self.rate, "value"), (model, "rate_hz"))]
 
-        row1 = widgets.HBox([self.device_picker, self.fraction, self.limit_label])
-        row2 = widgets.HBox([self.growth, self.deferred, self.deferred_label])
-        row3 = widgets.HBox([self.release, self.flush, self.pause, self.rate])
+        # rows wrap rather than cut their last widgets off in a narrow output area
+        wrap = dict(flex_flow="row wrap", align_items="center")
+        row1 = widgets.HBox([self.device_picker, self.fraction, self.limit_label],
+                            layout=widgets.Layout(**wrap))
+        row2 = widgets.HBox([self.growth, self.deferred, self.deferred_label],
+                            layout=widgets.Layout(**wrap))
+        row3 = widgets.HBox([self.release, self.flush, self.pause, self.rate],
+                            layout=widgets.Layout(**wrap))
         super().__init__(children=(row1, row2, row3, self.error, self.status))
 
         self.device = device

@@ -17,6 +17,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from .._errors import ConfigError
+from . import _width_watcher
 from .bins import BinsView
 from .chunkmap import ChunkMapView
 from .controls import ControlsView
@@ -80,6 +81,9 @@ class Dashboard(widgets.VBox):
             self.model.close()
             raise ConfigError(f"device must be an index in 0..{n - 1} (the source has {n} "
                               f"device(s)); got {device!r}")
+        # refits the figures when the dashboard's width changes; made before them (see
+        # _width_watcher)
+        watcher = _width_watcher()
         try:
             self.controls = ControlsView(self.model, device=device)
             self.views: dict[str, Any] = {}
@@ -92,6 +96,8 @@ class Dashboard(widgets.VBox):
                     self.views[name] = _CLASSES[name](self.model, device=device)
         except Exception:
             self.model.close()
+            if watcher is not None:
+                watcher.close()
             raise
         self.controls.observe(self._on_controls_device_change, "device")
         figures = [self.views[n] for n in ("timeline", "heatmap", "chunkmap", "bins")
@@ -103,6 +109,8 @@ class Dashboard(widgets.VBox):
             children.append(widgets.GridBox(
                 figures, layout=widgets.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))",
                                                grid_gap="8px", width="100%")))
+        if watcher is not None:
+            children.append(watcher)
         super().__init__(children=children)
 
     def _on_controls_device_change(self, change: dict) -> None:

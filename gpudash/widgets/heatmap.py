@@ -4,7 +4,9 @@ y is the offset in the device's memory with its regions laid end to end (the hea
 split the device's capacity equally); x is seconds since the model started. Each model
 refresh that changed the device appends one column: the view extends its z/x arrays and
 sends them inside one ``fig.batch_update()``; the figure is never recreated. Two lines mark
-the pool's end and the limit. z travels as one byte per cell (percent in use).
+the pool's end and the limit, drawn to the right edge of the last column (so a new limit
+shows as a line, not as a jump at the edge). z travels as one byte per cell (percent in
+use).
 """
 
 from __future__ import annotations
@@ -100,15 +102,23 @@ class HeatmapView(_ModelView):
         tl = state.timeline
         since = tl["time_ms"] >= (x[0] if len(x) else 0)
         sec = self.model.seconds
-        tx = typed_array(sec(tl["time_ms"][since]), np.float64)
+        t_lines = tl["time_ms"][since]
+        y_pool, y_limit = tl["pool"][since], tl["limit"][since]
+        if len(t_lines) and len(x):
+            # the last column reaches half a column past its time: so do the lines
+            edge = x[-1] + (x[-1] - x[-2]) / 2 if len(x) > 1 else x[-1]
+            if edge > t_lines[-1]:
+                t_lines = np.append(t_lines, edge)
+                y_pool, y_limit = np.append(y_pool, y_pool[-1]), np.append(y_limit, y_limit[-1])
+        tx = typed_array(sec(t_lines), np.float64)
         fig = self.figure
         with fig.batch_update():
             hm, pool, limit = fig.data
             hm.update(z=typed_array(self.z, np.uint8), x=typed_array(sec(self.x), np.float64))
             if reset:
                 hm.y = typed_array(y, np.float64)
-            pool.update(x=tx, y=typed_array(tl["pool"][since] / _MIB, np.float32))
-            limit.update(x=tx, y=typed_array(tl["limit"][since] / _MIB, np.float32))
+            pool.update(x=tx, y=typed_array(y_pool / _MIB, np.float32))
+            limit.update(x=tx, y=typed_array(y_limit / _MIB, np.float32))
             fig.layout.yaxis.range = [0, rows * state.heatmap_row_bytes / _MIB]
             fig.layout.title.text = f"{state.name}: address × time, fraction in use"
         self.columns_appended += added

@@ -461,6 +461,9 @@ class LiveModel(traitlets.HasTraits):
         Adjustable while running (the controls link to them).
     refreshes : int
         Refreshes that notified listeners.
+    last_refresh_ms : float
+        When the latest refresh ran (ms since the epoch), whether or not a device changed:
+        every state drawn holds until then (the timeline draws its lines up to it).
     errors : deque of str
         Tracebacks of listeners (views) that raised, newest last (at most 20); a failing
         view never stops the others or the refresher.
@@ -507,6 +510,8 @@ class LiveModel(traitlets.HasTraits):
         self._lock = threading.Lock()  # counters, dirty set, listeners
         self._refresh_lock = threading.RLock()  # one refresh at a time
         self._listeners: list[Callable[[dict], Any]] = []
+        self._tick_listeners: list[Callable[[float, set], Any]] = []
+        self.last_refresh_ms = self.start_ms
         self._dirty: set[int] = set()
         self.errors: deque = deque(maxlen=20)
         self.refreshes = 0
@@ -618,6 +623,27 @@ class LiveModel(traitlets.HasTraits):
 
         return remove
 
+    def add_tick_listener(self, callback: Callable[[float, set], Any]) -> Callable[[], None]:
+        """Call ``callback(now_ms, changed)`` after every refresh, also the refreshes in which
+        no device changed (the refresher's, ``rate_hz`` times a second while not paused):
+        ``now_ms`` is :attr:`last_refresh_ms`, ``changed`` the indices of the devices rebuilt
+        (their listeners ran just before). For views that show time going by (the timeline
+        draws the latest state up to now). Returns ``remove``; errors are kept in
+        :attr:`errors` as the listeners' are."""
+        if not callable(callback):
+            raise TypeError(f"tick listener must be callable; got {callback!r}")
+        with self._lock:
+            self._tick_listeners.append(callback)
+
+        def remove() -> None:
+            with self._lock:
+                try:
+                    self._tick_listeners.remove(callback)
+                except ValueError:
+                    pass
+
+        return remove
+
     # ------------------------------------------------------------------ events in
     def _receive(self, index: int, records: list, extra: dict) -> None:
         """Raw batch sink (allocating thread, allocator lock held): count, mark dirty.
@@ -673,6 +699,7 @@ class LiveModel(traitlets.HasTraits):
                 dirty = set(range(len(self._devices))) if force else self._dirty
                 self._dirty = set()
                 listeners = list(self._listeners)
+                ticks = list(self._tick_listeners)
             changed = {}
             for i in sorted(dirty):
                 changed[i] = self._build(self._devices[i])
@@ -684,6 +711,14 @@ class LiveModel(traitlets.HasTraits):
                     except Exception as exc:  # noqa: BLE001 - isolate views
                         self.errors.append(f"{cb!r}: {''.join(traceback.format_exception(exc))}")
                         logger.error("gpudash: live view %r failed on update: %r", cb, exc)
+            now_ms = max((s.time_ms for s in changed.values()), default=time.time_ns() / 1e6)
+            self.last_refresh_ms = now_ms
+            for tick in ticks:
+                try:
+                    tick(now_ms, set(changed))
+                except Exception as exc:  # noqa: BLE001 - isolate views
+                    self.errors.append(f"{tick!r}: {''.join(traceback.format_exception(exc))}")
+                    logger.error("gpudash: live view %r failed on tick: %r", tick, exc)
             return self.states
 
     def _build(self, dev: _Device) -> DeviceState:
@@ -788,6 +823,7 @@ class LiveModel(traitlets.HasTraits):
                 remove()
         with self._lock:
             self._listeners.clear()
+            self._tick_listeners.clear()
         self._finalizer.detach()
 
     @property

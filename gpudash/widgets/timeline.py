@@ -2,11 +2,14 @@
 
 Out-of-memory events are red markers on the in-use line (hover: the bytes asked for);
 setting changes are vertical dotted lines with a label such as ``fraction 0.5→0.3``. The x
-axis is wall-clock time; lines are steps (a state holds until the next one).
+axis is seconds since the model started; lines are steps (a state holds until the next one),
+and the latest state holds until the model's latest refresh: the lines go on, flat, while
+nothing changes (so a new limit shows as a line, not as a jump at the right edge).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -89,8 +92,10 @@ class TimelineView(_ModelView):
     Attributes
     ----------
     figure : FigureWidget
-        Traces: in use, pool, limit, OOM markers. Setting changes are layout shapes and
-        annotations.
+        Traces: in use, pool, limit, OOM markers, then the three lines' tails (two points
+        each: the latest state, held until the model's latest refresh; moved at most every
+        ``tail_interval`` seconds while nothing changes, a few bytes each time). Setting
+        changes are layout shapes and annotations.
     marked_settings : list of (time_ms, label)
         The setting lines drawn last.
     marked_ooms : list of OomMark
@@ -98,6 +103,8 @@ class TimelineView(_ModelView):
     """
 
     max_marked_settings = traitlets.Int(20, help="Most setting-change lines drawn.")
+    tail_interval = traitlets.Float(1.0, help="Seconds between moves of the lines' tails "
+                                              "while nothing changes.")
 
     def __init__(self, model: Any, *, device: int = 0, height: int = 300,
                  max_marked_settings: int = 20) -> None:
@@ -106,6 +113,9 @@ class TimelineView(_ModelView):
         self.marked_settings: list[tuple[float, str]] = []
         self.marked_ooms: list = []
         self._version = -1
+        self._tail: tuple[float, list[float]] | None = None  # (x, [in use, pool, limit])
+        self._tail_end = -np.inf
+        self._tail_sent = -np.inf
         super().__init__(model, device=device)
 
     @traitlets.validate("max_marked_settings")
@@ -120,17 +130,19 @@ class TimelineView(_ModelView):
         fig = _figure(self._height, title="memory over time",
                       hovermode="x unified")
         hover = "%{y:.2f} MiB at %{x:.1f} s"
-        fig.add_trace(go.Scatter(name="in use", mode="lines", line_shape="hv",
-                                 line=dict(color="#1f77b4", width=2), fill="tozeroy",
-                                 fillcolor="rgba(31,119,180,0.15)", hovertemplate=hover))
-        fig.add_trace(go.Scatter(name="pool", mode="lines", line_shape="hv",
-                                 line=dict(color="#2ca02c", width=1.5), hovertemplate=hover))
-        fig.add_trace(go.Scatter(name="limit", mode="lines", line_shape="hv",
-                                 line=dict(color="#d62728", width=1.5, dash="dash"),
-                                 hovertemplate=hover))
+        lines = (dict(name="in use", line=dict(color="#1f77b4", width=2), fill="tozeroy",
+                      fillcolor="rgba(31,119,180,0.15)"),
+                 dict(name="pool", line=dict(color="#2ca02c", width=1.5)),
+                 dict(name="limit", line=dict(color="#d62728", width=1.5, dash="dash")))
+        for style in lines:
+            fig.add_trace(go.Scatter(mode="lines", line_shape="hv", hovertemplate=hover,
+                                     legendgroup=style["name"], **style))
         fig.add_trace(go.Scatter(name="OOM", mode="markers",
                                  marker=dict(color="#d62728", symbol="x", size=10),
                                  hovertemplate="OOM: %{text}<extra></extra>"))
+        for style in lines:  # the tails: in the legend (and hidden) with their lines
+            fig.add_trace(go.Scatter(mode="lines", showlegend=False, hoverinfo="skip",
+                                     legendgroup=style["name"], x=[], y=[], **style))
         fig.update_xaxes(title_text=f"seconds since {self.model.start_label}")
         fig.update_yaxes(title_text="MiB", rangemode="tozero")
         self.figure = fig
@@ -148,11 +160,16 @@ class TimelineView(_ModelView):
             if self.max_marked_settings else []
         fig = self.figure
         with fig.batch_update():
-            in_use, pool, limit, oom = fig.data
+            in_use, pool, limit, oom = fig.data[:4]
             for trace, key in ((in_use, "in_use"), (pool, "pool"), (limit, "limit")):
                 x, y = _steps(t, tl[key])
                 trace.update(x=typed_array(x, np.float64),
                              y=typed_array(y / _MIB, np.float32))
+            if len(t):
+                self._tail = (float(t[-1]), [float(tl[k][-1] / _MIB)
+                                             for k in ("in_use", "pool", "limit")])
+                end = max(float(t[-1]), float(sec(self.model.last_refresh_ms)))
+                self._move_tail(end)
             if ooms != self.marked_ooms or reset:
                 oom.update(x=sec([m.time_ms for m in ooms]),
                            y=[m.in_use / _MIB for m in ooms],
@@ -163,10 +180,13 @@ class TimelineView(_ModelView):
                     dict(type="line", xref="x", yref="paper", x0=sec(t), x1=sec(t),
                          y0=0, y1=1, line=dict(color="#7f7f7f", width=1, dash="dot"))
                     for t, _ in groups]
+                # one setting a line of text (a fraction change also moves the limit): a
+                # label as long as the plot is high would run into the x axis
                 fig.layout.annotations = [
-                    dict(x=sec(t), xref="x", y=1, yref="paper", text=label,
-                         showarrow=False,
-                         textangle=-90, xanchor="right", yanchor="top",
+                    dict(x=sec(t), xref="x", y=1, yref="paper",
+                         text=label.replace(", ", "<br>"), showarrow=False,
+                         textangle=-90, xanchor="right", yanchor="top", align="right",
+                         bgcolor="rgba(255,255,255,0.6)",
                          font=dict(size=10, color="#555")) for t, label in groups]
             s = state.stats
             over = " — OVER LIMIT" if state.over_limit else ""
@@ -175,3 +195,22 @@ class TimelineView(_ModelView):
                                      f"{format_bytes(s.bytes_limit)}{over}")
         self.marked_ooms = ooms
         self.marked_settings = groups
+
+    def _move_tail(self, end: float) -> None:
+        """Draw the latest state from its time to ``end`` (seconds); call in a batch."""
+        x0, ys = self._tail  # type: ignore[misc]
+        for trace, y in zip(self.figure.data[4:7], ys):
+            trace.update(x=[x0, end], y=[y, y])
+        self._tail_end = end
+        self._tail_sent = time.monotonic()
+
+    def _tick(self, now_ms: float, changed: set) -> None:
+        # A rebuilt device was just drawn up to now; a state waiting for its draw (a rate
+        # cap) will be drawn soon; otherwise the latest state still holds: extend it.
+        if self._tail is None or self.device in changed or self._pending is not None:
+            return
+        end = float(self.model.seconds(now_ms))
+        if end <= self._tail_end or time.monotonic() - self._tail_sent < self.tail_interval:
+            return
+        with self.figure.batch_update():
+            self._move_tail(end)

@@ -24,7 +24,7 @@ import traitlets
 
 from .._units import format_bytes
 from ..events import EventKind
-from . import _layout
+from . import _figure, _width_watcher
 from .model import typed_array
 
 __all__ = ["WhatIfView", "replay_heatmap"]
@@ -211,8 +211,6 @@ class WhatIfView(widgets.VBox):
                  heatmap_columns: int = 300, min_fraction: bool = True,
                  min_fraction_delay: float = 1.0, background: bool = True,
                  **replay_options: Any) -> None:
-        import plotly.graph_objects as go
-
         from ..trace.replay import DEFAULT_DEVICE_BYTES
 
         self.trace = trace
@@ -241,8 +239,8 @@ class WhatIfView(widgets.VBox):
         self.status = widgets.HTML()
         self.min_fraction_text = widgets.HTML("<i>minimum fraction: …</i>")
 
-        tl = go.FigureWidget()
-        tl.update_layout(**_layout(320, "replay: memory over the trace"))
+        watcher = _width_watcher()  # before the figures (see _width_watcher)
+        tl = _figure(320, "replay: memory over the trace")
         tl.add_scatter(name="in use", mode="lines", line=dict(color="#1f77b4"),
                        fill="tozeroy", fillcolor="rgba(31,119,180,0.15)",
                        hovertemplate="call %{x:.0f}: %{y:.2f} MiB in use<extra></extra>")
@@ -258,8 +256,7 @@ class WhatIfView(widgets.VBox):
                        hovertemplate="%{text}<extra></extra>")
         tl.update_xaxes(title_text="call", rangemode="tozero")
         tl.update_yaxes(title_text="MiB", rangemode="tozero")
-        hm = go.FigureWidget()
-        hm.update_layout(**_layout(340, "replay: address × time, fraction in use"))
+        hm = _figure(340, "replay: address × time, fraction in use")
         hm.add_heatmap(zmin=0, zmax=100, colorscale="Blues",
                        colorbar=dict(title=dict(text="% in use")),
                        hovertemplate="call %{x:.0f}<br>offset %{y:.1f} MiB<br>%{z}% in use"
@@ -271,7 +268,8 @@ class WhatIfView(widgets.VBox):
         self.timeline = tl
         self.heatmap = hm
         super().__init__(children=(
-            widgets.HBox([self.slider, self.status]), self.min_fraction_text, tl, hm))
+            widgets.HBox([self.slider, self.status]), self.min_fraction_text, tl, hm,
+            *([watcher] if watcher is not None else [])))
         self.slider.observe(self._on_slider_change, "value")
         self._min_timer: threading.Timer | None = None
         self.replay_now(fraction)
@@ -357,12 +355,20 @@ class WhatIfView(widgets.VBox):
                               y=typed_array(y_pool / _MIB, np.float32))
                 t_limit.update(x=[0, max(len(calls) - 1, 1)], y=[limit / _MIB] * 2)
                 t_oom.update(x=typed_array(ooms, np.float64), y=typed_array(oom_y, np.float32))
+                # room above the highest line for the markers on it (OOMs happen at the limit)
+                top = max([limit, int(y_pool.max()) if len(y_pool) else 0,
+                           int(y_in.max()) if len(y_in) else 0]) / _MIB
+                self.timeline.layout.yaxis.range = [0, max(top, 1.0) * 1.12]
                 if first is not None:
                     label = f"first OOM: call {first[0]}, asked {format_bytes(first[1])}"
                     t_first.update(x=[first[0]], y=[float(oom_y[0])], text=[label])
+                    # the label below the marker (never above the plot), on the side of the
+                    # marker with more room
+                    right = first[0] <= 0.6 * max(len(calls) - 1, 1)
                     self.timeline.layout.annotations = [dict(
                         x=first[0], y=float(oom_y[0]), text=label, showarrow=True,
-                        arrowhead=2, arrowcolor="#d62728", ax=24, ay=28, xanchor="left",
+                        arrowhead=2, arrowcolor="#d62728", ax=24 if right else -24, ay=28,
+                        xanchor="left" if right else "right", yanchor="top",
                         font=dict(color="#d62728", size=11), bgcolor="rgba(255,255,255,0.8)")]
                 else:
                     t_first.update(x=[], y=[], text=[])
