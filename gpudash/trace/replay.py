@@ -295,7 +295,8 @@ class _Engine:
         "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
         "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
-        "_callbacks", "_sinks", "_dispatch_lock", "device_index", "_dump_memory_log",
+        "_callbacks", "_sinks", "_raw_sinks", "_dispatch_lock", "device_index",
+        "_dump_memory_log",
         "_render_occupancy",
     })
 
@@ -494,7 +495,7 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     unknown = set(a.__dict__) - _Engine._KNOWN
     if unknown:
         raise NotImplementedError(f"cannot clone a BFCAllocator with fields {sorted(unknown)}")
-    if a._journal is not None or a._callbacks or a._sinks:
+    if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks:
         raise NotImplementedError("cannot clone an allocator that has listeners")
     new = object.__new__(BFCAllocator)
     d = new.__dict__
@@ -505,6 +506,7 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     d["_dispatch_lock"] = threading.RLock()
     d["_callbacks"] = []
     d["_sinks"] = []
+    d["_raw_sinks"] = []
     d["_journal_extra"] = {}
     d["_bins"] = [list(b) for b in a._bins]
     d["_region_ptrs"] = list(a._region_ptrs)
