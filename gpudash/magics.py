@@ -175,9 +175,7 @@ class GpudashMagics(Magics):
 
         sess = self._get_session()
         before = {d.index: d.stats() for d in sess.devices}
-        for d in sess.devices:
-            d.allocator.clear_stats()
-        rec = Recorder(sess)
+        rec = Recorder(sess)  # the allocator's own stats are left alone
         t0 = time.perf_counter()
         error = None
         try:
@@ -274,7 +272,8 @@ class TrackSummary:
                 "device": d.name,
                 "in_use_change": after.bytes_in_use - before[d.index].bytes_in_use,
                 "in_use": after.bytes_in_use,
-                "peak": after.peak_bytes_in_use,
+                # the cell's own peak, from its events (TensorFlow's peak covers all time)
+                "peak": int(in_use.max()) if len(in_use) else after.bytes_in_use,
                 "allocations": int((kind == EventKind.ALLOC).sum()),
                 "ooms": int((kind == EventKind.OOM).sum()),
                 "worst_fragmentation": _worst_fragmentation(d, after),

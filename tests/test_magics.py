@@ -104,7 +104,9 @@ def test_gpudash_track_summarises_the_cell(ip, capsys):
     out = capsys.readouterr().out
     assert "gpudash_track" in out
     assert "in use +9.00 MiB" in out
+    assert "peak 10.00 MiB" in out  # the cell's own peak
     assert "10 allocation(s)" in out
+    assert _session().devices[0].stats().num_allocs == 10  # TensorFlow's stats untouched
     assert "0 out of memory" in out
 
 
