@@ -40,7 +40,7 @@ pytestmark = [
 
 GIB = 1 << 30
 TOTAL = 16 * GIB  # GPUDASH_SIMULATE=1x16GiB
-# Wide enough that each figure of the dashboard's 2-column grid gets its 700 px.
+# A wide window for the screenshots (figures fit their grid cells at any width).
 VIEWPORT = {"width": 1640, "height": 1000}
 
 
