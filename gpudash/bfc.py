@@ -561,10 +561,13 @@ class BFCAllocator:
             raise exc
         return self._retry(nbytes, rounded, b)
 
-    def try_allocate(self, nbytes: int) -> int:
-        """Like :meth:`allocate`, but 0 instead of raising when memory is short: nothing is
-        logged and no ``oom`` event is recorded (TensorFlow's first, quiet attempt before
-        its retry loop). Callers that can free memory retry with :meth:`allocate`."""
+    def try_allocate(self, nbytes: int, record_oom: bool = False) -> int:
+        """Like :meth:`allocate`, but 0 instead of raising when memory is short, and nothing
+        is logged (TensorFlow's first, quiet attempt before its retry loop). Callers that can
+        free memory retry with :meth:`allocate`.
+
+        With ``record_oom`` the refusal is still an ``oom`` event (replays, which refuse
+        thousands of allocations, use this: no memory log is built)."""
         if type(nbytes) is not int:
             nbytes = _coerce_size(nbytes)
         if nbytes <= 0:
@@ -578,6 +581,8 @@ class BFCAllocator:
             start = len(journal) if journal is not None else 0
             ptr = self._take(nbytes, rounded, b) or self._allocate_slow(nbytes, rounded, b)
             if journal is not None:
+                if not ptr and record_oom:
+                    journal.extend((_now(), _OOM, 0, rounded, nbytes, 0, 0, 0))
                 self._after_op(start)
         return ptr
 

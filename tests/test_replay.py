@@ -217,6 +217,17 @@ def test_deferred_frees_are_applied_before_an_oom_counts():
     r2 = replay(t, device_bytes=GIB, memory_limit=4 * MIB, allow_growth=False,
                 options=GPUOptions(deferred_deletion_bytes=8 * MIB))
     assert r2.retried == 1 and r2.options["deferred_deletion_bytes"] == 8 * MIB
+    # the quiet first attempt leaves no oom event: the recording shows no refusal
+    assert not np.any(r.recording.columns["kind"] == EventKind.OOM)
+
+
+def test_every_refusal_is_one_oom_event_in_the_recording():
+    t = trace_from_calls([("alloc", i, 3 * MIB) for i in range(5)])
+    r = replay(t, device_bytes=GIB, memory_limit=8 * MIB, allow_growth=False)
+    assert r.oom_count == 3
+    oom_rows = r.recording.columns["kind"] == EventKind.OOM
+    assert int(oom_rows.sum()) == 3
+    assert r.recording.columns["requested"][oom_rows].tolist() == [3 * MIB] * 3
 
 
 # ------------------------------------------------------------------------- per-call samples

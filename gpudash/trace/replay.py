@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError, OutOfMemoryError
+from .._errors import ConfigError
 from .._units import format_bytes, parse_bytes
-from ..bfc import K_MAX_FAILURE_LOGS, BFCAllocator, MemoryDump
+from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
 from ..options import GPUOptions, memory_limit as _tf_memory_limit
 from .format import Trace
@@ -255,22 +255,6 @@ class _QuietGC(logging.Filter):
         return record.msg != _GC_MESSAGE
 
 
-def _quiet_oom(alloc: BFCAllocator) -> None:
-    """Make refused allocations cheap: no memory log, no occupancy map, no log lines.
-
-    A replay may refuse thousands of allocations; TensorFlow's memory dump on each would
-    cost O(chunks). The state and the OutOfMemoryError are unchanged, only its text is short.
-    """
-    alloc._failure_logs = K_MAX_FAILURE_LOGS
-    alloc._dump_memory_log = lambda num_bytes: ""  # type: ignore[method-assign]
-    alloc._render_occupancy = lambda: ""  # type: ignore[method-assign]
-
-
-def _unquiet(alloc: BFCAllocator) -> None:
-    for name in ("_dump_memory_log", "_render_occupancy"):
-        alloc.__dict__.pop(name, None)
-
-
 def _sample_now(alloc: BFCAllocator, sample: list) -> None:
     """Append in use, pool and largest free block now to the three sample lists."""
     sample[0].append(alloc._in_use)
@@ -296,8 +280,6 @@ class _Engine:
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
         "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
         "_callbacks", "_sinks", "_raw_sinks", "_dispatch_lock", "device_index",
-        "_dump_memory_log",
-        "_render_occupancy",
     })
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
@@ -316,7 +298,6 @@ class _Engine:
             fragmentation_fraction=settings["fragmentation_fraction"],
             name=name or settings.get("name") or f"GPU_{dev_index}_bfc")
         self.alloc.device_index = dev_index
-        _quiet_oom(self.alloc)
         self.ptrs: dict[int, int] = {}
         self.held: list[int] = []  # pointers whose free is deferred
         self.held_bytes = 0
@@ -339,7 +320,7 @@ class _Engine:
     def _run_plain(self, start: int, stop: int, sample: list | None,
                    max_ooms: int = sys.maxsize) -> None:
         alloc = self.alloc
-        allocate, deallocate = alloc.allocate, alloc.deallocate
+        allocate, deallocate = alloc.try_allocate, alloc.deallocate
         ptrs = self.ptrs
         pop = ptrs.pop
         oom_calls = self.oom_calls
@@ -352,34 +333,26 @@ class _Engine:
             bins = alloc._bins
         i = start
         for op, key, n in zip(ops, keys, nbytes):
-            if op == 1:
-                try:
-                    ptrs[key] = allocate(n)
-                except OutOfMemoryError:
-                    oom_calls.append(i)
-                    if len(oom_calls) >= max_ooms:
-                        stop = i + 1
-                        if sample is not None:
-                            _sample_now(alloc, sample)
-                        break
-            elif op == 2:
+            if op == 2:
                 p = pop(key, None)
                 if p is None:
                     skipped += 1
                 else:
                     deallocate(p)
             else:
-                try:
-                    p = allocate(n)
-                except OutOfMemoryError:
+                p = allocate(n, True)  # 0 when refused: an oom event, no memory log
+                if p or not n:
+                    if op == 1:
+                        ptrs[key] = p
+                    else:  # an allocation the source refused, served now: give it back
+                        deallocate(p)
+                else:
                     oom_calls.append(i)
                     if len(oom_calls) >= max_ooms:
                         stop = i + 1
                         if sample is not None:
                             _sample_now(alloc, sample)
                         break
-                else:
-                    deallocate(p)
             i += 1
             if sample is not None:
                 s_in(alloc._in_use)
@@ -392,7 +365,7 @@ class _Engine:
     def _run_deferred(self, start: int, stop: int, sample: list | None,
                       max_ooms: int = sys.maxsize) -> None:
         alloc = self.alloc
-        allocate, deallocate = alloc.allocate, alloc.deallocate
+        allocate, deallocate = alloc.try_allocate, alloc.deallocate
         ptrs = self.ptrs
         pop = ptrs.pop
         oom_calls = self.oom_calls
@@ -418,33 +391,29 @@ class _Engine:
                         held.clear()
                         held_bytes = 0
             else:
-                try:
-                    p = allocate(n)
-                except OutOfMemoryError:
-                    p = None
-                    if held:
-                        # EventMgr flushes pending frees; the allocator's retry then succeeds
-                        for q in held:
-                            deallocate(q)
-                        held.clear()
-                        held_bytes = 0
-                        try:
-                            p = allocate(n)
-                            self.retried += 1
-                        except OutOfMemoryError:
-                            p = None
-                    if p is None:
-                        oom_calls.append(i)
-                        if len(oom_calls) >= max_ooms:
-                            if sample is not None:
-                                _sample_now(alloc, sample)
-                            stop = i + 1
-                            break
-                if p is not None:
+                # With frees held, the first attempt is quiet: EventMgr flushes them and
+                # the allocator retries, and only a refusal of the retry is an oom event.
+                p = allocate(n, not held)
+                if not p and n and held:
+                    for q in held:
+                        deallocate(q)
+                    held.clear()
+                    held_bytes = 0
+                    p = allocate(n, True)
+                    if p:
+                        self.retried += 1
+                if p or not n:
                     if op == 1:
                         ptrs[self.keys[i]] = p
                     else:
                         deallocate(p)
+                else:
+                    oom_calls.append(i)
+                    if len(oom_calls) >= max_ooms:
+                        if sample is not None:
+                            _sample_now(alloc, sample)
+                        stop = i + 1
+                        break
             if sample is not None:
                 s_in(alloc._in_use)
                 s_pool(alloc._pool)
@@ -789,7 +758,6 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         elapsed = time.perf_counter() - t0
     finally:
         logger.removeFilter(quiet)
-        _unquiet(alloc)
     if progress is not None:
         progress(total, total)
     recording = None
