@@ -291,10 +291,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     if ok:
         facts = device_facts()
         _say(f"NVML: {len(facts)} GPU(s)")
+        def nbytes(value: Any) -> str:  # a fact NVML could not read is NA
+            return format_bytes(value) if isinstance(value, int) else "N/A"
+
         for f in facts:
-            _say(f"  GPU {f.index}: {f.name}  total {format_bytes(f.total)}  "
-                 f"free {format_bytes(f.free)}  used {format_bytes(f.used)}  "
-                 f"this process {f.process_used if isinstance(f.process_used, str) else format_bytes(f.process_used) if f.process_used else 'N/A'}  "
+            _say(f"  GPU {f.index}: {f.name}  total {nbytes(f.total)}  free {nbytes(f.free)}  "
+                 f"used {nbytes(f.used)}  this process {nbytes(f.process_used)}  "
                  f"compute capability {f.compute_capability}")
     else:
         _say(f"NVML: not available ({reason})")

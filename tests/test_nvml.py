@@ -253,3 +253,15 @@ def test_simulated_facts():
     assert f.uuid.startswith("SIM-")
     assert simulated_facts(SimulatedDevice(GiB, index=1)).uuid == f.uuid  # stable
     assert simulated_facts(SimulatedDevice(GiB)).uuid != f.uuid
+
+
+def test_gpudash_info_lists_nvml_devices_and_unreadable_fields(use_fake, capsys):
+    from gpudash.cli import main
+
+    use_fake(FakeNVML(broken={"nvmlDeviceGetMemoryInfo"}))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "NVML: 2 GPU(s)" in out
+    assert "NVIDIA H100 80GB HBM3" in out
+    assert "total N/A" in out  # a query NVML refused is a fact, not a crash
+    assert "this process 1.00 GiB" in out
