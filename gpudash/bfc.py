@@ -426,6 +426,10 @@ class BFCAllocator:
         else:
             self._curr_region = rounded_bytes(memory_limit)
         self._started_backpedal = False
+        # True while the pool is above a limit lowered live (see set_memory_limit): then no
+        # allocation may take bytes in use past the limit, chunks are split to the rounded
+        # size, and regions are returned as they empty.
+        self._capped = False
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -518,6 +522,31 @@ class BFCAllocator:
         """True while memory in use exceeds the limit (after a lowered limit)."""
         return self._in_use > self._limit
 
+    @property
+    def pool_over_limit(self) -> bool:
+        """True while the pool is above a limit lowered live: allocations are refused past
+        the limit and regions go back as they empty (see :meth:`set_memory_limit`)."""
+        return self._capped
+
+    def pending_release(self) -> tuple[int, int]:
+        """``(bytes, regions)``: how far the pool is above the limit, and how many regions
+        still hold memory in use (each goes back when it empties); ``(0, 0)`` when the pool
+        fits."""
+        with self._lock:
+            excess = self._pool - self._limit
+            if excess <= 0:
+                return 0, 0
+            held = sum(1 for r in self._regions if any(
+                c.aid >= 0 for c in self._chunks_of(r)))
+            return excess, held
+
+    @staticmethod
+    def _chunks_of(region: _Region):
+        c = region.first
+        while c is not None:
+            yield c
+            c = c.next
+
     def __repr__(self) -> str:
         return (f"BFCAllocator(name={self._name!r}, limit={self._limit}, pool={self._pool}, "
                 f"in_use={self._in_use}, allow_growth={self._allow_growth})")
@@ -588,6 +617,8 @@ class BFCAllocator:
 
     def _take(self, nbytes: int, rounded: int, b: int) -> int:
         """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits."""
+        if self._capped and self._in_use + rounded > self._limit:
+            return 0
         mask = self._mask >> b
         if not mask:
             return 0
@@ -685,6 +716,13 @@ class BFCAllocator:
             "Current allocation summary follows.\n"
             "Current allocation summary follows."
         )
+        if self._capped:
+            first, rest = message.split("\n", 1)
+            message = (
+                f"{first}\nThe memory limit was lowered live to {_hr(self._limit)} while the "
+                f"pool held {_hr(self._pool)}: allocations that would take bytes in use above "
+                f"the limit are refused until frees bring it down (regions go back as they "
+                f"empty). \n{rest}")
         memory_log = self._dump_memory_log(rounded)
         occupancy = self._render_occupancy()
         journal = self._journal
@@ -807,8 +845,12 @@ class BFCAllocator:
             if journal is not None:
                 start = len(journal)
                 journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size, prev_size))
+                if self._capped and c.prev is None and c.next is None:
+                    self._deallocate_regions([c.region])
                 if start >= self._flush_at:
                     self._after_op(start)
+            elif self._capped and c.prev is None and c.next is None:
+                self._deallocate_regions([c.region])
 
     def _invalid_pointer(self, ptr: Any, what: str) -> InvalidPointerError:
         try:
@@ -958,7 +1000,17 @@ class BFCAllocator:
             del self._regions[i]
             if journal is not None:
                 journal.extend((_now(), _RELEASE, r.ptr, r.size, 0, 0, 0, 0))
+        if self._capped and self._pool <= self._limit:
+            self._set_cap()
         return freed
+
+    def _set_cap(self) -> None:
+        """Lock held: enter or leave the state of a pool above a lowered limit."""
+        capped = self._pool > self._limit
+        self._capped = capped
+        # While capped every chunk is split to the rounded size, so that bytes in use grow
+        # by exactly what the cap allowed.
+        self._max_frag = 1 if capped else self._max_internal_fragmentation()
 
     def _deallocate_free_regions(self, rounded: int) -> bool:
         """TensorFlow's ``DeallocateFreeRegions`` (garbage collection before an OOM)."""
@@ -1021,11 +1073,20 @@ class BFCAllocator:
         return K_MAX_INTERNAL_FRAGMENTATION
 
     def set_memory_limit(self, nbytes: int) -> None:
-        """Change the limit of a live allocator.
+        """Change the limit of a live allocator (TensorFlow fixes it at start; gpudash
+        defines what a live change does).
 
         Raising it lets later allocations extend further. Lowering it returns wholly free
-        regions (largest first) until the pool fits; while memory in use stays above the
-        limit, new extensions are refused. Memory in use is never moved or freed.
+        regions (largest first) until the pool fits. Memory in use is never moved or freed,
+        so the pool may stay above the new limit; while it does (:attr:`pool_over_limit`):
+
+        - an allocation that would take bytes in use above the limit is refused with
+          :class:`~gpudash.OutOfMemoryError` (TensorFlow's message plus a line saying the
+          limit was lowered live), and no region is added;
+        - the chunk an allocation takes is split to its rounded size, so bytes in use grow
+          by exactly what the limit allows;
+        - each region is returned to the sub-allocator as soon as it is wholly free, until
+          the pool fits the limit again; then the allocator behaves as TensorFlow's.
         """
         nbytes = self._check_limit(nbytes)
         with self._lock:
@@ -1048,6 +1109,7 @@ class BFCAllocator:
                     excess -= r.size
                 chosen.sort(key=lambda r: r.ptr)
                 self._deallocate_regions(chosen)
+            self._set_cap()
             if nbytes > old and self._waiters:
                 self._cond.notify_all()
             if journal is not None:
@@ -1460,10 +1522,16 @@ class BFCAllocator:
         extra = self._journal_extra
         dev = self.device_index
         name = self._name
+        # Regions the op released (a free that emptied a region above a lowered limit):
+        # its events still belong to that region.
+        released = [(records[i + 2], records[i + 3]) for i in range(0, len(records), _W)
+                    if records[i + 1] == _RELEASE]
         for i in range(0, len(records), _W):
             t, code, ptr, size, req, a, b, c = records[i:i + _W]
             region = self._region_for(ptr) if code in (_ALLOC, _FREE) else None
             rptr = region.ptr if region is not None else 0
+            if region is None and code == _FREE:
+                rptr = next((rp for rp, rs in released if rp <= ptr < rp + rs), 0)
             if code == _ALLOC:
                 if a:
                     out.append(Event(seq, t, _SPLIT, ptr + size, a, size, bin_num_for_size(a),

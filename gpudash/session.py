@@ -585,9 +585,12 @@ class Session:
         :class:`~gpudash.ConfigError` and changes nothing).
 
         - Raising the fraction raises the limit; without growth the new headroom is taken
-          at once. Lowering it returns wholly free regions until the pool fits; memory in
-          use is never moved or freed, and while it exceeds the limit the device reports
-          ``over_limit`` and new extensions are refused.
+          at once. Lowering it returns wholly free regions until the pool fits. Memory in
+          use is never moved or freed: while the pool stays above the new limit, an
+          allocation that would take bytes in use past the limit is refused
+          (``OutOfMemoryError``, saying the limit was lowered live) and each region goes
+          back as soon as it empties (:meth:`gpudash.BFCAllocator.set_memory_limit`).
+          ``Device.over_limit`` says when bytes in use exceed the limit.
         - Growth off to on stops preallocating and lets free regions go; on to off
           preallocates up to the limit.
         - Lowering ``deferred_deletion_bytes`` flushes what is queued above it.

@@ -4,7 +4,9 @@ release_free_regions / clear_stats against a model of TensorFlow's BFC allocator
 The model predicts, from the snapshot before each allocation, the exact chunk chosen (best
 fit by (size, address)), whether it is split (§5), the exact region requested on extension
 (§6: doubling, limit clamp) and garbage collection (§8). After ``set_memory_limit`` (not a
-TensorFlow call) region sizes are only checked to be within the limit.
+TensorFlow call) region sizes are only checked to be within the limit, and while the pool is
+above a lowered limit the model follows gpudash's live-limit rules: refuse past the limit,
+split to the rounded size, return each region as it empties.
 """
 
 from __future__ import annotations
@@ -110,12 +112,19 @@ class BFCMachine(RuleBasedStateMachine):
             return
         rounded = rounded_bytes(n)
         pool = self._pool()
+        capped = pool > self.limit
+        assert a.pool_over_limit is capped
+        in_use = sum(s for _, s, _ in self.live.values())
         free = [c for c in dump.chunks if not c.in_use and c.size >= rounded]
+        if capped and in_use + rounded > self.limit:
+            free = []  # refused: it would take bytes in use past the lowered limit
         gc_regions = set()
         new_region = None  # (ptr, size)
         if free:
             best = min(free, key=lambda c: (c.size, c.address))
             expect_ptr, expect_sizes = best.address, self._split_sizes(best.size, rounded)
+            if capped:
+                expect_sizes = {rounded}
         else:
             plan = self._plan_extend(rounded, pool)
             if plan is None and self.GC:
@@ -190,10 +199,18 @@ class BFCMachine(RuleBasedStateMachine):
         ptr = data.draw(st.sampled_from(sorted(self.live)))
         ncalls = len(self.sub.calls)
         regions = [(r.ptr, r.size) for r in self.a.snapshot().regions]
+        capped = self._pool() > self.limit
+        (region,) = [r for r in regions if r[0] <= ptr < r[0] + r[1]]
         self.a.deallocate(ptr)
         del self.live[ptr]
-        assert len(self.sub.calls) == ncalls, "deallocate called the sub-allocator"
+        empty = not any(region[0] <= p < region[0] + region[1] for p in self.live)
         dump = self.a.snapshot()
+        if capped and empty:  # a lowered limit: the region goes back as it empties
+            assert self.sub.calls[ncalls:] == [("free", *region)]
+            assert [(r.ptr, r.size) for r in dump.regions] == [r for r in regions
+                                                                if r != region]
+            return
+        assert len(self.sub.calls) == ncalls, "deallocate called the sub-allocator"
         assert [(r.ptr, r.size) for r in dump.regions] == regions
         (holder,) = [c for c in dump.chunks if c.address <= ptr < c.address + c.size]
         assert not holder.in_use
@@ -290,6 +307,10 @@ class BFCMachine(RuleBasedStateMachine):
         assert s.pool_bytes == pool
         assert s.peak_pool_bytes == self.peak_pool
         assert s.bytes_limit == self.limit
+        # above a lowered limit no region stays wholly free (each goes back as it empties)
+        assert a.pool_over_limit is (pool > self.limit)
+        if pool > self.limit:
+            assert not _wholly_free_regions(dump)
         free_sizes = [c.size for c in dump.chunks if not c.in_use]
         largest_free = max(free_sizes, default=0)
         assert s.largest_free_block_bytes == largest_free
@@ -331,21 +352,51 @@ def test_lowering_limit_below_in_use_refuses_extensions_only():
     # memory in use is neither moved nor freed
     assert {x: (a.allocated_size(x), a.requested_size(x)) for x in (p, q)} == before
     assert a.pool_bytes == 6 * MIB and sub.freed == []
-    # fits in the free rest of the first region: still served
-    r = a.allocate(512 * KIB)
-    assert a.snapshot().regions[0].ptr <= r < a.snapshot().regions[0].ptr + 2 * MIB
-    # needs a new region: refused, without asking the sub-allocator
+    assert a.pool_over_limit and a.over_limit
+    assert a.pending_release() == (5 * MIB, 2)
+    # 5 MiB in use against 1 MiB: even what fits in the first region's free rest is refused
     n = len(sub.calls)
-    with pytest.raises(gpudash.OutOfMemoryError):
-        a.allocate(2 * MIB)
+    with pytest.raises(gpudash.OutOfMemoryError, match="lowered live to 1.00MiB"):
+        a.allocate(256 * KIB)
     assert len(sub.calls) == n
     a.check()
     # raising it again lets allocations extend further
     a.set_memory_limit(64 * MIB)
+    assert not a.pool_over_limit and a.pending_release() == (0, 0)
     s = a.allocate(2 * MIB)
     assert len(sub.granted) == 3 and a.pool_bytes > 6 * MIB
-    for x in (p, q, r, s):
+    for x in (p, q, s):
         a.deallocate(x)
+    a.check()
+
+
+def test_lowered_limit_serves_up_to_the_limit_and_returns_regions_as_they_empty():
+    sub = BumpSubAllocator()
+    a = gpudash.BFCAllocator(sub, 64 * MIB, allow_growth=True, name="lim")
+    p = a.allocate(1 * MIB)  # region 2 MiB, 1 MiB of it free
+    q = a.allocate(4 * MIB)  # region 4 MiB, full
+    a.set_memory_limit(5 * MIB + 512 * KIB)  # 5 MiB in use, pool 6 MiB: capped
+    assert a.pool_over_limit and sub.freed == []
+    # fits under the limit: served from the free rest of the first region, split to the
+    # rounded size even though TensorFlow's rule would hand over the whole 1 MiB chunk
+    r = a.allocate(300 * KIB)
+    assert p < r < p + 2 * MIB
+    assert a.allocated_size(r) == 300 * KIB
+    assert a.bytes_in_use == 5 * MIB + 300 * KIB
+    # past the limit: refused, nothing changes
+    before = a.stats()
+    with pytest.raises(gpudash.OutOfMemoryError) as err:
+        a.allocate(256 * KIB)
+    assert "lowered live" in str(err.value)
+    assert a.stats() == before
+    # freeing q empties its region: it goes back at once, and the pool fits again
+    a.deallocate(q)
+    assert sub.freed == [(q, 4 * MIB)]  # q started its own region
+    assert a.pool_bytes == 2 * MIB and not a.pool_over_limit
+    # then the allocator is TensorFlow's again: free regions stay in the pool
+    a.deallocate(r)
+    a.deallocate(p)
+    assert a.pool_bytes == 2 * MIB
     a.check()
 
 

@@ -619,7 +619,7 @@ def test_lower_fraction_returns_free_regions_largest_first(make):
     dev.backend.check()
 
 
-def test_over_limit_refuses_extension_but_serves_free_chunks(make):
+def test_live_limit_refuses_past_the_limit_and_returns_regions_as_they_empty(make):
     sess = make({"per_process_gpu_memory_fraction": 0.5, "allow_growth": True})
     dev = sess.devices[0]
     alloc = dev.allocator
@@ -627,22 +627,46 @@ def test_over_limit_refuses_extension_but_serves_free_chunks(make):
     sess.free_now(a)
     sess.free_now(c)
     live = {p: alloc.allocated_size(p) for p in (b, d)}
-    sess.configure(per_process_gpu_memory_fraction=0.125)  # 2 GiB < 3 GiB in use
-    assert alloc.memory_limit == 2 * GiB
-    assert dev.over_limit is True
+    sess.configure(per_process_gpu_memory_fraction=0.25)  # 4 GiB; 3 GiB in use, pool 5 GiB
+    assert alloc.memory_limit == 4 * GiB
+    assert dev.over_limit is False and alloc.pool_over_limit is True
     assert alloc.pool_bytes == 5 * GiB  # only regions with memory in use are left
+    assert alloc.pending_release() == (GiB, 2)
     with pytest.raises(OutOfMemoryError):
-        sess.allocate(3 * GiB)  # needs a new region
-    e = sess.allocate(GiB)  # fits D's region's free 2 GiB chunk
+        sess.allocate(3 * GiB)  # would need a new region
+    with pytest.raises(OutOfMemoryError, match="lowered live to 4.00GiB"):
+        sess.allocate(2 * GiB)  # fits D's region's free 2 GiB, but 5 GiB > the limit
+    e = sess.allocate(GiB)  # 4 GiB in use: exactly the limit
     assert d < e < d + 4 * GiB
-    assert alloc.pool_bytes == 5 * GiB
+    assert alloc.bytes_in_use == 4 * GiB and alloc.pool_bytes == 5 * GiB
     assert {p: alloc.allocated_size(p) for p in (b, d)} == live
     alloc.check()
-    for p in (b, d, e):
+    sess.free_now(b)  # B's 1 GiB region empties and goes back: the pool fits again
+    assert alloc.pool_bytes == 4 * GiB and not alloc.pool_over_limit
+    assert b not in dict(dev.backend.blocks())
+    for p in (d, e):
         sess.free_now(p)
-    assert dev.over_limit is False
-    sess.release_free_regions()
+    assert alloc.pool_bytes == 4 * GiB  # then free regions stay, as in TensorFlow
+    sess.configure(per_process_gpu_memory_fraction=0.125)  # the free 4 GiB region goes
     assert alloc.pool_bytes == 0
+
+
+def test_live_limit_below_in_use_is_over_limit(make):
+    sess = make({"per_process_gpu_memory_fraction": 0.5, "allow_growth": True})
+    dev = sess.devices[0]
+    a, b, c, d = _four_regions(sess)
+    sess.configure(per_process_gpu_memory_fraction=0.125)  # 2 GiB < 6 GiB in use
+    assert dev.over_limit is True
+    with pytest.raises(OutOfMemoryError, match="lowered live"):
+        sess.allocate(256)
+    for p in (a, b, c):
+        sess.free_now(p)
+    assert dev.allocator.pool_bytes == 4 * GiB  # A, B, C's regions went back as they emptied
+    assert dev.over_limit is False  # 2 GiB in use
+    assert dev.allocator.pool_over_limit is True  # D's 4 GiB region still holds 2 GiB
+    sess.free_now(d)
+    assert dev.allocator.pool_bytes == 0 and not dev.allocator.pool_over_limit
+    dev.allocator.check()
 
 
 def test_growth_off_to_on_releases_free_regions(make):

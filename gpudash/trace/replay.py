@@ -275,7 +275,7 @@ class _Engine:
     # Allocator fields that _clone_allocator knows how to copy.
     _KNOWN = frozenset({
         "_sub", "_name", "_allow_growth", "_gc", "_frag_fraction", "_retry_timeout", "_limit",
-        "_max_frag", "_curr_region", "_started_backpedal", "_lock", "_cond", "_waiters",
+        "_max_frag", "_curr_region", "_started_backpedal", "_capped", "_lock", "_cond", "_waiters",
         "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
         "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
