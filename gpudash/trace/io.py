@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from .._errors import TraceFormatError
 from .cupy_hook import load_cupy_hook
-from .format import MAGIC, Trace, read_trace, write_trace
+from .format import MAGICS, Trace, read_trace, write_trace
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors
@@ -52,7 +52,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
     """The format name of the file at ``path`` from its first 64 KiB, or None."""
     with open(path, "rb") as f:
         head = f.read(_HEAD)
-    if head.startswith(MAGIC):
+    if head.startswith(MAGICS):
         return "gdtrace"
     if head[:1] == b"\x80":
         return "torch-pickle"
