@@ -66,6 +66,7 @@ __all__ = [
     "MAGIC",
     "MAGICS",
     "HOLDER_DTYPE",
+    "PRE_EXISTING_HOLDER",
     "round_up_256",
     "bin_for_size",
 ]
@@ -76,6 +77,9 @@ MAGIC = b"GPUDASH-TRACE 2\n"
 MAGICS = (b"GPUDASH-TRACE 1\n", MAGIC)
 #: dtype of the holder column (an index into :attr:`Trace.holders`, -1 = none).
 HOLDER_DTYPE = np.int32
+#: Holder of the allocations an importer adds for memory in use before its source began
+#: (a profile taken mid-run); :meth:`Trace.summary` does not count them as allocations.
+PRE_EXISTING_HOLDER = "(in use before the profile)"
 
 _RECORD = struct.Struct("<4sB3xIQI")
 _RECORD_MAGIC = b"GDRC"
@@ -422,6 +426,9 @@ class Trace:
             ``peak_allocated_bytes`` (highest running sum of +bytes on alloc / -bytes on
             free over all devices; a log that starts mid-run, whose first frees have no
             alloc, is undercounted), and the same two per device index.
+            ``allocations`` leaves out the allocations an importer added for memory in use
+            before the source began (holder :data:`PRE_EXISTING_HOLDER`), counted in
+            ``pre_existing_allocations``; the peaks include that memory.
         """
         c = self.columns
         kind = c["kind"]
@@ -436,10 +443,15 @@ class Trace:
             return max(0, int(np.cumsum(delta).max())) if len(delta) else 0
 
         devs = np.unique(c["device"]).tolist()
+        pre = 0
+        if PRE_EXISTING_HOLDER in self.holders:
+            pre = int(np.count_nonzero(
+                is_a & (self.holder == self.holders.index(PRE_EXISTING_HOLDER))))
         return {
             "events": len(self),
             "kinds": {str(k): int(counts[int(k)]) for k in EventKind},
-            "allocations": int(counts[_ALLOC]),
+            "allocations": int(counts[_ALLOC]) - pre,
+            "pre_existing_allocations": pre,
             "frees": int(counts[_FREE]),
             "ooms": int(counts[_OOM]),
             "devices": devs,
