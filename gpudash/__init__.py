@@ -51,6 +51,8 @@ _LAZY = {
     "replay": "gpudash.trace.replay",
     "min_fraction": "gpudash.trace.whatif",
     "sweep": "gpudash.trace.whatif",
+    "explain": "gpudash.postmortem",
+    "top_holders": "gpudash.trace.holders",
     "ConfigProto": "gpudash.options",
 }
 

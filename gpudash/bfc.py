@@ -264,7 +264,11 @@ class BinSummary:
 
 @dataclass(frozen=True)
 class MemChunk:
-    """One chunk of TensorFlow's ``MemoryDump``; ``bin`` is -1 for a chunk in use."""
+    """One chunk of TensorFlow's ``MemoryDump``; ``bin`` is -1 for a chunk in use.
+
+    ``holder`` names who holds a chunk in use when the source says so (an op name from a
+    dump, a label); "" otherwise.
+    """
 
     address: int
     size: int
@@ -274,6 +278,7 @@ class MemChunk:
     allocation_id: int
     region: int
     handle: int
+    holder: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The ``gpudash`` command (also ``python -m gpudash``).
 
-Subcommands: ``demo``, ``replay``, ``whatif``, ``info``, ``convert``, ``lab``. Every one has
+Subcommands: ``demo``, ``replay``, ``whatif``, ``explain``, ``info``, ``convert``, ``lab``.
+Every one has
 ``--help``. Exit code 0 on success; 1 with a one-line reason for a user error (bad file,
 bad value) -- never a traceback for those.
 """
@@ -66,6 +67,35 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
                    help="garbage collection of free regions before an OOM (default: off)")
 
 
+def _add_device_choice(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--device-index", type=int, default=None, metavar="N",
+                   help="only this device of a trace with several (default: every device)")
+    g.add_argument("--allocator", default=None, metavar="NAME",
+                   help="only the device of this allocator, e.g. GPU_1_bfc")
+
+
+def _chosen_devices(trace: Any, args: argparse.Namespace) -> list[int]:
+    """The devices a replay/whatif command works on (all, unless one is chosen)."""
+    import numpy as np
+
+    present = np.unique(trace.columns["device"]).tolist() or [0]
+    names = {int(d["index"]): d.get("name", "") for d in trace.meta.get("devices") or []}
+    listing = ", ".join(f"{d} ({names.get(d) or 'unnamed'})" for d in present)
+    if args.device_index is not None:
+        if args.device_index not in present:
+            raise _UserError(f"{args.trace}: no device {args.device_index}; its devices are "
+                             f"{listing}")
+        return [args.device_index]
+    if args.allocator is not None:
+        hits = [d for d in present if names.get(d) == args.allocator]
+        if not hits:
+            raise _UserError(f"{args.trace}: no allocator named {args.allocator!r}; its "
+                             f"devices are {listing}")
+        return hits
+    return present
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="gpudash", description="See and tune GPU memory: TensorFlow's BFC "
                      "allocator, live and replayed.")
@@ -91,6 +121,7 @@ def _parser() -> _Parser:
                        "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device.")
     p.add_argument("trace", type=Path, metavar="TRACE")
     _add_settings(p)
+    _add_device_choice(p)
     p.add_argument("--deferred", type=_bytes_arg, default=0, metavar="BYTES",
                    help="deferred_deletion_bytes (default 0: frees apply at once)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
@@ -101,11 +132,36 @@ def _parser() -> _Parser:
                        "the trace replays without running out of memory, and sweep settings.")
     p.add_argument("trace", type=Path, metavar="TRACE")
     _add_settings(p, fraction=False)
+    _add_device_choice(p)
     p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
                    help="fractions to sweep (default 0.1..1.0)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes for the sweep (default: up to 2)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+
+    p = sub.add_parser(
+        "explain", help="why an allocation ran out of memory, from the allocator's dump",
+        description="Explain an out-of-memory error from the allocator dump in a TensorFlow, "
+        "JAX or XLA log (pasted or whole; several dumps: the last failure unless --dump or "
+        "--allocator), or from the MemoryDump protobuf TF_BFC_MEMORY_DUMP writes: the "
+        "request, bytes in use, pool and limit, free bytes and the largest free chunk, the "
+        "cause (limit reached or fragmentation), the smallest limit that would have served "
+        "the request, and the holders when the dump names them.")
+    p.add_argument("path", type=Path, metavar="PATH", help="a log or a MemoryDump protobuf")
+    p.add_argument("--device", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="device size, e.g. 16GiB: also give the smallest limit as a "
+                        "per_process_gpu_memory_fraction")
+    p.add_argument("--allocator", default=None, metavar="NAME",
+                   help="the dump of this allocator (e.g. GPU_1_bfc)")
+    p.add_argument("--dump", type=int, default=None, metavar="N",
+                   help="the N-th dump of the log (1 = the first; -1 = the last)")
+    p.add_argument("--request", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="the bytes asked for, when the dump does not say (a protobuf)")
+    p.add_argument("--limit", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="the allocator's limit, when the dump does not say (a protobuf)")
+    p.add_argument("--html", type=Path, default=None, metavar="OUT",
+                   help="write a report with the chunk map and bins")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
     sub.add_parser("info", help="the devices gpudash sees (NVML or simulated)",
@@ -217,67 +273,115 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .trace.replay import replay
+    from .trace.replay import device_label, replay, source_limit
 
     _check_out(args.html, args.overwrite)
     trace = _load(args.trace)
-    result = replay(trace, device_bytes=args.device, fraction=args.fraction,
-                    allow_growth=args.growth, garbage_collection=args.gc,
-                    deferred_deletion_bytes=args.deferred, progress=True)
-    _say(f"{args.trace}: {result.calls} calls replayed on a {format_bytes(args.device)} device, "
-         f"limit {format_bytes(result.memory_limit)}")
-    if result.fits:
-        _say("fits: no allocation ran out of memory")
-    else:
-        idx, nbytes = result.first_oom
-        _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call {idx} "
-             f"({format_bytes(nbytes)})")
-    _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
-         f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), worst "
-         f"fragmentation {result.worst_fragmentation:.1%}, {result.events_per_second:,.0f} "
-         "events/s")
+    devices = _chosen_devices(trace, args)
+    if len(devices) > 1:
+        _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
+             "(--device-index N or --allocator NAME for one)")
+    for dev in devices:
+        kwargs: dict[str, Any] = {"device_bytes": args.device, "allow_growth": args.growth,
+                                  "garbage_collection": args.gc,
+                                  "deferred_deletion_bytes": args.deferred, "device": dev}
+        if args.fraction is not None:
+            kwargs["fraction"] = args.fraction
+        result = replay(trace, progress=True, **kwargs)
+        from_log = args.fraction is None and source_limit(trace, dev) is not None
+        label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
+        _say(f"{args.trace}:{label} {result.calls} calls replayed on a "
+             f"{format_bytes(result.options['device_bytes'])} device, limit "
+             f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}")
+        if result.fits:
+            _say("fits: no allocation ran out of memory")
+        else:
+            idx, nbytes = result.first_oom
+            _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call "
+                 f"{idx} ({format_bytes(nbytes)})")
+        _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
+             f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), worst "
+             f"fragmentation {result.worst_fragmentation:.1%}, "
+             f"{result.events_per_second:,.0f} events/s")
     if args.html is not None:
         from .report import write_report
 
+        opts = {"allow_growth": args.growth, "fraction": args.fraction,
+                "garbage_collection": args.gc, "deferred_deletion_bytes": args.deferred,
+                "device": devices[0]}
+        if args.fraction is None and source_limit(trace, devices[0]) is not None:
+            opts["memory_limit"] = source_limit(trace, devices[0])
         write_report(trace, args.html, title=f"gpudash replay: {args.trace.name}",
-                     device_bytes=args.device, overwrite=args.overwrite,
-                     replay_options={"allow_growth": args.growth, "fraction": args.fraction,
-                                     "garbage_collection": args.gc,
-                                     "deferred_deletion_bytes": args.deferred})
-        _say(f"report: {args.html}")
+                     device_bytes=max(args.device, opts.get("memory_limit") or 0),
+                     overwrite=args.overwrite, replay_options=opts)
+        _say(f"report: {args.html}" + (f" ({device_label(trace, devices[0])})"
+                                       if len(devices) > 1 else ""))
     return 0
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
+    from .trace.replay import device_label
     from .trace.whatif import min_fraction, sweep
 
     _check_out(args.html, args.overwrite)
     if args.jobs < 1:
         raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
     trace = _load(args.trace)
-    best = min_fraction(trace, args.device, allow_growth=args.growth,
-                        garbage_collection=args.gc, progress=True)
-    if best.fraction is None:
-        _say(f"{args.trace}: does not fit on a {format_bytes(args.device)} device even at "
-             "fraction 1.0")
-    else:
-        _say(f"{args.trace}: smallest fraction that fits: {best.fraction:.3f} "
-             f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
-             f"allow_growth={args.growth}, {best.replays} replays")
-    kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
-                    "garbage_collection": args.gc}
-    if args.fractions:
-        kwargs["fractions"] = args.fractions
-    table = sweep(trace, **kwargs)
-    _say("")
-    _say(table.to_text())
-    if args.html is not None:
+    devices = _chosen_devices(trace, args)
+    if len(devices) > 1:
+        _say(f"{args.trace}: {len(devices)} devices, each on its own "
+             f"{format_bytes(args.device)} device (--device-index N or --allocator NAME for "
+             "one)")
+    first = None
+    for dev in devices:
+        label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
+        best = min_fraction(trace, args.device, allow_growth=args.growth,
+                            garbage_collection=args.gc, device=dev, progress=True)
+        if best.fraction is None:
+            _say(f"{args.trace}:{label} does not fit on a {format_bytes(args.device)} device "
+                 "even at fraction 1.0")
+        else:
+            _say(f"{args.trace}:{label} smallest fraction that fits: {best.fraction:.3f} "
+                 f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
+                 f"allow_growth={args.growth}, {best.replays} replays")
+        kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
+                        "garbage_collection": args.gc, "device": dev}
+        if args.fractions:
+            kwargs["fractions"] = args.fractions
+        table = sweep(trace, **kwargs)
+        _say("")
+        _say(table.to_text())
+        if first is None:
+            first = (dev, best, table)
+    if args.html is not None and first is not None:
         from .report import write_report
 
+        dev, best, table = first
         write_report(trace, args.html, title=f"gpudash what-if: {args.trace.name}",
                      device_bytes=args.device, overwrite=args.overwrite, sweep_table=table,
                      replay_options={"allow_growth": args.growth, "fraction": best.fraction,
-                                     "garbage_collection": args.gc})
+                                     "garbage_collection": args.gc, "device": dev})
+        _say(f"report: {args.html}" + (f" ({device_label(trace, dev)})"
+                                       if len(devices) > 1 else ""))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .postmortem import explain
+
+    _check_out(args.html, args.overwrite)
+    if not args.path.exists():
+        raise _UserError(f"no such file: {args.path}")
+    index = None
+    if args.dump is not None:
+        if args.dump == 0:
+            raise _UserError("--dump counts from 1 (or -1 for the last)")
+        index = args.dump - 1 if args.dump > 0 else args.dump
+    result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
+                     request=args.request, limit=args.limit)
+    _say(str(result))
+    if args.html is not None:
+        result.write_html(args.html, overwrite=args.overwrite)
         _say(f"report: {args.html}")
     return 0
 
@@ -344,8 +448,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, cwd=root)
 
 
-COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif, "info": cmd_info,
-            "convert": cmd_convert, "lab": cmd_lab}
+COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif,
+            "explain": cmd_explain, "info": cmd_info, "convert": cmd_convert, "lab": cmd_lab}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -123,11 +123,15 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
         y = names[regions[c.region]]
         off = (c.address - region.ptr) / (1 << 20)
         if c.in_use:
-            used = c.requested_size / (1 << 20)
-            info = (f"{c.address:#x}<br>size {c.size}<br>requested {c.requested_size}"
-                    f"<br>allocation {c.allocation_id}")
+            # requested 0: not known (a dump read from a log): the whole chunk shows in use
+            req = c.requested_size if c.requested_size > 0 else c.size
+            used = req / (1 << 20)
+            info = (f"{c.address:#x}<br>size {c.size}<br>requested "
+                    f"{c.requested_size if c.requested_size > 0 else 'unknown'}"
+                    f"<br>allocation {c.allocation_id}"
+                    + (f"<br>held by {c.holder}" if getattr(c, "holder", "") else ""))
             for key, base, width in (("in use", off, used),
-                                     ("waste", off + used, (c.size - c.requested_size) / (1 << 20))):
+                                     ("waste", off + used, (c.size - req) / (1 << 20))):
                 if width > 0:
                     d = cats[key]
                     d["y"].append(y)

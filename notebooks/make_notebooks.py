@@ -138,4 +138,32 @@ write("03_fragmentation.ipynb", [
     code("dash.close()\n"
          "sess.close()"),
 ])
+write("04_postmortem.ipynb", [
+    md("# After an out-of-memory error: explain it, and who held the memory\n\n"
+       "What you have after a TensorFlow or JAX job failed is a log with the allocator's dump, "
+       "a `TF_BFC_MEMORY_DUMP` file or a profile (`*.xplane.pb`). gpudash reads them without "
+       "TensorFlow. The files here are real ones, from `tests/data/real/`."),
+    code("from pathlib import Path\n"
+         "import gpudash\n"
+         "from gpudash.trace import load_trace, replay, top_holders\n"
+         "\n"
+         "REAL = Path(gpudash.__file__).resolve().parent.parent / 'tests' / 'data' / 'real'\n"
+         "e = gpudash.explain(REAL / 'tf_oom_mixed.log', device='16GiB')\n"
+         "print(e)"),
+    md("In a notebook the explanation also shows the chunk map and the bins at the failure."),
+    code("e"),
+    md("A fragmentation error: more bytes are free than were asked for, but in pieces."),
+    code("print(gpudash.explain(REAL / 'tf_oom_fragment.log'))"),
+    md("## A profile\n\n"
+       "`load_trace` reads `*.xplane.pb` files and TensorBoard log directories. Memory in use "
+       "before the profile began is part of the trace, so peaks equal TensorFlow's."),
+    code("t = load_trace(REAL / 'tf_mlp_training.xplane.pb')\n"
+         "s = t.summary()\n"
+         "print(s['allocations'], 'allocations,', s['frees'], 'frees, peak', "
+         "s['peak_allocated_bytes'], 'bytes')\n"
+         "for h in top_holders(t, at='peak', limit=5):\n"
+         "    print(h)"),
+    code("r = replay(t, memory_limit='12MiB')\n"
+         "r"),
+])
 print("notebooks written")

@@ -7,11 +7,13 @@ import random
 import numpy as np
 import pytest
 
-from gpudash import BFCAllocator, ConfigError, GPUOptions, Recorder, SimulatedDevice
+from gpudash import (BFCAllocator, ConfigError, GPUOptions, GpudashWarning, Recorder,
+                     SimulatedDevice)
 from gpudash.events import COLUMN_DTYPES, COLUMNS, EventKind
 from gpudash.options import memory_limit as tf_memory_limit
 from gpudash.trace import Trace
-from gpudash.trace.replay import ReplayResult, replay, resolve_settings, trace_settings
+from gpudash.trace.replay import (ReplayResult, replay, replay_devices, resolve_settings,
+                                  trace_settings)
 from gpudash.trace.workloads import trace_from_calls, training_loop
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -116,8 +118,13 @@ def test_replay_picks_one_device_of_a_two_device_trace():
     assert r1.options["device"] == 1
     assert r1.memory_limit == 2 * GIB
     assert r1.final_snapshot.chunks == a1.snapshot().chunks  # same addresses: device index 1
-    r0 = replay(both, options="trace")
+    with pytest.warns(GpudashWarning, match=r"2 devices; using device 0 .*pass device="):
+        r0 = replay(both, options="trace")       # says which device, and how to choose
     assert r0.final_snapshot.chunks == a0.snapshot().chunks
+    both_results = replay_devices(both, options="trace", record=False)
+    assert sorted(both_results) == [0, 1]
+    assert both_results[1].memory_limit == 2 * GIB
+    assert both_results[0].peak_bytes_in_use == r0.peak_bytes_in_use
     assert r0.events == len(t0) and r1.events == len(t1)
     with pytest.raises(ValueError, match="no events of device 5"):
         replay(both, device=5)

@@ -68,7 +68,8 @@ def test_package_exports_exactly_the_public_names():
         "Trace", "TraceWriter", "read_trace", "write_trace", "load_trace", "save_trace",
         "load_tf_log", "load_tf_vectors", "load_vector_json", "load_torch_snapshot",
         "save_torch_snapshot", "load_rmm_csv", "load_cupy_hook", "replay", "ReplayResult",
-        "min_fraction", "MinFractionResult", "sweep", "SweepTable"])
+        "min_fraction", "MinFractionResult", "sweep", "SweepTable", "load_xplane",
+        "read_dumps", "top_holders", "replay_devices"])
     for name in gt.__all__:
         assert getattr(gt, name) is not None
 

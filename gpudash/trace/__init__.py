@@ -13,7 +13,10 @@ from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors, load_vector_json
 from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
-from .replay import ReplayResult, replay
+from .xplane import load_xplane
+from .tf_dump import read_dumps
+from .holders import top_holders
+from .replay import ReplayResult, replay, replay_devices
 from .whatif import MinFractionResult, SweepTable, min_fraction, sweep
 
 __all__ = [
@@ -30,7 +33,11 @@ __all__ = [
     "save_torch_snapshot",
     "load_rmm_csv",
     "load_cupy_hook",
+    "load_xplane",
+    "read_dumps",
+    "top_holders",
     "replay",
+    "replay_devices",
     "ReplayResult",
     "min_fraction",
     "MinFractionResult",

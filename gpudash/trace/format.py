@@ -9,7 +9,7 @@ File format
 A ``.gdtrace`` file is written in batches, so a process killed mid-run loses at most the batch
 it had not written yet::
 
-    b"GPUDASH-TRACE 1\\n"                       magic line
+    b"GPUDASH-TRACE 2\\n"                       magic line (version 1 files are still read)
     record*                                    each one:
         header   24 bytes, little endian: b"GDRC", type (u8), 3 pad bytes,
                  json_len (u32), payload_len (u64), crc32 (u32) of the first 20 header
@@ -18,9 +18,18 @@ it had not written yet::
         payload  payload_len bytes
 
 Record types: ``1`` metadata (JSON = ``meta``; always the first record), ``2`` an event batch
-(JSON = ``{"n", "columns": [[name, offset, nbytes], ...], "settings"}``; payload = each column
-as ``.npy`` bytes, in :data:`~gpudash.events.COLUMNS` order), ``3`` a metadata update (JSON
-merged into ``meta``), ``4`` end (written by :meth:`TraceWriter.close`).
+(JSON = ``{"n", "columns": [[name, offset, nbytes], ...], "settings", "holders"}``; payload =
+each column as ``.npy`` bytes, in :data:`~gpudash.events.COLUMNS` order, then the ``holder``
+column when the batch has holders), ``3`` a metadata update (JSON merged into ``meta``), ``4``
+end (written by :meth:`TraceWriter.close`).
+
+Holders (version 2). An event may carry a *holder*: who asked for the memory (an op name with
+its dtype and shape from a profile, "requested by op" in a log, a label). A trace keeps them as
+an ``int32`` column, :attr:`Trace.holder` (``-1`` = none), indexing a string table,
+:attr:`Trace.holders`: 4 bytes per event, each distinct string stored once. In a file, each
+batch's JSON lists the strings first used in that batch (``"holders": [...]``, appended to the
+table in order), so a file written in batches needs no rewrite of its metadata. Version 1
+files (no holders) read with every holder ``-1``.
 
 A reader keeps every complete, crc-valid record after the metadata and warns about the bytes
 it ignored; it raises :class:`~gpudash.TraceFormatError` only when the file is not a gpudash
@@ -55,12 +64,22 @@ __all__ = [
     "read_trace",
     "write_trace",
     "MAGIC",
+    "MAGICS",
+    "HOLDER_DTYPE",
+    "PRE_EXISTING_HOLDER",
     "round_up_256",
     "bin_for_size",
 ]
 
-#: First line of every ``.gdtrace`` file.
-MAGIC = b"GPUDASH-TRACE 1\n"
+#: First line of every ``.gdtrace`` file gpudash writes (format version 2).
+MAGIC = b"GPUDASH-TRACE 2\n"
+#: First lines gpudash reads: versions 1 (no holders) and 2.
+MAGICS = (b"GPUDASH-TRACE 1\n", MAGIC)
+#: dtype of the holder column (an index into :attr:`Trace.holders`, -1 = none).
+HOLDER_DTYPE = np.int32
+#: Holder of the allocations an importer adds for memory in use before its source began
+#: (a profile taken mid-run); :meth:`Trace.summary` does not count them as allocations.
+PRE_EXISTING_HOLDER = "(in use before the profile)"
 
 _RECORD = struct.Struct("<4sB3xIQI")
 _RECORD_MAGIC = b"GDRC"
@@ -172,12 +191,24 @@ class Trace:
         ``{"seq", "setting", "old", "new"}`` for each ``limit`` event, matched to its row by
         ``seq`` (and by ``device`` when the dict has one: a Recorder of several allocators
         numbers each allocator's events from 0).
+    holder : array-like of int, optional
+        The holder of each row: an index into ``holders``, or -1 for none (the default for
+        every row). A free carries the holder of the allocation it frees.
+    holders : sequence of str, optional
+        The string table ``holder`` indexes (default empty).
+
+    Attributes
+    ----------
+    holder : numpy.ndarray of int32
+        See above; always present (all -1 when the source named no holders).
+    holders : list of str
+        The holder string table. Slices of a trace share it; :meth:`intern_holder` appends.
 
     Raises
     ------
     TraceFormatError
-        Missing or unknown columns, columns of different lengths, or values that do not fit
-        a column's dtype.
+        Missing or unknown columns, columns of different lengths, values that do not fit
+        a column's dtype, or holder indices outside the table.
 
     Notes
     -----
@@ -185,15 +216,18 @@ class Trace:
     traced back to its source; :meth:`concat` renumbers ``seq`` from 0.
     """
 
-    __slots__ = ("columns", "meta", "settings")
+    __slots__ = ("columns", "meta", "settings", "holder", "holders")
 
     def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping | None = None,
-                 settings: Iterable[Mapping] | None = None) -> None:
+                 settings: Iterable[Mapping] | None = None, *, holder: Any = None,
+                 holders: Iterable[str] | None = None) -> None:
         if columns is None:
             columns = {name: np.empty(0, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
         self.columns = _check_columns(columns)
         self.meta = _default_meta(meta)
         self.settings = [dict(s) for s in settings] if settings is not None else []
+        self.holders = holders if isinstance(holders, list) else list(holders or ())
+        self.holder = _check_holder(holder, len(self.columns["seq"]), len(self.holders))
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -225,7 +259,16 @@ class Trace:
             for s, row in t._settings_rows():
                 settings.append({**s, "seq": offset + row})
             offset += len(t)
-        return cls(cols, meta, settings)
+        holders: list[str] = []
+        index: dict[str, int] = {}
+        parts = []
+        for t in traces:
+            remap = np.array([index.setdefault(h, len(index)) for h in t.holders] + [-1],
+                             dtype=HOLDER_DTYPE)
+            parts.append(remap[t.holder])          # -1 indexes the trailing -1
+        holders = list(index)
+        holder = np.concatenate(parts) if parts else None
+        return cls(cols, meta, settings, holder=holder, holders=holders)
 
     # ---------------------------------------------------------------- container protocol
     def __len__(self) -> int:
@@ -244,7 +287,7 @@ class Trace:
                 raise IndexError(f"event index {index} out of range for a trace of {n} events")
             return self._event(i)
         cols = {name: col[index] for name, col in self.columns.items()}
-        kept = Trace(cols, self.meta)
+        kept = Trace(cols, self.meta, holder=self.holder[index], holders=self.holders)
         if self.settings:
             rows = set(np.arange(len(self))[index].tolist())
             kept.settings = [s for s, row in self._settings_rows() if row in rows]
@@ -257,9 +300,13 @@ class Trace:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trace):
             return NotImplemented
-        return (len(self) == len(other)
+        if not (len(self) == len(other)
                 and all(np.array_equal(self.columns[n], other.columns[n]) for n in COLUMNS)
-                and self.meta == other.meta and self.settings == other.settings)
+                and self.meta == other.meta and self.settings == other.settings):
+            return False
+        if self.holders == other.holders:
+            return bool(np.array_equal(self.holder, other.holder))
+        return bool(np.array_equal(self.holder_names(), other.holder_names()))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -299,6 +346,40 @@ class Trace:
                     out.append((s, r))
                     break
         return out
+
+    # ---------------------------------------------------------------- holders
+    def intern_holder(self, name: str) -> int:
+        """The index of ``name`` in :attr:`holders`, appending it when new.
+
+        Importers and recorders use it to fill :attr:`holder`; an empty name is "no holder"
+        (-1).
+        """
+        if not name:
+            return -1
+        try:
+            return self.holders.index(name)
+        except ValueError:
+            self.holders.append(str(name))
+            return len(self.holders) - 1
+
+    def holder_of(self, i: int) -> str:
+        """The holder of row ``i`` ("" when it has none)."""
+        h = int(self.holder[i])
+        return self.holders[h] if h >= 0 else ""
+
+    def holder_names(self) -> np.ndarray:
+        """The holder of every row as a numpy array of str ("" where none)."""
+        table = np.array(list(self.holders) + [""], dtype=object)
+        return table[self.holder]
+
+    def set_holders(self, names: Iterable[str | None]) -> None:
+        """Set the holder of every row from one name per row (None or "" for none)."""
+        names = list(names)
+        if len(names) != len(self):
+            raise ValueError(f"set_holders needs {len(self)} names, one per row; got "
+                             f"{len(names)}")
+        self.holder = np.array([self.intern_holder(n) if n else -1 for n in names],
+                               dtype=HOLDER_DTYPE)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -345,6 +426,9 @@ class Trace:
             ``peak_allocated_bytes`` (highest running sum of +bytes on alloc / -bytes on
             free over all devices; a log that starts mid-run, whose first frees have no
             alloc, is undercounted), and the same two per device index.
+            ``allocations`` leaves out the allocations an importer added for memory in use
+            before the source began (holder :data:`PRE_EXISTING_HOLDER`), counted in
+            ``pre_existing_allocations``; the peaks include that memory.
         """
         c = self.columns
         kind = c["kind"]
@@ -359,10 +443,15 @@ class Trace:
             return max(0, int(np.cumsum(delta).max())) if len(delta) else 0
 
         devs = np.unique(c["device"]).tolist()
+        pre = 0
+        if PRE_EXISTING_HOLDER in self.holders:
+            pre = int(np.count_nonzero(
+                is_a & (self.holder == self.holders.index(PRE_EXISTING_HOLDER))))
         return {
             "events": len(self),
             "kinds": {str(k): int(counts[int(k)]) for k in EventKind},
-            "allocations": int(counts[_ALLOC]),
+            "allocations": int(counts[_ALLOC]) - pre,
+            "pre_existing_allocations": pre,
             "frees": int(counts[_FREE]),
             "ooms": int(counts[_OOM]),
             "devices": devs,
@@ -500,6 +589,28 @@ def _calls_by_id(kind: np.ndarray, alloc_id: np.ndarray, device: np.ndarray,
     return op, key, nbytes
 
 
+def _check_holder(holder: Any, n: int, n_holders: int) -> np.ndarray:
+    if holder is None:
+        return np.full(n, -1, dtype=HOLDER_DTYPE)
+    if not (isinstance(holder, np.ndarray) and holder.dtype == HOLDER_DTYPE):
+        try:
+            arr = np.asarray(holder)
+            out = arr.astype(HOLDER_DTYPE)
+            if arr.size and not np.array_equal(out, arr):
+                raise ValueError("values do not fit int32")
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise TraceFormatError(f"trace holder column: {exc}") from None
+        holder = out
+    if holder.shape != (n,):
+        raise TraceFormatError(f"trace holder column must have {n} values (one per row); "
+                               f"got shape {holder.shape}")
+    if n and (holder.min() < -1 or holder.max() >= n_holders):
+        raise TraceFormatError(
+            f"trace holder column: indices must be -1 or in [0, {n_holders}) (the holder "
+            f"table); got {int(holder.min())}..{int(holder.max())}")
+    return holder
+
+
 def _check_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
     names = set(columns)
     missing = [n for n in COLUMNS if n not in names]
@@ -539,8 +650,9 @@ class _EventBuilder:
 
     It applies the conventions for foreign allocators: ids from 1 in allocation order (over
     the whole trace), frees paired with the live allocation at their pointer (taking its
-    size, requested bytes and id), sizes rounded up to 256 when unknown, ``bin`` and
-    ``region`` filled in, ``seq`` = row number.
+    size, requested bytes, id and holder), sizes rounded up to 256 when unknown, ``bin`` and
+    ``region`` filled in, ``seq`` = row number. ``holder=`` names who asked for the memory
+    (allocs and OOMs; "" for none).
     """
 
     def __init__(self) -> None:
@@ -551,6 +663,8 @@ class _EventBuilder:
         self.requested: list[int] = []
         self.alloc_id: list[int] = []
         self.device: list[int] = []
+        self.holder: list[int] = []
+        self._holders: dict[str, int] = {}
         self._live: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._next_id = 1
         self.unmatched_frees = 0
@@ -566,8 +680,18 @@ class _EventBuilder:
                                    "options": options}
         return index
 
+    def holder_index(self, name: str | None) -> int:
+        """The index of a holder name in the trace's table (-1 for none)."""
+        if not name:
+            return -1
+        h = self._holders.get(name)
+        if h is None:
+            h = self._holders[name] = len(self._holders)
+        return h
+
     def _row(self, t: int, kind: int, device: int, ptr: int, size: int, requested: int,
-             alloc_id: int) -> None:
+             alloc_id: int, holder: int = -1) -> None:
+        self.holder.append(holder)
         self.time.append(t)
         self.kind.append(kind)
         self.device.append(device)
@@ -577,13 +701,13 @@ class _EventBuilder:
         self.alloc_id.append(alloc_id)
 
     def alloc(self, t: int, device: int, ptr: int, requested: int,
-              size: int | None = None) -> int:
+              size: int | None = None, holder: str | None = None) -> int:
         if size is None:
             size = round_up_256(requested)
         aid = self._next_id
         self._next_id += 1
         self._live[(device, ptr)] = (aid, size, requested, len(self.kind))
-        self._row(t, _ALLOC, device, ptr, size, requested, aid)
+        self._row(t, _ALLOC, device, ptr, size, requested, aid, self.holder_index(holder))
         return aid
 
     def free(self, t: int, device: int, ptr: int, requested: int | None = None,
@@ -591,8 +715,8 @@ class _EventBuilder:
         """Add a free; False when no live allocation is at ``ptr`` (still added, id -1)."""
         hit = self._live.pop((device, ptr), None)
         if hit is not None:
-            aid, sz, req, _ = hit
-            self._row(t, _FREE, device, ptr, sz, req, aid)
+            aid, sz, req, row = hit
+            self._row(t, _FREE, device, ptr, sz, req, aid, self.holder[row])
             return True
         self.unmatched_frees += 1
         req = int(requested or 0)
@@ -600,9 +724,10 @@ class _EventBuilder:
                   req, -1)
         return False
 
-    def oom(self, t: int, device: int, requested: int, size: int | None = None) -> None:
+    def oom(self, t: int, device: int, requested: int, size: int | None = None,
+            holder: str | None = None) -> None:
         self._row(t, _OOM, device, 0, size if size is not None else round_up_256(requested),
-                  requested, -1)
+                  requested, -1, self.holder_index(holder))
 
     def extend(self, t: int, device: int, ptr: int, size: int,
                requested: int | None = None) -> None:
@@ -641,7 +766,8 @@ class _EventBuilder:
         if self.devices and not meta.get("devices"):
             meta["devices"] = [self.devices[i] for i in sorted(self.devices)]
         meta.setdefault("unmatched_frees", self.unmatched_frees)
-        return Trace(cols, meta)
+        return Trace(cols, meta, holder=np.array(self.holder, dtype=HOLDER_DTYPE),
+                     holders=list(self._holders))
 
 
 def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
@@ -764,6 +890,8 @@ class TraceWriter:
         self._buffer: list[dict[str, np.ndarray]] = []
         self._buffer_settings: list[dict] = []
         self._buffered = 0
+        self._holders: dict[str, int] = {}     # the file's holder table
+        self._new_holders: list[str] = []      # names not written yet
         first = MAGIC + _record(_REC_META, self.meta)
         self._file: BinaryIO | None = _open_new(self.path, overwrite)
         self._write(first)
@@ -781,24 +909,43 @@ class TraceWriter:
         if self.fsync:
             os.fsync(self._file.fileno())
 
-    def append(self, events: Trace | Mapping[str, Any], settings: Iterable[Mapping] = ()) -> None:
+    def append(self, events: Trace | Mapping[str, Any], settings: Iterable[Mapping] = (), *,
+               holder: Any = None, holders: Iterable[str] = ()) -> None:
         """Buffer events (a :class:`Trace` or a dict of columns) and write when due.
 
         Parameters
         ----------
         events : Trace or mapping of str to array-like
-            Rows to add. A Trace brings its own settings.
+            Rows to add. A Trace brings its own settings and holders.
         settings : iterable of dict, optional
             Settings of the ``limit`` rows in ``events`` when it is a dict of columns.
+        holder, holders : optional
+            For a dict of columns: the holder of each row (index into ``holders``, -1 for
+            none) and its string table (see :class:`Trace`).
         """
         if self._file is None:
             raise ValueError(f"TraceWriter for {self.path} is closed")
         if isinstance(events, Trace):
             cols, sets = events.columns, events.settings
+            holder, holders = events.holder, events.holders
         else:
             cols, sets = _check_columns(events), [dict(s) for s in settings]
+            holders = list(holders)
+            holder = _check_holder(holder, len(cols["seq"]), len(holders))
         n = len(cols["seq"])
         if n:
+            if holders and (holder >= 0).any():
+                table = self._holders
+                remap = np.full(len(holders) + 1, -1, dtype=HOLDER_DTYPE)
+                used = np.unique(holder[holder >= 0]).tolist()
+                for h in used:
+                    name = holders[h]
+                    idx = table.get(name)
+                    if idx is None:
+                        idx = table[name] = len(table)
+                        self._new_holders.append(name)
+                    remap[h] = idx
+                cols = {**cols, "holder": remap[holder]}
             self._buffer.append(cols)
             self._buffered += n
         self._buffer_settings.extend(sets)
@@ -819,21 +966,30 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         if self._file is None or (not self._buffered and not self._buffer_settings):
             return
+        names = COLUMNS
+        if any("holder" in b for b in self._buffer):
+            names = (*COLUMNS, "holder")
+            self._buffer = [b if "holder" in b else
+                            {**b, "holder": np.full(len(b["seq"]), -1, dtype=HOLDER_DTYPE)}
+                            for b in self._buffer]
         if len(self._buffer) == 1:
             cols = self._buffer[0]
         else:
-            cols = {name: np.concatenate([b[name] for b in self._buffer]) for name in COLUMNS}
+            cols = {name: np.concatenate([b[name] for b in self._buffer]) for name in names}
         payload = io.BytesIO()
         layout = []
-        for name in COLUMNS:
+        for name in names:
             start = payload.tell()
             npformat.write_array(payload, np.ascontiguousarray(cols[name]), allow_pickle=False)
             layout.append([name, start, payload.tell() - start])
         header = {"n": self._buffered, "columns": layout, "settings": self._buffer_settings}
+        if self._new_holders:
+            header["holders"] = self._new_holders
         self._write(_record(_REC_EVENTS, header, payload.getvalue(), what="settings"))
         self.events_written += self._buffered
         self.batches_written += 1
         self._buffer, self._buffer_settings, self._buffered = [], [], 0
+        self._new_holders = []
 
     def close(self) -> None:
         """Write what is buffered and an end record, and close the file (idempotent)."""
@@ -903,16 +1059,17 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             data = f.read()
     else:
         data = path.read()
-    if len(data) < len(MAGIC) and MAGIC.startswith(data):
+    if len(data) < len(MAGIC) and any(m.startswith(data) for m in MAGICS):
         raise TraceFormatError(
             f"{name}: cut short at byte {len(data)}, inside the magic line {MAGIC!r}")
-    if not data.startswith(MAGIC):
+    if not data.startswith(MAGICS):
         raise TraceFormatError(
-            f"{name} is not a gpudash trace: expected the line {MAGIC!r} at byte 0, "
-            f"found {data[:len(MAGIC)]!r}")
+            f"{name} is not a gpudash trace: expected the line {MAGIC!r} (or version 1's "
+            f"{MAGICS[0]!r}) at byte 0, found {data[:len(MAGIC)]!r}")
     meta, off, problem = None, len(MAGIC), None
     batches: list[dict[str, np.ndarray]] = []
     settings: list[dict] = []
+    holders: list[str] = []
     recno, ended, n_events = 0, False, 0
     while off < len(data):
         rec_off = off
@@ -940,7 +1097,12 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
                     f"(type {_REC_META}), found type {rtype}")
             meta = header
         elif rtype == _REC_EVENTS:
-            cols = _decode_batch(name, recno, rec_off, header, payload)
+            new = header.get("holders", []) if isinstance(header, dict) else []
+            if not (isinstance(new, list) and all(isinstance(h, str) for h in new)):
+                raise TraceFormatError(f"{name}: record {recno} (event batch) at byte offset "
+                                       f"{rec_off}: 'holders' must be a list of strings")
+            holders.extend(new)
+            cols = _decode_batch(name, recno, rec_off, header, payload, len(holders))
             batches.append(cols)
             n_events += len(cols["seq"])
             settings.extend(header.get("settings", []))
@@ -969,12 +1131,13 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             f"read {n_events} events in {len(batches)} batches", GpudashWarning,
             stacklevel=2)
     if not batches:
-        return Trace(None, meta, settings)
+        return Trace(None, meta, settings, holders=holders)
     if len(batches) == 1:
         cols = batches[0]
     else:
-        cols = {n: np.concatenate([b[n] for b in batches]) for n in COLUMNS}
-    return Trace(cols, meta, settings)
+        cols = {n: np.concatenate([b[n] for b in batches]) for n in (*COLUMNS, "holder")}
+    holder = cols.pop("holder")
+    return Trace(cols, meta, settings, holder=holder, holders=holders)
 
 
 def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
@@ -997,8 +1160,9 @@ def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
     return (rtype, js, payload, body + jlen + plen), None
 
 
-def _decode_batch(name: str, recno: int, off: int, header: dict,
-                  payload: bytes) -> dict[str, np.ndarray]:
+def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
+                  n_holders: int = 0) -> dict[str, np.ndarray]:
+    """The batch's columns, with ``holder`` (all -1 when the batch has none)."""
     where = f"{name}: record {recno} (event batch) at byte offset {off}"
     try:
         n = int(header["n"])
@@ -1022,4 +1186,21 @@ def _decode_batch(name: str, recno: int, off: int, header: dict,
                 f"{where}: column {col!r} should be {n} values of "
                 f"{np.dtype(COLUMN_DTYPES[col])}, found shape {arr.shape} of {arr.dtype}")
         cols[col] = arr
+    if "holder" in layout:
+        start, nbytes = layout["holder"]
+        try:
+            arr = npformat.read_array(io.BytesIO(payload[start:start + nbytes]),
+                                      allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise TraceFormatError(f"{where}: column 'holder' is not valid .npy data ({exc})")\
+                from None
+        if arr.dtype != np.dtype(HOLDER_DTYPE) or arr.shape != (n,):
+            raise TraceFormatError(f"{where}: column 'holder' should be {n} values of int32, "
+                                   f"found shape {arr.shape} of {arr.dtype}")
+        if n and (arr.min() < -1 or arr.max() >= n_holders):
+            raise TraceFormatError(f"{where}: column 'holder' indexes beyond the "
+                                   f"{n_holders} holder names listed so far")
+        cols["holder"] = arr
+    else:
+        cols["holder"] = np.full(n, -1, dtype=HOLDER_DTYPE)
     return cols

@@ -11,7 +11,13 @@ format                    recognised by                                        l
 ``cupy-hook``             JSON lines whose first line has a ``"hook"``         load_cupy_hook
 ``rmm-csv``               a CSV header with Time, Action, Pointer and Size     load_rmm_csv
 ``tf-log``                text mentioning ``bfc_allocator`` / ``BFCAllocator``  load_tf_log
+                          or an allocator's out-of-memory message
+``xplane``                a ``*.xplane.pb`` file, or a directory holding a     load_xplane
+                          profile (a TensorBoard log directory, a run)
 ========================  ===================================================  ==============
+
+A directory is read as a profile (:func:`gpudash.trace.xplane.find_profile`): the newest run
+of a TensorBoard log directory, unless ``run=`` names one.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from collections.abc import Callable
 
 from .._errors import TraceFormatError
 from .cupy_hook import load_cupy_hook
-from .format import MAGIC, Trace, read_trace, write_trace
+from .format import MAGICS, Trace, read_trace, write_trace
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors
 from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
+from .xplane import load_xplane
 
 __all__ = ["load_trace", "save_trace", "sniff_format", "FORMATS"]
 
@@ -40,19 +47,27 @@ FORMATS: dict[str, Callable[..., Trace]] = {
     "cupy-hook": load_cupy_hook,
     "rmm-csv": load_rmm_csv,
     "tf-log": load_tf_log,
+    "xplane": load_xplane,
 }
 
 _SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle")
 _HEAD = 1 << 16
 _JSON_KEY = re.compile(rb'"(segments|device_traces|steps)"\s*:')
-_TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,")
+_TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,",
+             b"ran out of memory trying to allocate", b"Ran out of memory trying to allocate")
+# a JSON list starts with "[" then a value; "[ Info: ..." (Julia's logger) does not
+_JSON_LIST = re.compile(rb"\[\s*(?:[\[{\]\"]|-?\d|true|false|null)")
 
 
 def sniff_format(path: str | os.PathLike) -> str | None:
-    """The format name of the file at ``path`` from its first 64 KiB, or None."""
+    """The format name of the file (or directory) at ``path`` from its first 64 KiB, or None."""
+    if os.path.isdir(path):
+        return "xplane"
+    if os.fspath(path).endswith(".xplane.pb"):
+        return "xplane"
     with open(path, "rb") as f:
         head = f.read(_HEAD)
-    if head.startswith(MAGIC):
+    if head.startswith(MAGICS):
         return "gdtrace"
     if head[:1] == b"\x80":
         return "torch-pickle"
@@ -69,7 +84,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         if m is not None:
             return "tf-vectors" if m.group(1) == b"steps" else "torch-json"
         return None
-    if text[:1] == b"[":
+    if text[:1] == b"[" and _JSON_LIST.match(text):
         return "torch-json"
     first_line = text.split(b"\n", 1)[0].decode("utf-8", "replace")
     cols = {c.strip() for c in first_line.split(",")}

@@ -31,7 +31,8 @@ from ..devices import SimulatedDevice
 from ..options import GPUOptions, memory_limit as _tf_memory_limit
 from .format import Trace
 
-__all__ = ["replay", "ReplayResult", "resolve_settings", "trace_settings", "DEFAULT_DEVICE_BYTES"]
+__all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
+           "source_limit", "device_label", "DEFAULT_DEVICE_BYTES"]
 
 #: Device size replay assumes when none is given: 16 GiB.
 DEFAULT_DEVICE_BYTES = 16 << 30
@@ -86,9 +87,11 @@ def trace_settings(trace: Trace, device: int | None = None) -> dict[str, Any]:
             continue
         if d.get("capacity"):
             out["device_bytes"] = int(d["capacity"])
+        opts = d.get("options") or {}
         if d.get("memory_limit"):
             out["memory_limit"] = int(d["memory_limit"])
-        opts = d.get("options") or {}
+        elif opts.get("memory_limit"):
+            out["memory_limit"] = int(opts["memory_limit"])
         for key in ("allow_growth", "garbage_collection"):
             if key in opts and opts[key] is not None:
                 out[key] = bool(opts[key])
@@ -98,9 +101,35 @@ def trace_settings(trace: Trace, device: int | None = None) -> dict[str, Any]:
     return out
 
 
+def source_limit(trace: Trace, device: int) -> int | None:
+    """The memory limit a TensorFlow log says its allocator had (the ``memory_limit`` of
+    the device's metadata in a trace imported from a log), else None."""
+    if trace.meta.get("source") != "tensorflow-log":
+        return None
+    return trace_settings(trace, device).get("memory_limit")
+
+
+def device_label(trace: Trace, device: int) -> str:
+    """``"device 1 (GPU_1_bfc)"``."""
+    for d in trace.meta.get("devices") or []:
+        if int(d.get("index", -1)) == device and d.get("name"):
+            return f"device {device} ({d['name']})"
+    return f"device {device}"
+
+
 def _pick_device(trace: Trace, device: int | None) -> int:
     devs = np.unique(trace.columns["device"])
     if device is None:
+        if len(devs) > 1:
+            import warnings
+
+            from .._errors import GpudashWarning
+
+            others = ", ".join(device_label(trace, int(d)) for d in devs[1:])
+            warnings.warn(f"the trace has {len(devs)} devices; using "
+                          f"{device_label(trace, int(devs[0]))}, not {others}: pass device= "
+                          "to choose (or replay_devices() for all)", GpudashWarning,
+                          stacklevel=4)
         if len(devs):
             return int(devs[0])
         meta_devs = trace.meta.get("devices") or []
@@ -173,6 +202,18 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
     if explicit.get("fraction", _UNSET) is not _UNSET \
             and explicit.get("memory_limit", _UNSET) is _UNSET:
         s["memory_limit"] = None  # the fraction asked for decides the limit
+    elif (trace is not None and options is None and s["memory_limit"] is None
+          and explicit.get("fraction", _UNSET) is _UNSET
+          and explicit.get("memory_limit", _UNSET) is _UNSET):
+        # a TensorFlow log says what limit its allocator had: replay with it
+        dev = explicit.get("device", _UNSET)
+        picked = _pick_device(trace, None if dev is _UNSET else dev)
+        limit = source_limit(trace, picked)
+        if limit is not None:
+            s["memory_limit"] = limit
+            s["device"] = picked
+            s["device_bytes"] = max(parse_bytes(s["device_bytes"], name="device_bytes"),
+                                    limit)
 
     s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
     if s["device_bytes"] <= 0:
@@ -662,7 +703,10 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
         ``TF_DEVICE_MIN_SYS_MEMORY_IN_MB`` variable is not read, so replays are
         reproducible). Above 1 the device oversubscribes as unified memory.
     memory_limit : int or str, optional
-        The allocator's limit in bytes; when given it wins over ``fraction``.
+        The allocator's limit in bytes; when given it wins over ``fraction``. When neither
+        is given, a trace imported from a TensorFlow log that states its allocator's limit
+        (the dump's ``Limit:``, "Created device ... with N MB memory") replays at that limit
+        (and the device is at least that large).
     allow_growth : bool, default True
     garbage_collection : bool, default False
     fragmentation_fraction : float, default 0.0
@@ -674,8 +718,10 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
         Frees still held at the end are applied before the final snapshot. (GPUOptions'
         0 = "8 MiB" rule is not applied here: pass 8 MiB to model it.)
     device : int, optional
-        Which device of a multi-device trace; default the first. The simulated device gets
-        this index (and so the addresses TensorFlow's device of that index would get).
+        Which device of a multi-device trace; default the first, with a
+        :class:`~gpudash.GpudashWarning` naming it when there are several
+        (:func:`replay_devices` replays them all). The simulated device gets this index (and
+        so the addresses TensorFlow's device of that index would get).
     options : GPUOptions, dict or "trace", optional
         Settings in bulk (see :func:`resolve_settings`); ``"trace"`` takes them from the
         trace's metadata. Explicit keyword arguments win.
@@ -722,6 +768,27 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
     return _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
                          per_call=per_call, max_ooms=max_ooms,
                          progress=_progress_fn(progress, "replay"))
+
+
+def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:
+    """:func:`replay` of every device of a trace, each with its own allocator.
+
+    Parameters
+    ----------
+    trace : Trace
+    **kwargs
+        :func:`replay`'s settings (not ``device``), the same for every device; a TensorFlow
+        log's own limit applies per device (see :func:`replay`).
+
+    Returns
+    -------
+    dict of int to ReplayResult
+        By device index, in order.
+    """
+    if "device" in kwargs:
+        raise TypeError("replay_devices replays every device; use replay(device=...) for one")
+    devs = np.unique(trace.columns["device"]).tolist() or [0]
+    return {int(d): replay(trace, device=int(d), **kwargs) for d in devs}
 
 
 def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[int],
