@@ -138,7 +138,7 @@ write("03_fragmentation.ipynb", [
     code("dash.close()\n"
          "sess.close()"),
 ])
-write("04_postmortem.ipynb", [
+write("06_postmortem.ipynb", [
     md("# After an out-of-memory error: explain it, and who held the memory\n\n"
        "What you have after a TensorFlow or JAX job failed is a log with the allocator's dump, "
        "a `TF_BFC_MEMORY_DUMP` file or a profile (`*.xplane.pb`). gpudash reads them without "
