@@ -23,6 +23,8 @@ EXPECTED = {
     "Dashboard", "LiveModel", "WhatIfView", "run_in_background", "BackgroundTask",
     # traces
     "Trace", "load_trace", "replay", "min_fraction", "sweep",
+    # framework monitors
+    "watch",
 }
 
 
