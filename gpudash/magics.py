@@ -139,6 +139,8 @@ class GpudashMagics(Magics):
         if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
             from .monitors import watch
 
+            if self.monitor is not None:
+                self.monitor.stop()
             try:
                 self.monitor = watch(args.watch)
             except GpudashError as exc:

@@ -17,6 +17,13 @@ naming the field, the value and what is accepted. A TensorFlow ``GPUOptions`` or
 The environment functions take an ``environ`` mapping (default :data:`os.environ`) and follow
 TensorFlow's parsing exactly; where TensorFlow logs an error or a warning, gpudash issues a
 :class:`~gpudash.GpudashWarning`.
+
+JAX's knobs (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_CLIENT_MEM_FRACTION``,
+``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_PYTHON_CLIENT_ALLOCATOR``...) are read by
+:func:`jax_settings_from_env` exactly as jaxlib reads them (:class:`JaxSettings`,
+:func:`jax_memory_limit`). :data:`FRAMEWORK_SETTING_NAMES`, :func:`framework_changes` and
+:func:`framework_settings_text` name the options the way each framework does, and
+:func:`restart_lines` gives the lines to paste. docs/frameworks.md has the whole table.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def _require_cuda(what: str = "capture_oom") -> Any:
 
 def _dispatch(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
     with _lock:
-        live = [r() for r in _listeners]
-        _listeners[:] = [r for r, obj in zip(list(_listeners), live) if obj is not None]
-    for obj in live:
+        pairs = [(r, r()) for r in _listeners]
+        _listeners[:] = [r for r, obj in pairs if obj is not None]
+    for _, obj in pairs:
         if obj is not None:
             try:
                 obj._on_oom(device, alloc, device_allocated, device_free)

@@ -277,12 +277,13 @@ def test_whatif_framework_jax_refuses_gc(capsys):
 def test_gpudash_config_takes_and_shows_jax_names():
     """A real IPython shell: %gpudash_config on a JAX session speaks JAX's variables."""
     from IPython.core.error import UsageError
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing import globalipapp
     from IPython.utils.capture import capture_output
 
     from gpudash.session import default_session, set_default_session
 
-    ip = start_ipython()
+    globalipapp.start_ipython()  # once per process; later calls return None
+    ip = globalipapp.get_ipython()
     old = default_session(create=False)
     sess = gpudash.Session.from_env("jax", environ={}, simulate="16GiB")
     set_default_session(sess)

@@ -78,8 +78,8 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
     Returns
     -------
     Monitor
-        Running; ``monitor.feeds`` are its devices. (The dashboard over them is created at
-        the hook below once ``Dashboard(feeds=...)`` exists.)
+        Running; ``monitor.feeds`` are its devices. (Once ``Dashboard(feeds=...)`` exists,
+        the hook at the end of this function returns the dashboard over them instead.)
 
     Raises
     ------
@@ -101,5 +101,6 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
                           f"{', '.join(sorted(options))}")
     monitor = cls(interval=interval, devices=devices, **options)
     monitor.start()
-    # DASHBOARD HOOK (issue 12): return Dashboard(feeds=monitor.feeds, monitor=monitor)
+    # DASHBOARD HOOK (issue 12): once Dashboard(feeds=...) is on this branch, replace the next
+    # line with `return Dashboard(feeds=monitor.feeds)` (closing it stops the monitor).
     return monitor

@@ -99,8 +99,13 @@ class FrameworkFeed(DeviceFeed):
         return sample
 
     def stop(self) -> None:
+        """Stop feeding; when every started feed of the monitor has stopped (the live model
+        over them closed), the monitor stops too."""
+        was = self._started
         self._wake = None
         self._started = False
+        if was:
+            self._monitor._feed_stopped()
 
     def settings(self) -> dict:
         return self._monitor.device_settings(self.index)
@@ -167,7 +172,7 @@ class Monitor:
         self.poll_seconds = 0.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._poll_lock = threading.Lock()
+        self._poll_lock = threading.RLock()
         self._closed = False
         self._open(devices)
 
@@ -192,6 +197,10 @@ class Monitor:
 
     def _closing(self) -> None:
         """Release what ``_open`` took (history recording...)."""
+
+    def _feed_stopped(self) -> None:
+        if not self._closed and not any(f._started for f in self.feeds):
+            self.stop()
 
     # ------------------------------------------------------------------ polling
     def poll(self) -> None:

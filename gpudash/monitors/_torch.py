@@ -95,13 +95,16 @@ class TorchMonitor(Monitor):
         return int(fraction * total)
 
     def poll(self) -> None:
-        now = time.monotonic()
-        if self.snapshot_interval and now - self._last_snapshot >= self.snapshot_interval:
-            self._last_snapshot = now
-            segments = self._torch.cuda.memory_snapshot(**self._snap_kwargs)
-            self._tables = {i: torch_chunk_table(segments, device=i) for i in self._ids}
-        super().poll()
-        self._tables = {}
+        with self._poll_lock:
+            now = time.monotonic()
+            if self.snapshot_interval and now - self._last_snapshot >= self.snapshot_interval:
+                self._last_snapshot = now
+                segments = self._torch.cuda.memory_snapshot(**self._snap_kwargs)
+                self._tables = {i: torch_chunk_table(segments, device=i) for i in self._ids}
+            try:
+                super().poll()
+            finally:
+                self._tables = {}
 
     def _poll_device(self, k: int) -> Poll:
         i = self._ids[k]
