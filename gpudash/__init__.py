@@ -54,7 +54,11 @@ _LAZY = {
     "explain": "gpudash.postmortem",
     "top_holders": "gpudash.trace.holders",
     "ConfigProto": "gpudash.options",
+    "watch": "gpudash.monitors",
 }
+
+# Submodules reachable as attributes without an import of their own (``gpudash.torch``).
+_SUBMODULES = ("torch", "monitors")
 
 __all__ = [
     "__version__",
@@ -84,6 +88,8 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gpudash.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gpudash' has no attribute {name!r}")

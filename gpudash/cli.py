@@ -135,6 +135,10 @@ def _parser() -> _Parser:
     _add_device_choice(p)
     p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
                    help="fractions to sweep (default 0.1..1.0)")
+    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
+                   help="also print the answer as the lines to paste for this framework "
+                        "(it must restart to take them); jax: replay with garbage "
+                        "collection off, as XLA runs its BFC")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes for the sweep (default: up to 2)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
@@ -327,6 +331,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
     trace = _load(args.trace)
+    if args.framework == "jax" and args.gc:
+        raise _UserError("--framework jax replays JAX's BFC, which never garbage-collects; "
+                         "drop --gc")
     devices = _chosen_devices(trace, args)
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each on its own "
@@ -344,6 +351,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
             _say(f"{args.trace}:{label} smallest fraction that fits: {best.fraction:.3f} "
                  f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
                  f"allow_growth={args.growth}, {best.replays} replays")
+            if args.framework is not None:
+                _say_paste_lines(args.framework, best.limit_bytes, args.device, args.growth)
         kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
                         "garbage_collection": args.gc, "device": dev}
         if args.fractions:
@@ -386,6 +395,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_paste_lines(framework: str, limit: int, device: int, growth: bool) -> None:
+    """``whatif --framework``: the answer as lines to paste, and the restart note."""
+    from .options import paste_fraction, restart_lines
+
+    fraction = paste_fraction(limit, device, framework)
+    name = {"jax": "JAX", "tensorflow": "TensorFlow"}[framework]
+    _say("")
+    _say(f"{name}: paste these (the limit they give covers the "
+         f"{format_bytes(limit)} needed; {name} must restart to take them):")
+    if framework == "jax":
+        for line in restart_lines("jax", fraction, growth, form="env")[:-1]:
+            _say(f"  {line}")
+        _say("  or, in a notebook before JAX starts:")
+        for line in restart_lines("jax", fraction, growth, form="notebook")[:-1]:
+            _say(f"  {line}")
+    else:
+        for line in restart_lines("tensorflow", fraction, growth, total=device)[:-1]:
+            _say(f"  {line}")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .devices import CudaMemory
     from .nvml import device_facts, nvml_available
@@ -398,10 +427,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         def nbytes(value: Any) -> str:  # a fact NVML could not read is NA
             return format_bytes(value) if isinstance(value, int) else "N/A"
 
+        from .nvml import format_processes, gpu_processes
+
+        processes = gpu_processes()
         for f in facts:
             _say(f"  GPU {f.index}: {f.name}  total {nbytes(f.total)}  free {nbytes(f.free)}  "
                  f"used {nbytes(f.used)}  this process {nbytes(f.process_used)}  "
                  f"compute capability {f.compute_capability}")
+            for line in format_processes({f.index: processes.get(f.index, [])}):
+                _say(line)
     else:
         _say(f"NVML: not available ({reason})")
     cuda_ok, cuda_reason = CudaMemory.available()

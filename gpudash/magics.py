@@ -3,9 +3,13 @@
 - ``%gpudash [--fraction F] [--growth/--no-growth] [--simulate SIZE] [--device N]``: create
   (or reuse) the default session and show its dashboard. Without a GPU the session runs on a
   simulated device, and says so once.
+- ``%gpudash --watch torch|jax|tensorflow``: watch that framework's own allocator, read-only
+  (:func:`gpudash.watch`).
 - ``%gpudash_config key=value ...``: change the live session (``sess.configure``); keys are
   ``per_process_gpu_memory_fraction`` (or ``fraction``), ``allow_growth`` (``growth``),
-  ``deferred_deletion_bytes`` (``deferred``, sizes like ``16MiB``) and ``device``.
+  ``deferred_deletion_bytes`` (``deferred``, sizes like ``16MiB``) and ``device``. A JAX
+  session (``Session.from_env("jax")``) also takes, and shows, JAX's names:
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_PYTHON_CLIENT_PREALLOCATE=false``.
 - ``%%gpudash_track``: run the cell under recording and show a compact summary.
 - ``%gpudash_cells on|off``: a one-line memory summary after every cell.
 """
@@ -80,6 +84,7 @@ class GpudashMagics(Magics):
         super().__init__(shell)
         self.session: Any = None
         self.dashboard: Any = None
+        self.monitor: Any = None  # %gpudash --watch
         self._cells_on = False
         self._cell_start: tuple[Any, float] | None = None
 
@@ -122,13 +127,25 @@ class GpudashMagics(Magics):
         parser.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None)
         parser.add_argument("--simulate", default=None)
         parser.add_argument("--device", type=int, default=0)
+        parser.add_argument("--watch", default=None, metavar="FRAMEWORK")
         try:
             args, extra = parser.parse_known_args(shlex.split(line))
         except (argparse.ArgumentError, ValueError) as exc:
             raise UsageError(f"%gpudash: {exc}") from None
         if extra:
             raise UsageError(f"%gpudash: unknown arguments {extra}; usage: %gpudash "
-                             "[--fraction F] [--growth|--no-growth] [--simulate SIZE] [--device N]")
+                             "[--fraction F] [--growth|--no-growth] [--simulate SIZE] [--device N]"
+                             " | %gpudash --watch torch|jax|tensorflow")
+        if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
+            from .monitors import watch
+
+            if self.monitor is not None:
+                self.monitor.stop()
+            try:
+                self.monitor = watch(args.watch)
+            except GpudashError as exc:
+                raise UsageError(str(exc)) from None
+            return self.monitor
         try:
             sess = self._get_session(args.simulate, args.fraction, args.growth)
         except GpudashError as exc:
@@ -149,21 +166,38 @@ class GpudashMagics(Magics):
         if self.session is None or self.session.closed:
             raise UsageError("no gpudash session yet: run %gpudash first")
         changes: dict[str, Any] = {}
+        framework = getattr(self.session, "framework", "tensorflow")
+        named: dict[str, str] = {}  # settings under the framework's names (JAX's variables)
         for item in shlex.split(line):
             key, sep, value = item.partition("=")
+            if sep and framework == "jax" and key.startswith(("XLA_", "TF_")):
+                named[key] = value
+                continue
             if not sep or key not in _KEYS:
                 raise UsageError(
                     f"%gpudash_config takes key=value pairs with keys {sorted(set(_KEYS))}; "
                     f"got {item!r}")
             name = _KEYS[key]
             changes[name] = _parse_value(name, value)
-        if not changes:
-            raise UsageError("%gpudash_config: nothing to change, e.g. %gpudash_config fraction=0.5")
         try:
+            if named:
+                from .options import framework_changes
+
+                changes.update(framework_changes(framework, named))
+            if not changes:
+                raise UsageError(
+                    "%gpudash_config: nothing to change, e.g. %gpudash_config fraction=0.5")
             self.session.configure(**changes)
         except GpudashError as exc:
             raise UsageError(str(exc)) from None
         dev = self.session.devices[changes.get("device", 0) or 0]
+        if framework == "jax":
+            from .options import framework_settings_text
+
+            print(f"gpudash ({framework}): {dev.name} " + framework_settings_text(
+                framework, dev.options.per_process_gpu_memory_fraction,
+                dev.allocator.allow_growth, dev.memory_limit))
+            return
         print(f"gpudash: {dev.name} limit {format_bytes(dev.memory_limit)}, "
               f"allow_growth={dev.allocator.allow_growth}, "
               f"deferred_deletion_bytes={format_bytes(dev._deferred.threshold)}")
@@ -234,6 +268,9 @@ class GpudashMagics(Magics):
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         self._cells_off()
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
         if self.dashboard is not None:
             self.dashboard.close()
             self.dashboard = None

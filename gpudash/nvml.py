@@ -6,6 +6,9 @@ NVIDIA driver is a fact to report, not an error: :func:`nvml_available` says why
 :func:`device_facts` returns an empty list. A query that fails on one device gives :data:`NA`
 for that field only.
 
+:func:`gpu_processes` lists every process on each device with its memory (NVML's compute and
+graphics lists), marking this process.
+
 NVML sees devices in its own (PCI) order and ignores ``CUDA_VISIBLE_DEVICES``; its index is
 not necessarily CUDA's. NVML knows nothing of allocators: ``used`` counts every process,
 CUDA contexts and memory cached by allocators.
@@ -23,7 +26,8 @@ from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["NA", "DeviceFacts", "device_facts", "nvml_available", "simulated_facts"]
+__all__ = ["NA", "DeviceFacts", "ProcessInfo", "device_facts", "format_processes",
+           "gpu_processes", "nvml_available", "nvml_index_of_uuid", "simulated_facts"]
 
 
 class _NAType:
@@ -306,3 +310,152 @@ def simulated_facts(device: Any) -> DeviceFacts:
         compute_capability=tuple(device.compute_capability),
         source="simulated",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Who else is on the GPU
+
+
+@dataclasses.dataclass
+class ProcessInfo:
+    """One process NVML lists on a device.
+
+    Attributes
+    ----------
+    pid : int
+        As NVML reports it (a host PID: in a container without ``--pid=host`` it does not
+        match the container's PIDs, and ``is_self`` is then never True).
+    kind : str
+        ``"compute"``, ``"graphics"`` or ``"compute+graphics"``.
+    used : int
+        Device memory NVML attributes to the process (:data:`NA` when the driver cannot
+        say: WDDM, some containers, MIG without permissions).
+    name : str
+        The process name (NVML's, else ``/proc/PID/comm``), or :data:`NA`.
+    is_self : bool
+        This process (the one running gpudash).
+    framework : str or None
+        For this process, the framework being watched in it (``"jax"``...), else None.
+    """
+
+    pid: int
+    kind: str
+    used: Any
+    name: Any
+    is_self: bool = False
+    framework: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``"python (this process: gpudash, jax)"`` and the like."""
+        name = str(self.name)
+        if self.is_self:
+            who = "gpudash" + (f", {self.framework}" if self.framework else "")
+            return f"{name} (this process: {who})"
+        return name
+
+
+def _process_name(lib: Any, pid: int) -> Any:
+    try:
+        return _text(lib.nvmlSystemGetProcessName(pid))
+    except _errors(lib):
+        pass
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip() or NA
+    except OSError:
+        return NA
+
+
+def gpu_processes(index: int | None = None, framework: str | None = None
+                  ) -> dict[int, list[ProcessInfo]]:
+    """Every process on each device, with its memory: NVML's compute and graphics lists.
+
+    Parameters
+    ----------
+    index : int, optional
+        One NVML device; default all.
+    framework : str, optional
+        The framework watched in this process (marks this process's rows).
+
+    Returns
+    -------
+    dict of int to list of ProcessInfo
+        NVML index -> processes, largest memory first (a process in both lists appears once,
+        as ``compute+graphics``). Empty when NVML is not available
+        (:func:`nvml_available` says why). A device whose lists cannot be read maps to
+        ``[]``.
+
+    Raises
+    ------
+    ConfigError
+        If ``index`` is given and NVML sees no such device.
+    """
+    facts = device_facts(index)  # validates index, initialises NVML
+    with _lock:
+        lib = _lib
+    if lib is None or not facts:
+        return {}
+    errors = _errors(lib)
+    me = os.getpid()
+    out: dict[int, list[ProcessInfo]] = {}
+    for f in facts:
+        try:
+            handle = lib.nvmlDeviceGetHandleByIndex(f.index)
+        except errors:
+            out[f.index] = []
+            continue
+        rows: dict[int, ProcessInfo] = {}
+        for kind, fn in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
+                         ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+            try:
+                procs = getattr(lib, fn)(handle)
+            except errors:
+                continue
+            for p in procs:
+                pid = int(getattr(p, "pid", -1))
+                used = getattr(p, "usedGpuMemory", None)
+                used = NA if used is None else int(used)
+                row = rows.get(pid)
+                if row is None:
+                    rows[pid] = ProcessInfo(pid, kind, used, _process_name(lib, pid),
+                                            is_self=pid == me,
+                                            framework=framework if pid == me else None)
+                else:  # in both lists: the same memory, counted once
+                    row.kind = "compute+graphics"
+                    if row.used is NA:
+                        row.used = used
+        out[f.index] = sorted(rows.values(),
+                              key=lambda r: (-(r.used if r.used is not NA else -1), r.pid))
+    return out
+
+
+def nvml_index_of_uuid(uuid: str) -> int | None:
+    """The NVML index of the device with this UUID (``GPU-...``, or the bare hex form that
+    ``torch.cuda.get_device_properties(i).uuid`` prints); None when unknown."""
+    want = str(uuid).lower().removeprefix("gpu-")
+    for f in device_facts():
+        if isinstance(f.uuid, str) and f.uuid.lower().removeprefix("gpu-") == want:
+            return f.index
+    return None
+
+
+def format_processes(processes: dict[int, list[ProcessInfo]], indent: str = "    ") -> list[str]:
+    """Text lines for :func:`gpu_processes`' result (``gpudash info``)."""
+    lines = []
+    for index, rows in processes.items():
+        if not rows:
+            lines.append(f"{indent}GPU {index}: no processes")
+            continue
+        lines.append(f"{indent}GPU {index}: {len(rows)} process(es)")
+        for r in rows:
+            used = _fmt_bytes(r.used)
+            lines.append(f"{indent}  pid {r.pid:>7}  {used:>11}  {r.kind:<16} {r.label}")
+    return lines
+
+
+def _fmt_bytes(value: Any) -> str:
+    from ._units import format_bytes
+
+    return format_bytes(value) if isinstance(value, int) and not isinstance(value, bool) \
+        else "N/A"

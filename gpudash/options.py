@@ -17,14 +17,23 @@ naming the field, the value and what is accepted. A TensorFlow ``GPUOptions`` or
 The environment functions take an ``environ`` mapping (default :data:`os.environ`) and follow
 TensorFlow's parsing exactly; where TensorFlow logs an error or a warning, gpudash issues a
 :class:`~gpudash.GpudashWarning`.
+
+JAX's knobs (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_CLIENT_MEM_FRACTION``,
+``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_PYTHON_CLIENT_ALLOCATOR``...) are read by
+:func:`jax_settings_from_env` exactly as jaxlib reads them (:class:`JaxSettings`,
+:func:`jax_memory_limit`). :data:`FRAMEWORK_SETTING_NAMES`, :func:`framework_changes` and
+:func:`framework_settings_text` name the options the way each framework does, and
+:func:`restart_lines` gives the lines to paste. docs/frameworks.md has the whole table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 import re
+import struct
 import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -48,6 +57,20 @@ __all__ = [
     "parse_device_list",
     "resolve_visible_devices",
     "simulated_devices_from_env",
+    "FRAMEWORKS",
+    "FRAMEWORK_SETTING_NAMES",
+    "JAX_ALLOCATOR_KINDS",
+    "JAX_DEFAULT_MEMORY_FRACTION",
+    "JaxSettings",
+    "check_framework",
+    "float32",
+    "framework_changes",
+    "framework_settings_text",
+    "installed_jaxlib_version",
+    "jax_memory_limit",
+    "jax_settings_from_env",
+    "paste_fraction",
+    "restart_lines",
 ]
 
 #: EventMgr's flush threshold when ``deferred_deletion_bytes`` is 0 (``8*1048576``).
@@ -902,3 +925,512 @@ def memory_limit(total: int, available: int, fraction: float, cc_major: int = 8,
                 GpudashWarning, stacklevel=2,
             )
     return limit
+
+
+# --------------------------------------------------------------------------------------------
+# JAX / XLA
+#
+# JAX's GPU client runs the same BFC allocator (TSL's ``tsl::BFCAllocator``) with its own
+# knobs. jaxlib turns environment variables into PJRT plugin options in
+# ``xla_client.generate_pjrt_gpu_plugin_options`` (in XLA's ``xla/python/xla_client.py`` up to
+# jaxlib 0.5, in JAX's ``jaxlib/xla_client.py`` from 0.6); XLA's ``CreateBFCAllocator``
+# (``xla/pjrt/gpu/gpu_helpers.cc``) builds the allocator from them. docs/frameworks.md has
+# the table of every knob, with the jaxlib versions.
+
+#: jaxlib's default memory fraction (``GpuAllocatorConfig::memory_fraction``).
+JAX_DEFAULT_MEMORY_FRACTION = 0.75
+#: The oldest jaxlib whose semantics gpudash models (the first plugin-only CUDA release).
+JAX_OLDEST_SUPPORTED = (0, 4, 30)
+
+#: ``XLA_PYTHON_CLIENT_ALLOCATOR`` kinds: (first jaxlib that accepts it, what it means).
+JAX_ALLOCATOR_KINDS: Mapping[str, tuple[tuple[int, ...], str]] = MappingProxyType({
+    "default": ((0, 4, 30), "the BFC allocator (GpuAllocatorConfig::kDefault is built as kBFC)"),
+    "bfc": ((0, 4, 30), "the BFC allocator, named GPU_<n>_bfc"),
+    "platform": ((0, 4, 30), "no BFC: every buffer is allocated from and returned to the "
+                 "device at once (slow; the only kind that gives memory back)"),
+    "cuda_async": ((0, 4, 30), "no BFC: CUDA's stream-ordered pool (cudaMallocAsync) "
+                   "capped at the fraction, reserved up front when preallocating"),
+    "vmm": ((0, 10, 0), "no BFC: CUDA virtual memory management "
+            "(CudaDeviceAddressVmmAllocator), capped at the fraction, never preallocated"),
+    "address": ((0, 11, 0), "no BFC: a synchronous pass-through allocator built by the "
+                "PJRT client (StreamExecutorAddressAllocator)"),
+})
+#: Kinds whose allocator gpudash runs: the BFC, or one region per allocation.
+JAX_MODELLED_KINDS = {"default": "BFC", "bfc": "BFC", "platform": "cuda_malloc",
+                      "address": "cuda_malloc"}
+#: The first jaxlib that reads ``XLA_CLIENT_MEM_FRACTION`` (XLA change of 26 Aug 2024).
+JAX_CLIENT_MEM_FRACTION_SINCE = (0, 4, 32)
+
+_JAX_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def _version_tuple(version: Any) -> tuple[int, ...] | None:
+    """``"0.4.35"`` / ``(0, 4, 35)`` / None -> a tuple of ints (None = the newest)."""
+    if version is None:
+        return None
+    if isinstance(version, tuple) and all(isinstance(v, int) for v in version):
+        return version
+    if isinstance(version, str):
+        m = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
+        if m:
+            return tuple(int(g) for g in m.groups() if g is not None)
+    raise ConfigError(f"jaxlib_version must be a version such as '0.4.35' or (0, 4, 35); "
+                      f"got {version!r}")
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def installed_jaxlib_version() -> str | None:
+    """The installed jaxlib's version, read from its metadata (jaxlib is not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to single precision, as a Python float.
+
+    jaxlib passes ``memory_fraction`` to the PJRT plugin as a 32-bit float
+    (``PJRT_NamedValue_kFloat``), so XLA computes the limit with the rounded fraction.
+    """
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def jax_memory_limit(total: int, fraction: float = JAX_DEFAULT_MEMORY_FRACTION,
+                     unified_memory: bool = False) -> int:
+    """XLA's ``CreateBFCAllocator`` limit: ``size_t(total * fraction)``.
+
+    Parameters
+    ----------
+    total : int
+        The device's total memory in bytes (``DeviceMemoryUsage``).
+    fraction : float
+        The memory fraction as jaxlib read it; rounded to single precision first, as the
+        plugin option carries it.
+    unified_memory : bool
+        ``TF_FORCE_UNIFIED_MEMORY``: the limit is then ``total * max(1, fraction)``.
+
+    Examples
+    --------
+    >>> jax_memory_limit(16 << 30)          # 0.75 of 16 GiB
+    12884901888
+    >>> jax_memory_limit(16 << 30, 0.41)    # float32(0.41) = 0.4099999964...
+    7043746304
+    """
+    total = parse_bytes(total, name="total")
+    f = float32(fraction)
+    if unified_memory:
+        f = max(1.0, f)
+    return int(total * f)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxSettings:
+    """JAX's GPU allocator settings, as jaxlib reads them from the environment.
+
+    Attributes
+    ----------
+    allocator : str
+        ``XLA_PYTHON_CLIENT_ALLOCATOR``, lower-cased (``"default"`` when unset).
+    memory_fraction : float
+        The fraction of **total** device memory (default 0.75), as a double; XLA uses its
+        single-precision rounding (:attr:`effective_fraction`).
+    fraction_variable : str or None
+        The variable it came from, or None for the default.
+    preallocate : bool
+        ``XLA_PYTHON_CLIENT_PREALLOCATE``: reserve the whole limit at start (default True).
+    unified_memory : bool
+        ``TF_FORCE_UNIFIED_MEMORY`` (read by XLA's ``CreateBFCAllocator``).
+    collective_memory_size : int
+        ``XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB`` in bytes (a separate BFC for NCCL
+        memory; 0 = grown as needed).
+    jaxlib_version : tuple of int or None
+        The jaxlib whose rules were applied (None: the newest gpudash knows).
+    """
+
+    allocator: str = "default"
+    memory_fraction: float = JAX_DEFAULT_MEMORY_FRACTION
+    fraction_variable: str | None = None
+    preallocate: bool = True
+    unified_memory: bool = False
+    collective_memory_size: int = 0
+    jaxlib_version: tuple[int, ...] | None = None
+
+    @property
+    def effective_fraction(self) -> float:
+        """The fraction XLA multiplies by: single precision, at least 1 with unified memory."""
+        f = float32(self.memory_fraction)
+        return max(1.0, f) if self.unified_memory else f
+
+    @property
+    def uses_bfc(self) -> bool:
+        return self.allocator in ("default", "bfc")
+
+    @property
+    def allow_growth(self) -> bool:
+        """The BFC's ``allow_growth`` (``opts.allow_growth = !preallocate``)."""
+        return not self.preallocate
+
+    @property
+    def garbage_collection(self) -> bool:
+        """Always False: XLA leaves ``BFCAllocator::Options::garbage_collection`` at its
+        default, unlike TensorFlow's GPU default of True."""
+        return False
+
+    def memory_limit(self, total: int) -> int:
+        """The BFC limit on a device of ``total`` bytes (:func:`jax_memory_limit`)."""
+        return jax_memory_limit(total, self.memory_fraction, self.unified_memory)
+
+    def gpu_options(self) -> GPUOptions:
+        """The TensorFlow-shaped options gpudash runs JAX's allocator with.
+
+        Raises
+        ------
+        ConfigError
+            For an allocator kind gpudash does not run (``cuda_async``, ``vmm``).
+        """
+        kind = JAX_MODELLED_KINDS.get(self.allocator)
+        if kind is None:
+            raise ConfigError(
+                f"XLA_PYTHON_CLIENT_ALLOCATOR={self.allocator!r} is "
+                f"{JAX_ALLOCATOR_KINDS[self.allocator][1]}, which gpudash does not run; a "
+                f"gpudash session accepts {', '.join(repr(k) for k in JAX_MODELLED_KINDS)}")
+        return GPUOptions(per_process_gpu_memory_fraction=self.effective_fraction,
+                          allow_growth=self.allow_growth, allocator_type=kind)
+
+    def as_env(self) -> dict[str, str]:
+        """The variables that give these settings (only those differing from the defaults)."""
+        env = {}
+        if self.allocator != "default":
+            env["XLA_PYTHON_CLIENT_ALLOCATOR"] = self.allocator
+        if self.fraction_variable is not None:
+            env[self.fraction_variable] = _fraction_text(self.memory_fraction)
+        if not self.preallocate:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        if self.unified_memory:
+            env["TF_FORCE_UNIFIED_MEMORY"] = "1"
+        if self.collective_memory_size:
+            env["XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB"] = str(
+                self.collective_memory_size >> 20)
+        return env
+
+
+def _fraction_text(value: float) -> str:
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def jax_settings_from_env(environ: Mapping[str, str] | None = None,
+                          jaxlib_version: Any = None) -> JaxSettings:
+    """Read JAX's allocator variables exactly as jaxlib does.
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        Environment to read (default :data:`os.environ`).
+    jaxlib_version : str or tuple, optional
+        Apply this jaxlib's rules (``"0.4.35"``); default: the newest gpudash knows
+        (0.11), which accepts every kind. See docs/frameworks.md for the differences.
+
+    Returns
+    -------
+    JaxSettings
+
+    Raises
+    ------
+    ConfigError
+        Where jaxlib raises, naming the variable and what is accepted: both fraction
+        variables set; a fraction that is not a number; an allocator kind the jaxlib does
+        not know (including ``""``). Also, where jaxlib would fail later or silently do
+        something else: a fraction that is not finite or not above 0, a fraction above 1
+        without ``TF_FORCE_UNIFIED_MEMORY=1``, a collective size that is not an integer, or
+        a jaxlib older than 0.4.30.
+
+    Warns
+    -----
+    GpudashWarning
+        ``XLA_PYTHON_CLIENT_PREALLOCATE`` set to something other than ``true``/``false``/
+        ``1``/``0``/``True``/``False``: jaxlib reads anything but ``false``, ``False`` and
+        ``0`` as true (so ``FALSE`` or ``no`` preallocate); ``XLA_CLIENT_MEM_FRACTION`` set
+        for a jaxlib older than 0.4.32, which ignores it.
+    """
+    env = _env(environ)
+    version = _version_tuple(jaxlib_version)
+    if version is not None and version < JAX_OLDEST_SUPPORTED:
+        raise ConfigError(
+            f"jaxlib_version {_dotted(version)} is older than gpudash models; accepted: "
+            f"jaxlib {_dotted(JAX_OLDEST_SUPPORTED)} or newer")
+
+    raw_kind = env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
+    kind = raw_kind.lower()
+    known = [k for k, (since, _) in JAX_ALLOCATOR_KINDS.items()
+             if version is None or version >= since]
+    if kind not in known:
+        where = "" if version is None else f" in jaxlib {_dotted(version)}"
+        later = ""
+        if kind in JAX_ALLOCATOR_KINDS:
+            later = f" ({kind!r} needs jaxlib >= {_dotted(JAX_ALLOCATOR_KINDS[kind][0])})"
+        raise ConfigError(
+            f"XLA_PYTHON_CLIENT_ALLOCATOR must be one of {', '.join(repr(k) for k in known)}"
+            f"{where} (any case); got {raw_kind!r}{later}")
+
+    new = env.get("XLA_CLIENT_MEM_FRACTION", "")
+    old = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    if new and version is not None and version < JAX_CLIENT_MEM_FRACTION_SINCE:
+        warnings.warn(
+            f"XLA_CLIENT_MEM_FRACTION={new!r} is ignored by jaxlib {_dotted(version)} (read "
+            f"from jaxlib {_dotted(JAX_CLIENT_MEM_FRACTION_SINCE)}); use "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION", GpudashWarning, stacklevel=2)
+        new = ""
+    if old and new:
+        raise ConfigError(
+            f"XLA_CLIENT_MEM_FRACTION={new!r} and XLA_PYTHON_CLIENT_MEM_FRACTION={old!r} are "
+            "both set, which JAX refuses; accepted: one of them (XLA_PYTHON_CLIENT_MEM_FRACTION "
+            "is the older name)")
+    variable, text = (("XLA_CLIENT_MEM_FRACTION", new) if new else
+                      ("XLA_PYTHON_CLIENT_MEM_FRACTION", old) if old else (None, ""))
+
+    unified = False
+    raw_unified = env.get("TF_FORCE_UNIFIED_MEMORY")
+    if raw_unified is not None:
+        low = raw_unified.lower()
+        if low in ("1", "true"):
+            unified = True
+        elif low not in ("0", "false"):
+            warnings.warn(
+                f"Failed to parse the env-var ${{TF_FORCE_UNIFIED_MEMORY}} into bool: "
+                f"{raw_unified}. Use the default value: 0 (accepted: 0, 1, true, false in "
+                "any case)", GpudashWarning, stacklevel=2)
+
+    fraction = JAX_DEFAULT_MEMORY_FRACTION
+    if variable is not None:
+        accepted = ("a number above 0, such as 0.5 (a fraction of the device's total memory; "
+                    "above 1 only with TF_FORCE_UNIFIED_MEMORY=1)")
+        try:
+            fraction = float(text)
+        except ValueError:
+            raise ConfigError(f"{variable} must be {accepted}; got {text!r}") from None
+        if not math.isfinite(fraction) or float32(fraction) <= 0:
+            raise ConfigError(f"{variable} must be {accepted}; got {text!r}")
+        if fraction > 1 and not unified:
+            raise ConfigError(
+                f"{variable}={text!r} is above 1, which XLA can only honour with unified "
+                "memory: set TF_FORCE_UNIFIED_MEMORY=1 as well, or choose a fraction in "
+                "(0, 1]")
+
+    preallocate = True
+    raw_pre = env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "")
+    if raw_pre:
+        preallocate = raw_pre not in ("false", "False", "0")
+        if preallocate and raw_pre not in ("true", "True", "1"):
+            warnings.warn(
+                f"XLA_PYTHON_CLIENT_PREALLOCATE={raw_pre!r}: jaxlib reads this as true "
+                "(preallocate); only 'false', 'False' and '0' turn preallocation off",
+                GpudashWarning, stacklevel=2)
+
+    collective = 0
+    raw_coll = env.get("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "")
+    if raw_coll:
+        try:
+            collective = int(raw_coll) * _MIB
+        except ValueError:
+            raise ConfigError(
+                "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB must be an integer number of MiB "
+                f"(0 = grow as needed); got {raw_coll!r}") from None
+        if collective < 0:
+            raise ConfigError(
+                "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB must be an integer >= 0 (MiB); "
+                f"got {raw_coll!r}")
+    return JaxSettings(allocator=kind, memory_fraction=fraction, fraction_variable=variable,
+                       preallocate=preallocate, unified_memory=unified,
+                       collective_memory_size=collective, jaxlib_version=version)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings under each framework's names, and the lines to paste
+
+
+#: The frameworks gpudash speaks.
+FRAMEWORKS = ("tensorflow", "jax", "torch")
+
+#: gpudash option -> the name a framework gives it (shown in views and ``%gpudash_config``).
+FRAMEWORK_SETTING_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "tensorflow": MappingProxyType({
+        "per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
+        "allow_growth": "allow_growth",
+        "deferred_deletion_bytes": "deferred_deletion_bytes",
+    }),
+    "jax": MappingProxyType({
+        "per_process_gpu_memory_fraction": "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "allow_growth": "XLA_PYTHON_CLIENT_PREALLOCATE",
+    }),
+    "torch": MappingProxyType({
+        "per_process_gpu_memory_fraction": "set_per_process_memory_fraction",
+    }),
+})
+
+#: What JAX fixes at start (``%gpudash_config`` refuses to change them live).
+_JAX_FIXED = ("XLA_PYTHON_CLIENT_ALLOCATOR", "TF_FORCE_UNIFIED_MEMORY",
+              "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
+
+
+def check_framework(framework: object, accepted: tuple[str, ...] = FRAMEWORKS) -> str:
+    """Normalise a framework name (``"tf"`` -> ``"tensorflow"``, ``"pytorch"`` -> ``"torch"``).
+
+    Raises
+    ------
+    ConfigError
+        For anything else, naming what is accepted.
+    """
+    aliases = {"tf": "tensorflow", "tensorflow": "tensorflow", "jax": "jax",
+               "torch": "torch", "pytorch": "torch"}
+    name = aliases.get(framework.strip().lower()) if isinstance(framework, str) else None
+    if name is None or name not in accepted:
+        raise ConfigError(f"framework must be one of {', '.join(accepted)}; got {framework!r}")
+    return name
+
+
+def framework_changes(framework: str, items: Mapping[str, str]) -> dict[str, Any]:
+    """Turn ``{framework name: text}`` into :meth:`gpudash.Session.configure` changes.
+
+    For JAX, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or ``XLA_CLIENT_MEM_FRACTION``) and
+    ``XLA_PYTHON_CLIENT_PREALLOCATE`` are parsed exactly as jaxlib parses them (the
+    fraction is kept in single precision, as XLA uses it). For TensorFlow the names are the
+    ``GPUOptions`` fields. Everything is validated before anything is returned.
+
+    Raises
+    ------
+    ConfigError
+        For a name the framework does not have, a setting it fixes at start, or a bad value
+        (the message names the variable and what is accepted).
+    """
+    framework = check_framework(framework, ("tensorflow", "jax"))
+    if framework == "tensorflow":
+        names = FRAMEWORK_SETTING_NAMES["tensorflow"]
+        out: dict[str, Any] = {}
+        for key, text in items.items():
+            if key not in names:
+                raise ConfigError(f"TensorFlow setting must be one of {', '.join(names)}; "
+                                  f"got {key!r}")
+            out[key] = text
+        return out
+    env: dict[str, str] = {}
+    for key, text in items.items():
+        if key in _JAX_FIXED:
+            raise ConfigError(
+                f"{key} is fixed when the session starts; create a new session with "
+                f"gpudash.Session.from_env('jax', environ={{{key!r}: {text!r}, ...}})")
+        if key not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
+                       "XLA_PYTHON_CLIENT_PREALLOCATE"):
+            raise ConfigError(
+                "a JAX setting must be XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_CLIENT_MEM_FRACTION "
+                f"or XLA_PYTHON_CLIENT_PREALLOCATE; got {key!r}")
+        env[key] = str(text)
+    settings = jax_settings_from_env(env)
+    out = {}
+    if settings.fraction_variable is not None:
+        out["per_process_gpu_memory_fraction"] = settings.effective_fraction
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" in env:
+        out["allow_growth"] = settings.allow_growth
+    return out
+
+
+def framework_settings_text(framework: str, fraction: float, allow_growth: bool,
+                            limit: int | None = None) -> str:
+    """Settings under the framework's names, one line: ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+    XLA_PYTHON_CLIENT_PREALLOCATE=false (limit 8.00 GiB)``."""
+    framework = check_framework(framework, ("tensorflow", "jax"))
+    if framework == "jax":
+        text = (f"XLA_PYTHON_CLIENT_MEM_FRACTION={_fraction_text(fraction)} "
+                f"XLA_PYTHON_CLIENT_PREALLOCATE={'false' if allow_growth else 'true'}")
+    else:
+        text = (f"per_process_gpu_memory_fraction={_fraction_text(fraction)} "
+                f"allow_growth={allow_growth}")
+    if limit is not None:
+        text += f" (limit {human_readable_num_bytes(limit)})"
+    return text
+
+
+def paste_fraction(needed_bytes: int, total: int, framework: str = "tensorflow") -> float:
+    """The shortest fraction (3 decimals, rounded up) whose limit reaches ``needed_bytes``.
+
+    The limit is computed the framework's way: ``int(total * fraction)`` for TensorFlow,
+    in single precision for JAX (:func:`jax_memory_limit`).
+    """
+    framework = check_framework(framework, ("tensorflow", "jax"))
+    total = parse_bytes(total, name="total")
+    fraction = math.ceil(needed_bytes / total * 1000 - 1e-9) / 1000 if total else 1.0
+    fraction = max(fraction, 0.001)
+    limit = jax_memory_limit if framework == "jax" else (lambda t, f: int(t * f))
+    while limit(total, fraction) < needed_bytes:
+        fraction = round(fraction + 0.001, 3)
+    return fraction
+
+
+def restart_lines(framework: str, fraction: float | None = None,
+                  allow_growth: bool | None = None, total: int | None = None,
+                  form: str = "env") -> list[str]:
+    """The lines to paste to run a framework with these settings, and the restart note.
+
+    Parameters
+    ----------
+    framework : {"tensorflow", "jax", "torch"}
+    fraction : float, optional
+        The memory fraction (of the device's total memory).
+    allow_growth : bool, optional
+        Grow on demand instead of reserving the limit at start.
+    total : int, optional
+        The device's total memory; TensorFlow's ``tf.config`` form needs it (its
+        ``memory_limit`` is in MiB).
+    form : {"env", "notebook"}
+        JAX: shell assignments or ``%env`` lines. TensorFlow: ``ConfigProto`` lines plus the
+        ``tf.config`` form either way.
+
+    Returns
+    -------
+    list of str
+        Code lines, then a comment saying the framework must restart to take them.
+    """
+    framework = check_framework(framework)
+    if form not in ("env", "notebook"):
+        raise ConfigError(f"form must be 'env' or 'notebook'; got {form!r}")
+    if fraction is not None:
+        fraction = _check_fraction("fraction", fraction)
+    lines: list[str] = []
+    if framework == "jax":
+        prefix = "%env " if form == "notebook" else ""
+        if fraction is not None:
+            lines.append(f"{prefix}XLA_PYTHON_CLIENT_MEM_FRACTION={_fraction_text(fraction)}")
+        if allow_growth is not None:
+            lines.append(f"{prefix}XLA_PYTHON_CLIENT_PREALLOCATE="
+                         f"{'false' if allow_growth else 'true'}")
+        lines.append("# JAX reads these once, when its GPU backend starts: set them before "
+                     "the first JAX call and restart the process (kernel) to take them")
+    elif framework == "tensorflow":
+        if fraction is not None:
+            lines.append(f"config.gpu_options.per_process_gpu_memory_fraction = "
+                         f"{_fraction_text(fraction)}")
+        if allow_growth is not None:
+            lines.append(f"config.gpu_options.allow_growth = {allow_growth}")
+        if fraction is not None and total:
+            mib = math.ceil(int(total * fraction) / _MIB)
+            lines.append("# or, TensorFlow 2: tf.config.set_logical_device_configuration(gpu, "
+                         f"[tf.config.LogicalDeviceConfiguration(memory_limit={mib})])  # MiB")
+        if allow_growth:
+            lines.append("# or, TensorFlow 2: tf.config.experimental.set_memory_growth(gpu, "
+                         "True)")
+        lines.append("# TensorFlow fixes its allocator when it creates its GPU devices: "
+                     "restart the process (kernel) to take these")
+    else:
+        if fraction is not None:
+            lines.append(f"torch.cuda.set_per_process_memory_fraction({_fraction_text(fraction)})")
+        if allow_growth is not None and not allow_growth:
+            lines.append("# PyTorch always grows on demand; there is no preallocation to set")
+        lines.append("# PyTorch applies the fraction to later allocations without a restart; "
+                     "PYTORCH_CUDA_ALLOC_CONF is read once, at the first CUDA allocation")
+    return lines

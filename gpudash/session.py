@@ -299,6 +299,65 @@ class Session:
                                             name="gpudash-event-poller", daemon=True)
             self._poller.start()
 
+    #: The framework whose semantics this session follows (:meth:`from_env`).
+    framework = "tensorflow"
+    #: JAX's settings as read by :meth:`from_env` (None for a TensorFlow session).
+    jax_settings = None
+
+    @classmethod
+    def from_env(cls, framework: str = "tensorflow", *, config: Any = None, simulate: Any = None,
+                 environ: Mapping[str, str] | None = None, poll: bool = True,
+                 jaxlib_version: Any = None) -> "Session":
+        """A session with a framework's semantics, configured from its environment variables.
+
+        Parameters
+        ----------
+        framework : {"tensorflow", "jax"}
+            ``"tensorflow"``: exactly ``Session(config, ...)`` (``TF_FORCE_GPU_ALLOW_GROWTH``,
+            ``TF_ENABLE_GPU_GARBAGE_COLLECTION``, ``TF_DEVICE_MIN_SYS_MEMORY_IN_MB``...).
+            ``"jax"``: JAX's GPU client, from ``XLA_PYTHON_CLIENT_MEM_FRACTION`` /
+            ``XLA_CLIENT_MEM_FRACTION`` (a fraction of total memory, default 0.75, in single
+            precision as XLA uses it), ``XLA_PYTHON_CLIENT_PREALLOCATE`` (false = growth),
+            ``XLA_PYTHON_CLIENT_ALLOCATOR`` and ``TF_FORCE_UNIFIED_MEMORY``; garbage
+            collection off; TensorFlow's variables are ignored, as JAX ignores them. Frees
+            reach the allocator as soon as the device is done with them
+            (``deferred_deletion_bytes=1``). See docs/frameworks.md.
+        config : optional
+            TensorFlow only: the ``ConfigProto`` to start from.
+        simulate, environ, poll
+            As for :class:`Session` (``GPUDASH_SIMULATE`` and ``CUDA_VISIBLE_DEVICES`` are
+            read for both frameworks).
+        jaxlib_version : str, optional
+            JAX only: apply this jaxlib's rules (:func:`gpudash.options.jax_settings_from_env`).
+
+        Raises
+        ------
+        ConfigError
+            For an unknown framework, a bad or conflicting variable (naming it and what is
+            accepted), or a JAX allocator kind gpudash does not run (``cuda_async``, ``vmm``).
+        """
+        from .options import check_framework, jax_settings_from_env
+
+        framework = check_framework(framework, ("tensorflow", "jax"))
+        env = os.environ if environ is None else environ
+        if framework == "tensorflow":
+            return cls(config, simulate=simulate, environ=env, poll=poll)
+        if config is not None:
+            raise ConfigError("Session.from_env('jax') takes its settings from the environment; "
+                              "config= is for TensorFlow sessions (got a config)")
+        settings = jax_settings_from_env(env, jaxlib_version=jaxlib_version)
+        gpu = settings.gpu_options()
+        gpu.deferred_deletion_bytes = 1
+        # JAX reads none of TensorFlow's variables: keep only the device ones, and turn off
+        # garbage collection (XLA leaves BFCAllocator's default, off).
+        jax_env = {k: env[k] for k in ("GPUDASH_SIMULATE", "CUDA_VISIBLE_DEVICES") if k in env}
+        jax_env["TF_ENABLE_GPU_GARBAGE_COLLECTION"] = "false"
+        sess = cls(ConfigProto(gpu_options=gpu, allow_soft_placement=True), simulate=simulate,
+                   environ=jax_env, poll=poll)
+        sess.framework = "jax"
+        sess.jax_settings = settings
+        return sess
+
     # ------------------------------------------------------------------ construction
     @staticmethod
     def _to_config(config: Any) -> ConfigProto:

@@ -265,3 +265,79 @@ def test_gpudash_info_lists_nvml_devices_and_unreadable_fields(use_fake, capsys)
     assert "NVIDIA H100 80GB HBM3" in out
     assert "total N/A" in out  # a query NVML refused is a fact, not a crash
     assert "this process 1.00 GiB" in out
+
+
+# -- the process list (the fake tests formatting and merging only) ---------------------------
+
+
+class FakeNVMLProcesses(FakeNVML):
+    """The fake with graphics processes and process names, to test how gpudash formats and
+    merges NVML's lists; it does not test NVML."""
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        self._check("nvmlDeviceGetGraphicsRunningProcesses")
+        me = os.getpid()
+        return [types.SimpleNamespace(pid=me + 1, usedGpuMemory=2 * GiB),  # also compute
+                types.SimpleNamespace(pid=me + 2, usedGpuMemory=None)]
+
+    def nvmlSystemGetProcessName(self, pid):
+        if pid == os.getpid():
+            raise FakeNVMLError(3)  # falls back to /proc/PID/comm
+        return b"trainer"
+
+
+def test_gpu_processes_merge_and_mark(use_fake):
+    use_fake(FakeNVMLProcesses())
+    procs = nvml.gpu_processes(framework="jax")
+    assert set(procs) == {0, 1}
+    rows = procs[0]
+    me = os.getpid()
+    assert [(r.pid, r.kind, r.used) for r in rows] == [
+        (me + 1, "compute+graphics", 2 * GiB), (me, "compute", GiB),
+        (me + 2, "graphics", NA)]
+    mine = rows[1]
+    assert mine.is_self and mine.framework == "jax"
+    with open(f"/proc/{me}/comm") as f:
+        assert mine.name == f.read().strip()
+    assert mine.label.endswith("(this process: gpudash, jax)")
+    assert rows[0].name == "trainer" and not rows[0].is_self and rows[0].framework is None
+    lines = nvml.format_processes({0: rows})
+    assert lines[0] == "    GPU 0: 3 process(es)"
+    assert "2.00 GiB" in lines[1] and "compute+graphics" in lines[1]
+    assert lines[3].split()[2] == "N/A"
+
+
+def test_gpu_processes_failing_lists(use_fake):
+    use_fake(FakeNVMLProcesses(broken={"nvmlDeviceGetComputeRunningProcesses",
+                                       "nvmlDeviceGetGraphicsRunningProcesses"}))
+    assert nvml.gpu_processes() == {0: [], 1: []}
+    assert nvml.format_processes({0: []}) == ["    GPU 0: no processes"]
+
+
+def test_gpu_processes_without_driver_is_empty(use_fake):
+    use_fake(FakeNVML(init_error=12))
+    assert nvml.gpu_processes() == {}
+    assert nvml_available() == (False, "NVML library not found (no NVIDIA driver)")
+
+
+@pytest.mark.skipif(CudaMemory.available()[0], reason="this machine has a GPU")
+def test_real_nvml_processes_without_driver():
+    assert nvml.gpu_processes() == {}
+
+
+def test_gpudash_info_lists_processes(use_fake, capsys):
+    from gpudash.cli import main
+
+    use_fake(FakeNVMLProcesses())
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 0: 3 process(es)" in out
+    assert "(this process: gpudash)" in out
+    assert "trainer" in out
+
+
+def test_nvml_index_of_uuid(use_fake):
+    use_fake(FakeNVML())
+    assert nvml.nvml_index_of_uuid("GPU-00000001") == 1
+    assert nvml.nvml_index_of_uuid("00000001") == 1  # torch prints the bare form
+    assert nvml.nvml_index_of_uuid("GPU-ffff") is None

@@ -25,6 +25,8 @@ EXPECTED = {
     "Trace", "load_trace", "replay", "min_fraction", "sweep",
     # post-mortems and holders
     "explain", "top_holders",
+    # framework monitors
+    "watch",
 }
 
 

@@ -1,0 +1,106 @@
+"""Live, read-only monitors of a real framework's allocator: TensorFlow, JAX, PyTorch.
+
+A :class:`Monitor` polls the framework's own figures a few times a second in a thread of its
+own and exposes one :class:`~gpudash.widgets.feeds.DeviceFeed` per device
+(:attr:`Monitor.feeds`), the source a live model's devices take, next to gpudash's own
+allocators:
+
+=============  ==============================================  =========================
+framework      polled                                          layout (chunk map, bins)
+=============  ==============================================  =========================
+tensorflow     ``tf.config.experimental.get_memory_info``       none (in use, peak only)
+jax            ``device.memory_stats()``                        none (BFC totals)
+torch          ``torch.cuda.memory_stats()``                    ``memory_snapshot()``, every
+                                                                ``snapshot_interval`` s
+=============  ==============================================  =========================
+
+Their controls are disabled (``feed.controls`` says why: a framework fixes its settings when
+it starts); ``feed.restart_lines()`` / :meth:`Monitor.restart_lines` give the settings to
+restart with, and :meth:`Monitor.driver_view` sets the framework's pool against what the
+driver (NVML) counts for the process. Nothing here imports a framework until a monitor is
+created.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .._errors import ConfigError
+
+__all__ = ["Monitor", "FrameworkFeed", "TensorFlowMonitor", "JaxMonitor", "TorchMonitor",
+           "watch", "monitor_class"]
+
+_LAZY = {
+    "Monitor": "gpudash.monitors._base",
+    "FrameworkFeed": "gpudash.monitors._base",
+    "TensorFlowMonitor": "gpudash.monitors._tf",
+    "JaxMonitor": "gpudash.monitors._jax",
+    "TorchMonitor": "gpudash.monitors._torch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpudash.monitors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def monitor_class(framework: str) -> type:
+    """The monitor class of ``"tensorflow"``, ``"jax"`` or ``"torch"`` (aliases ``tf``,
+    ``pytorch``)."""
+    from ..options import check_framework
+
+    name = check_framework(framework)
+    return __getattr__({"tensorflow": "TensorFlowMonitor", "jax": "JaxMonitor",
+                        "torch": "TorchMonitor"}[name])
+
+
+def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
+          **options: Any) -> Any:
+    """Watch a framework's allocator live: create and start its monitor.
+
+    Parameters
+    ----------
+    framework : {"torch", "jax", "tensorflow"}
+    interval : float
+        Seconds between polls (default 0.25: four a second).
+    devices : optional
+        Which devices (default: every GPU the framework sees); see each monitor.
+    **options
+        PyTorch: ``snapshot_interval`` (seconds between layouts, default 2; 0 = none) and
+        ``history`` (the allocator-history ring turned on, default 100,000 entries; 0 =
+        leave it).
+
+    Returns
+    -------
+    Monitor
+        Running; ``monitor.feeds`` are its devices. (Once ``Dashboard(feeds=...)`` exists,
+        the hook at the end of this function returns the dashboard over them instead.)
+
+    Raises
+    ------
+    ConfigError
+        An unknown framework, one that is not installed, or one that has no GPU here; the
+        message names it and what is accepted.
+    """
+    from ..options import check_framework
+    from ._base import require_installed
+
+    try:
+        name = check_framework(framework)
+    except ConfigError:
+        raise ConfigError(f"watch accepts torch, jax or tensorflow; got {framework!r}") from None
+    require_installed(name)
+    cls = monitor_class(name)
+    if options and name != "torch":
+        raise ConfigError(f"watch({name!r}) takes interval and devices; got "
+                          f"{', '.join(sorted(options))}")
+    monitor = cls(interval=interval, devices=devices, **options)
+    monitor.start()
+    # DASHBOARD HOOK (issue 12): once Dashboard(feeds=...) is on this branch, replace the next
+    # line with `return Dashboard(feeds=monitor.feeds)` (closing it stops the monitor).
+    return monitor

@@ -1,0 +1,315 @@
+"""The monitor machinery shared by the framework monitors: a polling thread and its feeds."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import ConfigError
+from ..bfc import AllocatorStats
+from ..widgets.feeds import DeviceFeed, FeedSample
+
+__all__ = ["Monitor", "FrameworkFeed", "Poll", "FRAMEWORK_MODULES", "require_installed"]
+
+logger = logging.getLogger("gpudash")
+
+#: framework -> the module that must be importable.
+FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
+#: Timeline points a feed keeps for :attr:`FrameworkFeed.history`.
+HISTORY_POINTS = 3600
+
+
+def require_installed(framework: str) -> None:
+    """Raise ConfigError naming the framework when it is not installed (nothing imported)."""
+    module = FRAMEWORK_MODULES[framework]
+    if importlib.util.find_spec(module) is None:
+        have = [f for f, m in FRAMEWORK_MODULES.items() if importlib.util.find_spec(m)]
+        raise ConfigError(
+            f"cannot watch {framework}: it is not installed here (no module {module!r}); "
+            f"watch accepts torch, jax or tensorflow"
+            + (f" (installed: {', '.join(have)})" if have else " (none is installed)"))
+
+
+class Poll:
+    """What one poll of one device found (built in the monitor's thread)."""
+
+    __slots__ = ("stats", "missing", "table", "allocs", "frees", "ooms", "extra")
+
+    def __init__(self, stats: AllocatorStats, missing: tuple[str, ...] = (),
+                 table: dict | None = None, allocs: int = 0, frees: int = 0,
+                 ooms: tuple = (), extra: dict | None = None) -> None:
+        self.stats = stats
+        self.missing = missing
+        self.table = table
+        self.allocs = allocs
+        self.frees = frees
+        self.ooms = ooms
+        self.extra = extra or {}
+
+
+class FrameworkFeed(DeviceFeed):
+    """One device of a framework, as a :class:`~gpudash.widgets.feeds.DeviceFeed`.
+
+    Read-only: :attr:`controls` says why (the framework fixes its allocator's settings when
+    it starts); :meth:`restart_lines` gives the settings to restart with.
+
+    Attributes
+    ----------
+    has_layout : bool
+        True when the framework gives a memory layout (PyTorch's snapshot). Its samples then
+        carry a ``table`` when a new layout was read (every ``snapshot_interval``), and
+        ``table=None`` in between: the previous layout still stands.
+    missing : tuple of str
+        Stats fields the framework does not report (0 in the samples).
+    history : deque of (time_ms, bytes_in_use, pool_bytes, bytes_limit)
+        The last points polled, kept by the feed itself.
+    """
+
+    def __init__(self, monitor: "Monitor", index: int, name: str, capacity: int,
+                 controls: str, has_layout: bool = False) -> None:
+        self.name = name
+        self.kind = monitor.framework
+        self.capacity = int(capacity or 0)
+        self.controls = controls
+        self.index = index
+        self.has_layout = has_layout
+        self.missing: tuple[str, ...] = ()
+        self.history: deque = deque(maxlen=HISTORY_POINTS)
+        self.latest: FeedSample | None = None
+        self._monitor = monitor
+        self._lock = threading.Lock()
+        self._pending: FeedSample | None = None
+        self._wake: Callable[[], None] | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ DeviceFeed
+    def start(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._started = True
+        self._monitor.start()
+
+    def sample(self) -> FeedSample | None:
+        with self._lock:
+            sample, self._pending = self._pending, None
+        return sample
+
+    def stop(self) -> None:
+        """Stop feeding; when every started feed of the monitor has stopped (the live model
+        over them closed), the monitor stops too."""
+        was = self._started
+        self._wake = None
+        self._started = False
+        if was:
+            self._monitor._feed_stopped()
+
+    def settings(self) -> dict:
+        return self._monitor.device_settings(self.index)
+
+    def restart_lines(self, fraction: float | None = None, allow_growth: bool | None = None,
+                      form: str = "env") -> list[str]:
+        """The lines to paste to restart the framework with these settings (default: the
+        settings in force)."""
+        return self._monitor.restart_lines(fraction=fraction, allow_growth=allow_growth,
+                                           form=form, device=self.index)
+
+    # ------------------------------------------------------------------ monitor side
+    def _publish(self, poll: Poll, time_ms: float) -> None:
+        sample = FeedSample(time_ms=time_ms, stats=poll.stats, table=poll.table,
+                            allocs=poll.allocs, frees=poll.frees, events=poll.allocs + poll.frees,
+                            ooms=tuple(poll.ooms), extra=dict(poll.extra))
+        self.missing = poll.missing
+        s = poll.stats
+        self.history.append((time_ms, s.bytes_in_use, s.pool_bytes, s.bytes_limit))
+        with self._lock:
+            old = self._pending
+            if old is not None:  # not taken yet: keep the counts, and a layout with its stats
+                keep = old if (old.table is not None and sample.table is None) else sample
+                sample = FeedSample(
+                    time_ms=keep.time_ms, stats=keep.stats, table=keep.table,
+                    allocs=old.allocs + sample.allocs, frees=old.frees + sample.frees,
+                    events=old.events + sample.events, ooms=old.ooms + sample.ooms,
+                    extra=keep.extra)
+            self._pending = sample
+            self.latest = sample
+        wake = self._wake
+        if wake is not None:
+            try:
+                wake()
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop polling
+                logger.exception("gpudash: a feed's wake callback failed")
+
+
+class Monitor:
+    """A live, read-only source of a framework's memory figures.
+
+    A thread polls the framework's own figures every ``interval`` seconds (off the
+    kernel's main thread) and hands them to one :class:`FrameworkFeed` per device
+    (:attr:`feeds`), the form a live model's devices take.
+
+    Subclasses implement ``_open(devices)`` (find the devices; raise ConfigError naming
+    the framework when it has none), ``_poll_device(i)`` (one :class:`Poll`),
+    ``device_settings(i)`` and ``restart_lines(...)``.
+    """
+
+    framework = ""
+    #: The reason shown on the disabled controls.
+    controls_reason = ""
+
+    def __init__(self, interval: float = 0.25, devices: Any = None) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+                0.01 <= interval <= 60):
+            raise ConfigError(f"interval must be a number of seconds in [0.01, 60]; "
+                              f"got {interval!r}")
+        self.interval = float(interval)
+        self.feeds: list[FrameworkFeed] = []
+        self.polls = 0
+        self.errors: deque = deque(maxlen=20)
+        self.poll_seconds = 0.0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._poll_lock = threading.RLock()
+        self._closed = False
+        self._open(devices)
+
+    # ------------------------------------------------------------------ subclass API
+    def _open(self, devices: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _poll_device(self, i: int) -> Poll:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def device_settings(self, i: int) -> dict:
+        """Settings in force on device ``i`` (``fraction``, ``allow_growth``,
+        ``deferred_deletion_bytes``, ``limit``, ``total``; None where unknown), plus the
+        framework's own names under ``"names"``."""
+        feed = self.feeds[i]
+        return {"fraction": None, "allow_growth": None, "deferred_deletion_bytes": None,
+                "limit": None, "total": feed.capacity or None, "names": {}}
+
+    def restart_lines(self, fraction: float | None = None, allow_growth: bool | None = None,
+                      form: str = "env", device: int = 0) -> list[str]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _closing(self) -> None:
+        """Release what ``_open`` took (history recording...)."""
+
+    def _feed_stopped(self) -> None:
+        if not self._closed and not any(f._started for f in self.feeds):
+            self.stop()
+
+    # ------------------------------------------------------------------ polling
+    def poll(self) -> None:
+        """Poll every device once (the thread does this every ``interval``)."""
+        with self._poll_lock:
+            t0 = time.perf_counter()
+            for feed in self.feeds:
+                try:
+                    poll = self._poll_device(feed.index)
+                except Exception as exc:  # noqa: BLE001 - a failed poll is reported, not fatal
+                    if not self.errors:
+                        logger.warning("gpudash: polling %s %s failed: %r", self.framework,
+                                       feed.name, exc)
+                    self.errors.append((time.time(), feed.name, repr(exc)))
+                    continue
+                feed._publish(poll, time.time() * 1000.0)
+            self.polls += 1
+            self.poll_seconds += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        next_t = time.perf_counter()
+        while not self._stop.is_set():
+            self.poll()
+            next_t += self.interval
+            delay = next_t - time.perf_counter()
+            if delay < 0:  # fell behind: do not try to catch up
+                next_t = time.perf_counter()
+                delay = 0
+            self._stop.wait(delay)
+
+    def start(self) -> "Monitor":
+        """Start the polling thread (once); returns the monitor."""
+        if self._closed:
+            raise ConfigError(f"this {self.framework} monitor is stopped; create a new one "
+                              "with gpudash.watch()")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"gpudash-{self.framework}-monitor")
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling and release what the monitor took. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(5.0, 2 * self.interval))
+        for feed in self.feeds:
+            feed.stop()
+        self._closing()
+
+    close = stop
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> "Monitor":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ who else is on the GPU
+    def driver_view(self) -> dict:
+        """The framework's pools set against what the driver (NVML) says of this process.
+
+        Returns
+        -------
+        dict
+            ``{"available": bool, "reason": str, "devices": [...]}``; each device row has
+            ``feed`` (its name), ``nvml_index``, ``pool`` (the framework's pool, or bytes in
+            use where it reports no pool), ``driver`` (what NVML counts for this process,
+            :data:`~gpudash.nvml.NA` when it cannot say), ``outside_pool`` (driver - pool:
+            CUDA context, libraries' workspaces, other allocators) and ``processes`` (every
+            process on that GPU, this one marked ``is_self`` and ``framework``).
+        """
+        from ..nvml import NA, gpu_processes, nvml_available
+
+        ok, reason = nvml_available()
+        out: dict = {"available": ok, "reason": reason, "devices": []}
+        if not ok:
+            return out
+        procs = gpu_processes(framework=self.framework)
+        for feed in self.feeds:
+            nvml_index = self._nvml_index(feed.index)
+            rows = procs.get(nvml_index, [])
+            mine = [p for p in rows if p.is_self]
+            driver: Any = NA
+            if mine and all(p.used is not NA for p in mine):
+                driver = sum(int(p.used) for p in mine)
+            latest = feed.latest
+            pool = 0
+            if latest is not None:
+                s = latest.stats
+                pool = s.pool_bytes if "pool_bytes" not in feed.missing else s.bytes_in_use
+            outside = driver - pool if driver is not NA else NA
+            out["devices"].append({"feed": feed.name, "nvml_index": nvml_index, "pool": pool,
+                                   "driver": driver, "outside_pool": outside, "processes": rows})
+        return out
+
+    def _nvml_index(self, i: int) -> int:
+        """The NVML index of device ``i`` (the same index unless a subclass knows better)."""
+        return i
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped" if self._closed else "idle"
+        return (f"{type(self).__name__}({len(self.feeds)} device(s), {state}, "
+                f"every {self.interval:g} s, {self.polls} polls)")
