@@ -17,8 +17,11 @@ A feed
   in the model's refresher thread only; ``None`` means nothing changed;
 - is stopped once, by the model's ``close()``.
 
-A feed without a memory layout (a framework that reports only totals) returns
-``table=None``: the views that need chunks say so in words instead of drawing an empty plot.
+A feed without a memory layout (a framework that reports only totals) has
+``has_layout = False`` and returns ``table=None``: the views that need chunks say so in words
+instead of drawing an empty plot. A feed with a layout may read it less often than its
+totals (PyTorch's snapshots are costly): then ``table=None`` in a sample means "the previous
+layout still stands", and the model keeps drawing the last table it got.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class FeedSample:
         The layout, in the form of :meth:`gpudash.BFCAllocator.chunk_table` (``ptr``,
         ``size``, ``requested``, ``alloc_id``, ``bin``, ``region``, ``in_use``, ``regions``);
         optional extra columns of the same length (``holder``) may follow. ``None`` when the
-        source has no layout.
+        source has no layout, or (``has_layout`` feeds) when the layout was not read again
+        since the previous sample.
     allocs, frees, events : int
         Counts since the previous sample.
     ooms : tuple of (time_ns, rounded, requested)
@@ -86,6 +90,9 @@ class DeviceFeed:
         ``"gpudash"``, ``"dask"``, ``"tensorflow"``, ``"jax"`` or ``"torch"``.
     capacity : int
         The device's memory in bytes (what the heatmap's rows split); 0 when unknown.
+    has_layout : bool
+        Whether samples carry chunk tables (chunk map, bins, heatmap); otherwise those views
+        say the source gives no layout.
     controls : str or None
         ``None`` when :meth:`configure`, :meth:`release_free_regions` and
         :meth:`flush_deferred` act; otherwise the reason the controls are disabled
@@ -95,6 +102,7 @@ class DeviceFeed:
     name: str = "device"
     kind: str = "gpudash"
     capacity: int = 0
+    has_layout: bool = True
     controls: str | None = "this source cannot be controlled"
 
     def start(self, wake: Callable[[], None]) -> None:
