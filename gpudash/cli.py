@@ -105,6 +105,10 @@ def _parser() -> _Parser:
                    help="fractions to sweep (default 0.1..1.0)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes for the sweep (default: up to 2)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run the replays as tasks on this Dask scheduler "
+                        "(tcp://host:8786; needs gpudash[dask]; --jobs is then ignored; "
+                        "connecting waits Dask's distributed.comm.timeouts.connect)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
@@ -248,15 +252,38 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_whatif(args: argparse.Namespace) -> int:
-    from .trace.whatif import min_fraction, sweep
+def _dask_client(address: str) -> Any:
+    try:
+        import dask
+        from distributed import Client
+    except ImportError:
+        raise _UserError("--scheduler needs Dask's distributed: pip install 'gpudash[dask]'"
+                         ) from None
+    try:
+        return Client(address, set_as_default=False,
+                      timeout=dask.config.get("distributed.comm.timeouts.connect"))
+    except (OSError, ValueError) as exc:
+        raise _UserError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
 
+
+def cmd_whatif(args: argparse.Namespace) -> int:
     _check_out(args.html, args.overwrite)
     if args.jobs < 1:
         raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
     trace = _load(args.trace)
+    if args.scheduler is None:
+        return _whatif(args, trace, None)
+    with _dask_client(args.scheduler) as client:
+        _say(f"replaying on the Dask cluster at {args.scheduler} "
+             f"({len(client.nthreads())} worker(s))")
+        return _whatif(args, trace, client)
+
+
+def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
+    from .trace.whatif import min_fraction, sweep
+
     best = min_fraction(trace, args.device, allow_growth=args.growth,
-                        garbage_collection=args.gc, progress=True)
+                        garbage_collection=args.gc, progress=True, client=client)
     if best.fraction is None:
         _say(f"{args.trace}: does not fit on a {format_bytes(args.device)} device even at "
              "fraction 1.0")
@@ -264,8 +291,12 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         _say(f"{args.trace}: smallest fraction that fits: {best.fraction:.3f} "
              f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
              f"allow_growth={args.growth}, {best.replays} replays")
-    kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
+    kwargs: dict = {"device_bytes": args.device, "progress": True,
                     "garbage_collection": args.gc}
+    if client is None:
+        kwargs["jobs"] = args.jobs
+    else:
+        kwargs["client"] = client
     if args.fractions:
         kwargs["fractions"] = args.fractions
     table = sweep(trace, **kwargs)
