@@ -199,6 +199,57 @@ def test_tables_and_records_survive_the_wire():
     sess.close()
 
 
+def test_a_layout_replica_follows_the_journal_exactly():
+    """What a feed does when the worker sends events instead of tables: a replica from one
+    table plus the records after it equals the allocator's own table, through splits,
+    merges, growth, garbage collection, released regions, limit changes and close()."""
+    from gpudash.dask.plugin import _chunk_table_locked
+
+    sess = gpudash.Session(simulate="1GiB", config={"allow_growth": True})
+    sess.configure(per_process_gpu_memory_fraction=0.5)
+    alloc = sess.devices[0].allocator
+    alloc._gc = True
+    batches: list = []
+    alloc._add_sink(lambda rec, extra: batches.append(list(rec)), raw=True)
+    rng = np.random.default_rng(11)
+    live = [sess.allocate(1 << 20)]
+    alloc.flush_events()
+    batches.clear()
+    with alloc._lock:
+        start = _chunk_table_locked(alloc)
+        aid0 = alloc._next_aid
+    layout = _wire.Layout(start)
+    for step in range(6):
+        for _ in range(700):
+            if live and rng.random() < 0.5:
+                sess.free_now(live.pop(int(rng.integers(len(live)))))
+            else:
+                try:
+                    live.append(sess.allocate(int(2 ** rng.uniform(6, 27))))
+                except gpudash.OutOfMemoryError:
+                    pass
+        if step == 2:
+            alloc.release_free_regions()
+        if step == 3:
+            sess.configure(per_process_gpu_memory_fraction=0.3)
+        alloc.flush_events()
+        records = np.array([x for b in batches for x in b], dtype=np.int64).reshape(-1, 8)
+        batches.clear()
+        layout.apply(records, aid0)
+        aid0 += int((records[:, 1] == 1).sum())
+        table, got = alloc.chunk_table(), layout.table()
+        assert list(got) == list(table)
+        for k in table:
+            assert got[k].dtype == table[k].dtype and np.array_equal(got[k], table[k]), (step, k)
+    alloc.close()
+    alloc.flush_events()
+    layout.apply(np.array([x for b in batches for x in b], dtype=np.int64).reshape(-1, 8), aid0)
+    assert layout.chunks == {} and layout.regions == {}
+    with pytest.raises(gpudash.TraceFormatError, match="does not fit"):
+        layout.apply(np.array([[0, 2, 4096, 256, 10, 1, 0, 0]]), 1)
+    sess.close()
+
+
 def test_plugin_arguments_are_checked_on_the_client():
     with pytest.raises(ConfigError, match="rate_hz"):
         GpudashPlugin(rate_hz=0)
@@ -367,6 +418,71 @@ def test_feed_samples_match_the_workers_chunk_table(client, model):
         assert feed.release_free_regions() >= 0 and feed.flush_deferred() >= 0
     finally:
         feed.stop()
+
+
+def _build_live(n):
+    import random
+
+    s = worker_session()
+    rng = random.Random(4)
+    s._test_live = [s.allocate(int(2 ** rng.uniform(8, 16))) for _ in range(n)]
+    return len(s._test_live)
+
+
+def _trickle(ops, pause):
+    import random
+
+    s = worker_session()
+    rng = random.Random(5)
+    live = s._test_live
+    for _ in range(ops // 2):
+        i = rng.randrange(len(live))
+        s.free_now(live[i])
+        live[i] = s.allocate(int(2 ** rng.uniform(8, 16)))
+        time.sleep(pause)
+    return s.devices[0].allocator.bytes_in_use
+
+
+def _layout_mode():
+    from distributed import get_worker
+
+    from gpudash.dask.plugin import _runtime_of
+
+    ds = _runtime_of(get_worker()).devices[0]
+    return {"layout_events": ds.layout_events, "journal": ds.ev_remove is not None}
+
+
+def test_a_large_quiet_layout_travels_as_events(client):
+    """A watched device with many chunks and few operations sends its layout as events
+    (smaller than tables); the feed's table still equals the worker's, and tables resume
+    when the client stops watching."""
+    a, _ = addresses(client)
+    with ClusterModel(client, record=False) as m:
+        assert m.wait(lambda w: a in w, 5)
+        on(client, a, _build_live, 4000)
+        feed = m.feed(a)
+        feed.start(lambda: None)
+        try:
+            on(client, a, _trickle, 40, 0.02)  # ~100 operations a second
+            assert on(client, a, _layout_mode) == {"layout_events": True, "journal": True}
+            tables_before = m.workers[a]["devices"][0]["layout_tables"]
+            used = on(client, a, _trickle, 60, 0.02)
+            assert m.sync()
+            dev = m.workers[a]["devices"][0]
+            assert dev["layout_tables"] == tables_before  # the changes came as events
+            assert dev["layout_event_batches"] >= 2
+            sample = feed.sample()
+            table = on(client, a, _chunk_table)
+            assert len(table["ptr"]) > 4000
+            for k in table:
+                assert np.array_equal(sample.table[k], table[k]), k
+            assert sample.stats.bytes_in_use == used
+        finally:
+            feed.stop()
+    deadline = time.monotonic() + 5
+    while on(client, a, _layout_mode)["journal"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert on(client, a, _layout_mode) == {"layout_events": False, "journal": False}
 
 
 def test_collect_traces_one_device_per_worker(client, model, tmp_path):

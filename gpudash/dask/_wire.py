@@ -8,10 +8,13 @@ for them, a *chunk table* (the layout, for the per-worker views) and *events* (t
 journal records, for traces). Tables and events travel as zlib-compressed numpy columns;
 everything else is plain msgpack-able Python.
 
-Tables instead of per-event replay for the views: chunks tile their regions exactly, in
-address order, so a table is sent as the regions plus each chunk's size, requested bytes and
-allocation id; addresses, bins, regions and ``in_use`` follow. ``benchmarks/bench_dask.py``
-measures what a table costs on the wire against the events it would replace.
+A watched device's layout reaches the client either as a table or as the events since the
+previous one (applied to a :class:`Layout` replica): the worker sends whichever it expects to
+be smaller. Tables are compact -- chunks tile their regions exactly, in address order, so a
+table is the regions plus each chunk's size, requested bytes and allocation id; addresses,
+bins, regions and ``in_use`` follow -- and cost nothing per allocation; events cost the
+allocator's journal but are cheaper for a large layout that changes slowly.
+``benchmarks/bench_dask.py`` measures both.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from .._errors import TraceFormatError
 
 __all__ = ["TOPIC", "WIRE_VERSION", "encode_table", "decode_table", "encode_records",
-           "decode_records", "table_stats"]
+           "decode_records", "table_stats", "Layout"]
 
 #: The Dask event topic gpudash workers publish on.
 TOPIC = "gpudash"
@@ -32,7 +35,7 @@ TOPIC = "gpudash"
 WIRE_VERSION = 1
 
 _W = 8  # ints per journal record (``BFCAllocator`` journal layout)
-_ALLOC, _FREE = 1, 2
+_ALLOC, _FREE, _EXTEND, _RELEASE = 1, 2, 5, 6
 
 
 def _pack(arrays: list[np.ndarray]) -> bytes:
@@ -157,3 +160,84 @@ def decode_records(n: int, data: bytes) -> np.ndarray:
 def count_allocs(records: Any) -> int:
     """Allocations among journal records (a flat list, 8 ints per operation)."""
     return records[1::_W].count(_ALLOC)
+
+
+class Layout:
+    """A replica of one allocator's chunk layout, kept from a chunk table plus the journal
+    records that followed it (what a feed does when the worker sends events instead of a
+    new table).
+
+    Parameters
+    ----------
+    table : dict
+        A chunk table (``BFCAllocator.chunk_table()`` or :func:`decode_table`).
+    """
+
+    def __init__(self, table: dict) -> None:
+        self.chunks: dict[int, list[int]] = {
+            int(p): [int(s), int(r), int(a)] for p, s, r, a in zip(
+                table["ptr"].tolist(), table["size"].tolist(), table["requested"].tolist(),
+                table["alloc_id"].tolist())}
+        self.regions: dict[int, int] = {int(p): int(s) for p, s in table["regions"].tolist()}
+
+    def apply(self, records: np.ndarray, aid0: int) -> None:
+        """Apply ``(n, 8)`` journal records; ``aid0`` is the id of their first allocation.
+
+        Raises
+        ------
+        TraceFormatError
+            When a record does not fit the layout (the replica is then unusable).
+        """
+        chunks, regions = self.chunks, self.regions
+        aid = aid0
+        try:
+            for _, code, ptr, size, req, a, b, c in records.tolist():
+                if code == _ALLOC:
+                    old = chunks[ptr]
+                    if old[2] >= 0 or old[0] != size + a:
+                        raise KeyError(f"{ptr:#x} (no free chunk of {size + a} bytes there)")
+                    chunks[ptr] = [size, req, aid]
+                    aid += 1
+                    if a:
+                        chunks[ptr + size] = [a, 0, -1]
+                elif code == _FREE:
+                    if chunks[ptr][2] < 0:
+                        raise KeyError(f"{ptr:#x} (that chunk is free already)")
+                    total = size
+                    if b:
+                        del chunks[ptr + size]
+                        total += b
+                    if c:
+                        del chunks[ptr]
+                        chunks[ptr - c] = [c + total, 0, -1]
+                    else:
+                        chunks[ptr] = [total, 0, -1]
+                elif code == _EXTEND:
+                    regions[ptr] = size
+                    chunks[ptr] = [size, 0, -1]
+                elif code == _RELEASE:
+                    regions.pop(ptr)
+                    end = ptr + size
+                    if chunks.get(ptr, (0,))[0] == size:
+                        del chunks[ptr]
+                    else:  # a region released with chunks in it (the allocator's close())
+                        for p in [p for p in chunks if ptr <= p < end]:
+                            del chunks[p]
+        except KeyError as exc:
+            raise TraceFormatError(f"gpudash Dask message: an event does not fit the layout "
+                                   f"(no chunk or region at {exc})") from None
+
+    def table(self) -> dict[str, np.ndarray]:
+        """The layout in ``chunk_table()``'s form."""
+        ptrs = np.array(sorted(self.chunks), dtype=np.int64)
+        rows = np.array([self.chunks[p] for p in ptrs.tolist()], dtype=np.int64).reshape(-1, 3)
+        regions = np.array(sorted(self.regions.items()), dtype=np.int64).reshape(-1, 2)
+        size, requested, aid = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+        ri = np.searchsorted(regions[:, 0], ptrs, side="right") - 1
+        in_use = aid >= 0
+        return {
+            "ptr": ptrs, "size": size, "requested": requested, "alloc_id": aid,
+            "bin": np.where(in_use, -1, _bins(size)).astype(np.int8),
+            "region": regions[ri, 0] if len(ptrs) else np.zeros(0, np.int64),
+            "in_use": in_use, "regions": regions,
+        }

@@ -37,6 +37,8 @@ __all__ = ["ClusterModel", "WorkerFeed"]
 
 #: OOM and setting marks kept per device (oldest dropped).
 MAX_MARKS = 200
+#: Events queued for a feed's layout before the model gives up on them and asks for a table.
+MAX_QUEUED_OPS = 1_000_000
 
 
 class _DevRec:
@@ -57,8 +59,15 @@ class _DevRec:
         self.n_setting = 0
         self.version = 0
         self.time_ns = 0
-        self.table: dict | None = None  # encoded, the latest
-        self.table_version = 0
+        # layout for feeds: what arrived since the last sample, then the replica
+        self.layout_q: list[tuple[str, Any]] = []
+        self.layout_q_ops = 0
+        self.replica: _wire.Layout | None = None
+        self.replica_version = 0
+        self.replica_table: dict | None = None
+        self.need_table = False
+        self.tables_received = 0
+        self.event_batches_received = 0
         self.segments: list[dict] = []  # recorded event batches (encoded)
         self.recorded_ops = 0
         self.dropped_ops = 0  # dropped by the worker
@@ -78,7 +87,9 @@ class _DevRec:
                 "settings_changes": self.settings_changes,
                 "events": self.allocs + self.frees + self.ooms + self.settings_changes,
                 "options": dict(self.options), "deferred_bytes": self.deferred_bytes,
-                "recorded_events": self.recorded_ops, "dropped_events": self.dropped_ops}
+                "recorded_events": self.recorded_ops, "dropped_events": self.dropped_ops,
+                "layout_tables": self.tables_received,
+                "layout_event_batches": self.event_batches_received}
 
 
 class _WorkerRec:
@@ -270,7 +281,8 @@ class ClusterModel:
                 dev = rec.devices.get(index)
                 if dev is None:
                     dev = rec.devices[index] = _DevRec(index)
-                self._update_device(dev, entry, t_local, off)
+                self._update_device(dev, entry, t_local, off,
+                                    bool(self._feeds.get((address, index))))
                 woken.append((address, index))
             if rec.devices:
                 devs = rec.devices.values()
@@ -286,7 +298,8 @@ class ClusterModel:
             except Exception:  # noqa: BLE001 - a listener's problem, not the stream's
                 pass
 
-    def _update_device(self, dev: _DevRec, entry: dict, t_local: int, off: int) -> None:
+    def _update_device(self, dev: _DevRec, entry: dict, t_local: int, off: int,
+                       watched: bool) -> None:
         dev.version += 1
         dev.time_ns = t_local
         dev.name = str(entry.get("name", dev.name))
@@ -306,11 +319,26 @@ class ClusterModel:
             dev.n_setting += 1
             dev.setting_marks.append((dev.n_setting, int(t) + off, str(name), old, new))
         table = entry.get("table")
-        if table is not None:
-            dev.table = table
-            dev.table_version += 1
         ev = entry.get("events")
-        if ev is not None:
+        if watched:
+            # The layout, in arrival order: a table resets it (it is the state after the
+            # entry's events); chained events continue it; other events break it.
+            if table is not None:
+                dev.tables_received += 1
+                dev.layout_q = [("table", table)]
+                dev.layout_q_ops = 0
+            elif ev is not None and ev.get("n"):
+                dev.event_batches_received += 1
+                if ev.get("chain"):
+                    dev.layout_q.append(("events", ev))
+                    dev.layout_q_ops += int(ev["n"])
+                else:
+                    dev.layout_q.append(("break", None))
+            if dev.layout_q_ops > MAX_QUEUED_OPS:  # nobody samples: start again from a table
+                dev.layout_q = [("break", None)]
+                dev.layout_q_ops = 0
+                dev.need_table = True
+        if ev is not None and self.record and ev.get("rec"):
             dev.dropped_ops += int(ev.get("dropped", 0))
             n = int(ev.get("n", 0))
             size = len(ev.get("z", b""))
@@ -375,8 +403,15 @@ class ClusterModel:
                     self._dirty.add(address)
             silent = [a for a in current if a not in self._workers or
                       not self._workers[a].heard]
-        # A worker not heard from yet: ask for a full message (again, after a second).
-        due = [a for a in silent if now - self._forced.get(a, -1e9) >= 1.0]
+        # A worker not heard from yet, or one whose layout a feed lost: ask for a full
+        # message (again, after a second).
+        with self._lock:
+            for a, rec in self._workers.items():
+                for dev in rec.devices.values():
+                    if dev.need_table and rec.state == "live":
+                        dev.need_table = False
+                        silent.append(a)
+        due = [a for a in set(silent) if now - self._forced.get(a, -1e9) >= 1.0]
         for a in due:
             self._forced[a] = now
         if now - self._last_renew >= self.lease_ttl / 3:
@@ -550,7 +585,13 @@ class ClusterModel:
         with self._lock:
             if self._closed:
                 raise ConfigError("this ClusterModel is closed")
-            self._feeds.setdefault((feed.address, feed.device), []).append(feed)
+            key = (feed.address, feed.device)
+            if not self._feeds.get(key):
+                # nobody kept this device's layout up to date: start again from a table
+                dev = self._workers[feed.address].devices[feed.device]
+                dev.replica, dev.replica_table, dev.layout_q = None, None, []
+                dev.replica_version += 1
+            self._feeds.setdefault(key, []).append(feed)
             gone = self._workers[feed.address].state == "gone"
         if not gone:
             self._lease([feed.address], force=True)
@@ -568,18 +609,42 @@ class ClusterModel:
         if not gone and not closed:
             self._lease([feed.address], force=False)
 
+    def _layout_locked(self, dev: _DevRec) -> None:
+        """Lock held: bring the device's layout replica up to date with what arrived."""
+        queue, dev.layout_q, dev.layout_q_ops = dev.layout_q, [], 0
+        for kind, payload in queue:
+            if kind == "table":
+                dev.replica = _wire.Layout(_wire.decode_table(payload))
+            elif kind == "events" and dev.replica is not None:
+                try:
+                    dev.replica.apply(_wire.decode_records(int(payload["n"]), payload["z"]),
+                                      int(payload["aid0"]))
+                except Exception:  # noqa: BLE001 - a replica that no longer fits
+                    dev.replica = None
+                    dev.need_table = True
+            else:
+                dev.replica = None
+            dev.replica_version += 1
+            dev.replica_table = None
+        if dev.replica is not None and dev.replica_table is None:
+            dev.replica_table = dev.replica.table()
+
     def _sample_feed(self, feed: WorkerFeed) -> FeedSample | None:
         with self._lock:
             rec = self._workers[feed.address]
             dev = rec.devices[feed.device]
             gone = rec.state == "gone"
-            if dev.version == feed._version and gone == feed._gone:
+            self._layout_locked(dev)
+            if dev.version == feed._version and gone == feed._gone and \
+                    dev.replica_version == feed._table_version:
                 return None
-            if dev.table is None and not gone:
-                return None  # the first table is on its way
+            if dev.replica_table is not None:
+                feed._table = dev.replica_table
+                feed._table_version = dev.replica_version
+            elif feed._table is None and not gone:
+                return None  # the first layout is on its way
             feed._version = dev.version
             feed._gone = gone
-            encoded, table_version = dev.table, dev.table_version
             stats = dict(dev.stats)
             counts = (dev.allocs, dev.frees, dev.ooms, dev.settings_changes)
             ooms = tuple((t, r, q) for n, t, r, q in dev.oom_marks if n > feed._n_oom)
@@ -589,9 +654,6 @@ class ClusterModel:
             time_ms = dev.time_ns / 1e6
             extra = {"worker": rec.address, "state": rec.state,
                      "dropped": int(sum(rec.dropped.values()))}
-        if encoded is not None and table_version != feed._table_version:
-            feed._table = _wire.decode_table(encoded)
-            feed._table_version = table_version
         table = feed._table
         if table is not None:
             stats.update(_wire.table_stats(table))

@@ -51,6 +51,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+import numpy as np
 from distributed import WorkerPlugin
 from distributed.worker import get_worker
 
@@ -212,7 +213,12 @@ def _runtime_of(worker: Any) -> _Runtime | None:
 
 # ------------------------------------------------------------------------------ devices
 class _DeviceStream:
-    """What the stream knows of one device: counters, pending marks, the event buffer."""
+    """What the stream knows of one device: counters, pending marks, the event buffer, and
+    how its layout reaches a watching client (tables, or the events since the last one)."""
+
+    #: A layout switches to events when they are expected to cost less than half a table
+    #: (and back when they cost more than one); tables under this many bytes stay tables.
+    SMALL_TABLE = 8192
 
     def __init__(self, index: int, device: Any, rate_hz: float, max_event_rate: int) -> None:
         self.index = index
@@ -225,13 +231,20 @@ class _DeviceStream:
         self.live = 0
         self.allocs = 0
         self.frees = 0
+        self.ops_last = 0
         self.ooms = 0
         self.settings_total = 0
         self.new_ooms: deque = deque(maxlen=MAX_PENDING_MARKS)
         self.new_settings: deque = deque(maxlen=MAX_PENDING_MARKS)
         self.last_opts: tuple | None = None
-        # tables
+        # layout of a watched device
+        self.watched = False
+        self.layout_events = False  # the journal is on so that events carry the layout
+        self.chain_ok = False  # events since the last layout point are all here
+        self.need_table = False
         self.table_key: tuple | None = None
+        self.table_bpc = 12.0  # bytes per chunk of the last table sent
+        self.event_bpo = 16.0  # bytes per operation of the last events sent
         # events (guarded by the allocator's lock: the sink runs under it)
         self.ev_cap = max(1, int(max_event_rate / rate_hz))
         self.ev_remove: Any = None
@@ -243,7 +256,6 @@ class _DeviceStream:
         self.ev_aid0 = 0
         self.ev_extra: dict = {}
         self.ev_regions: list = []
-        self.ev_started_live = (0, 0)
 
     # -------------------------------------------------------------- summary
     def observe(self, now: int, lock: threading.Lock) -> bool:
@@ -261,7 +273,9 @@ class _DeviceStream:
         with lock:
             self.num_allocs = na
             self.allocs += da
-            self.frees += max(0, da - (live - self.live))
+            df = max(0, da - (live - self.live))
+            self.frees += df
+            self.ops_last = da + df
             self.live = live
             if self.last_opts is not None and cur != self.last_opts:
                 names = ("per_process_gpu_memory_fraction", "allow_growth",
@@ -313,7 +327,29 @@ class _DeviceStream:
         out["deferred_bytes"] = int(dev.deferred_bytes)
         return out
 
-    # -------------------------------------------------------------- events
+    # -------------------------------------------------------------- the journal
+    def plan(self, recording: bool, watched: bool) -> None:
+        """Journal on while recording, or while events are the cheaper way to send this
+        watched device's layout (a large layout that changes slowly); off otherwise."""
+        self.watched = watched
+        if watched and not recording:
+            est_table = len(self.alloc._by_ptr) * self.table_bpc
+            est_events = self.ops_last * self.event_bpo
+            if not self.layout_events and est_table > self.SMALL_TABLE and \
+                    2 * est_events < est_table:
+                self.layout_events = True
+            elif self.layout_events and est_events > est_table:
+                self.layout_events = False
+        else:
+            self.layout_events = False
+        self.set_journal(recording or self.layout_events)
+
+    def set_journal(self, on: bool) -> None:
+        if on and self.ev_remove is None:
+            self.start_events()
+        elif not on and self.ev_remove is not None:
+            self.stop_events()
+
     def start_events(self) -> None:
         alloc = self.alloc
         self.ev_remove = alloc._add_sink(self._sink, raw=True)
@@ -323,8 +359,9 @@ class _DeviceStream:
             if alloc._journal:
                 alloc._flush_locked()
             self._reset_events()
-            self.ev_regions = [r.ptr for r in alloc._regions] + [r.size for r in alloc._regions]
-            self.ev_started_live = (self.live, int(alloc._in_use))
+            self.ev_regions = _regions_flat(alloc)
+        self.chain_ok = False
+        self.need_table = self.watched
 
     def stop_events(self) -> None:
         remove, self.ev_remove = self.ev_remove, None
@@ -332,6 +369,7 @@ class _DeviceStream:
             remove()
         with self.alloc._lock:
             self._reset_events()
+        self.chain_ok = False
 
     def _reset_events(self) -> None:
         self.ev_pending = []
@@ -365,26 +403,96 @@ class _DeviceStream:
         if extra:
             self.ev_extra.update(extra)
 
-    def take_events(self) -> dict | None:
+    # -------------------------------------------------------------- one message's data
+    def take(self, recording: bool, force: bool, table_budget: bool
+             ) -> tuple[dict | None, dict | None]:
+        """The events since the previous message and, for a watched device whose layout
+        changed, a chunk table -- both taken under one hold of the allocator's lock, so the
+        table is the state right after the events. The table is left out when the events
+        continue the client's copy of the layout and cost less than it."""
         alloc = self.alloc
+        journal = self.ev_remove is not None
+        table_raw = None
+        pending: list = []
+        dropped = 0
         with alloc._lock:
-            if alloc._journal:
-                alloc._flush_locked()
-            pending, seq0, aid0, extra = self.ev_pending, self.ev_seq0, self.ev_aid0, \
-                self.ev_extra
-            dropped = self.ev_dropped
-            self._reset_events()
-            regions0 = self.ev_regions
-            self.ev_regions = [r.ptr for r in alloc._regions] + [r.size for r in alloc._regions]
-        if not pending and not dropped:
-            return None
-        n, data = _wire.encode_records(pending)
-        return {
-            "seq0": int(seq0), "aid0": int(aid0), "n": n, "z": data, "dropped": dropped,
-            "regions0": regions0,
-            "extra": [[int(s), str(v[0]), _plain(v[1]), _plain(v[2])] for s, v in extra.items()],
-            "start_live": list(self.ev_started_live),
-        }
+            if journal:
+                if alloc._journal:
+                    alloc._flush_locked()
+                pending, seq0, aid0, extra = (self.ev_pending, self.ev_seq0, self.ev_aid0,
+                                              self.ev_extra)
+                dropped, ops = self.ev_dropped, self.ev_ops
+                self._reset_events()
+                regions0, self.ev_regions = self.ev_regions, _regions_flat(alloc)
+            chain = journal and self.chain_ok and not dropped
+            if self.watched:
+                key = (alloc._num_allocs, alloc._in_use, alloc._pool, alloc._limit,
+                       len(alloc._by_ptr) - sum(map(len, alloc._bins)))
+                changed = key != self.table_key
+                cheaper = chain and (ops * self.event_bpo < len(alloc._by_ptr) * self.table_bpc)
+                if force or self.need_table or (changed and not cheaper):
+                    if force or table_budget:
+                        table_raw = _chunk_table_locked(alloc)
+                        self.table_key = key
+                        self.need_table = False
+                        self.chain_ok = journal
+                    else:
+                        self.need_table = True  # over the budget: at a later tick
+                        self.chain_ok = False
+                elif changed:
+                    self.table_key = key  # the events carry the change
+            else:
+                self.chain_ok = False
+        ev = None
+        if pending or dropped:
+            n, data = _wire.encode_records(pending)
+            if n:
+                self.event_bpo = 0.5 * self.event_bpo + 0.5 * len(data) / n
+            ev = {
+                "seq0": int(seq0), "aid0": int(aid0), "n": n, "z": data, "dropped": dropped,
+                "regions0": regions0, "chain": bool(chain), "rec": bool(recording),
+                "extra": [[int(s), str(v[0]), _plain(v[1]), _plain(v[2])]
+                          for s, v in extra.items()],
+            }
+        table = None
+        if table_raw is not None:
+            table = _wire.encode_table(table_raw)
+            self.table_bpc = max(1.0, len(table["z"]) / max(1, len(table_raw["size"])))
+        return ev, table
+
+
+def _regions_flat(alloc: Any) -> list[int]:
+    """Lock held: region addresses, then sizes."""
+    regions = alloc._regions
+    return [r.ptr for r in regions] + [r.size for r in regions]
+
+
+def _chunk_table_locked(alloc: Any) -> dict:
+    """``BFCAllocator.chunk_table()`` with the allocator's lock already held (so that it is
+    taken at the same instant as the journal records before it)."""
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    reqs: list[int] = []
+    aids: list[int] = []
+    bins: list[int] = []
+    regs: list[int] = []
+    for r in alloc._regions:
+        c = r.first
+        while c is not None:
+            ptrs.append(c.ptr)
+            sizes.append(c.size)
+            reqs.append(c.requested if c.aid >= 0 else 0)
+            aids.append(c.aid)
+            bins.append(c.bin)
+            regs.append(r.ptr)
+            c = c.next
+    aid = np.array(aids, dtype=np.int64)
+    return {"ptr": np.array(ptrs, dtype=np.int64), "size": np.array(sizes, dtype=np.int64),
+            "requested": np.array(reqs, dtype=np.int64), "alloc_id": aid,
+            "bin": np.array(bins, dtype=np.int8), "region": np.array(regs, dtype=np.int64),
+            "in_use": aid >= 0,
+            "regions": np.array([(r.ptr, r.size) for r in alloc._regions],
+                                dtype=np.int64).reshape(-1, 2)}
 
 
 def _plain(value: Any) -> Any:
@@ -414,7 +522,6 @@ class _Runtime:
         self._force = True
         self._queued = 0
         self._n = 0
-        self._events_on = False
         self._table_free_at = 0.0
         self.dropped = {"messages": 0}
         self.summary: list[dict] = []
@@ -513,12 +620,13 @@ class _Runtime:
             self._leases[listener] = entry
             if force or old is None or old[1:] != entry[1:]:
                 self._force = True
-        if events and not self._events_on:
+        if events:
             # Start recording now, not at the next tick: what runs after the client's
             # lease call returns is recorded.
             with self._tick_lock:
                 if not self._stop.is_set():
-                    self._set_events(True)
+                    for ds in self.devices:
+                        ds.set_journal(True)
         self._kick.set()
 
     def _lease_state(self) -> tuple[bool, frozenset, bool]:
@@ -530,16 +638,6 @@ class _Runtime:
             tables = frozenset().union(*(v[2] for v in self._leases.values()))
             force, self._force = self._force, False
         return events, tables, force
-
-    def _set_events(self, on: bool) -> None:
-        if on == self._events_on:
-            return
-        self._events_on = on
-        for ds in self.devices:
-            if on:
-                ds.start_events()
-            else:
-                ds.stop_events()
 
     # -------------------------------------------------------------- OOMs
     def _on_oom(self, index: int, exc: OutOfMemoryError) -> None:
@@ -585,40 +683,38 @@ class _Runtime:
         return False
 
     def tick(self, force: bool = False, sync: bool = False) -> int | None:
-        """One round of the stream: send a message if anything changed (or ``force``).
-        Returns the message's number, or None when nothing was sent."""
+        """One round of the stream: send a message if anything changed. ``force`` sends the
+        full state (with the tables of watched devices); ``sync`` sends a message in any
+        case, at once (from ``client.run``). Returns the message's number, or None when
+        nothing was sent."""
         with self._tick_lock:
             if self._stop.is_set() and not sync:
                 return None
             now = time.time_ns()
-            events_on, tables, lease_force = self._lease_state()
+            recording, tables, lease_force = self._lease_state()
             force = force or lease_force
-            self._set_events(events_on)
-            changed = force
+            changed = force or sync
             for ds in self.devices:
                 changed |= ds.observe(now, self._lock)
+                ds.plan(recording, ds.index in tables)
             self.summary = [ds.entry(self._lock, pop=False) for ds in self.devices]
             if not sync and self._blocked():
-                if changed or events_on:
+                if changed or recording:
                     self.dropped["messages"] += 1
                     if force:
                         with self._lock:
                             self._force = True  # do not lose a new listener's first message
                 return None
             entries = []
-            mono = time.monotonic()
             for ds in self.devices:
                 entry = ds.entry(self._lock, pop=True)
-                if events_on:
-                    ev = ds.take_events()
-                    if ev is not None:
-                        entry["events"] = ev
-                        changed = True
-                if ds.index in tables and (force or ds.key != ds.table_key) and (
-                        force or mono >= self._table_free_at):
-                    table = _wire.encode_table(ds.alloc.chunk_table())
+                mono = time.monotonic()
+                ev, table = ds.take(recording, force, mono >= self._table_free_at)
+                if ev is not None:
+                    entry["events"] = ev
+                    changed = True
+                if table is not None:
                     entry["table"] = table
-                    ds.table_key = ds.key
                     self._table_free_at = mono + len(table["z"]) / self.table_bytes_per_s
                     changed = True
                 entries.append(entry)
@@ -628,7 +724,7 @@ class _Runtime:
             msg = {"v": _wire.WIRE_VERSION, "worker": self.address,
                    "name": str(self.worker.name), "pid": os.getpid(), "n": self._n, "t": now,
                    "devices": entries, "dropped": dict(self.dropped),
-                   "events_on": events_on, "bye": False}
+                   "events_on": recording, "bye": False}
             self._post(msg)
             return self._n
 
@@ -698,10 +794,11 @@ class _Runtime:
         for name in self._metric_names:
             if metrics is not None:
                 metrics.pop(name, None)
-        try:
-            self._set_events(False)
-        except Exception:  # noqa: BLE001
-            pass
+        for ds in self.devices:
+            try:
+                ds.set_journal(False)
+            except Exception:  # noqa: BLE001
+                pass
         try:
             self.worker.log_event(_wire.TOPIC, {"v": _wire.WIRE_VERSION,
                                                 "worker": self.address, "n": self._n + 1,
@@ -774,7 +871,7 @@ def run_sync(dask_worker: Any = None) -> Any:
         rt = _need_runtime(dask_worker)
     except ConfigError as exc:
         return _refusal(exc)
-    rt.tick(force=True, sync=True)
+    rt.tick(sync=True)
     return rt._n
 
 
