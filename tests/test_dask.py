@@ -301,6 +301,7 @@ def test_plugin_sets_up_on_every_worker(client):
         time.sleep(0.2)
     assert metrics["gpudash_in_use"] == 3 * MIB, metrics
     assert metrics["gpudash_limit"] == facts[addrs[0]]["limit"]
+    assert metrics["gpudash_pool"] >= 3 * MIB and metrics["gpudash_peak"] == 3 * MIB
     assert metrics["gpudash_ooms"] == 0 and 0.0 <= metrics["gpudash_fragmentation"] <= 1.0
     assert metrics["gpudash"][0]["stats"]["bytes_in_use"] == 3 * MIB
 
@@ -328,6 +329,11 @@ def test_model_shows_both_workers_bytes_within_two_seconds(client, model):
         hist = model.history(addr)
         assert len(hist["time_ms"]) >= 1 and hist["bytes_in_use"][-1] == row["bytes_in_use"]
     assert w[a]["allocs"] == 2 and w[b]["allocs"] == 1
+    # an idle worker sends nothing
+    assert model.sync()
+    before = {x: model.workers[x]["messages"] for x in (a, b)}
+    time.sleep(1.0)
+    assert {x: model.workers[x]["messages"] for x in (a, b)} == before
 
 
 def test_configure_workers_changes_each_workers_limit(client, model):
@@ -485,6 +491,65 @@ def test_a_large_quiet_layout_travels_as_events(client):
     assert on(client, a, _layout_mode) == {"layout_events": False, "journal": False}
 
 
+def _many_ooms(n):
+    s = worker_session()
+    for _ in range(n):
+        try:
+            s.allocate(64 * GIB)
+        except gpudash.OutOfMemoryError:
+            pass
+
+
+def test_ooms_are_counted_exactly_and_their_marks_bounded(client, model):
+    a, _ = addresses(client)
+    assert model.wait(lambda w: a in w, 5)
+    feed = model.feed(a)
+    feed.start(lambda: None)
+    try:
+        assert feed.sample() is not None or model.sync()
+        on(client, a, _many_ooms, 100)
+        assert model.wait(lambda w: w[a]["ooms"] == 100, 5)
+        sample = feed.sample()
+        assert 0 < len(sample.ooms) <= 64  # the marks wait in a bounded queue
+        assert all(o[2] == 64 * GIB for o in sample.ooms)
+    finally:
+        feed.stop()
+
+
+def test_tables_keep_to_their_wire_budget(client):
+    budget = 8000
+    client.register_plugin(GpudashPlugin(simulate="16GiB", table_bytes_per_s=budget))
+    a, _ = addresses(client)
+    on(client, a, _build_live, 1500)  # a table of some 15 kB
+    with ClusterModel(client, record=False) as m:
+        assert m.wait(lambda w: a in w, 5)
+        feed = m.feed(a)
+        feed.start(lambda: None)
+        try:
+            t0 = time.monotonic()
+            on(client, a, _trickle, 3000, 0.0)  # busy: tables, not events
+            on(client, a, _trickle, 300, 0.004)
+            elapsed = time.monotonic() - t0
+            tables = m.workers[a]["devices"][0]["layout_tables"]
+            table_bytes = len(_wire.encode_table(on(client, a, _chunk_table))["z"])
+            # the first (forced) table, then at most the budget's worth
+            assert tables <= 2 + elapsed * budget / table_bytes, (tables, elapsed, table_bytes)
+            assert m.sync()
+            # a watched layout that changed is sent again once the budget allows
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                sample = feed.sample()
+                table = on(client, a, _chunk_table)
+                if sample is not None and len(sample.table["ptr"]) == len(table["ptr"]) and \
+                        all(np.array_equal(sample.table[k], table[k]) for k in table):
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail("the layout never caught up")
+        finally:
+            feed.stop()
+
+
 def test_collect_traces_one_device_per_worker(client, model, tmp_path):
     a, b = addresses(client)
     runs = {a: on(client, a, _random_workload, 1, 800, True),
@@ -556,6 +621,30 @@ def test_event_budget_drops_and_counts(client, tmp_path):
     assert on(client, a, _runtime_state)["journal_on"] is False
 
 
+def test_an_absent_client_stops_costing_the_workers(client):
+    """A client that records and then disappears without a word: once its lease runs out,
+    the workers turn their event journal off again and send summaries only."""
+    a, b = addresses(client)
+    code = ("import os, sys\n"
+            "from distributed import Client\n"
+            "from gpudash.dask import ClusterModel\n"
+            "c = Client(sys.argv[1])\n"
+            "m = ClusterModel(c, record=True, lease_ttl=2.0)\n"
+            "print('leased', flush=True)\n"
+            "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code, client.scheduler.address],
+                         capture_output=True, text=True, timeout=60)
+    assert "leased" in out.stdout, out.stderr
+    assert on(client, a, _runtime_state)["journal_on"]  # the lease holds for a while
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not any(on(client, x, _runtime_state)["journal_on"] for x in (a, b)):
+            break
+        time.sleep(0.2)
+    assert not on(client, a, _runtime_state)["journal_on"]
+    assert not on(client, b, _runtime_state)["journal_on"]
+
+
 def _slow_stream(seconds):
     """Make Dask's outgoing stream slow (one batch per ``seconds``) while allocating."""
     from distributed import get_worker
@@ -586,7 +675,7 @@ def _slow_stream(seconds):
 
 def test_a_slow_comm_never_queues_more_than_one_message(client):
     a, _ = addresses(client)
-    out = on(client, a, _slow_stream, 1.0)
+    out = on(client, a, _slow_stream, 0.5)
     assert out["dropped"] > 0
     assert out["peak_queued"] <= 1
 
@@ -606,6 +695,27 @@ def test_sweep_on_the_cluster_equals_local(client):
     r_remote = min_fraction(trace, "4GiB", tolerance=0.01, client=client)
     assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.limit_bytes) == (
         r_local.fraction, r_local.history, r_local.replays, r_local.limit_bytes)
+
+
+def test_min_fraction_bisects_several_levels_at_once_with_the_same_result():
+    """With 3 threads the bisection replays two levels of its tree per round; the fractions
+    it reports, its history and its progress are still those of the local run."""
+    trace = training_loop(steps=3, layers=4, hidden=2048, seed=1)
+    with LocalCluster(n_workers=1, threads_per_worker=3, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        progress_local: list = []
+        progress_remote: list = []
+        r_local = min_fraction(trace, "4GiB", tolerance=0.002,
+                               progress=lambda d, t: progress_local.append((d, t)))
+        with distributed.get_task_stream(client=c) as stream:
+            r_remote = min_fraction(trace, "4GiB", tolerance=0.002, client=c,
+                                    progress=lambda d, t: progress_remote.append((d, t)))
+        keys = [t["key"] for t in stream.data if "gpudash-bisect" in str(t["key"])]
+    assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.non_monotone) == (
+        r_local.fraction, r_local.history, r_local.replays, r_local.non_monotone)
+    assert progress_remote == progress_local
+    # speculation: more replays ran than the path needed, in fewer rounds
+    assert len(keys) > r_local.replays
 
 
 def test_cli_whatif_on_a_scheduler(client, tmp_path, capsys):
@@ -770,15 +880,17 @@ def test_clean_shutdown_leaves_no_threads_or_comms():
         on(c, a, _random_workload, 4, 200)
         assert model.sync()
         assert "gpudash-cluster-model" in ours()
-        feed.stop()
-        dash.close()
-        model.close()
-        assert ours() == []
-        # on the workers: the plugin's removal stops its stream and closes the session
+        # on the workers: the plugin's removal stops its stream and closes the session,
+        # and the model shows them stopped
         c.unregister_worker_plugin("gpudash")
         left = c.run(lambda: [t.name for t in threading.enumerate()
                               if t.name.startswith("gpudash")])
         assert left == {a: [], b: []}
+        assert model.wait(lambda w: w[a]["state"] == w[b]["state"] == "stopped", 5)
+        feed.stop()
+        dash.close()
+        model.close()
+        assert ours() == []
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         open_comms = [comm for comm in list(Comm._instances)

@@ -345,11 +345,14 @@ class ClusterDashboard(widgets.VBox):
         self._close_view()
         if getattr(self, "_own_model", False):
             self.model.close()
-        for row in list(getattr(self, "rows", {}).values()):
-            for child in row.children:
-                child.close()
-            row.close()
-        super().close()
+        _close_tree(self)
 
     def __repr__(self) -> str:
         return f"ClusterDashboard({self.model!r})"
+
+
+def _close_tree(widget: Any) -> None:
+    """Close a widget and every widget inside it."""
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    widgets.Widget.close(widget)

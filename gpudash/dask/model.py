@@ -189,7 +189,8 @@ class ClusterModel:
     workers : dict
         ``{address: {...}}`` (a fresh copy on each access): ``bytes_in_use``,
         ``pool_bytes``, ``bytes_limit``, ``peak_bytes_in_use``, ``ooms``, ``events``
-        (allocations + frees + OOMs + setting changes), ``allocs``, ``frees``,
+        (allocations + frees + OOMs + setting changes), ``allocs``, ``frees``, ``messages``
+        (the number of the worker's latest message),
         ``fragmentation`` (the worst device's), ``largest_free_block_bytes``, ``state``
         (``"live"``, ``"stopped"`` when the plugin was removed, ``"gone"``), ``gone``,
         ``name``, ``last_seen``, ``dropped`` (the worker's drop counters) and ``devices``
@@ -459,7 +460,7 @@ class ClusterModel:
                                             default=0),
             "fragmentation": max((d["fragmentation"] for d in devs), default=0.0),
             "ooms": total("ooms"), "events": total("events"), "allocs": total("allocs"),
-            "frees": total("frees"), "dropped": dict(rec.dropped),
+            "frees": total("frees"), "dropped": dict(rec.dropped), "messages": rec.n,
             "recording": rec.events_on, "devices": devs,
         }
 
