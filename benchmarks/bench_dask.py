@@ -12,8 +12,9 @@ what-if sweep on a 2-worker ``LocalCluster`` against local processes.
    and a large quiet one (20,000 live blocks, 200 operations a second) -- with summaries
    only, with a watched device (tables) and with recording (events): tables against events
    is the choice the views' feed makes.
-3. **Sweep**: 10 fractions x growth on/off (20 replays) of a training trace: in this
-   process, ``jobs=2`` and ``client=`` on a 2-worker ``LocalCluster`` (1 thread each).
+3. **Sweep**: 10 fractions x growth on/off (20 replays) of a 120,000-event fragmentation
+   trace: in this process, ``jobs=2`` and ``client=`` on a 2-worker ``LocalCluster`` (1
+   thread each; the cluster's start is shown apart).
 
 Run: ``python benchmarks/bench_dask.py [--pairs N] [--seconds S] [--repeat R]``.
 Timing on a shared machine is noisy: repeat it.
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from gpudash.dask import ClusterModel, GpudashPlugin
     from gpudash.trace.whatif import sweep
-    from gpudash.trace.workloads import training_loop
+    from gpudash.trace.workloads import fragmentation_stress
 
     rows: list[tuple[str, str, str]] = []
     t0 = time.perf_counter()
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         meter.close()
 
         # 3. sweep ---------------------------------------------------------------------
-        trace = training_loop(steps=6, layers=12, hidden=4096, seed=3)
+        trace = fragmentation_stress(rounds=20_000, seed=3)
         fractions = [round(0.1 * i, 1) for i in range(1, 11)]
         kw = dict(fractions=fractions, allow_growth=(True, False), device_bytes="16GiB")
         times = {}
