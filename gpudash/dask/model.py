@@ -228,6 +228,7 @@ class ClusterModel:
         self._last_renew = 0.0
         self._next_poll = 0.0
         self._forced: dict[str, float] = {}
+        self._no_plugin: set[str] = set()
         self._hub = _Hub.attach(client, self)
         self._stop = threading.Event()
         try:
@@ -402,8 +403,8 @@ class ClusterModel:
                     rec.state = "gone"
                     rec.gone_at = time.time()
                     self._dirty.add(address)
-            silent = [a for a in current if a not in self._workers or
-                      not self._workers[a].heard]
+            silent = [a for a in current if (a not in self._workers or
+                      not self._workers[a].heard) and a not in self._no_plugin]
         # A worker not heard from yet, or one whose layout a feed lost: ask for a full
         # message (again, after a second).
         with self._lock:
@@ -417,26 +418,32 @@ class ClusterModel:
             self._forced[a] = now
         if now - self._last_renew >= self.lease_ttl / 3:
             self._last_renew = now
-            self._lease(sorted(set(current) - set(due)), force=False)
-        self._lease(due, force=True)
+            # also asks the workers without the plugin again: it may have come since
+            self._no_plugin -= self._lease(sorted(set(current) - set(due)), force=False)
+        # workers without the plugin are not asked again every second
+        self._no_plugin |= set(due) - self._lease(due, force=True)
 
     def _tables_of(self, address: str) -> list[int]:
         return sorted({k[1] for k, feeds in self._feeds.items() if k[0] == address and feeds})
 
-    def _lease(self, addresses: list[str], force: bool, ttl: float | None = None) -> None:
+    def _lease(self, addresses: list[str], force: bool, ttl: float | None = None) -> set[str]:
+        """Lease ``addresses``; returns those that have the plugin."""
         if not addresses or self.client.status != "running":
-            return
+            return set()
         ttl = self.lease_ttl if ttl is None else ttl
+        ok: set[str] = set()
         groups: dict[tuple, list[str]] = {}
         with self._lock:
             for a in addresses:
                 groups.setdefault(tuple(self._tables_of(a)), []).append(a)
         for tables, group in groups.items():
             try:
-                self.client.run(run_lease, self._id, ttl, self.record, list(tables), force,
-                                workers=group, on_error="return")
+                res = self.client.run(run_lease, self._id, ttl, self.record, list(tables),
+                                      force, workers=group, on_error="return")
             except Exception:  # noqa: BLE001 - a worker left meanwhile; the next poll sees it
-                pass
+                continue
+            ok |= {a for a, r in res.items() if r is True}
+        return ok
 
     # ------------------------------------------------------------------ public
     @property
@@ -663,8 +670,10 @@ class ClusterModel:
             stats["peak_pool_bytes"] = max(stats.get("peak_pool_bytes", 0), stats["pool_bytes"])
         last = feed._counts
         feed._counts = counts
+        fields = AllocatorStats.__dataclass_fields__
         return FeedSample(
-            time_ms=time_ms, stats=AllocatorStats(**stats), table=table,
+            time_ms=time_ms, stats=AllocatorStats(**{k: v for k, v in stats.items()
+                                                      if k in fields}), table=table,
             allocs=counts[0] - last[0], frees=counts[1] - last[1],
             events=sum(counts) - sum(last), ooms=ooms, settings=settings, extra=extra)
 

@@ -13,8 +13,10 @@ plugin
   when something changed, publishes a message on the Dask topic ``"gpudash"``
   (``Worker.log_event``): per device the allocator's statistics, cumulative allocation, free
   and OOM counts, the OOMs and setting changes since the previous message and the settings
-  in force; while a client asks for them (a *lease*, renewed by the client), also the chunk
-  table of the devices it watches and the allocator's events for traces;
+  in force. While a client asks for them (a *lease*, renewed by the client) it adds the
+  layout of the devices the client watches -- a chunk table, or the events since the last
+  one when they are smaller (a large layout that changes slowly) -- and, while a client
+  records, the allocator's events, for traces;
 - publishes the same summary in the worker's heartbeat metrics (``gpudash_in_use``,
   ``gpudash_pool``, ``gpudash_limit``, ``gpudash_peak``, ``gpudash_ooms``,
   ``gpudash_fragmentation``, and the full summary as ``gpudash``), which Dask's own
@@ -27,11 +29,12 @@ Drop policy (a slow or absent client never makes a worker buffer without bound):
   ``dropped["messages"]``; the next message carries the counts, and up to 64 OOMs and 64
   setting changes per device wait for it (older ones beyond that are only counted);
 - **chunk tables** are sent only for devices a client watches, only when the layout changed,
-  and at most ``table_bytes_per_s`` on average; a skipped table is replaced by the next one;
-- **events** (journal records) are kept only while a client records, at most
-  ``max_event_rate / rate_hz`` operations per device between two messages: once that many
-  wait, newer operations are dropped until the next message and counted in the message's
-  ``dropped`` figure (the trace marks the gap);
+  and at most ``table_bytes_per_s`` on average; a table that would go over waits for a later
+  tick and replaces the ones skipped;
+- **events** are kept only while a client records or a watched layout travels as events, at
+  most ``max_event_rate / rate_hz`` operations per device between two messages: once that
+  many wait, newer operations are dropped until the next message and counted in the
+  message's ``dropped`` figure (a trace has a gap there; a watched layout gets a table);
 - with no client leasing, no tables or events are taken at all (the allocators' event
   journal is off) and only summaries flow; Dask's scheduler keeps the last few of them.
 
