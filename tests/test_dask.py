@@ -38,8 +38,9 @@ from gpudash.trace import read_trace  # noqa: E402
 from gpudash.trace.whatif import min_fraction, sweep  # noqa: E402
 from gpudash.trace.workloads import training_loop  # noqa: E402
 
-# Functions below run on the workers: ship them by value (the workers cannot import tests/).
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# Functions below run on the workers. Dask pickles them by reference: the LocalCluster's
+# worker processes import this module (they start with this process's sys.path); a worker
+# started otherwise gets tests/ on its PYTHONPATH.
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -382,6 +383,48 @@ def test_a_bad_value_is_refused_on_the_client_and_no_worker_changes(client):
         configure_workers(client, per_process_gpu_memory_fraction=1.5)
     assert a in str(info.value) and b in str(info.value) and "unified" in str(info.value)
     assert {x: on(client, x, _settings) for x in (a, b)} == before
+
+
+def _devices():
+    return len(worker_session().devices)
+
+
+def _all_settings():
+    return [(d.options.per_process_gpu_memory_fraction, d.options.allow_growth,
+             d._deferred.threshold, d.memory_limit) for d in worker_session().devices]
+
+
+def test_a_value_one_worker_refuses_changes_no_worker(client):
+    """A cluster whose workers differ: a third worker with two simulated devices joins; a
+    change of device 1 is refused by the two one-device workers, named, and the third,
+    which could apply it, does not change either."""
+    a, b = addresses(client)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, GPUDASH_SIMULATE="2x16GiB",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker",
+                             client.scheduler.address, "--nthreads", "1", "--no-dashboard",
+                             "--name", "two-devices"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client.wait_for_workers(3, timeout=60)
+        [c] = [x for x in addresses(client) if x not in (a, b)]
+        client.register_plugin(GpudashPlugin())  # devices from GPUDASH_SIMULATE, else 1
+        assert {x: on(client, x, _devices) for x in (a, b, c)} == {a: 1, b: 1, c: 2}
+        before = {x: on(client, x, _all_settings) for x in (a, b, c)}
+        with pytest.raises(ConfigError) as info:
+            configure_workers(client, device=1, per_process_gpu_memory_fraction=0.5)
+        text = str(info.value)
+        assert a in text and b in text and c not in text and "device 1" in text, text
+        assert {x: on(client, x, _all_settings) for x in (a, b, c)} == before
+        # by name, only the worker that has the device: applied
+        out = configure_workers(client, workers=["two-devices"], device=1,
+                                per_process_gpu_memory_fraction=0.5)
+        assert [d["limit"] for d in out[c]] == [before[c][0][3], 8 * GIB]
+    finally:
+        client.retire_workers([x for x in addresses(client) if x not in (a, b)])
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_feed_samples_match_the_workers_chunk_table(client, model):
