@@ -335,6 +335,12 @@ def test_model_shows_both_workers_bytes_within_two_seconds(client, model):
     before = {x: model.workers[x]["messages"] for x in (a, b)}
     time.sleep(1.0)
     assert {x: model.workers[x]["messages"] for x in (a, b)} == before
+    # the plugin registered again: new sessions, new streams, which the model follows
+    client.register_plugin(GpudashPlugin(simulate="16GiB"))
+    assert model.wait(lambda w: w[a]["bytes_in_use"] == w[b]["bytes_in_use"] == 0 and
+                      w[a]["allocs"] == w[b]["allocs"] == 0, timeout=5)
+    on(client, b, _allocate, [MIB])
+    assert model.wait(lambda w: w[b]["bytes_in_use"] == MIB and w[b]["allocs"] == 1, 5)
 
 
 def test_configure_workers_changes_each_workers_limit(client, model):
@@ -624,6 +630,22 @@ def test_collect_traces_one_device_per_worker(client, model, tmp_path):
         collect_traces(client, path)
 
 
+def test_a_plugin_registered_again_is_a_new_device_of_the_trace(client, model):
+    a, b = addresses(client)
+    on(client, a, _allocate, [MIB])
+    client.register_plugin(GpudashPlugin(simulate="16GiB"))
+    deadline = time.monotonic() + 10
+    while not on(client, a, _runtime_state)["journal_on"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # the model leases the new stream within a second or so
+    on(client, a, _allocate, [2 * MIB, 3 * MIB])
+    trace = collect_traces(client)
+    devices = {d["name"]: d for d in trace.meta["devices"]}
+    assert set(devices) == {a, b, f"{a} (plugin run 2)"}, list(devices)
+    sizes = {name: sorted(trace.select(kinds="alloc", device=d["index"]).columns[
+        "requested"].tolist()) for name, d in devices.items()}
+    assert sizes[a] == [MIB] and sizes[f"{a} (plugin run 2)"] == [2 * MIB, 3 * MIB]
+
+
 def test_collect_traces_needs_a_recording_model(client):
     with ClusterModel(client, record=False) as m:
         with pytest.raises(ConfigError, match="record"):
@@ -718,7 +740,7 @@ def _slow_stream(seconds):
 
 def test_a_slow_comm_never_queues_more_than_one_message(client):
     a, _ = addresses(client)
-    out = on(client, a, _slow_stream, 0.5)
+    out = on(client, a, _slow_stream, 1.0)
     assert out["dropped"] > 0
     assert out["peak_queued"] <= 1
 

@@ -223,29 +223,40 @@ def collect_traces(client: Any, path: str | os.PathLike | None = None, *,
     if not model.closed:
         model.sync(timeout=timeout)
     with model._lock:
-        recs = [(a, r) for a, r in model._workers.items() if r.devices]
-        plan = [(a, r.name, r.state, dev, len(r.devices))
-                for a, r in recs for dev in (r.devices[i] for i in sorted(r.devices))]
-        segments = [list(dev.segments) for _, _, _, dev, _ in plan]
+        plan = []
+        for address, rec in model._workers.items():
+            for index in sorted(rec.devices):
+                dev = rec.devices[index]
+                # one device per plugin run: a plugin registered again starts a new session
+                runs: dict[Any, list[dict]] = {}
+                for seg in dev.segments:
+                    runs.setdefault(seg.get("rid"), []).append(seg)
+                for k, segs in enumerate(runs.values() or [[]]):
+                    plan.append((address, rec.name, rec.state, dev, len(rec.devices), k,
+                                 list(segs)))
     columns: dict[str, list[np.ndarray]] = {c: [] for c in COLUMNS}
     settings: list[dict] = []
     devices = []
     total_dropped = 0
-    for i, ((address, name, state, dev, ndev), segs) in enumerate(zip(plan, segments)):
+    for i, (address, name, state, dev, ndev, run, segs) in enumerate(plan):
         for seg in segs:
             cols, rows = _segment_columns(seg, i)
             for c in COLUMNS:
                 columns[c].append(cols[c])
             settings += rows
-        dropped = dev.dropped_ops + dev.unkept_ops
+        dropped = sum(int(seg.get("dropped", 0)) for seg in segs)
+        if run == 0:
+            dropped += dev.unkept_ops
         total_dropped += dropped
+        label = address if ndev == 1 else f"{address} {dev.name}"
         devices.append({
-            "index": i, "name": address if ndev == 1 else f"{address} {dev.name}",
+            "index": i, "name": label if run == 0 else f"{label} (plugin run {run + 1})",
             "capacity": dev.capacity, "memory_limit": dev.stats.get("bytes_limit"),
             "options": {"allow_growth": dev.options.get("allow_growth"),
                         "per_process_gpu_memory_fraction": dev.options.get("fraction")},
             "worker": address, "worker_name": name, "allocator": dev.name,
-            "gone": state == "gone", "recorded_events": dev.recorded_ops,
+            "gone": state == "gone",
+            "recorded_events": sum(int(seg.get("n", 0)) for seg in segs),
             "dropped_events": dropped})
     cols = {c: (np.concatenate(columns[c]) if columns[c]
                 else np.empty(0, dtype=COLUMN_DTYPES[c])) for c in COLUMNS}

@@ -99,6 +99,8 @@ class _WorkerRec:
         self.pid = 0
         self.state = "live"
         self.heard = False
+        self.rid: str | None = None
+        self.need_lease = False
         self.first_seen = time.time()
         self.last_seen = 0.0
         self.gone_at: float | None = None
@@ -229,6 +231,7 @@ class ClusterModel:
         self._next_poll = 0.0
         self._forced: dict[str, float] = {}
         self._no_plugin: set[str] = set()
+        self._leased: set[str] = set()
         self._hub = _Hub.attach(client, self)
         self._stop = threading.Event()
         try:
@@ -258,6 +261,15 @@ class ClusterModel:
                 rec = self._workers[address] = _WorkerRec(address, self._history_len)
             if rec.state == "gone":
                 return
+            rid = msg.get("rid")
+            if rid != rec.rid:
+                # a (new) plugin on this worker: a new stream, new counters, and it needs
+                # this model's lease (unless this is the first word of one just leased)
+                if rec.rid is not None or address not in self._leased:
+                    rec.need_lease = True
+                rec.rid = rid
+                rec.n = 0
+                self._no_plugin.discard(address)
             n = int(msg.get("n", 0))
             if n <= rec.n:
                 return
@@ -284,7 +296,7 @@ class ClusterModel:
                 if dev is None:
                     dev = rec.devices[index] = _DevRec(index)
                 self._update_device(dev, entry, t_local, off,
-                                    bool(self._feeds.get((address, index))))
+                                    bool(self._feeds.get((address, index))), rid)
                 woken.append((address, index))
             if rec.devices:
                 devs = rec.devices.values()
@@ -301,7 +313,7 @@ class ClusterModel:
                 pass
 
     def _update_device(self, dev: _DevRec, entry: dict, t_local: int, off: int,
-                       watched: bool) -> None:
+                       watched: bool, rid: Any = None) -> None:
         dev.version += 1
         dev.time_ns = t_local
         dev.name = str(entry.get("name", dev.name))
@@ -349,6 +361,7 @@ class ClusterModel:
             elif n or ev.get("dropped"):
                 ev = dict(ev)
                 ev["offset"] = off
+                ev["rid"] = rid
                 dev.segments.append(ev)
                 dev.recorded_ops += n
                 self._kept_bytes += size
@@ -405,23 +418,32 @@ class ClusterModel:
                     self._dirty.add(address)
             silent = [a for a in current if (a not in self._workers or
                       not self._workers[a].heard) and a not in self._no_plugin]
-        # A worker not heard from yet, or one whose layout a feed lost: ask for a full
-        # message (again, after a second).
+        # A worker not heard from yet, one whose plugin started again, or one whose layout a
+        # feed lost: ask for a full message (again, after a second).
         with self._lock:
             for a, rec in self._workers.items():
-                for dev in rec.devices.values():
-                    if dev.need_table and rec.state == "live":
-                        dev.need_table = False
-                        silent.append(a)
-        due = [a for a in set(silent) if now - self._forced.get(a, -1e9) >= 1.0]
-        for a in due:
-            self._forced[a] = now
+                if rec.state == "gone":
+                    continue
+                if rec.need_lease or any(d.need_table for d in rec.devices.values()):
+                    silent.append(a)
+            due = [a for a in set(silent) if now - self._forced.get(a, -1e9) >= 1.0]
+            for a in due:
+                self._forced[a] = now
+                rec = self._workers.get(a)
+                if rec is not None:
+                    rec.need_lease = False
+                    for d in rec.devices.values():
+                        d.need_table = False
         if now - self._last_renew >= self.lease_ttl / 3:
             self._last_renew = now
             # also asks the workers without the plugin again: it may have come since
-            self._no_plugin -= self._lease(sorted(set(current) - set(due)), force=False)
+            ok = self._lease(sorted(set(current) - set(due)), force=False)
+            with self._lock:
+                self._no_plugin -= ok
         # workers without the plugin are not asked again every second
-        self._no_plugin |= set(due) - self._lease(due, force=True)
+        ok = self._lease(due, force=True)
+        with self._lock:
+            self._no_plugin |= set(due) - ok
 
     def _tables_of(self, address: str) -> list[int]:
         return sorted({k[1] for k, feeds in self._feeds.items() if k[0] == address and feeds})
@@ -443,6 +465,8 @@ class ClusterModel:
             except Exception:  # noqa: BLE001 - a worker left meanwhile; the next poll sees it
                 continue
             ok |= {a for a, r in res.items() if r is True}
+        with self._lock:
+            self._leased |= ok
         return ok
 
     # ------------------------------------------------------------------ public
@@ -537,13 +561,17 @@ class ClusterModel:
             sent = self.client.run(run_sync, on_error="return")
         except Exception:  # noqa: BLE001 - a worker left meanwhile
             return False
-        want = {a: n for a, n in sent.items() if isinstance(n, int) and not isinstance(n, bool)}
+        want = {a: r for a, r in sent.items() if isinstance(r, list) and len(r) == 2}
 
         def arrived(_: dict) -> bool:
             with self._lock:
-                return all(a in self._workers and (self._workers[a].n >= n or
-                                                   self._workers[a].state == "gone")
-                           for a, n in want.items())
+                for a, (rid, n) in want.items():
+                    rec = self._workers.get(a)
+                    if rec is None:
+                        return False
+                    if rec.state != "gone" and (rec.rid != rid or rec.n < n):
+                        return False
+                return True
 
         return self.wait(arrived, timeout)
 
@@ -669,6 +697,8 @@ class ClusterModel:
                                              stats["bytes_in_use"])
             stats["peak_pool_bytes"] = max(stats.get("peak_pool_bytes", 0), stats["pool_bytes"])
         last = feed._counts
+        if any(c < p for c, p in zip(counts, last)):
+            last = (0, 0, 0, 0)  # the worker's plugin started again: its counts did too
         feed._counts = counts
         fields = AllocatorStats.__dataclass_fields__
         return FeedSample(

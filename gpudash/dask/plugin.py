@@ -50,6 +50,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Any
@@ -515,6 +516,7 @@ class _Runtime:
     def __init__(self, plugin: GpudashPlugin, worker: Any) -> None:
         self.worker = worker
         self.address = str(worker.address)
+        self.rid = uuid.uuid4().hex[:12]  # tells this stream from an earlier plugin's
         self.rate_hz = plugin.rate_hz
         self.table_bytes_per_s = plugin.table_bytes_per_s
         self.session = self._make_session(plugin)
@@ -724,7 +726,7 @@ class _Runtime:
             if not changed:
                 return None
             self._n += 1
-            msg = {"v": _wire.WIRE_VERSION, "worker": self.address,
+            msg = {"v": _wire.WIRE_VERSION, "worker": self.address, "rid": self.rid,
                    "name": str(self.worker.name), "pid": os.getpid(), "n": self._n, "t": now,
                    "devices": entries, "dropped": dict(self.dropped),
                    "events_on": recording, "bye": False}
@@ -734,6 +736,9 @@ class _Runtime:
     def _post(self, msg: dict) -> None:
         with self._lock:
             self._queued += 1
+        if threading.get_ident() == getattr(self.worker, "thread_id", None):
+            self._send_on_loop(msg)  # on the worker's loop already (client.run, teardown)
+            return
         try:
             self.worker.loop.add_callback(self._send_on_loop, msg)
         except Exception:  # noqa: BLE001 - the loop is closed: the worker is going away
@@ -793,6 +798,10 @@ class _Runtime:
         self._kick.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        try:
+            self.tick(sync=True)  # what this worker still holds goes out before the bye
+        except Exception:  # noqa: BLE001 - the worker's comm may be closed already
+            pass
         metrics = getattr(self.worker, "metrics", None)
         for name in self._metric_names:
             if metrics is not None:
@@ -804,7 +813,8 @@ class _Runtime:
                 pass
         try:
             self.worker.log_event(_wire.TOPIC, {"v": _wire.WIRE_VERSION,
-                                                "worker": self.address, "n": self._n + 1,
+                                                "worker": self.address, "rid": self.rid,
+                                                "n": self._n + 1,
                                                 "t": time.time_ns(), "devices": [],
                                                 "bye": True})
         except Exception:  # noqa: BLE001 - the worker's comm may be closed already
@@ -869,13 +879,13 @@ def run_lease(listener: str, ttl: float, events: bool, tables: Any, force: bool 
 
 
 def run_sync(dask_worker: Any = None) -> Any:
-    """Send everything now; the number of the last message sent."""
+    """Send everything now; ``[stream id, number of the last message sent]``."""
     try:
         rt = _need_runtime(dask_worker)
     except ConfigError as exc:
         return _refusal(exc)
     rt.tick(sync=True)
-    return rt._n
+    return [rt.rid, rt._n]
 
 
 def run_check(changes: dict, device: Any, dask_worker: Any = None) -> Any:
