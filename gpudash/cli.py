@@ -141,6 +141,10 @@ def _parser() -> _Parser:
                         "collection off, as XLA runs its BFC")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes for the sweep (default: up to 2)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run the replays as tasks on this Dask scheduler "
+                        "(tcp://host:8786; needs gpudash[dask]; --jobs is then ignored; "
+                        "connecting waits Dask's distributed.comm.timeouts.connect)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
@@ -323,10 +327,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_whatif(args: argparse.Namespace) -> int:
-    from .trace.replay import device_label
-    from .trace.whatif import min_fraction, sweep
+def _dask_client(address: str) -> Any:
+    try:
+        import dask
+        from distributed import Client
+    except ImportError:
+        raise _UserError("--scheduler needs Dask's distributed: pip install 'gpudash[dask]'"
+                         ) from None
+    try:
+        return Client(address, set_as_default=False,
+                      timeout=dask.config.get("distributed.comm.timeouts.connect"))
+    except (OSError, ValueError) as exc:
+        raise _UserError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
 
+
+def cmd_whatif(args: argparse.Namespace) -> int:
     _check_out(args.html, args.overwrite)
     if args.jobs < 1:
         raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
@@ -334,6 +349,18 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if args.framework == "jax" and args.gc:
         raise _UserError("--framework jax replays JAX's BFC, which never garbage-collects; "
                          "drop --gc")
+    if args.scheduler is None:
+        return _whatif(args, trace, None)
+    with _dask_client(args.scheduler) as client:
+        _say(f"replaying on the Dask cluster at {args.scheduler} "
+             f"({len(client.nthreads())} worker(s))")
+        return _whatif(args, trace, client)
+
+
+def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
+    from .trace.replay import device_label
+    from .trace.whatif import min_fraction, sweep
+
     devices = _chosen_devices(trace, args)
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each on its own "
@@ -343,7 +370,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     for dev in devices:
         label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
         best = min_fraction(trace, args.device, allow_growth=args.growth,
-                            garbage_collection=args.gc, device=dev, progress=True)
+                            garbage_collection=args.gc, device=dev, progress=True,
+                            client=client)
         if best.fraction is None:
             _say(f"{args.trace}:{label} does not fit on a {format_bytes(args.device)} device "
                  "even at fraction 1.0")
@@ -353,8 +381,12 @@ def cmd_whatif(args: argparse.Namespace) -> int:
                  f"allow_growth={args.growth}, {best.replays} replays")
             if args.framework is not None:
                 _say_paste_lines(args.framework, best.limit_bytes, args.device, args.growth)
-        kwargs: dict = {"device_bytes": args.device, "jobs": args.jobs, "progress": True,
+        kwargs: dict = {"device_bytes": args.device, "progress": True,
                         "garbage_collection": args.gc, "device": dev}
+        if client is None:
+            kwargs["jobs"] = args.jobs
+        else:
+            kwargs["client"] = client
         if args.fractions:
             kwargs["fractions"] = args.fractions
         table = sweep(trace, **kwargs)

@@ -166,4 +166,94 @@ write("06_postmortem.ipynb", [
     code("r = replay(t, memory_limit='12MiB')\n"
          "r"),
 ])
+write("04_cluster.ipynb", [
+    md("# gpudash on a Dask cluster\n\n"
+       "Every Dask worker gets its own gpudash session (`GpudashPlugin`), and streams what its "
+       "allocators do through Dask's own channels: the `\"gpudash\"` event topic and the "
+       "workers' heartbeat metrics. Here the cluster is a `LocalCluster` of two worker "
+       "processes on simulated 16 GiB devices; the same code runs on a real cluster (see "
+       "the end)."),
+    code("from dask.distributed import Client, LocalCluster\n"
+         "from gpudash.dask import (GpudashPlugin, worker_session, ClusterModel,\n"
+         "                          ClusterDashboard, configure_workers, collect_traces)\n"
+         "\n"
+         "cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,\n"
+         "                       dashboard_address=':0')\n"
+         "client = Client(cluster)\n"
+         "client.register_plugin(GpudashPlugin(config={'allow_growth': True}, "
+         "simulate='16GiB'))\n"
+         "workers = sorted(client.nthreads())\n"
+         "print(f'{len(workers)} workers:', *workers)"),
+    md("A `ClusterModel` gathers every worker's stream (and, with `record=True`, the default, "
+       "each worker's allocator events, for traces). Create it before the work you want to "
+       "record."),
+    code("model = ClusterModel(client)\n"
+         "model.wait(lambda w: len(w) == 2)\n"
+         "model"),
+    md("Tasks use their worker's session with `worker_session()`. Each worker runs a small "
+       "training workload here; the second one a larger model."),
+    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
+         "\n"
+         "def train(steps, hidden):\n"
+         "    sess = worker_session()\n"
+         "    run = run_workload(training_loop_calls(steps=steps, layers=6, hidden=hidden),\n"
+         "                       sess.allocate, sess.free_now)\n"
+         "    return run.allocs, sess.stats(0).peak_bytes_in_use\n"
+         "\n"
+         "futures = [client.submit(train, 4, h, workers=[w], pure=False)\n"
+         "           for w, h in zip(workers, (2048, 4096))]\n"
+         "for w, f in zip(workers, futures):\n"
+         "    allocs, peak = f.result()\n"
+         "    print(f'{w}: {allocs} allocations, peak in use {peak:,} bytes')"),
+    md("What the model knows of each worker (within a fraction of a second):"),
+    code("model.sync()\n"
+         "for address, w in model.workers.items():\n"
+         "    print(f\"{address}: in use {w['bytes_in_use']:,} / pool {w['pool_bytes']:,} / \"\n"
+         "          f\"limit {w['bytes_limit']:,}, peak {w['peak_bytes_in_use']:,}, \"\n"
+         "          f\"{w['events']} events, {w['ooms']} OOMs, {w['state']}\")"),
+    md("The cluster dashboard: a row per worker (a sparkline of bytes in use; in use / pool / "
+       "limit; fragmentation; OOMs), controls for all workers or one, and the usual views of "
+       "a worker picked with its button."),
+    code("dash = ClusterDashboard(client)\n"
+         "dash"),
+    md("Settings change live on every worker (or `workers=[...]`). Values are checked on the "
+       "client first, then on every worker, before any worker changes."),
+    code("settings = configure_workers(client, per_process_gpu_memory_fraction=0.5)\n"
+         "for address, devices in settings.items():\n"
+         "    print(f\"{address}: limit {devices[0]['limit']:,} bytes\")"),
+    code("import gpudash\n"
+         "\n"
+         "try:\n"
+         "    configure_workers(client, per_process_gpu_memory_fraction=1.5)\n"
+         "except gpudash.ConfigError as exc:\n"
+         "    print('refused:', exc)"),
+    md("One multi-device trace of the run, one device per worker (a worker that died keeps "
+       "what it had sent), then what-if replays of one worker's trace as Dask tasks:"),
+    code("trace = collect_traces(client, 'cluster.gdtrace', overwrite=True)\n"
+         "for d in trace.meta['devices']:\n"
+         "    print(d['index'], d['name'], d['recorded_events'], 'events')"),
+    code("from gpudash.trace.whatif import sweep\n"
+         "\n"
+         "kw = dict(fractions=(0.01, 0.02, 0.05, 0.1), allow_growth=(True, False),\n"
+         "          device_bytes='16GiB', device=1)\n"
+         "table = sweep(trace, client=client, **kw)\n"
+         "print(table.to_text())\n"
+         "print('same as local:', table == sweep(trace, **kw))"),
+    md("## On a real cluster\n\n"
+       "Point the client at the scheduler and register the plugin without `simulate`: each "
+       "worker then uses its CUDA GPU (with dask-cuda, one per worker), routes CuPy through "
+       "its session (`install=True`), and where RMM is installed makes RMM's current device "
+       "resource a callback resource over the session, so cuDF and everything else on RMM is "
+       "seen:\n\n"
+       "```python\n"
+       "client = Client('tcp://scheduler:8786')          # or Client(LocalCUDACluster())\n"
+       "client.register_plugin(GpudashPlugin(config={'allow_growth': True}))\n"
+       "```\n\n"
+       "From a terminal, `gpudash whatif TRACE --scheduler tcp://scheduler:8786` runs the "
+       "what-if replays on the cluster."),
+    code("dash.close()\n"
+         "model.close()\n"
+         "client.close()\n"
+         "cluster.close()"),
+])
 print("notebooks written")

@@ -252,3 +252,35 @@ def test_fragmentation_stress_is_worse_than_training(run_notebook):
     assert any(WIDGET_VIEW in o.get("data", {}) for o in dash.outputs), cell_text(dash)
     done = ex.text("print(task.result(")
     assert re.search(r"WorkloadRun\(allocs=\d+", done), done
+
+
+def test_cluster_notebook_streams_configures_traces_and_sweeps(run_notebook):
+    pytest.importorskip("distributed")
+    ex = run_notebook("04_cluster.ipynb")
+    workers = re.findall(r"tcp://[\d.]+:\d+", ex.text("LocalCluster("))
+    assert len(workers) == 2, ex.text("LocalCluster(")
+
+    rows = ex.text("model.workers.items()")
+    for w in workers:
+        m = re.search(re.escape(w) + r": in use ([\d,]+) / pool ([\d,]+) / limit ([\d,]+), "
+                      r"peak ([\d,]+), (\d+) events, (\d+) OOMs, live", rows)
+        assert m, rows
+        in_use, pool, limit, peak, events, ooms = (int(g.replace(",", "")) for g in m.groups())
+        assert 0 < in_use <= peak <= pool <= limit and events > 0 and ooms == 0, rows
+
+    dash = ex.cell("ClusterDashboard(client)")
+    assert any(WIDGET_VIEW in o.get("data", {}) for o in dash.outputs), cell_text(dash)
+
+    limits = ex.text("per_process_gpu_memory_fraction=0.5")
+    assert limits.count("limit 8,589,934,592 bytes") == 2, limits  # 0.5 x 16 GiB each
+    refused = ex.text("per_process_gpu_memory_fraction=1.5")
+    assert refused.startswith("refused:") and all(w in refused for w in workers), refused
+
+    traced = ex.text("collect_traces(")
+    found = re.findall(r"^\d+ (tcp://\S+) (\d+) events", traced, re.M)
+    assert sorted(w for w, _ in found) == sorted(workers), traced
+    assert all(int(n) > 0 for _, n in found), traced
+    table = ex.text("sweep(trace, client=client")
+    assert "same as local: True" in table, table
+    assert len([ln for ln in table.splitlines() if re.match(r"\s*0\.\d+\s+(yes|no)\b", ln)]) \
+        == 8, table

@@ -4,8 +4,9 @@ Both replay the trace (:func:`gpudash.trace.replay.replay`) without recording:
 
 - :func:`min_fraction` bisects ``per_process_gpu_memory_fraction`` for the smallest value at
   which no allocation is refused;
-- :func:`sweep` replays a grid of fractions x ``allow_growth`` settings, in this process or
-  in two worker processes, and returns a :class:`SweepTable`.
+- :func:`sweep` replays a grid of fractions x ``allow_growth`` settings, in this process, in
+  worker processes (``jobs``) or as tasks on a Dask cluster (``client``), and returns a
+  :class:`SweepTable`.
 
 A caveat on bisection: for the BFC allocator "fits" is not always monotone in the fraction.
 With growth, regions double from 2 MiB and the last one is cut to what the limit leaves, so
@@ -83,7 +84,7 @@ class MinFractionResult:
 
 def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: float = 0.005,
                  lo: float = 0.0, hi: float = 1.0, count_ooms: bool = False,
-                 progress: Any = None, **options: Any) -> MinFractionResult:
+                 progress: Any = None, client: Any = None, **options: Any) -> MinFractionResult:
     """The smallest ``per_process_gpu_memory_fraction`` at which the trace replays without OOM.
 
     Parameters
@@ -103,6 +104,11 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     progress : callable or True, optional
         ``progress(done, total)`` in replays (``total`` is the bisection's upper bound on
         replays); True prints to stderr.
+    client : distributed.Client, optional
+        Run the replays as tasks on this Dask cluster (the trace's calls are sent to each
+        worker once). The bisection evaluates the next levels of its tree at once where
+        the cluster has the threads, and follows the same path: the result and history
+        are those of the local run.
     **options
         Other :func:`~gpudash.trace.replay.replay` settings (``allow_growth``,
         ``garbage_collection``, ``deferred_deletion_bytes``, ``device``, ``options``...).
@@ -141,6 +147,9 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     report = _progress_fn(progress, "min_fraction")
     total = 1 + max(1, math.ceil(math.log2(max((hi - lo) / tolerance, 1.0))))
     history: list[tuple[float, int]] = []
+    if client is not None:
+        return _min_fraction_dask(client, trace, base, lo, hi, tolerance, count_ooms, report,
+                                  total, history)
 
     def fits(frac: float) -> bool:
         s = dict(base, fraction=frac,
@@ -170,6 +179,35 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     non_monotone = bool(fitted and failed and max(failed) > min(fitted))
     return MinFractionResult(good, _limit_for(dev_bytes, good, int(base["cc_major"])),
                              len(history), history, non_monotone, dev_bytes)
+
+
+def _min_fraction_dask(client: Any, trace: Trace, base: dict, lo: float, hi: float,
+                       tolerance: float, count_ooms: bool, report: Any, total: int,
+                       history: list) -> MinFractionResult:
+    from ..dask._whatif import bisect
+
+    dev_bytes, cc = base["device_bytes"], int(base["cc_major"])
+    calls = trace.calls(base["device"])
+    n_events = int(np.count_nonzero(trace.columns["device"] == base["device"]))
+
+    def settings(frac: float) -> dict:
+        return dict(base, fraction=frac, memory_limit=_limit_for(dev_bytes, frac, cc))
+
+    def step() -> None:
+        if report is not None:
+            report(min(len(history), total - 1), total)
+
+    good = bisect(client, settings, calls.op, calls.key, calls.nbytes, n_events, lo, hi,
+                  tolerance, None if count_ooms else 1, history, step)
+    if report is not None:
+        report(total, total)
+    if good is None:
+        return MinFractionResult(None, None, len(history), history, False, dev_bytes)
+    fitted = [f for f, n in history if n == 0]
+    failed = [f for f, n in history if n > 0]
+    non_monotone = bool(fitted and failed and max(failed) > min(fitted))
+    return MinFractionResult(good, _limit_for(dev_bytes, good, cc), len(history), history,
+                             non_monotone, dev_bytes)
 
 
 def _limit_for(device_bytes: int, fraction: float, cc_major: int) -> int:
@@ -211,7 +249,7 @@ def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
 def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
           allow_growth: bool | Iterable[bool] = (True, False), *,
           device_bytes: int | str = "16GiB", jobs: int = 1, progress: Any = None,
-          **options: Any) -> SweepTable:
+          client: Any = None, **options: Any) -> SweepTable:
     """Replay a trace under every fraction x allow_growth setting.
 
     Parameters
@@ -227,6 +265,10 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         numpy arrays once.
     progress : callable or True, optional
         ``progress(done, total)`` in settings; True prints to stderr.
+    client : distributed.Client, optional
+        Run one Dask task per setting on this cluster instead (the trace's calls are sent
+        to each worker once); the table is the same as a local run's. ``jobs`` must then
+        stay 1.
     **options
         Other :func:`~gpudash.trace.replay.replay` settings, the same for every row.
 
@@ -244,6 +286,9 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     jobs = int(jobs)
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1; got {jobs}")
+    if client is not None and jobs != 1:
+        raise ValueError(f"pass jobs= (local processes) or client= (a Dask cluster), not "
+                         f"both; got jobs={jobs} and a client")
     for bad in ("fraction", "memory_limit"):
         if bad in options:
             raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
@@ -257,7 +302,12 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     total = len(settings)
     rows: list[dict | None] = [None] * total
     done = 0
-    if jobs == 1 or total == 1:
+    if client is not None:
+        from ..dask._whatif import sweep_rows
+
+        rows = list(sweep_rows(client, settings, calls.op, calls.key, calls.nbytes, n_events,
+                               report))
+    elif jobs == 1 or total == 1:
         lists = (calls.op.tolist(), calls.key.tolist(), calls.nbytes.tolist(), n_events)
         for i, s in enumerate(settings):
             rows[i] = _sweep_one(s, lists)

@@ -1,0 +1,170 @@
+"""What-if replays as Dask tasks (the ``client=`` path of :func:`gpudash.trace.whatif.sweep`
+and :func:`~gpudash.trace.whatif.min_fraction`).
+
+The trace's calls are scattered to every worker once (``broadcast=True``); each task replays
+one setting. A worker process turns the calls into Python lists once and reuses them for
+every replay it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["sweep_rows", "bisect"]
+
+
+class _Calls:
+    """The calls of one trace, as shipped to workers (numpy arrays pickle compactly)."""
+
+    def __init__(self, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
+                 n_events: int) -> None:
+        self.token = uuid.uuid4().hex
+        self.op = np.asarray(op)
+        self.key = np.asarray(key)
+        self.nbytes = np.asarray(nbytes)
+        self.n_events = int(n_events)
+
+
+_CACHE: dict[str, tuple] = {}  # per worker process: token -> lists (the latest trace only)
+
+
+def _lists(calls: _Calls) -> tuple:
+    lists = _CACHE.get(calls.token)
+    if lists is None:
+        _CACHE.clear()
+        lists = _CACHE[calls.token] = (calls.op.tolist(), calls.key.tolist(),
+                                       calls.nbytes.tolist(), calls.n_events)
+    return lists
+
+
+def _sweep_task(settings: dict, calls: _Calls) -> dict:
+    from ..trace.whatif import _sweep_one
+
+    return _sweep_one(settings, _lists(calls))
+
+
+def _fits_task(settings: dict, calls: _Calls, max_ooms: int | None) -> int:
+    from ..trace.replay import _replay_lists
+
+    ops, keys, nbytes, n_events = _lists(calls)
+    r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=False,
+                      max_ooms=max_ooms, progress=None)
+    return int(r.oom_count)
+
+
+def _scatter(client: Any, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
+             n_events: int) -> Any:
+    [future] = client.scatter([_Calls(op, key, nbytes, n_events)], broadcast=True, hash=False)
+    return future
+
+
+def _check_client(client: Any) -> None:
+    if getattr(client, "asynchronous", False):
+        raise ValueError("client= needs a synchronous distributed.Client")
+    if not hasattr(client, "scatter") or not hasattr(client, "submit"):
+        raise TypeError(f"client must be a distributed.Client; got {type(client).__name__}")
+
+
+def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarray,
+               nbytes: np.ndarray, n_events: int,
+               report: Callable[[int, int], None] | None) -> list[dict]:
+    """One replay per setting as Dask tasks; the rows in the order of ``settings``."""
+    from distributed import as_completed
+
+    _check_client(client)
+    calls = _scatter(client, op, key, nbytes, n_events)
+    token = uuid.uuid4().hex[:8]
+    futures = [client.submit(_sweep_task, s, calls, key=f"gpudash-sweep-{token}-{i}",
+                             pure=False) for i, s in enumerate(settings)]
+    index = {f.key: i for i, f in enumerate(futures)}
+    rows: list[dict | None] = [None] * len(settings)
+    done = 0
+    try:
+        for fut in as_completed(futures):
+            rows[index[fut.key]] = fut.result()
+            done += 1
+            if report is not None:
+                report(done, len(settings))
+    finally:
+        for f in futures:
+            f.release()
+        calls.release()
+    return [r for r in rows if r is not None]
+
+
+def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
+           key: np.ndarray, nbytes: np.ndarray, n_events: int, lo: float, hi: float,
+           tolerance: float, max_ooms: int | None, history: list,
+           report: Callable[[], None] | None) -> float | None:
+    """:func:`~gpudash.trace.whatif.min_fraction`'s bisection, replays as Dask tasks.
+
+    Speculative: each round replays the next ``d`` levels of the bisection tree at once
+    (``2**d - 1`` replays, ``d`` as large as the cluster's threads allow), then follows the
+    path the sequential bisection would take. The fractions tried, the history and the
+    result are exactly those of the local run.
+    """
+    from distributed import wait
+
+    _check_client(client)
+    calls = _scatter(client, op, key, nbytes, n_events)
+    threads = max(1, sum(client.nthreads().values()))
+    depth = max(1, int(math.log2(threads + 1)))
+    token = uuid.uuid4().hex[:8]
+    count = [0]
+
+    def run(fractions: list[float]) -> dict[float, int]:
+        futures = []
+        for f in fractions:
+            count[0] += 1
+            futures.append(client.submit(_fits_task, make_settings(f), calls, max_ooms,
+                                         key=f"gpudash-bisect-{token}-{count[0]}",
+                                         pure=False))
+        wait(futures)
+        out = {f: fut.result() for f, fut in zip(fractions, futures)}
+        for fut in futures:
+            fut.release()
+        return out
+
+    def note(frac: float, ooms: int) -> None:
+        history.append((frac, ooms))
+        if report is not None:
+            report()
+
+    try:
+        first = run([hi])[hi]
+        note(hi, first)
+        if first:
+            return None
+        good, bad = hi, lo
+        while good - bad > tolerance:
+            # the tree of midpoints the next `depth` steps may visit
+            nodes: list[float] = []
+            frontier = [(good, bad)]
+            for _ in range(depth):
+                nxt = []
+                for g, b in frontier:
+                    if g - b <= tolerance:
+                        continue
+                    mid = (g + b) / 2.0
+                    nodes.append(mid)
+                    nxt += [(mid, b), (g, mid)]
+                frontier = nxt
+            results = run(nodes)
+            for _ in range(depth):
+                if good - bad <= tolerance:
+                    break
+                mid = (good + bad) / 2.0
+                ooms = results[mid]
+                note(mid, ooms)
+                if ooms == 0:
+                    good = mid
+                else:
+                    bad = mid
+        return good
+    finally:
+        calls.release()
