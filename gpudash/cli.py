@@ -183,10 +183,18 @@ def _parser() -> _Parser:
     p.add_argument("output", type=Path, metavar="OUT")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
-    p = sub.add_parser("lab", help="open the quick-start notebook in JupyterLab",
-                       description="Start JupyterLab on the quick-start notebook.")
-    p.add_argument("--port", type=int, default=8888)
-    p.add_argument("--no-browser", action="store_true")
+    p = sub.add_parser(
+        "lab", help="open the quick-start notebook in JupyterLab", allow_abbrev=False,
+        description="Start JupyterLab on the quick-start notebook (a copy is written to the "
+        "current directory when gpudash is installed from a wheel). Runs as root too, passing "
+        "JupyterLab's --allow-root. Any further arguments (after --, or ones gpudash lab does "
+        "not know, like --ServerApp.port_retries=0) go to JupyterLab unchanged.")
+    p.add_argument("--port", type=int, default=8888, help="port to listen on (default 8888)")
+    p.add_argument("--ip", default=None, help="address to listen on (JupyterLab's default: "
+                   "localhost; 0.0.0.0 for every interface)")
+    p.add_argument("--token", default=None,
+                   help="the access token (default: JupyterLab makes one and prints it)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     return parser
 
@@ -494,24 +502,82 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The notebook ``gpudash lab`` opens, and where a wheel keeps a copy of it.
+QUICKSTART = "01_quickstart.ipynb"
+
+
+def _quickstart_notebook(write: bool = True) -> tuple[Path, str | None]:
+    """The quick-start notebook to open, and a note when a copy was written for it.
+
+    In a clone (or an editable install) this is ``notebooks/01_quickstart.ipynb``. Installed
+    from a wheel, the package's copy (``gpudash/notebooks/``) is copied to the current
+    directory, once (an existing copy, perhaps edited, is kept).
+    """
+    root = Path(__file__).resolve().parent.parent
+    clone = root / "notebooks" / QUICKSTART
+    if clone.exists() and (root / "pyproject.toml").exists():
+        return clone, None
+    packaged = Path(__file__).resolve().parent / "notebooks" / QUICKSTART
+    if not packaged.exists():
+        raise _UserError(f"the quick-start notebook is in neither {clone} nor {packaged}; "
+                         "reinstall gpudash")
+    target = Path.cwd() / f"gpudash_{QUICKSTART}"
+    if target.exists():
+        return target, f"opening your copy {target}"
+    if not write:
+        return target, f"would copy the quick-start notebook to {target}"
+    target.write_bytes(packaged.read_bytes())
+    return target, f"copied the quick-start notebook to {target}"
+
+
+def lab_command(args: argparse.Namespace, extra: Sequence[str] = (),
+                is_root: bool | None = None, write: bool = True,
+                ) -> tuple[list[str], Path, list[str]]:
+    """The JupyterLab command ``gpudash lab`` runs: ``(argv, working directory, notes)``.
+
+    The notebook's folder is the server's root and the browser opens the notebook itself
+    (``/lab/tree/<name>``), not the Launcher. As root, ``--allow-root`` is added (JupyterLab
+    refuses to start as root without it). *extra* is passed through unchanged (the first
+    ``--`` is dropped).
+    """
+    notebook, note = _quickstart_notebook(write)
+    notes = [note] if note else []
+    cmd = [sys.executable, "-m", "jupyterlab",
+           f"--ServerApp.root_dir={notebook.parent}",
+           f"--LabApp.default_url=/lab/tree/{notebook.name}",
+           f"--ServerApp.port={args.port}"]
+    if args.ip is not None:
+        cmd.append(f"--ServerApp.ip={args.ip}")
+    if args.token is not None:
+        cmd.append(f"--IdentityProvider.token={args.token}")
+    if args.no_browser:
+        cmd.append("--no-browser")
+    if is_root is None:
+        is_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    extra = list(extra)
+    if "--" in extra:  # the separator itself is gpudash's, not JupyterLab's
+        extra.remove("--")
+    if is_root and "--allow-root" not in extra:
+        cmd.append("--allow-root")
+        notes.append("running as root: passing --allow-root to JupyterLab")
+    cmd.extend(extra)
+    return cmd, notebook.parent, notes
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
     import importlib.util
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
-    notebook = root / "notebooks" / "01_quickstart.ipynb"
-    if not notebook.exists():
-        raise _UserError(f"the quick-start notebook is not at {notebook} (run gpudash lab "
-                         "from a clone of the repository)")
     if importlib.util.find_spec("jupyterlab") is None:
         raise _UserError("JupyterLab is not installed: pip install 'gpudash[lab]'")
-    cmd = [sys.executable, "-m", "jupyterlab", str(notebook), f"--port={args.port}"]
-    if args.no_browser:
-        cmd.append("--no-browser")
+    cmd, cwd, notes = lab_command(args, getattr(args, "jupyter_args", ()),
+                                  write=not args.dry_run)
+    for note in notes:
+        _say(f"gpudash lab: {note}")
     _say(" ".join(cmd))
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, cwd=root)
+    return subprocess.call(cmd, cwd=cwd)
 
 
 COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif,
@@ -522,7 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command == "lab":  # JupyterLab's own arguments pass through
+            args.jupyter_args = extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command is None:
             parser.print_help()
             return 0

@@ -295,7 +295,7 @@ def test_plugin_sets_up_on_every_worker(client):
     on(client, addrs[0], _allocate, [3 * MIB])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
         metrics = info[addrs[0]]["metrics"]
         if metrics.get("gpudash_in_use") == 3 * MIB:
             break

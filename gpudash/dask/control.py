@@ -42,7 +42,12 @@ def validate_changes(changes: dict) -> dict:
 
 
 def _resolve_workers(client: Any, workers: Any) -> list[str]:
-    info = client.scheduler_info(n_workers=-1).get("workers", {})
+    # Ask the scheduler itself: Client.scheduler_info() returns a cache that the client's own
+    # periodic refresh (which asks for no workers) can overwrite between fetch and read.
+    if getattr(client, "asynchronous", False):
+        info = client.scheduler_info(n_workers=-1).get("workers", {})
+    else:
+        info = client.sync(client.scheduler.identity, n_workers=-1).get("workers", {})
     if workers is None:
         if not info:
             raise ConfigError("the cluster has no workers")
