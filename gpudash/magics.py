@@ -143,20 +143,29 @@ class GpudashMagics(Magics):
                 self.monitor.stop()
             try:
                 self.monitor = watch(args.watch)
+                return self.monitor.dashboard()
             except GpudashError as exc:
                 raise UsageError(str(exc)) from None
-            return self.monitor
         try:
             sess = self._get_session(args.simulate, args.fraction, args.growth)
         except GpudashError as exc:
             raise UsageError(str(exc)) from None
         from .widgets import Dashboard
 
-        if self.dashboard is not None:
-            self.dashboard.close()
+        dash = self.dashboard
+        if dash is not None and not dash.model.closed and dash.model.session is sess:
+            # the same session: the same dashboard, its history and plotly.js kept; the
+            # front end draws it again from a snapshot
+            n = dash.model.num_devices
+            if not 0 <= args.device < n:
+                raise UsageError(f"%gpudash: --device must be in 0..{n - 1}; got {args.device}")
+            dash.device = args.device
+            return dash
+        if dash is not None:
+            dash.close()
         try:
             self.dashboard = Dashboard(sess, device=args.device)
-        except ValueError as exc:
+        except (GpudashError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         return self.dashboard
 

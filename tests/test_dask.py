@@ -75,6 +75,15 @@ def model(client):
     m.close()
 
 
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def addresses(client) -> list[str]:
     return sorted(client.nthreads())
 
@@ -856,23 +865,27 @@ def test_cluster_dashboard_rows_controls_and_views(client):
     assert dash.model.closed
 
 
-def test_the_default_views_wait_for_the_feed_based_dashboard(client):
-    """``views_for`` builds ``Dashboard(feeds=...)``; until the live views take feeds the
-    detail area says so and the rest of the dashboard works."""
-    import inspect
-
+def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
+    """``views_for`` is the usual :class:`gpudash.widgets.Dashboard` over the worker's feeds:
+    it shows what the worker's allocator holds, and its controls change that worker only."""
     from gpudash.widgets.dashboard import Dashboard
 
-    a, _ = addresses(client)
+    a, b = addresses(client)
     dash = ClusterDashboard(client)
     try:
         assert dash.model.wait(lambda w: a in w, 5)
+        on(client, a, _allocate, [40 * MIB])
         view = dash.pick(a)
-        if "feeds" in inspect.signature(Dashboard).parameters:
-            assert view is not None and dash.detail.children[-1] is view
-        else:
-            assert view is None
-            assert "Dashboard(feeds=" in dash.detail.children[-1].value
+        assert isinstance(view, Dashboard) and dash.detail.children[-1] is view
+        assert view.setup["devices"] == [f"{a} GPU_0_bfc"]
+        assert wait_for(lambda: view.model.state(0) is not None and
+                        view.model.state(0).stats.bytes_in_use == 40 * MIB)
+        before_b = on(client, b, _settings)
+        reply = view._act({"name": "fraction", "value": 0.25})
+        assert reply["ok"], reply
+        assert on(client, a, _settings)[0] == 0.25 and on(client, b, _settings) == before_b
+        dash.pick(b)  # the previous views close, and their model with them
+        assert view.model.closed
     finally:
         dash.close()
 

@@ -51,11 +51,21 @@ def test_gpudash_creates_a_simulated_session_and_a_dashboard(ip):
         assert sess.simulated
         assert sess.devices[0].total == 8 * GiB
         assert sess.devices[0].memory_limit == 4 * GiB
-        # a second %gpudash reuses the session and applies the new fraction
+        sess.allocate(MiB)
+        dash.model.refresh_now()
+        # a second %gpudash reuses the session, applies the new fraction and shows the same
+        # dashboard: its history (and the page's plotly.js) carry on
         dash2 = ip.run_line_magic("gpudash", "--fraction 0.25")
         assert _session() is sess
         assert sess.devices[0].memory_limit == 2 * GiB
-        assert dash2 is not dash
+        assert dash2 is dash and not dash.model.closed
+        assert dash.model.state(0).counters["allocs"] == 1
+        with pytest.raises(UsageError, match="--device must be in 0..0"):
+            ip.run_line_magic("gpudash", "--device 4")
+        # another session: a new dashboard, the old one closed
+        sess.close()
+        dash3 = ip.run_line_magic("gpudash", "--simulate 4GiB")
+        assert dash3 is not dash and dash.model.closed and _session() is not sess
     finally:
         ip.run_line_magic("unload_ext", "gpudash")
         ip.run_line_magic("load_ext", "gpudash")

@@ -12,7 +12,7 @@ import json
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -46,6 +46,7 @@ class Message:
     msg_type: str
     data: dict
     nbytes: int  # JSON of ``data`` + binary buffers, what the kernel would send
+    buffers: list = field(default_factory=list)  # the binary buffers, as bytes
 
 
 class MessageLog(list):
@@ -80,7 +81,8 @@ def _make_recording_comm_class():
 
         def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
             size = len(json.dumps(data)) + sum(memoryview(b).nbytes for b in buffers or ())
-            self.log.append(Message(self.comm_id, msg_type, data or {}, size))
+            self.log.append(Message(self.comm_id, msg_type, data or {}, size,
+                                    [bytes(memoryview(b)) for b in buffers or ()]))
 
         def open(self, data=None, metadata=None, buffers=None):
             self._closed = False

@@ -37,18 +37,9 @@ _BLUE = "#1f77b4"
 _GREY = "#999999"
 
 
-# ---------------------------------------------------------------------------------------
-# PENDING the live-views rebuild. The one place the cluster dashboard makes the usual views
-# (chunk map, heatmap, bins, timeline, stats, controls) of a worker: it expects the new
-# ``gpudash.widgets.Dashboard`` that takes a list of ``DeviceFeed``s,
-# ``Dashboard(feeds=[WorkerFeed, ...], **options)``, which starts the feeds (``start``),
-# samples them from its refresher (``sample``), stops them on ``close()`` and drives the
-# controls through ``feed.configure(...)``, ``release_free_regions()`` and
-# ``flush_deferred()``. Today's Dashboard takes a Session or a BFCAllocator, so this raises
-# TypeError and the cluster dashboard says so in its detail area; nothing else depends on it.
-# ---------------------------------------------------------------------------------------
 def views_for(feeds: list, **options: Any) -> Any:
-    """The usual live views of ``feeds`` (one worker's devices) as one widget."""
+    """The usual live views of ``feeds`` (one worker's devices) as one widget: a
+    :class:`gpudash.widgets.Dashboard` whose controls act on the worker."""
     from ..widgets.dashboard import Dashboard
 
     return Dashboard(feeds=list(feeds), **options)
@@ -316,12 +307,6 @@ class ClusterDashboard(widgets.VBox):
             try:
                 feeds = self.model.feeds(address)
                 view = self._views_for(feeds)
-            except TypeError as exc:
-                self.detail.children = [title, widgets.HTML(
-                    "the per-worker views need the feed-based "
-                    "<code>gpudash.widgets.Dashboard(feeds=[...])</code>, which this gpudash "
-                    f"does not have yet ({html.escape(str(exc))})")]
-                return None
             except Exception as exc:  # noqa: BLE001 - shown, not raised, in a widget
                 self.detail.children = [title, widgets.HTML(
                     f'<span style="color:{_RED}">could not open the views of {html.escape(address)}'

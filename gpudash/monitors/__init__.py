@@ -78,8 +78,9 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
     Returns
     -------
     Monitor
-        Running; ``monitor.feeds`` are its devices. (Once ``Dashboard(feeds=...)`` exists,
-        the hook at the end of this function returns the dashboard over them instead.)
+        Running; ``monitor.feeds`` are its devices and ``monitor.dashboard()`` shows them
+        live (``%gpudash --watch FRAMEWORK`` does both). Closing that dashboard stops the
+        monitor.
 
     Raises
     ------
@@ -101,6 +102,4 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
                           f"{', '.join(sorted(options))}")
     monitor = cls(interval=interval, devices=devices, **options)
     monitor.start()
-    # DASHBOARD HOOK (issue 12): once Dashboard(feeds=...) is on this branch, replace the next
-    # line with `return Dashboard(feeds=monitor.feeds)` (closing it stops the monitor).
     return monitor

@@ -257,6 +257,18 @@ class Monitor:
 
     close = stop
 
+    def dashboard(self, **options: Any) -> Any:
+        """The live dashboard of this monitor's devices (:class:`gpudash.widgets.Dashboard`
+        over :attr:`feeds`): read-only views, disabled controls that say why, and a button
+        that prints the settings to restart with. Closing it stops the monitor.
+        *options* go to the dashboard (``rate_hz``, ``views``, ``device``...)."""
+        from ..widgets.dashboard import Dashboard
+
+        if self._closed:
+            raise ConfigError(f"this {self.framework} monitor is stopped; create a new one "
+                              "with gpudash.watch()")
+        return Dashboard(feeds=list(self.feeds), **options)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

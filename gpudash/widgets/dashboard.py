@@ -1,62 +1,128 @@
-"""The dashboard: every view of a live session, with its controls, in one widget.
+"""The dashboard: every live view of a session, with its controls, in one widget.
 
-Layout (a ``VBox``)::
+One `anywidget <https://anywidget.dev>`_ (one comm, one small ES module,
+``static/dashboard.js``) draws, in the browser:
 
-    controls (device, fraction + limit, growth, deferred, buttons, pause, rate)
-    stats table (every device)
-    timeline      | heatmap
+    headline (in use / pool / limit / peak / fragmentation, a banner while the pool is over
+    a limit lowered live) and controls (device, fraction, growth, deferred, buttons, pause)
+    timeline      | heatmap          (one time base: seconds since the model started)
     chunk map     | bins
 
-The device picked in the controls is the device the figures show.
+What crosses the wire
+---------------------
+- **plotly.js once per page.** The module asks the kernel for plotly.js (the cartesian
+  partial bundle, gzip-compressed, ~0.5 MB) only when the page does not have it yet, and keeps
+  it on ``window``; a second dashboard, a re-run of ``%gpudash`` or a re-render send nothing
+  again. A reloaded page fetches it once.
+- **Binary buffers.** Timeline points, heatmap columns (``uint8``) and chunk arrays go as
+  numpy buffers; JSON carries only small figures.
+- **Increments.** After the first snapshot, a refresh sends the timeline points and heatmap
+  columns that are new, and the chunk table only when it changed (at most once a second
+  when it is large). The model's refresher coalesces events, so a busy allocator still
+  sends at most ``rate_hz`` updates a second.
+- **Snapshots on (re)connect.** Each rendered view says hello; the kernel answers with the
+  whole history, so a reloaded page or a re-displayed dashboard shows what happened before.
+
+The browser redraws on animation frames, at most once per frame, whatever arrives.
+
+Controls act through the :class:`~gpudash.widgets.LiveModel` (``configure``,
+``release_free_regions``, ``flush_deferred``) at once, and answer in words ("released 0 B: no
+region is wholly free"). Sources that cannot be controlled (a framework watched read-only)
+get disabled controls whose tooltip says why, and a button that prints the settings to
+restart with.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import json
+import threading
+import time
+import weakref
+from importlib import resources
 from typing import Any
 
-import ipywidgets as widgets
+import anywidget
+import numpy as np
+import traitlets
 
-from .._errors import ConfigError
-from . import _width_watcher
-from .bins import BinsView
-from .chunkmap import ChunkMapView
-from .controls import ControlsView
-from .heatmap import HeatmapView
-from .model import LiveModel
-from .stats import StatsView
-from .timeline import TimelineView
+from .. import style
+from .._errors import ConfigError, GpudashError
+from .._units import format_bytes
+from .model import LiveModel, bin_labels
 
-__all__ = ["Dashboard", "VIEWS"]
+__all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
 
 #: View names accepted by ``Dashboard(views=...)``, in layout order.
 VIEWS = ("stats", "timeline", "heatmap", "chunkmap", "bins")
 
-_CLASSES = {"timeline": TimelineView, "heatmap": HeatmapView, "chunkmap": ChunkMapView,
-            "bins": BinsView}
+#: A chunk table larger than this is sent at most once a second.
+LARGE_TABLE = 2000
+
+_STATIC = resources.files("gpudash.widgets") / "static"
+_BUNDLE_CACHE: dict[str, Any] = {}
 
 
-class Dashboard(widgets.VBox):
-    """Live views and controls of a session (or one allocator).
+def plotly_bundle() -> tuple[str, bytes]:
+    """``(version, gzip bytes)`` of the plotly.js bundle the dashboard sends once per page."""
+    if "gz" not in _BUNDLE_CACHE:
+        data = (_STATIC / "plotly-cartesian.min.js.gz").read_bytes()
+        _BUNDLE_CACHE["gz"] = data
+        _BUNDLE_CACHE["version"] = hashlib.sha256(data).hexdigest()[:16]
+    return _BUNDLE_CACHE["version"], _BUNDLE_CACHE["gz"]
+
+
+def _esm() -> str:
+    return (_STATIC / "dashboard.js").read_text(encoding="utf-8")
+
+
+def _f64(a: Any) -> memoryview:
+    return memoryview(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+
+
+def _layout_key(table: dict) -> bytes:
+    """A digest of a chunk table's layout: the table is sent again only when it changes
+    (a refresh without events, or with events that cancel out, sends none)."""
+    h = hashlib.blake2b(digest_size=16)
+    for k in ("ptr", "size", "requested", "in_use"):
+        h.update(np.ascontiguousarray(table[k]).data)
+    holders = table.get("holder")
+    if holders is not None:
+        h.update("\0".join(map(str, holders)).encode())
+    return h.digest()
+
+
+class Dashboard(anywidget.AnyWidget):
+    """Live views and controls of a session, an allocator or feeds, in one widget.
 
     Parameters
     ----------
-    source : Session or BFCAllocator
+    source : Session or BFCAllocator, optional
         What to show and control.
+    feeds : list of DeviceFeed, optional
+        Instead of a source: one feed per device (a framework monitor's, a Dask worker's).
     rate_hz : float
         Model refreshes a second (adjustable in the controls).
     views : sequence of str
         Which of :data:`VIEWS` to show (controls are always shown).
     device : int
         The device shown first.
+    model : LiveModel, optional
+        Show an existing model (its history included) instead of making one; the dashboard
+        then leaves the model open when it closes.
     **model_options
-        ``history``, ``heatmap_rows``, ``heatmap_columns`` for the :class:`LiveModel`.
+        ``history``, ``heatmap_rows``, ``heatmap_columns`` for a new :class:`LiveModel`.
 
     Attributes
     ----------
     model : LiveModel
-    controls : ControlsView
-    views : dict
-        ``{name: view}`` for the views shown.
+    device : int
+        The device shown (set it, or pick it in the controls).
+    views : tuple of str
+        The views shown.
+    sent : dict
+        Messages and bytes sent so far, by kind (``lib``, ``snapshot``, ``update``, ``reply``).
 
     Examples
     --------
@@ -69,82 +135,317 @@ class Dashboard(widgets.VBox):
     >>> dash.close(); sess.close()
     """
 
-    def __init__(self, source: Any, *, rate_hz: float = 4.0, views: Any = VIEWS,
-                 device: int = 0, **model_options: Any) -> None:
-        names = list(views)
+    _esm = traitlets.Unicode(_esm()).tag(sync=True)
+    device = traitlets.Int(0).tag(sync=True)
+    views = traitlets.Tuple().tag(sync=True)
+    setup = traitlets.Dict().tag(sync=True)
+    lib_version = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, source: Any = None, *, feeds: Any = None, rate_hz: float = 4.0,
+                 views: Any = VIEWS, device: int = 0, model: LiveModel | None = None,
+                 **model_options: Any) -> None:
+        names = tuple(views)
         unknown = [n for n in names if n not in VIEWS]
         if unknown:
-            raise ValueError(f"unknown view(s) {unknown}; choose from {list(VIEWS)}")
-        self.model = LiveModel(source, rate_hz=rate_hz, **model_options)
+            raise ConfigError(f"unknown view(s) {unknown}; choose from {list(VIEWS)}")
+        if model is not None:
+            self._owns_model = False
+            self.model = model
+        else:
+            self._owns_model = True
+            self.model = LiveModel(source, feeds=feeds, rate_hz=rate_hz, **model_options)
         n = self.model.num_devices
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
-            self.model.close()
+            if self._owns_model:
+                self.model.close()
             raise ConfigError(f"device must be an index in 0..{n - 1} (the source has {n} "
                               f"device(s)); got {device!r}")
-        # refits the figures when the dashboard's width changes; made before them (see
-        # _width_watcher)
-        watcher = _width_watcher()
+        self._send_lock = threading.RLock()
+        self._cursor: dict = {}
+        self._chunks_sent_ms = 0.0
+        self._chunks_version: bytes | None = None
+        self._controls_sent: dict | None = None
+        self.sent: dict[str, list[int]] = {}
+        self._hellos = 0
+        version, _ = plotly_bundle()
+        super().__init__(device=device, views=names, lib_version=version,
+                         setup=self._setup())
+        ref = weakref.ref(self)
+
+        def tick(now_ms: float, changed: set) -> None:
+            dash = ref()
+            if dash is not None:
+                dash._on_tick(changed)
+
+        self._remove_tick = self.model.add_tick_listener(tick)
+        self.on_msg(self._on_msg)
+        self.observe(self._on_device, "device")
+
+    # ------------------------------------------------------------------ what is drawn
+    def _setup(self) -> dict:
+        m = self.model
+        return {
+            "devices": m.device_names,
+            "colors": dict(style.COLORS),
+            "fills": dict(style.FILLS),
+            "heatmap_scale": style.HEATMAP_SCALE,
+            "bin_labels": bin_labels(),
+            "time_title": style.TIME_TITLE + " since " + m.start_label,
+            "rate_hz": m.rate_hz,
+        }
+
+    def _controls_info(self, device: int) -> dict:
+        m = self.model
+        settings = m.device_settings(device)
+        disabled = m.controls_disabled(device)
+        feed = m.feed(device)
+        return {
+            "settings": {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
+                         for k, v in settings.items()},
+            "disabled": disabled,
+            "session": m.session is not None,
+            "has_layout": m.has_layout(device),
+            "restart": feed is not None and hasattr(feed, "restart_lines"),
+            "paused": bool(m.paused),
+            "rate_hz": m.rate_hz,
+        }
+
+    def _headline(self, state: Any) -> dict:
+        s = state.stats
+        pending, held = self.model.pending_release(state.device)
+        return {
+            "name": state.name, "in_use": int(s.bytes_in_use), "pool": int(s.pool_bytes),
+            "limit": int(s.bytes_limit), "peak": int(s.peak_bytes_in_use),
+            "largest_free": int(s.largest_free_block_bytes),
+            "fragmentation": float(s.fragmentation), "capacity": int(state.capacity),
+            "chunks": int(state.num_chunks), "internal": int(state.internal_fragmentation),
+            "counters": dict(state.counters),
+            "pending_release": int(pending), "regions_holding": int(held),
+            "ooms": [[(o.time_ms - self.model.start_ms) / 1e3, o.rounded, o.in_use]
+                     for o in state.ooms[-50:]],
+        }
+
+    def _chunk_buffers(self, state: Any) -> tuple[dict, list]:
+        t = state.table
+        regions = t["regions"]
+        n = len(t["size"])
+        if n:
+            ri = np.searchsorted(regions[:, 0], t["region"])
+            offset = t["ptr"] - t["region"]
+        else:
+            ri = np.zeros(0, dtype=np.int64)
+            offset = ri
+        holders = t.get("holder")
+        meta = {"n": n, "regions": [[int(a), int(b)] for a, b in regions[:64]],
+                "n_regions": int(len(regions)),
+                "holders": None if holders is None else [str(h) for h in holders]}
+        cols = np.empty((6, n), dtype=np.float64)
+        cols[0] = ri
+        cols[1] = offset
+        cols[2] = t["size"]
+        cols[3] = t["requested"]
+        cols[4] = t["in_use"]
+        cols[5] = t["ptr"]
+        bins = state.bins
+        binarr = np.vstack([np.asarray(getattr(bins, k), dtype=np.float64) for k in
+                            ("free_bytes", "in_use_bytes", "free_chunks", "in_use_chunks",
+                             "requested_bytes")])
+        return meta, [_f64(cols), _f64(binarr)]
+
+    def _message(self, state: Any, full: bool) -> tuple[dict, list]:
+        """A snapshot (``full``) or an update of one device's state."""
+        cur = self._cursor if not full else {}
+        tl = state.timeline
+        t_ms = tl["time_ms"]
+        start = self.model.start_ms
+        last_t = cur.get("t", -np.inf)
+        k = 0 if full else int(np.searchsorted(t_ms, last_t, side="right"))
+        timeline = np.vstack([(t_ms[k:] - start) / 1e3, tl["in_use"][k:], tl["pool"][k:],
+                              tl["limit"][k:]])
+        hm_t = state.heatmap_time_ms
+        row_bytes = state.heatmap_row_bytes
+        hfull = full or cur.get("row_bytes") != row_bytes
+        j = 0 if hfull else int(np.searchsorted(hm_t, cur.get("ht", -np.inf), side="right"))
+        cols = state.heatmap[:, j:]
+        heat = np.clip(np.rint(cols.T * 255.0), 0, 255).astype(np.uint8)  # columns x rows
+        now = time.monotonic()
+        layout = _layout_key(state.table)
+        send_chunks = full or layout != self._chunks_version and (
+            state.num_chunks <= LARGE_TABLE or now - self._chunks_sent_ms >= 1.0)
+        content = {
+            "type": "snapshot" if full else "update", "device": state.device,
+            "version": state.version, "now": (state.time_ms - start) / 1e3,
+            "headline": self._headline(state),
+            "timeline_n": int(timeline.shape[1]),
+            "heat": {"full": bool(hfull), "rows": int(state.heatmap.shape[0]),
+                     "n": int(heat.shape[0]), "row_bytes": int(row_bytes),
+                     "max_columns": int(self.model._devices[state.device].heatmap.columns)},
+            "chunks": None,
+        }
+        buffers = [_f64(timeline), memoryview(heat.tobytes()), _f64((hm_t[j:] - start) / 1e3)]
+        if send_chunks:
+            meta, bufs = self._chunk_buffers(state)
+            content["chunks"] = meta
+            buffers += bufs
+            self._chunks_version = layout
+            self._chunks_sent_ms = now
+        controls = self._controls_info(state.device)
+        if full or controls != self._controls_sent:  # settings changed from code, too
+            content["controls"] = controls
+            self._controls_sent = controls
+        if len(t_ms):
+            self._cursor["t"] = float(t_ms[-1])
+        if len(hm_t):
+            self._cursor["ht"] = float(hm_t[-1])
+        self._cursor["row_bytes"] = row_bytes
+        return content, buffers
+
+    def _post(self, kind: str, content: dict, buffers: list | None = None) -> None:
+        if self.comm is None:
+            return
+        self.send(content, buffers=buffers)
+        n = len(json.dumps(content)) + sum(len(b) for b in (buffers or ()))
+        rec = self.sent.setdefault(kind, [0, 0])
+        rec[0] += 1
+        rec[1] += n
+
+    def _send_state(self, full: bool) -> None:
+        with self._send_lock:
+            if self.model.closed:
+                return
+            state = self.model.state(self.device)
+            if state is None:
+                return
+            content, buffers = self._message(state, full)
+            self._post("snapshot" if full else "update", content, buffers)
+
+    def _on_tick(self, changed: set) -> None:
+        if not self._hellos or self.device not in changed:
+            return
         try:
-            self.controls = ControlsView(self.model, device=device)
-            self.views: dict[str, Any] = {}
-            for name in VIEWS:
-                if name not in names:
-                    continue
-                if name == "stats":
-                    self.views[name] = StatsView(self.model)
-                else:
-                    self.views[name] = _CLASSES[name](self.model, device=device)
-        except Exception:
-            self.model.close()
-            if watcher is not None:
-                watcher.close()
-            raise
-        self.controls.observe(self._on_controls_device_change, "device")
-        figures = [self.views[n] for n in ("timeline", "heatmap", "chunkmap", "bins")
-                   if n in self.views]
-        children: list[Any] = [self.controls]
-        if "stats" in self.views:
-            children.append(self.views["stats"])
-        if figures:
-            children.append(widgets.GridBox(
-                figures, layout=widgets.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))",
-                                               grid_gap="8px", width="100%")))
-        if watcher is not None:
-            children.append(watcher)
-        super().__init__(children=children)
+            self._send_state(full=False)
+        except Exception as exc:  # noqa: BLE001 - a closed comm while the kernel stops
+            self.model.errors.append(f"dashboard update: {exc!r}")
 
-    def _on_controls_device_change(self, change: dict) -> None:
-        for view in self.views.values():
-            if hasattr(view, "device"):
-                view.device = change["new"]
+    def _on_device(self, change: dict) -> None:
+        self._chunks_version = None
+        if self._hellos:
+            self._send_state(full=True)
 
-    @property
-    def device(self) -> int:
-        """The device the figures show (set it, or pick it in the controls)."""
-        return self.controls.device
+    # ------------------------------------------------------------------ from the browser
+    def _on_msg(self, _widget: Any, content: dict, buffers: list) -> None:
+        kind = content.get("type") if isinstance(content, dict) else None
+        try:
+            if kind == "hello":
+                self._hellos += 1
+                self._send_state(full=True)
+            elif kind == "lib":
+                version, data = plotly_bundle()
+                self._post("lib", {"type": "lib", "version": version, "encoding": "gzip"},
+                           [memoryview(data)])
+            elif kind == "lib-raw":
+                version, data = plotly_bundle()
+                self._post("lib", {"type": "lib", "version": version, "encoding": "none"},
+                           [memoryview(gzip.decompress(data))])
+            elif kind == "action":
+                self._reply(content, self._act(content))
+        except GpudashError as exc:
+            self._reply(content, {"ok": False, "text": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - answer, never a silent failure
+            self._reply(content, {"ok": False, "text": f"{type(exc).__name__}: {exc}"})
 
-    @device.setter
-    def device(self, value: int) -> None:
-        self.controls.device = value
+    def _reply(self, content: dict, answer: dict) -> None:
+        answer = dict(answer, type="reply", id=content.get("id"), name=content.get("name"))
+        if "controls" not in answer:
+            answer["controls"] = self._controls_info(self.device)
+            self._controls_sent = answer["controls"]
+        self._post("reply", answer)
 
+    def _act(self, content: dict) -> dict:
+        """Run one control from the browser; the answer says what happened, in words."""
+        name = content.get("name")
+        m = self.model
+        dev = self.device
+        value = content.get("value")
+        if name == "device":
+            self.device = int(value)
+            return {"ok": True, "text": f"showing {m.device_names[self.device]}"}
+        if name == "pause":
+            m.paused = bool(value)
+            return {"ok": True, "text": "paused" if m.paused else "live"}
+        if name == "rate":
+            try:
+                m.rate_hz = float(value)
+            except traitlets.TraitError as exc:
+                raise ConfigError(str(exc)) from None
+            return {"ok": True, "text": f"{m.rate_hz:g} refreshes/s"}
+        if name == "restart":
+            feed = m.feed(dev)
+            lines = feed.restart_lines() if feed is not None else []
+            text = "\n".join(lines) if lines else "no settings to restart with"
+            print(text)
+            return {"ok": True, "text": text}
+        reason = m.controls_disabled(dev)
+        if reason:
+            raise ConfigError(reason)
+        if name == "fraction":
+            m.configure(device=dev, per_process_gpu_memory_fraction=float(value))
+            limit = m.device_settings(dev)["limit"]
+            return {"ok": True, "text": f"fraction {float(value):.3f}: limit "
+                                        f"{format_bytes(limit)}", **self._over_limit_text(dev)}
+        if name == "growth":
+            m.configure(device=dev, allow_growth=bool(value))
+            return {"ok": True, "text": "growth: " + ("on" if value else "off")}
+        if name == "deferred":
+            m.configure(device=dev, deferred_deletion_bytes=int(value))
+            eff = m.device_settings(dev)["deferred_deletion_bytes"]
+            return {"ok": True, "text": f"deferred deletion: {format_bytes(eff or 0)}"}
+        if name == "release":
+            freed = m.release_free_regions(dev)
+            if freed:
+                return {"ok": True, "text": f"released {format_bytes(freed)}"}
+            pending, held = m.pending_release(dev)
+            why = "no region is wholly free"
+            if pending:
+                why += (f"; {format_bytes(pending)} above the limit wait in {held} region(s) "
+                        "that still hold memory in use")
+            return {"ok": True, "text": f"released 0 B: {why}"}
+        if name == "flush":
+            if m.session is None and m.feed(dev) is None:
+                raise ConfigError("flush needs a gpudash.Session (deferred frees live there)")
+            freed = m.flush_deferred(dev)
+            if freed:
+                return {"ok": True, "text": f"flushed {format_bytes(freed)} of deferred frees"}
+            return {"ok": True, "text": "flushed 0 B: no frees were waiting"}
+        raise ConfigError(f"unknown control {name!r}")
+
+    def _over_limit_text(self, dev: int) -> dict:
+        pending, held = self.model.pending_release(dev)
+        if not pending:
+            return {}
+        return {"warning": f"pool is {format_bytes(pending)} above the new limit: allocations "
+                           f"past the limit are refused, and {held} region(s) go back as they "
+                           "empty"}
+
+    # ------------------------------------------------------------------ Python side
     def refresh(self) -> None:
         """Update every view now (for example after a cell finished a workload)."""
         self.model.refresh_now()
 
     def close(self) -> None:
-        """Stop the model's thread, detach it from the allocators, close every widget.
-        The session stays open."""
+        """Stop listening, close the model it made (a model passed in stays open), and
+        close the widget with its layout. The session stays open."""
+        remove = getattr(self, "_remove_tick", None)
+        if remove is not None:
+            remove()
+            self._remove_tick = None
         model = getattr(self, "model", None)
-        if model is not None:
+        if model is not None and getattr(self, "_owns_model", False):
             model.close()
-        for view in getattr(self, "views", {}).values():
-            view.close()
-        controls = getattr(self, "controls", None)
-        if controls is not None:
-            controls.close()
-        for child in self.children:
-            child.close()
+        layout = getattr(self, "layout", None)
         super().close()
+        if layout is not None:
+            layout.close()
 
     def __enter__(self) -> Dashboard:
         return self
@@ -154,4 +455,4 @@ class Dashboard(widgets.VBox):
 
     def __repr__(self) -> str:
         model = getattr(self, "model", None)
-        return f"Dashboard(views={list(getattr(self, 'views', {}))}, model={model!r})"
+        return f"Dashboard(views={list(self.views)}, device={self.device}, model={model!r})"

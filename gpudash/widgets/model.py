@@ -405,14 +405,20 @@ class _Device:
     """What the model keeps for one allocator."""
 
     def __init__(self, index: int, name: str, allocator: Any, capacity: int, history: int,
-                 rows: int, columns: int, session_device: Any = None) -> None:
+                 rows: int, columns: int, session_device: Any = None, feed: Any = None) -> None:
         self.index = index
         self.name = name
         self.allocator = allocator
         self.session_device = session_device
+        self.feed = feed
+        self.sample: Any = None  # the feed's latest sample not yet built into a state
+        self.table: dict | None = None  # a layout feed's last chunk table
         self.capacity = capacity
         self.timeline = _Timeline(history)
-        span = max(capacity, allocator.memory_limit, allocator.pool_bytes, 1)
+        if allocator is not None:
+            span = max(capacity, allocator.memory_limit, allocator.pool_bytes, 1)
+        else:
+            span = max(capacity, 1 << 20)
         self.heatmap = _Heatmap(rows, columns, span)
         self.remove_sink: Callable[[], None] | None = None
         self.counters = {"allocs": 0, "frees": 0, "ooms": 0, "settings": 0, "events": 0}
@@ -482,9 +488,9 @@ class LiveModel(traitlets.HasTraits):
     paused = traitlets.Bool(False, help="While True the refresher sends no updates.")
     closed = traitlets.Bool(False, read_only=True, help="True once close() ran.")
 
-    def __init__(self, source: Any, *, rate_hz: float = 4.0, history: int = 5000,
+    def __init__(self, source: Any = None, *, rate_hz: float = 4.0, history: int = 5000,
                  heatmap_rows: int = 256, heatmap_columns: int = 600,
-                 start: bool = True) -> None:
+                 start: bool = True, feeds: Any = None) -> None:
         super().__init__()
         history, heatmap_rows, heatmap_columns = int(history), int(heatmap_rows), int(
             heatmap_columns)
@@ -499,14 +505,22 @@ class LiveModel(traitlets.HasTraits):
         self._session = None
         self.start_ms = time.time_ns() / 1e6
         pairs: list[tuple[Any, Any]] = []
-        if hasattr(source, "devices") and hasattr(source, "configure"):
+        feed_list: list[Any] = []
+        if feeds is not None:
+            if source is not None:
+                raise TypeError("LiveModel takes a source or feeds=[...], not both")
+            feed_list = list(feeds)
+            if not feed_list or not all(hasattr(f, "sample") for f in feed_list):
+                raise TypeError("feeds must be a non-empty list of DeviceFeed objects "
+                                "(gpudash.widgets.feeds)")
+        elif hasattr(source, "devices") and hasattr(source, "configure"):
             self._session = source
             pairs = [(d.allocator, d) for d in source.devices]
         elif hasattr(source, "_add_sink"):
             pairs = [(source, None)]
         else:
-            raise TypeError(f"LiveModel watches a gpudash.Session or a BFCAllocator; got "
-                            f"{type(source).__name__}")
+            raise TypeError(f"LiveModel watches a gpudash.Session, a BFCAllocator or "
+                            f"feeds=[DeviceFeed, ...]; got {type(source).__name__}")
         self._lock = threading.Lock()  # counters, dirty set, listeners
         self._refresh_lock = threading.RLock()  # one refresh at a time
         self._listeners: list[Callable[[dict], Any]] = []
@@ -521,13 +535,24 @@ class LiveModel(traitlets.HasTraits):
             dev = _Device(i, name, alloc, _capacity_of(alloc, sdev), history, heatmap_rows,
                           heatmap_columns, sdev)
             self._devices.append(dev)
+        for feed in feed_list:
+            dev = _Device(len(self._devices), str(feed.name), None,
+                          int(getattr(feed, "capacity", 0) or 0), history, heatmap_rows,
+                          heatmap_columns, feed=feed)
+            self._devices.append(dev)
         ref = weakref.ref(self)
         removes = []
         for dev in self._devices:
-            dev.remove_sink = dev.allocator._add_sink(_make_sink(ref, dev.index), raw=True)
-            removes.append(dev.remove_sink)
+            if dev.allocator is not None:
+                dev.remove_sink = dev.allocator._add_sink(_make_sink(ref, dev.index), raw=True)
+                removes.append(dev.remove_sink)
         self._wake = threading.Event()
         self._stop = threading.Event()
+        wake = self._wake
+        for dev in self._devices:
+            if dev.feed is not None:
+                dev.feed.start(wake.set)
+                removes.append(dev.feed.stop)
         self._finalizer = weakref.finalize(self, _shutdown, removes, self._stop, self._wake)
         self.refresh_now(force=True)
         self._thread: threading.Thread | None = None
@@ -694,7 +719,10 @@ class LiveModel(traitlets.HasTraits):
             if self.closed:
                 return self.states
             for dev in self._devices:
-                dev.allocator.flush_events()
+                if dev.allocator is not None:
+                    dev.allocator.flush_events()
+                else:
+                    self._take_sample(dev)
             with self._lock:
                 dirty = set(range(len(self._devices))) if force else self._dirty
                 self._dirty = set()
@@ -721,7 +749,43 @@ class LiveModel(traitlets.HasTraits):
                     logger.error("gpudash: live view %r failed on tick: %r", tick, exc)
             return self.states
 
+    def _take_sample(self, dev: _Device) -> None:
+        """Ask a feed for what changed (refresher thread); count it and mark dirty."""
+        try:
+            sample = dev.feed.sample()
+        except Exception as exc:  # noqa: BLE001 - a failing feed never stops the others
+            self.errors.append(f"{dev.feed!r}: {''.join(traceback.format_exception(exc))}")
+            logger.error("gpudash: feed %r failed: %r", dev.feed, exc)
+            return
+        if sample is None:
+            return
+        ooms = [(int(t), int(r), int(q)) for t, r, q in sample.ooms][-MAX_MARKS:]
+        settings = [SettingMark(t / 1e6, -1, str(k), old, new)
+                    for t, k, old, new in sample.settings]
+        with self._lock:
+            c = dev.counters
+            c["allocs"] += int(sample.allocs)
+            c["frees"] += int(sample.frees)
+            c["ooms"] += len(sample.ooms)
+            c["settings"] += len(settings)
+            c["events"] += int(sample.events)
+            dev.pending_ooms.extend(ooms)
+            dev.settings.extend(settings)
+            dev.sample = sample
+            self._dirty.add(dev.index)
+
+    def _feed_table(self, dev: _Device, sample: Any) -> dict:
+        """The chunk table of a feed's state: the sample's, else (a layout feed) the last
+        one it sent, else an empty table."""
+        if sample is not None and sample.table is not None:
+            dev.table = sample.table
+        if dev.table is not None and getattr(dev.feed, "has_layout", True):
+            return dev.table
+        return _empty_table()
+
     def _build(self, dev: _Device) -> DeviceState:
+        if dev.feed is not None:
+            return self._build_from_feed(dev)
         alloc = dev.allocator
         table = alloc.chunk_table()
         raw = alloc.stats()
@@ -760,6 +824,69 @@ class LiveModel(traitlets.HasTraits):
         dev.state = state
         return state
 
+    def _build_from_feed(self, dev: _Device) -> DeviceState:
+        sample, dev.sample = dev.sample, None
+        prev = dev.state
+        if sample is None and prev is not None:
+            return prev
+        now_ms = sample.time_ms if sample is not None else time.time_ns() / 1e6
+        table = self._feed_table(dev, sample)
+        if sample is not None:
+            stats = sample.stats
+        else:
+            stats = AllocatorStats(bytes_limit=0)
+        in_use, pool = int(stats.bytes_in_use), int(stats.pool_bytes)
+        bins = BinCounts.from_table(table)
+        used = table["in_use"]
+        internal = int(table["size"][used].sum()) - int(table["requested"][used].sum())
+        dev.timeline.append(now_ms, in_use, pool, int(stats.bytes_limit))
+        hm = dev.heatmap
+        layout_pool = int(table["regions"][:, 1].sum()) if len(table["regions"]) else 0
+        hm.fit(max(pool, layout_pool))
+        hm.append(now_ms, heatmap_column(table, hm.rows, hm.row_bytes))
+        with self._lock:
+            pending, dev.pending_ooms = dev.pending_ooms, []
+            counters = dict(dev.counters)
+            settings = tuple(dev.settings)
+        for t_ns, rounded, requested in pending:
+            dev.ooms.append(OomMark(t_ns / 1e6, rounded, requested, in_use))
+        dev.version += 1
+        state = DeviceState(
+            device=dev.index, name=dev.name, time_ms=now_ms, version=dev.version, stats=stats,
+            table=table, bins=bins, internal_fragmentation=internal, capacity=dev.capacity,
+            counters=counters, timeline=dev.timeline.arrays(), ooms=tuple(dev.ooms),
+            settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
+            heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes)
+        dev.state = state
+        return state
+
+    def feed(self, device: int = 0) -> Any:
+        """The :class:`~gpudash.widgets.feeds.DeviceFeed` of a device, or None (an
+        allocator the model watches directly)."""
+        return self._devices[self._index(device)].feed
+
+    def has_layout(self, device: int = 0) -> bool:
+        """Whether the device's source gives a chunk layout (chunk map, bins, heatmap)."""
+        feed = self._devices[self._index(device)].feed
+        return feed is None or bool(getattr(feed, "has_layout", True))
+
+    def controls_disabled(self, device: int = 0) -> str | None:
+        """``None`` when the controls act on the device, else the reason they cannot."""
+        dev = self._devices[self._index(device)]
+        if dev.feed is not None:
+            return getattr(dev.feed, "controls", "this source cannot be controlled")
+        if self._session is None:
+            return None  # a bare allocator: limit and growth act, deferred does not
+        return None
+
+    def pending_release(self, device: int = 0) -> tuple[int, int]:
+        """``(bytes, regions)`` the pool is above a limit lowered live (see
+        :meth:`gpudash.BFCAllocator.pending_release`); ``(0, 0)`` for a feed."""
+        dev = self._devices[self._index(device)]
+        if dev.allocator is None:
+            return 0, 0
+        return dev.allocator.pending_release()
+
     # ------------------------------------------------------------------ acting (controls)
     def _require_session(self, what: str) -> Any:
         if self._session is None:
@@ -771,6 +898,11 @@ class LiveModel(traitlets.HasTraits):
         """The settings in force on a device: ``fraction``, ``allow_growth``,
         ``deferred_deletion_bytes`` (effective), ``limit`` and ``total`` bytes."""
         dev = self._devices[self._index(device)]
+        if dev.feed is not None:
+            out = {"fraction": None, "allow_growth": None, "deferred_deletion_bytes": None,
+                   "limit": None, "total": dev.capacity or None}
+            out.update(dev.feed.settings())
+            return out
         alloc = dev.allocator
         out = {"limit": alloc.memory_limit, "total": dev.capacity,
                "allow_growth": alloc.allow_growth, "fraction": None,
@@ -785,13 +917,31 @@ class LiveModel(traitlets.HasTraits):
     def configure(self, device: int | None = None, **changes: Any) -> None:
         """``Session.configure(**changes, device=...)`` on the watched session, then wake
         the refresher. Raises what the session raises (nothing changes then)."""
+        if self._devices and self._devices[0].feed is not None:
+            targets = range(len(self._devices)) if device is None else [self._index(device)]
+            for i in targets:
+                feed = self._devices[i].feed
+                if feed.controls is not None:
+                    raise ConfigError(f"{feed.name}: {feed.controls}")
+            for i in targets:
+                self._devices[i].feed.configure(**changes)
+            self.request_refresh()
+            return
         sess = self._require_session("configure()")
         sess.configure(device=device, **changes)
         self.request_refresh()
 
     def release_free_regions(self, device: int | None = None) -> int:
         """Return wholly free regions of one device (or all) to the backend; bytes returned."""
-        if self._session is not None:
+        if self._devices[0].feed is not None:
+            targets = range(len(self._devices)) if device is None else [self._index(device)]
+            freed = 0
+            for i in targets:
+                feed = self._devices[i].feed
+                if feed.controls is not None:
+                    raise ConfigError(f"{feed.name}: {feed.controls}")
+                freed += int(feed.release_free_regions())
+        elif self._session is not None:
             freed = self._session.release_free_regions(device)
         else:
             freed = self._devices[0].allocator.release_free_regions()
@@ -800,6 +950,16 @@ class LiveModel(traitlets.HasTraits):
 
     def flush_deferred(self, device: int | None = None) -> int:
         """Return the session's deferred frees to the allocators now; bytes returned."""
+        if self._devices[0].feed is not None:
+            targets = range(len(self._devices)) if device is None else [self._index(device)]
+            freed = 0
+            for i in targets:
+                feed = self._devices[i].feed
+                if feed.controls is not None:
+                    raise ConfigError(f"{feed.name}: {feed.controls}")
+                freed += int(feed.flush_deferred())
+            self.request_refresh()
+            return freed
         sess = self._require_session("flush_deferred()")
         freed = sess.flush(device)
         self.request_refresh()
@@ -821,6 +981,11 @@ class LiveModel(traitlets.HasTraits):
             remove, dev.remove_sink = dev.remove_sink, None
             if remove is not None:
                 remove()
+            if dev.feed is not None:
+                try:
+                    dev.feed.stop()
+                except Exception as exc:  # noqa: BLE001 - close the other feeds too
+                    logger.error("gpudash: feed %r failed to stop: %r", dev.feed, exc)
         with self._lock:
             self._listeners.clear()
             self._tick_listeners.clear()
@@ -841,6 +1006,14 @@ class LiveModel(traitlets.HasTraits):
         state = "closed" if self.closed else ("paused" if self.paused else "live")
         return (f"LiveModel({len(self._devices)} device(s), {state}, rate_hz={self.rate_hz:g}, "
                 f"refreshes={self.refreshes})")
+
+
+def _empty_table() -> dict:
+    """A chunk table without chunks (a source without a layout)."""
+    z = np.zeros(0, dtype=np.int64)
+    return {"ptr": z, "size": z, "requested": z, "alloc_id": z,
+            "bin": np.zeros(0, dtype=np.int8), "region": z, "in_use": np.zeros(0, dtype=bool),
+            "regions": np.zeros((0, 2), dtype=np.int64)}
 
 
 def _make_sink(ref: weakref.ref[LiveModel], index: int) -> Callable[[dict, dict], None]:

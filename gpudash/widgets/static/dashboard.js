@@ -1,0 +1,534 @@
+// gpudash live dashboard (anywidget ES module). See gpudash/widgets/dashboard.py for the
+// protocol: plotly.js once per page (asked for only when missing), a snapshot per hello,
+// binary increments after it, one redraw per animation frame at most.
+
+const G = (globalThis.__gpudash = globalThis.__gpudash || { libs: {}, views: [] });
+
+function u8(buf) {
+  if (buf instanceof Uint8Array) return buf;
+  if (buf instanceof ArrayBuffer) return new Uint8Array(buf);
+  return new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength);
+}
+
+function f64(buf) {
+  const b = u8(buf);
+  const copy = new Uint8Array(b.byteLength);
+  copy.set(b);
+  return new Float64Array(copy.buffer);
+}
+
+function loadPlotly(model) {
+  const version = model.get("lib_version");
+  if (G.libs[version]) return G.libs[version];
+  G.libs[version] = new Promise((resolve, reject) => {
+    const onMsg = async (msg, buffers) => {
+      if (!msg || msg.type !== "lib") return;
+      model.off("msg:custom", onMsg);
+      try {
+        const bytes = u8(buffers[0]);
+        let text;
+        if (msg.encoding === "gzip") {
+          const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+          text = await new Response(stream).text();
+        } else {
+          text = new TextDecoder().decode(bytes);
+        }
+        const module = { exports: {} };
+        new Function("module", "exports", "define", text)(module, module.exports, undefined);
+        G.libBytes = (G.libBytes || 0) + bytes.byteLength;
+        G.libLoads = (G.libLoads || 0) + 1;
+        resolve(module.exports);
+      } catch (err) {
+        delete G.libs[version];
+        reject(err);
+      }
+    };
+    model.on("msg:custom", onMsg);
+    model.send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
+  });
+  return G.libs[version];
+}
+
+// ---------------------------------------------------------------- units (gpudash.style)
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+
+function fmtBytes(n) {
+  n = Number(n);
+  if (!isFinite(n)) return "-";
+  const sign = n < 0 ? "-" : "";
+  n = Math.abs(n);
+  let i = 0;
+  while (n >= 1024 && i < UNITS.length - 1) { n /= 1024; i++; }
+  return sign + (i === 0 ? n.toFixed(0) : n.toFixed(2)) + " " + UNITS[i];
+}
+
+// The binary unit an axis reads in: the largest with top >= 1 of it.
+function unitFor(top) {
+  let i = 0;
+  let u = 1;
+  while (i < UNITS.length - 1 && top >= u * 1024) { u *= 1024; i++; }
+  return { scale: u, name: UNITS[i] };
+}
+
+function esc(s) {
+  return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;",
+    '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+const CSS = `
+.gd-root{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;font-size:12px;color:#222}
+.gd-head{display:flex;flex-wrap:wrap;gap:4px 16px;padding:4px 2px;align-items:baseline}
+.gd-head b{font-size:14px}
+.gd-banner{margin:4px 0;padding:6px 8px;border-radius:4px;background:#efe6f7;border-left:4px solid #9467bd}
+.gd-over{background:#d62728;color:#fff;font-weight:bold;padding:2px 8px;border-radius:3px}
+.gd-controls{display:flex;flex-wrap:wrap;gap:6px 12px;align-items:center;padding:4px 2px;border-top:1px solid #eee;border-bottom:1px solid #eee}
+.gd-controls label{display:flex;gap:4px;align-items:center}
+.gd-controls button{padding:2px 8px;cursor:pointer}
+.gd-controls input[type=range]{width:180px}
+.gd-controls input[type=number]{width:80px}
+.gd-status{min-height:16px;color:#555;padding:2px}
+.gd-status.err{color:#d62728}
+.gd-grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:8px}
+.gd-cell{min-width:0;border:1px solid #f0f0f0;border-radius:4px;padding:2px}
+.gd-title{font-weight:600;padding:2px 4px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.gd-plot{height:260px}
+.gd-none{height:260px;display:flex;align-items:center;justify-content:center;color:#777;text-align:center;padding:0 20px}
+`;
+
+function el(tag, attrs, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v; else e.setAttribute(k, v);
+  }
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// ---------------------------------------------------------------- one rendered view
+class View {
+  constructor(model, root, Plotly) {
+    this.model = model;
+    this.root = root;
+    this.Plotly = Plotly;
+    this.setup = model.get("setup");
+    this.C = this.setup.colors;
+    this.views = model.get("views");
+    this.ready = false;
+    this.dirty = new Set();
+    this.frame = 0;
+    this.stats = { updates: 0, draws: 0, snapshots: 0, bytes: 0, replies: 0, drawMs: 0 };
+    this.pending = {};
+    this.inflight = {};
+    this.nextId = 1;
+    this.build();
+  }
+
+  build() {
+    const r = this.root;
+    r.classList.add("gd-root");
+    r.appendChild(el("style", {}, CSS));
+    this.head = r.appendChild(el("div", { class: "gd-head" }));
+    this.banner = r.appendChild(el("div", { class: "gd-banner", style: "display:none" }));
+    this.controls = r.appendChild(el("div", { class: "gd-controls" }));
+    this.status = r.appendChild(el("div", { class: "gd-status" }));
+    this.buildControls();
+    this.grid = r.appendChild(el("div", { class: "gd-grid" }));
+    this.cells = {};
+    const titles = { timeline: "memory over time", heatmap: "address x time: bytes in use",
+      chunkmap: "chunk map", bins: "bins" };
+    for (const name of ["timeline", "heatmap", "chunkmap", "bins"]) {
+      if (!this.views.includes(name)) continue;
+      const cell = this.grid.appendChild(el("div", { class: "gd-cell", "data-view": name }));
+      const title = cell.appendChild(el("div", { class: "gd-title" }, titles[name]));
+      const plot = cell.appendChild(el("div", { class: "gd-plot" }));
+      const none = cell.appendChild(el("div", { class: "gd-none", style: "display:none" }));
+      this.cells[name] = { cell, title, plot, none, drawn: false };
+    }
+    if (!this.views.includes("stats")) this.head.style.display = "none";
+  }
+
+  buildControls() {
+    const c = this.controls;
+    const devs = this.setup.devices;
+    this.ctl = {};
+    if (devs.length > 1) {
+      const lab = c.appendChild(el("label", {}, "device "));
+      const sel = lab.appendChild(el("select", { "data-ctl": "device" }));
+      devs.forEach((d, i) => sel.appendChild(el("option", { value: String(i) }, d)));
+      sel.value = String(this.model.get("device"));
+      sel.addEventListener("change", () => this.act("device", Number(sel.value)));
+      this.ctl.device = sel;
+    }
+    const lab = c.appendChild(el("label", {}, "fraction "));
+    const slider = lab.appendChild(el("input", { type: "range", min: "0.01", max: "1",
+      step: "0.01", value: "1", "data-ctl": "fraction" }));
+    const fval = lab.appendChild(el("span", { "data-ctl": "fraction-value" }, ""));
+    slider.addEventListener("input", () => {
+      fval.textContent = Number(slider.value).toFixed(2);
+      this.act("fraction", Number(slider.value), true);
+    });
+    this.ctl.fraction = slider;
+    this.ctl.fractionValue = fval;
+    const growth = c.appendChild(el("button", { "data-ctl": "growth" }, "growth: ?"));
+    growth.addEventListener("click", () => this.act("growth", !this.growthOn));
+    this.ctl.growth = growth;
+    const dl = c.appendChild(el("label", {}, "deferred (MiB) "));
+    const deferred = dl.appendChild(el("input", { type: "number", min: "0", step: "1",
+      "data-ctl": "deferred" }));
+    deferred.addEventListener("change", () =>
+      this.act("deferred", Math.round(Number(deferred.value) * 1048576)));
+    this.ctl.deferred = deferred;
+    const release = c.appendChild(el("button", { "data-ctl": "release" }, "release free regions"));
+    release.addEventListener("click", () => this.act("release"));
+    this.ctl.release = release;
+    const flush = c.appendChild(el("button", { "data-ctl": "flush" }, "flush deferred"));
+    flush.addEventListener("click", () => this.act("flush"));
+    this.ctl.flush = flush;
+    const pause = c.appendChild(el("button", { "data-ctl": "pause" }, "updates: live"));
+    pause.addEventListener("click", () => this.act("pause", !this.paused));
+    this.ctl.pause = pause;
+    const rl = c.appendChild(el("label", {}, "refresh "));
+    const rate = rl.appendChild(el("select", { "data-ctl": "rate" }));
+    for (const hz of [1, 2, 4, 8, 15, 30]) rate.appendChild(el("option", { value: String(hz) }, hz + "/s"));
+    rate.addEventListener("change", () => this.act("rate", Number(rate.value)));
+    this.ctl.rate = rate;
+    const restart = c.appendChild(el("button", { "data-ctl": "restart", style: "display:none" },
+      "settings to restart with"));
+    restart.addEventListener("click", () => this.act("restart"));
+    this.ctl.restart = restart;
+  }
+
+  // Send a control; `coalesce` keeps one in flight per control and sends the newest value
+  // when the answer comes (a dragged slider never queues).
+  act(name, value, coalesce) {
+    if (coalesce && this.inflight[name]) { this.pending[name] = value; return; }
+    const id = this.nextId++;
+    this.inflight[name] = { id, t: performance.now() };
+    this.model.send({ type: "action", name, value, id });
+  }
+
+  onReply(msg) {
+    this.stats.replies++;
+    const f = this.inflight[msg.name];
+    if (f && f.id === msg.id) {
+      this.stats.lastReplyMs = performance.now() - f.t;
+      delete this.inflight[msg.name];
+    }
+    this.status.textContent = (msg.ok ? "" : "refused: ") + msg.text + (msg.warning ? " - " + msg.warning : "");
+    this.status.classList.toggle("err", !msg.ok);
+    if (msg.controls) this.applyControls(msg.controls);
+    if (msg.name in this.pending) {
+      const v = this.pending[msg.name];
+      delete this.pending[msg.name];
+      this.act(msg.name, v, true);
+    }
+  }
+
+  applyControls(info) {
+    const s = info.settings || {};
+    this.info = info;
+    const ctl = this.ctl;
+    const total = s.total || 0;
+    // fraction 0 (or unset) means "all the device allows": show the limit's share as "auto"
+    const auto = !s.fraction;
+    const frac = !auto ? s.fraction : (total && s.limit ? s.limit / total : null);
+    if (frac != null && !this.inflight.fraction && document.activeElement !== ctl.fraction) {
+      ctl.fraction.value = String(frac);
+      ctl.fractionValue.textContent = (auto ? "auto" : Number(frac).toFixed(2)) +
+        (s.limit != null ? " (limit " + fmtBytes(s.limit) + ")" : "");
+    }
+    this.growthOn = !!s.allow_growth;
+    ctl.growth.textContent = "growth: " + (s.allow_growth == null ? "?" : (s.allow_growth ? "on" : "off"));
+    if (s.deferred_deletion_bytes != null && document.activeElement !== ctl.deferred)
+      ctl.deferred.value = String(Math.round(s.deferred_deletion_bytes / 1048576));
+    this.paused = !!info.paused;
+    ctl.pause.textContent = "updates: " + (this.paused ? "paused" : "live");
+    ctl.rate.value = String(Math.round(info.rate_hz));
+    const reason = info.disabled;
+    for (const k of ["fraction", "growth", "deferred", "release", "flush"]) {
+      const e = ctl[k];
+      if (reason) { e.setAttribute("disabled", ""); e.title = reason; }
+      else { e.removeAttribute("disabled"); e.title = ""; }
+    }
+    if (!info.session && !reason) { ctl.flush.setAttribute("disabled", ""); ctl.deferred.setAttribute("disabled", "");
+      ctl.flush.title = ctl.deferred.title = "deferred deletion lives in a gpudash.Session"; }
+    ctl.restart.style.display = info.restart ? "" : "none";
+    this.hasLayout = info.has_layout !== false;
+  }
+
+  // ------------------------------------------------------------ data in
+  onMessage(msg, buffers) {
+    if (!msg) return;
+    if (msg.type === "reply") return this.onReply(msg);
+    if (msg.type !== "snapshot" && msg.type !== "update") return;
+    if (msg.type === "update" && !this.ready) return;
+    this.stats.bytes += buffers.reduce((a, b) => a + b.byteLength, 0);
+    if (msg.type === "snapshot") {
+      this.ready = true;
+      this.stats.snapshots++;
+      this.tl = { t: [], used: [], pool: [], limit: [] };
+      this.heat = { cols: [], t: [] };
+      if (msg.controls) this.applyControls(msg.controls);
+      if (this.ctl.device) this.ctl.device.value = String(msg.device);
+    } else {
+      this.stats.updates++;
+      if (msg.controls) this.applyControls(msg.controls);  // settings changed from code
+    }
+    this.now = msg.now;
+    this.headline = msg.headline;
+    const tl = f64(buffers[0]);
+    const n = msg.timeline_n;
+    for (let i = 0; i < n; i++) {
+      this.tl.t.push(tl[i]); this.tl.used.push(tl[n + i]);
+      this.tl.pool.push(tl[2 * n + i]); this.tl.limit.push(tl[3 * n + i]);
+    }
+    if (this.tl.t.length > 20000) for (const k of ["t", "used", "pool", "limit"]) this.tl[k].splice(0, 10000);
+    const h = msg.heat;
+    const hb = u8(buffers[1]);
+    const ht = f64(buffers[2]);
+    if (h.full) this.heat = { cols: [], t: [] };
+    this.heat.rows = h.rows;
+    this.heat.rowBytes = h.row_bytes;
+    for (let j = 0; j < h.n; j++) {
+      this.heat.cols.push(hb.slice(j * h.rows, (j + 1) * h.rows));
+      this.heat.t.push(ht[j]);
+    }
+    const extra = this.heat.cols.length - h.max_columns;
+    if (extra > 0) { this.heat.cols.splice(0, extra); this.heat.t.splice(0, extra); }
+    if (msg.chunks) {
+      this.chunks = { meta: msg.chunks, cols: f64(buffers[3]), bins: f64(buffers[4]) };
+      this.dirty.add("chunkmap"); this.dirty.add("bins");
+    }
+    this.dirty.add("head"); this.dirty.add("timeline"); this.dirty.add("heatmap");
+    this.schedule();
+  }
+
+  schedule() {
+    if (this.frame || this.closed) return;
+    this.frame = requestAnimationFrame(() => { this.frame = 0; this.draw(); });
+  }
+
+  // ------------------------------------------------------------ drawing (one per frame)
+  draw() {
+    const t0 = performance.now();
+    const d = this.dirty;
+    this.dirty = new Set();
+    if (d.has("head")) this.drawHead();
+    if (d.has("timeline") && this.cells.timeline) this.drawTimeline();
+    if (d.has("heatmap") && this.cells.heatmap) this.drawHeatmap();
+    if (d.has("chunkmap") && this.cells.chunkmap) this.drawChunks();
+    if (d.has("bins") && this.cells.bins) this.drawBins();
+    this.stats.draws++;
+    this.stats.drawMs = performance.now() - t0;
+    this.root.dataset.draws = String(this.stats.draws);
+  }
+
+  xRange() {
+    const a = this.tl.t.length ? this.tl.t[0] : 0;
+    const b = this.heat.t.length ? this.heat.t[0] : a;
+    const lo = Math.min(a, b);
+    return [lo, Math.max(this.now || 0, lo + 1)];
+  }
+
+  layout(extra) {
+    return Object.assign({
+      margin: { l: 64, r: 10, t: 8, b: 36 }, height: 260, autosize: true,
+      font: { family: "system-ui, sans-serif", size: 11 }, showlegend: false,
+      plot_bgcolor: "white", paper_bgcolor: "white", uirevision: "gpudash",
+    }, extra);
+  }
+
+  plot(name, traces, layout) {
+    const cell = this.cells[name];
+    const config = { displaylogo: false, responsive: true, displayModeBar: "hover",
+      modeBarButtonsToRemove: ["select2d", "lasso2d", "toImage"] };
+    this.Plotly.react(cell.plot, traces, layout, config);
+    cell.drawn = true;
+    cell.plot.dataset.drawn = "1";
+  }
+
+  none(name, text) {
+    const cell = this.cells[name];
+    cell.plot.style.display = "none";
+    cell.none.style.display = "";
+    cell.none.textContent = text;
+    cell.drawn = true;
+    cell.plot.dataset.drawn = "1";
+  }
+
+  drawHead() {
+    const h = this.headline;
+    if (!h) return;
+    const over = h.in_use > h.limit && h.limit > 0;
+    const items = [
+      `<b>${esc(h.name)}</b>`,
+      `in use <b>${fmtBytes(h.in_use)}</b>`,
+      `pool <b>${fmtBytes(h.pool)}</b>`,
+      `limit <b>${h.limit ? fmtBytes(h.limit) : "-"}</b>`,
+      `peak ${fmtBytes(h.peak)}`,
+      `largest free ${fmtBytes(h.largest_free)}`,
+      `fragmentation ${(100 * h.fragmentation).toFixed(1)} %`,
+      `chunks ${h.chunks}`,
+      `OOMs ${h.counters.ooms || 0}`,
+    ];
+    if (over) items.push('<span class="gd-over">OVER LIMIT</span>');
+    this.head.innerHTML = items.map((x) => `<span>${x}</span>`).join("");
+    if (h.pending_release > 0) {
+      this.banner.style.display = "";
+      this.banner.textContent = `pool above limit: ${fmtBytes(h.pool)} held against a ` +
+        `${fmtBytes(h.limit)} limit. ${fmtBytes(h.pending_release)} wait to be returned: ` +
+        `${h.regions_holding} region(s) still hold memory in use, and each goes back when it ` +
+        `empties. Allocations that would take bytes in use past the limit are refused.`;
+    } else {
+      this.banner.style.display = "none";
+    }
+    const t = this.cells.timeline;
+    if (t) t.title.textContent = `memory over time - in use ${fmtBytes(h.in_use)}, pool ${fmtBytes(h.pool)}, limit ${h.limit ? fmtBytes(h.limit) : "-"}`;
+  }
+
+  drawTimeline() {
+    const tl = this.tl;
+    const C = this.C;
+    let top = 1;
+    for (const k of ["used", "pool", "limit"]) for (const v of tl[k]) if (v > top) top = v;
+    const u = unitFor(top);
+    const sc = (a) => a.map((v) => v / u.scale);
+    const x = tl.t.slice();
+    const now = this.now || 0;
+    const ext = (a) => a.length ? a.concat([a[a.length - 1]]) : a;  // lines reach the present
+    const xs = x.length ? x.concat([now]) : x;
+    const hov = `%{y:.2f} ${u.name} at %{x:.1f} s`;
+    const traces = [
+      { type: "scatter", mode: "lines", name: "in use", x: xs, y: ext(sc(tl.used)),
+        line: { color: C["in use"], width: 2, shape: "hv" }, fill: "tozeroy", fillcolor: this.setup.fills["in use"],
+        hovertemplate: "in use " + hov + "<extra></extra>" },
+      { type: "scatter", mode: "lines", name: "pool", x: xs, y: ext(sc(tl.pool)),
+        line: { color: C.pool, width: 1.5, shape: "hv" }, hovertemplate: "pool " + hov + "<extra></extra>" },
+      { type: "scatter", mode: "lines", name: "limit", x: xs, y: ext(sc(tl.limit)),
+        line: { color: C.limit, width: 1.5, dash: "dash", shape: "hv" }, hovertemplate: "limit " + hov + "<extra></extra>" },
+    ];
+    const ooms = (this.headline && this.headline.ooms) || [];
+    if (ooms.length) traces.push({ type: "scatter", mode: "markers", name: "OOM",
+      x: ooms.map((o) => o[0]), y: ooms.map((o) => o[2] / u.scale),
+      marker: { color: C.oom, symbol: "x", size: 10 },
+      customdata: ooms.map((o) => fmtBytes(o[1])),
+      hovertemplate: "out of memory: %{customdata} at %{x:.1f} s<extra></extra>" });
+    this.plot("timeline", traces, this.layout({
+      xaxis: { title: { text: this.setup.time_title }, range: this.xRange(), gridcolor: C.grid },
+      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name, rangemode: "tozero", gridcolor: C.grid },
+    }));
+  }
+
+  drawHeatmap() {
+    if (!this.hasLayout) return this.none("heatmap", "this source reports totals only: no address layout to draw");
+    const H = this.heat;
+    const rows = H.rows || 0;
+    const ncol = H.cols.length;
+    const top = rows * (H.rowBytes || 1);
+    const u = unitFor(top);
+    const z = new Array(rows);
+    for (let r = 0; r < rows; r++) {
+      const row = new Float32Array(ncol);
+      for (let j = 0; j < ncol; j++) row[j] = H.cols[j][r] / 2.55;
+      z[r] = row;
+    }
+    const y = new Float64Array(rows);
+    for (let r = 0; r < rows; r++) y[r] = ((r + 0.5) * H.rowBytes) / u.scale;
+    // column j holds the state from its sample time until the next column's: pass cell
+    // edges (ncol + 1 of them), not centres, so nothing is painted before it happened
+    const edges = new Float64Array(ncol + 1);
+    for (let j = 0; j < ncol; j++) edges[j] = H.t[j];
+    if (ncol) edges[ncol] = Math.max(this.now || 0, H.t[ncol - 1] + 1e-3);
+    this.plot("heatmap", [{ type: "heatmap", x: edges, y, z, zmin: 0, zmax: 100,
+      colorscale: this.setup.heatmap_scale, colorbar: { title: { text: "% in use" }, thickness: 10 },
+      hovertemplate: `%{x:.1f} s, offset %{y:.2f} ${u.name}: %{z:.0f} % in use<extra></extra>` }],
+    this.layout({
+      xaxis: { title: { text: this.setup.time_title }, range: this.xRange() },
+      yaxis: { title: { text: "address offset" }, ticksuffix: " " + u.name, range: [0, top / u.scale] },
+      margin: { l: 64, r: 10, t: 8, b: 36 },
+    }));
+  }
+
+  drawChunks() {
+    if (!this.hasLayout) return this.none("chunkmap", "this source reports totals only: no chunk layout to draw");
+    const ch = this.chunks;
+    const n = ch.meta.n;
+    const c = ch.cols;
+    const holders = ch.meta.holders;
+    let top = 1;
+    for (const r of ch.meta.regions) if (r[1] > top) top = r[1];
+    const u = unitFor(top);
+    const T = { used: { y: [], b: [], x: [], h: [] }, waste: { y: [], b: [], x: [], h: [] },
+      free: { y: [], b: [], x: [], h: [] } };
+    for (let i = 0; i < n; i++) {
+      const reg = c[i], off = c[n + i], size = c[2 * n + i], req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
+      const addr = "0x" + ptr.toString(16);
+      const who = holders && holders[i] ? "<br>held by " + esc(holders[i]) : "";
+      if (used) {
+        const hv = `${addr}<br>size ${fmtBytes(size)}<br>requested ${fmtBytes(req)}${who}`;
+        T.used.y.push(reg); T.used.b.push(off / u.scale); T.used.x.push(req / u.scale); T.used.h.push(hv);
+        if (size > req) { T.waste.y.push(reg); T.waste.b.push((off + req) / u.scale); T.waste.x.push((size - req) / u.scale); T.waste.h.push(hv + "<br>waste " + fmtBytes(size - req)); }
+      } else {
+        T.free.y.push(reg); T.free.b.push(off / u.scale); T.free.x.push(size / u.scale); T.free.h.push(`${addr}<br>free ${fmtBytes(size)}`);
+      }
+    }
+    const C = this.C;
+    const mk = (t, name, color) => ({ type: "bar", orientation: "h", name, y: t.y, base: t.b, x: t.x,
+      marker: { color, line: { width: 0.5, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8 });
+    const regions = ch.meta.regions;
+    const cell = this.cells.chunkmap;
+    cell.title.textContent = `chunk map - ${n} chunks in ${ch.meta.n_regions} region(s)`;
+    this.plot("chunkmap", [mk(T.used, "in use", C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
+      this.layout({ barmode: "overlay", bargap: 0.1,
+        xaxis: { title: { text: "offset in region" }, ticksuffix: " " + u.name, rangemode: "tozero" },
+        yaxis: { title: { text: "region" }, automargin: true, tickmode: "array", tickvals: regions.map((_, i) => i),
+          ticktext: regions.map((r) => fmtBytes(r[1])), autorange: "reversed" } }));
+  }
+
+  drawBins() {
+    if (!this.hasLayout) return this.none("bins", "this source reports totals only: no bins to draw");
+    const b = this.chunks.bins;
+    const k = 21;
+    const labels = this.setup.bin_labels;
+    let top = 1;
+    for (let i = 0; i < k; i++) top = Math.max(top, b[i] + b[k + i]);
+    const u = unitFor(top);
+    const C = this.C;
+    const col = (o) => Array.from(b.subarray(o * k, (o + 1) * k));
+    const free = col(0), used = col(1), fc = col(2), uc = col(3);
+    this.plot("bins", [
+      { type: "bar", name: "in use", x: labels, y: used.map((v) => v / u.scale), marker: { color: C["in use"] },
+        customdata: uc.map((n, i) => `${n} chunk(s), ${fmtBytes(used[i])}`), hovertemplate: "in use: %{customdata}<extra>%{x}</extra>" },
+      { type: "bar", name: "free", x: labels, y: free.map((v) => v / u.scale), marker: { color: C.free },
+        customdata: fc.map((n, i) => `${n} chunk(s), ${fmtBytes(free[i])}`), hovertemplate: "free: %{customdata}<extra>%{x}</extra>" },
+    ], this.layout({ barmode: "stack", xaxis: { title: { text: "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
+      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name } }));
+  }
+
+  close() {
+    this.closed = true;
+    if (this.frame) cancelAnimationFrame(this.frame);
+    for (const c of Object.values(this.cells)) { try { this.Plotly.purge(c.plot); } catch (e) { /* gone */ } }
+    G.views = G.views.filter((v) => v !== this);
+  }
+}
+
+async function render({ model, el: root }) {
+  const wait = root.appendChild(el("div", { class: "gd-status" }, "gpudash: loading the views..."));
+  let Plotly;
+  try {
+    Plotly = await loadPlotly(model);
+  } catch (err) {
+    wait.textContent = "gpudash: could not load plotly.js: " + err;
+    return () => {};
+  }
+  wait.remove();
+  const view = new View(model, root, Plotly);
+  G.views.push(view);
+  const onMsg = (msg, buffers) => view.onMessage(msg, buffers || []);
+  model.on("msg:custom", onMsg);
+  model.send({ type: "hello" });
+  return () => { model.off("msg:custom", onMsg); view.close(); };
+}
+
+export default { render };
