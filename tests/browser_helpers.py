@@ -119,8 +119,9 @@ class LabServer:
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
-    def __init__(self, workdir: Path, notebooks: Path = NOTEBOOKS) -> None:
+    def __init__(self, workdir: Path, notebooks: Path = NOTEBOOKS, repo: Path = REPO) -> None:
         self.workdir = Path(workdir)
+        self.repo = Path(repo)  # the checkout whose gpudash the kernels import
         self.root = self.workdir / "notebooks"
         self.home = self.workdir / "jupyter"
         self.log_path = self.workdir / "jupyterlab.log"
@@ -155,9 +156,9 @@ class LabServer:
         env = dict(os.environ)
         env.update({
             "GPUDASH_SIMULATE": SIMULATE,
-            # The kernels import the gpudash of this checkout.
+            # The kernels import the gpudash of this checkout (or of ``repo``).
             "PYTHONPATH": os.pathsep.join(
-                p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+                p for p in (str(self.repo), env.get("PYTHONPATH", "")) if p),
             "JUPYTER_CONFIG_DIR": str(config),
             "JUPYTER_RUNTIME_DIR": str(self.home / "runtime"),
             "JUPYTER_DATA_DIR": str(self.home / "data"),
@@ -183,6 +184,8 @@ class LabServer:
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",
             "--LabApp.expose_app_in_browser=True",
+            # Notebook 7 (/tree, /notebooks/...) is served too, where installed
+            "--JupyterNotebookApp.expose_app_in_browser=True",
             f"--LabApp.user_settings_dir={self.home / 'lab-user-settings'}",
             f"--LabApp.workspaces_dir={self.home / 'workspaces'}",
         ] + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])

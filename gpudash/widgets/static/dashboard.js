@@ -116,11 +116,19 @@ class View {
     this.ready = false;
     this.dirty = new Set();
     this.frame = 0;
-    this.stats = { updates: 0, draws: 0, snapshots: 0, bytes: 0, replies: 0, drawMs: 0 };
+    this.stats = { updates: 0, draws: 0, snapshots: 0, bytes: 0, replies: 0, drawMs: 0, ms: {} };
+    this.visible = true;
     this.pending = {};
     this.inflight = {};
     this.nextId = 1;
     this.build();
+    if (typeof IntersectionObserver !== "undefined") {
+      this.observer = new IntersectionObserver((entries) => {
+        for (const e of entries) this.visible = e.isIntersecting;
+        if (this.visible && this.dirty.size) this.schedule();
+      });
+      this.observer.observe(root);
+    }
   }
 
   build() {
@@ -304,23 +312,33 @@ class View {
   }
 
   schedule() {
-    if (this.frame || this.closed) return;
+    if (this.frame || this.closed || !this.visible) return;
     this.frame = requestAnimationFrame(() => { this.frame = 0; this.draw(); });
   }
 
-  // ------------------------------------------------------------ drawing (one per frame)
+  // ------------------------------------------------------------ drawing, on animation frames
+  // What changed is drawn in a fixed order, a few milliseconds' worth per frame: a plot that
+  // takes long (the heatmap) never holds the page for all four, and a dashboard scrolled out
+  // of view draws nothing until it is back (it keeps taking in data).
   draw() {
+    if (!this.visible) return;
     const t0 = performance.now();
-    const d = this.dirty;
-    this.dirty = new Set();
-    if (d.has("head")) this.drawHead();
-    if (d.has("timeline") && this.cells.timeline) this.drawTimeline();
-    if (d.has("heatmap") && this.cells.heatmap) this.drawHeatmap();
-    if (d.has("chunkmap") && this.cells.chunkmap) this.drawChunks();
-    if (d.has("bins") && this.cells.bins) this.drawBins();
+    const order = [["head", () => this.drawHead()],
+      ["timeline", () => this.drawTimeline()], ["heatmap", () => this.drawHeatmap()],
+      ["chunkmap", () => this.drawChunks()], ["bins", () => this.drawBins()]];
+    for (const [name, fn] of order) {
+      if (!this.dirty.has(name)) continue;
+      if (name !== "head" && !this.cells[name]) { this.dirty.delete(name); continue; }
+      if (name !== "head" && performance.now() - t0 > 8) break;  // the rest next frame
+      this.dirty.delete(name);
+      const t = performance.now();
+      fn();
+      this.stats.ms[name] = performance.now() - t;
+    }
     this.stats.draws++;
     this.stats.drawMs = performance.now() - t0;
     this.root.dataset.draws = String(this.stats.draws);
+    if (this.dirty.size) this.schedule();
   }
 
   xRange() {
@@ -508,6 +526,7 @@ class View {
   close() {
     this.closed = true;
     if (this.frame) cancelAnimationFrame(this.frame);
+    if (this.observer) this.observer.disconnect();
     for (const c of Object.values(this.cells)) { try { this.Plotly.purge(c.plot); } catch (e) { /* gone */ } }
     G.views = G.views.filter((v) => v !== this);
   }

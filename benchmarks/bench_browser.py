@@ -1,0 +1,382 @@
+"""The dashboard as a person meets it: JupyterLab 4 in headless Chromium, side by side.
+
+For each checkout (this one, and a baseline ``git worktree`` at ``--baseline``), a fresh
+JupyterLab on 127.0.0.1 whose kernels import that checkout's gpudash, a fresh page, and:
+
+1. ``%gpudash`` on a simulated 16 GiB device: seconds from running the cell to all four plots
+   drawn (each with its SVG and data), and the bytes the page received over the websocket
+   meanwhile (every frame; the largest one too).
+2. ``%gpudash`` again: the same, and how many library-sized frames (> 300 kB) came again.
+3. A background workload (the quick start's training loop, looped, in
+   ``gpudash.run_in_background``) with the dashboard in view:
+   - frames per second the page draws (``requestAnimationFrame`` over 5 s) and the longest
+     gap between two frames;
+   - refreshes per second of the busiest view (plotly redraw events over the same 5 s);
+   - ``1+1``: from running the cell to its output shown (median of 3);
+   - the fraction slider moved with the mouse: from the mouse to the session's limit
+     changing in the kernel (a ``subscribe`` callback stamps ``time.time()``; the page's
+     ``Date.now()`` stamps the mouse; one clock);
+   - "Connection lost" or "reconnecting" messages in the console.
+4. The notebook saved and the page reloaded: seconds until the views are drawn again, and
+   whether they show the history (more than two timeline points).
+
+Run: ``python benchmarks/bench_browser.py [--baseline REF] [--only new|baseline]
+[--json OUT]``. Needs JupyterLab, Playwright and ``/usr/bin/chromium`` (``pip install -e
+'.[test]'``; ``apt-get install chromium``). Takes a few minutes. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from browser_helpers import (  # noqa: E402
+    LabServer,
+    command,
+    launch_chromium,
+    wait_for_notebook,
+)
+
+#: main before the dashboard became one anywidget (FigureWidgets, plotly.js per figure)
+BASELINE = "446be0c"
+VIEWPORT = {"width": 1500, "height": 1100}
+
+# A plotly figure counts as drawn when it has its SVG and its traces (an empty device has
+# traces without points: nothing allocated yet is a correct drawing).
+_DRAWN_JS = """(root) => {
+    if (!root) return 0;
+    let n = 0;
+    for (const gd of root.querySelectorAll('.js-plotly-plot'))
+        if (gd.querySelector('svg.main-svg') && (gd._fullData || []).length) n++;
+    return n;
+}"""
+
+_CELL_OUTPUT_JS = "(n) => document.querySelectorAll('.jp-Notebook .jp-Cell')[n]"
+
+WORKLOAD = """\
+import threading, time
+import gpudash
+from gpudash.trace.workloads import training_loop_calls, run_workload
+sess = gpudash.default_session()
+marks = []
+sess.devices[0].allocator.subscribe(
+    lambda e: marks.append(time.time()) if getattr(e, 'setting', None) == 'memory_limit' else None)
+def workload(stop_event=None):
+    runs = 0
+    while not stop_event.is_set():
+        calls = training_loop_calls(steps=30, layers=12, batch=64, hidden=4096)
+        run_workload(calls, sess.allocate, sess.free, sleep=0.002, stop=stop_event.is_set)
+        runs += 1
+    return runs
+task = gpudash.run_in_background(workload)
+print('started')"""
+
+
+def _new_notebook(folder: Path) -> None:
+    import nbformat
+
+    folder.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext gpudash\nimport gpudash\nprint('ready')")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, folder / "bench.ipynb")
+
+
+def _add_cell(page: Any, source: str) -> int:
+    return page.evaluate("""(source) => {
+        const nb = window.jupyterapp.shell.currentWidget.content;
+        nb.activeCellIndex = nb.widgets.length - 1;
+        return window.jupyterapp.commands.execute('notebook:insert-cell-below').then(() => {
+            nb.activeCell.model.sharedModel.setSource(source);
+            return nb.activeCellIndex; }); }""", source)
+
+
+def _run_cell(page: Any, source: str, timeout_ms: int = 120_000) -> tuple[int, float]:
+    """Run ``source`` in a new cell; (cell index, seconds until its first output shows)."""
+    n = _add_cell(page, source)
+    t0 = time.monotonic()
+    command(page, "notebook:run-cell")
+    page.wait_for_function("""(n) => { const c = window.jupyterapp.shell.currentWidget
+        .content.widgets[n]; return c && c.model.outputs.length > 0; }""",
+                           arg=n, timeout=timeout_ms, polling=10)
+    return n, time.monotonic() - t0
+
+
+def _wait_drawn(page: Any, n: int, want: int = 4, timeout_s: float = 120.0) -> float:
+    t0 = time.monotonic()
+    page.wait_for_function(f"(n) => ({_DRAWN_JS})(({_CELL_OUTPUT_JS})(n)) >= {want}", arg=n,
+                           timeout=timeout_s * 1000, polling=20)
+    return time.monotonic() - t0
+
+
+def _wait_idle(page: Any) -> None:
+    page.wait_for_function("""() => { const w = window.jupyterapp.shell.currentWidget;
+        return w.sessionContext.session.kernel.status === 'idle'; }""", timeout=120_000)
+
+
+def _timeline_points(page: Any, n: int) -> int:
+    return page.evaluate("""(n) => { const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[n];
+        let best = 0;
+        for (const gd of c.querySelectorAll('.js-plotly-plot'))
+            for (const t of (gd._fullData || []))
+                if (t.type === 'scatter' && t.x && t.x.length > best) best = t.x.length;
+        return best; }""", n)
+
+
+def _frames_and_refreshes(page: Any, n: int, seconds: float = 5.0) -> dict:
+    """Frames per second and the longest frame gap; redraws per second of the busiest
+    plot of cell ``n`` (plotly's afterplot/restyle/relayout events, one per frame at most)."""
+    return page.evaluate("""([n, ms]) => new Promise((resolve) => {
+        const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[n];
+        const plots = Array.from(cell.querySelectorAll('.js-plotly-plot'));
+        const counts = plots.map(() => 0);
+        let frameNo = 0;
+        const seen = plots.map(() => -1);
+        plots.forEach((gd, i) => {
+            const hit = () => { if (seen[i] !== frameNo) { seen[i] = frameNo; counts[i]++; } };
+            if (gd.on) for (const ev of ['plotly_afterplot', 'plotly_restyle', 'plotly_relayout',
+                                         'plotly_redraw', 'plotly_react']) gd.on(ev, hit);
+        });
+        let frames = 0, maxGap = 0;
+        const t0 = performance.now();
+        let last = t0;
+        function tick(t) {
+            frames++; frameNo++;
+            maxGap = Math.max(maxGap, t - last); last = t;
+            if (t - t0 < ms) requestAnimationFrame(tick);
+            else resolve({fps: frames * 1000 / (t - t0), max_gap_ms: maxGap,
+                          refresh_hz: Math.max(0, ...counts) * 1000 / (t - t0)});
+        }
+        requestAnimationFrame(tick);
+    })""", [n, seconds * 1000])
+
+
+def _move_fraction(page: Any, n: int, value: float) -> float:
+    """Move the fraction slider of cell ``n``'s dashboard to about ``value`` with the mouse;
+    returns the page's ``Date.now()`` (ms) just before the mouse acts."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(n)
+    native = cell.locator('input[data-ctl="fraction"]')
+    if native.count():  # the anywidget dashboard: a range input
+        native.scroll_into_view_if_needed()
+        box = native.bounding_box()
+        x = box["x"] + box["width"] * (value - 0.01) / 0.99
+        y = box["y"] + box["height"] / 2
+        t = page.evaluate("Date.now()")
+        page.mouse.click(x, y)
+        return t
+    # an ipywidgets FloatSlider (noUiSlider): press, move, release (acts on release)
+    slider = cell.locator(".widget-hslider").first
+    slider.scroll_into_view_if_needed()
+    track = slider.locator(".noUi-base").bounding_box()
+    handle = slider.locator(".noUi-handle").bounding_box()
+    x0 = handle["x"] + handle["width"] / 2
+    y0 = handle["y"] + handle["height"] / 2
+    page.mouse.move(x0, y0)
+    page.mouse.down()
+    page.mouse.move(track["x"] + track["width"] * (value - 0.05) / 0.95, y0, steps=8)
+    t = page.evaluate("Date.now()")
+    page.mouse.up()
+    return t
+
+
+def _kernel_value(page: Any, expr: str) -> Any:
+    n, _ = _run_cell(page, f"import json as _j; print(_j.dumps({expr}))")
+    text = page.locator(".jp-Notebook .jp-Cell").nth(n).locator(
+        ".jp-Cell-outputArea").inner_text()
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def measure(label: str, repo: Path, work: Path, log: Any) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    out: dict[str, Any] = {"variant": label, "repo": str(repo)}
+    nbdir = work / "nb"
+    _new_notebook(nbdir)
+    lab = LabServer(work / "lab", notebooks=nbdir, repo=repo)
+    lab.start()
+    pw = sync_playwright().start()
+    browser = launch_chromium(pw)
+    try:
+        page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
+        console: list[str] = []
+        page.on("console", lambda m: console.append(m.text))
+        frames: list[tuple[float, int]] = []
+        page.on("websocket", lambda ws: ws.on(
+            "framereceived", lambda p: frames.append((time.monotonic(), len(p)))))
+        page.goto(lab.url("lab/tree/bench.ipynb?reset"))
+        wait_for_notebook(page)
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+        command(page, "notebook:run-all-cells")
+        _wait_idle(page)
+        time.sleep(1.0)
+
+        def wire(since: int) -> dict:
+            sizes = [s for _, s in frames[since:]]
+            return {"bytes": sum(sizes), "largest": max(sizes, default=0),
+                    "library_frames": sum(s > 300_000 for s in sizes)}
+
+        # 1. %gpudash to all views drawn
+        log(f"[{label}] %gpudash")
+        k = len(frames)
+        t0 = time.monotonic()
+        n1, _ = _run_cell(page, "%gpudash")
+        _wait_drawn(page, n1)
+        out["open_s"] = time.monotonic() - t0
+        time.sleep(1.0)
+        out["open_wire"] = wire(k)
+        # 2. again
+        log(f"[{label}] %gpudash again")
+        k = len(frames)
+        t0 = time.monotonic()
+        n2, _ = _run_cell(page, "%gpudash")
+        _wait_drawn(page, n2)
+        out["rerun_s"] = time.monotonic() - t0
+        time.sleep(1.0)
+        out["rerun_wire"] = wire(k)
+        out["rerun_history_points"] = _timeline_points(page, n2)
+        # 3. under load, the newest dashboard in view
+        log(f"[{label}] under load")
+        _run_cell(page, WORKLOAD)
+        page.locator(".jp-Notebook .jp-Cell").nth(n2).scroll_into_view_if_needed()
+        time.sleep(3.0)
+        out["load"] = _frames_and_refreshes(page, n2)
+        lat = []
+        for _ in range(3):
+            _, s = _run_cell(page, "1+1")
+            lat.append(s)
+        out["one_plus_one_s"] = statistics.median(lat)
+        out["one_plus_one_all_s"] = lat
+        page.locator(".jp-Notebook .jp-Cell").nth(n2).scroll_into_view_if_needed()
+        slider_ms = []
+        for target in (0.6, 0.4):
+            before = _kernel_value(page, "len(marks)")
+            t_mouse = _move_fraction(page, n2, target)
+            deadline = time.monotonic() + 30
+            got = None
+            while time.monotonic() < deadline:
+                time.sleep(0.5)
+                marks = _kernel_value(page, "marks")
+                if len(marks) > before:
+                    got = marks[before] * 1000 - t_mouse
+                    break
+            slider_ms.append(got)
+        out["slider_ms"] = slider_ms
+        _run_cell(page, "task.cancel(); print(task.result(timeout=60))")
+        out["connection_lost"] = sum(("Connection lost" in c or "reconnecting" in c.lower())
+                                     for c in console)
+        # 4. save and reload
+        log(f"[{label}] reload")
+        _wait_idle(page)
+        command(page, "docmanager:save")
+        time.sleep(1.0)
+        k = len(frames)
+        t0 = time.monotonic()
+        page.reload()
+        wait_for_notebook(page)
+        try:
+            _wait_drawn(page, n1, timeout_s=60)
+            out["reload_s"] = time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - a blank view after reload is a result
+            out["reload_s"] = None
+        out["reload_history_points"] = _timeline_points(page, n1)
+        out["reload_wire"] = wire(k)
+    finally:
+        browser.close()
+        pw.stop()
+        lab.stop()
+    return out
+
+
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}{unit}"
+    return f"{v:,}{unit}"
+
+
+def table(results: list[dict]) -> str:
+    rows = [
+        ("%gpudash to 4 views drawn (s)", lambda r: r["open_s"]),
+        ("  bytes received", lambda r: r["open_wire"]["bytes"]),
+        ("  largest frame (B)", lambda r: r["open_wire"]["largest"]),
+        ("  library-sized frames (>300 kB)", lambda r: r["open_wire"]["library_frames"]),
+        ("%gpudash again (s)", lambda r: r["rerun_s"]),
+        ("  bytes received", lambda r: r["rerun_wire"]["bytes"]),
+        ("  library-sized frames", lambda r: r["rerun_wire"]["library_frames"]),
+        ("  timeline points shown", lambda r: r["rerun_history_points"]),
+        ("under load: frames/s", lambda r: r["load"]["fps"]),
+        ("  longest frame gap (ms)", lambda r: r["load"]["max_gap_ms"]),
+        ("  busiest view refreshes/s", lambda r: r["load"]["refresh_hz"]),
+        ("  1+1 answered (s, median of 3)", lambda r: r["one_plus_one_s"]),
+        ("  slider to kernel (ms)", lambda r: ", ".join(_fmt(x) for x in r["slider_ms"])),
+        ("  'connection lost' messages", lambda r: r["connection_lost"]),
+        ("reload to views drawn (s)", lambda r: r["reload_s"]),
+        ("  timeline points shown", lambda r: r["reload_history_points"]),
+        ("  bytes received", lambda r: r["reload_wire"]["bytes"]),
+    ]
+    names = [r["variant"] for r in results]
+    width = max(len(n) for n, _ in rows) + 2
+    lines = ["".ljust(width) + "".join(n.rjust(22) for n in names)]
+    for name, get in rows:
+        cells = []
+        for r in results:
+            try:
+                v = get(r)
+            except (KeyError, TypeError):
+                v = None
+            cells.append((v if isinstance(v, str) else _fmt(v)).rjust(22))
+        lines.append(name.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default=BASELINE, help=f"git ref to compare (default "
+                    f"{BASELINE}: the dashboard of FigureWidgets)")
+    ap.add_argument("--only", choices=("new", "baseline"), default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gpudash-bench-") as tmp:
+        tmp = Path(tmp)
+        variants = []
+        if args.only in (None, "baseline"):
+            base = tmp / "baseline"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
+                            str(base), args.baseline], check=True)
+            variants.append((f"baseline {args.baseline}", base))
+        if args.only in (None, "new"):
+            variants.append(("this checkout", REPO))
+        try:
+            for label, repo in variants:
+                work = tmp / label.replace(" ", "_")
+                work.mkdir()
+                results.append(measure(label, repo, work, log))
+        finally:
+            if args.only in (None, "baseline"):
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                str(tmp / "baseline")], check=False)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
