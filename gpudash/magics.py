@@ -5,9 +5,12 @@
   simulated device, and says so once.
 - ``%gpudash --watch torch|jax|tensorflow``: watch that framework's own allocator, read-only
   (:func:`gpudash.watch`).
+- ``%gpudash`` again on the same session shows the same dashboard (its history carries on).
 - ``%gpudash_config key=value ...``: change the live session (``sess.configure``); keys are
   ``per_process_gpu_memory_fraction`` (or ``fraction``), ``allow_growth`` (``growth``),
-  ``deferred_deletion_bytes`` (``deferred``, sizes like ``16MiB``) and ``device``. A JAX
+  ``deferred_deletion_bytes`` (``deferred``, sizes like ``16MiB``) and ``device`` (``1`` or
+  ``GPU:1``). Every value is checked first and all bad ones are reported together; nothing
+  changes unless all are good. Without arguments it shows the settings in force. A JAX
   session (``Session.from_env("jax")``) also takes, and shows, JAX's names:
   ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_PYTHON_CLIENT_PREALLOCATE=false``.
 - ``%%gpudash_track``: run the cell under recording and show a compact summary.
@@ -61,6 +64,14 @@ def _parse_value(key: str, text: str) -> Any:
             return parse_bytes(text, name="deferred_deletion_bytes")
         except GpudashError as exc:
             raise UsageError(str(exc)) from None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _device_arg(text: str) -> Any:
+    """``device=`` as an index (``1``) or a name (``GPU:1``, ``/device:GPU:1``)."""
     try:
         return int(text)
     except ValueError:
@@ -146,10 +157,25 @@ class GpudashMagics(Magics):
                 return self.monitor.dashboard()
             except GpudashError as exc:
                 raise UsageError(str(exc)) from None
+        existing = self.session if self.session is not None and not self.session.closed \
+            else None
         try:
             sess = self._get_session(args.simulate, args.fraction, args.growth)
-        except GpudashError as exc:
-            raise UsageError(str(exc)) from None
+        except (GpudashError, ValueError, OverflowError) as exc:
+            raise UsageError(f"%gpudash: {exc}") from None
+        try:
+            return self._show(sess, args.device)
+        except (GpudashError, ValueError, OverflowError) as exc:
+            if sess is not existing:  # made by this call: no half-made default session
+                from .session import default_session, set_default_session
+
+                sess.close()
+                if default_session(create=False) is sess:
+                    set_default_session(None)
+                self.session = None
+            raise UsageError(f"%gpudash: {exc}") from None
+
+    def _show(self, sess: Any, device: int) -> Any:
         from .widgets import Dashboard
 
         dash = self.dashboard
@@ -157,59 +183,98 @@ class GpudashMagics(Magics):
             # the same session: the same dashboard, its history and plotly.js kept; the
             # front end draws it again from a snapshot
             n = dash.model.num_devices
-            if not 0 <= args.device < n:
-                raise UsageError(f"%gpudash: --device must be in 0..{n - 1}; got {args.device}")
-            dash.device = args.device
+            if not 0 <= device < n:
+                raise UsageError(f"%gpudash: --device must be in 0..{n - 1}; got {device}")
+            dash.device = device
             return dash
         if dash is not None:
             dash.close()
-        try:
-            self.dashboard = Dashboard(sess, device=args.device)
-        except (GpudashError, ValueError) as exc:
-            raise UsageError(str(exc)) from None
+            self.dashboard = None
+        self.dashboard = Dashboard(sess, device=device)
         return self.dashboard
 
     @line_magic
     def gpudash_config(self, line: str = "") -> None:
-        """Change the live session: ``%gpudash_config fraction=0.3 growth=false``."""
+        """Change the live session: ``%gpudash_config fraction=0.3 growth=false``.
+
+        Without arguments, shows the settings in force. Every value is checked before
+        anything changes; all the bad ones are reported together."""
         if self.session is None or self.session.closed:
             raise UsageError("no gpudash session yet: run %gpudash first")
-        changes: dict[str, Any] = {}
+        try:
+            items = shlex.split(line)
+        except ValueError as exc:  # unbalanced quotes
+            raise UsageError(f"%gpudash_config: {exc}: {line!r}") from None
         framework = getattr(self.session, "framework", "tensorflow")
+        if not items:
+            for dev in self.session.devices:
+                print(self._settings_line(dev, framework))
+            return
+        changes: dict[str, Any] = {}
         named: dict[str, str] = {}  # settings under the framework's names (JAX's variables)
-        for item in shlex.split(line):
+        problems: list[str] = []
+        for item in items:
             key, sep, value = item.partition("=")
             if sep and framework == "jax" and key.startswith(("XLA_", "TF_")):
                 named[key] = value
                 continue
             if not sep or key not in _KEYS:
-                raise UsageError(
-                    f"%gpudash_config takes key=value pairs with keys {sorted(set(_KEYS))}; "
-                    f"got {item!r}")
+                problems.append(f"{item!r} is not key=value with a key among "
+                                f"{', '.join(sorted(set(_KEYS)))}")
+                continue
             name = _KEYS[key]
-            changes[name] = _parse_value(name, value)
-        try:
-            if named:
+            try:
+                if name == "device":
+                    changes["device"] = self.session.device(_device_arg(value)).index
+                else:
+                    changes[name] = _parse_value(name, value)
+            except (UsageError, GpudashError, ValueError, IndexError, OverflowError) as exc:
+                problems.append(str(exc))
+        if named:
+            try:
                 from .options import framework_changes
 
                 changes.update(framework_changes(framework, named))
-            if not changes:
-                raise UsageError(
-                    "%gpudash_config: nothing to change, e.g. %gpudash_config fraction=0.5")
+            except GpudashError as exc:
+                problems.append(str(exc))
+        if not problems:
+            # the values against the options (ranges), all before anything changes
+            from .options import GPUOptions
+
+            for k, v in changes.items():
+                if k == "device":
+                    continue
+                try:
+                    GPUOptions().copy(**{k: v})
+                except GpudashError as exc:
+                    problems.append(str(exc))
+        if problems:
+            raise UsageError("%gpudash_config changed nothing:\n  " + "\n  ".join(problems))
+        if not any(k != "device" for k in changes):
+            raise UsageError(
+                "%gpudash_config: nothing to change, e.g. %gpudash_config fraction=0.5")
+        try:
             self.session.configure(**changes)
         except GpudashError as exc:
-            raise UsageError(str(exc)) from None
-        dev = self.session.devices[changes.get("device", 0) or 0]
+            raise UsageError(f"%gpudash_config changed nothing: {exc}") from None
+        targets = ([self.session.devices[changes["device"]]] if "device" in changes
+                   else self.session.devices)
+        for dev in targets:
+            print(self._settings_line(dev, framework))
+
+    @staticmethod
+    def _settings_line(dev: Any, framework: str) -> str:
         if framework == "jax":
             from .options import framework_settings_text
 
-            print(f"gpudash ({framework}): {dev.name} " + framework_settings_text(
+            return f"gpudash ({framework}): {dev.name} " + framework_settings_text(
                 framework, dev.options.per_process_gpu_memory_fraction,
-                dev.allocator.allow_growth, dev.memory_limit))
-            return
-        print(f"gpudash: {dev.name} limit {format_bytes(dev.memory_limit)}, "
-              f"allow_growth={dev.allocator.allow_growth}, "
-              f"deferred_deletion_bytes={format_bytes(dev._deferred.threshold)}")
+                dev.allocator.allow_growth, dev.memory_limit)
+        fraction = dev.options.per_process_gpu_memory_fraction
+        return (f"gpudash: {dev.name} fraction={fraction:g}{' (auto)' if not fraction else ''}"
+                f", limit {format_bytes(dev.memory_limit)}, "
+                f"allow_growth={dev.allocator.allow_growth}, "
+                f"deferred_deletion_bytes={format_bytes(dev._deferred.threshold)}")
 
     @cell_magic
     def gpudash_track(self, line: str, cell: str) -> Any:
@@ -251,8 +316,12 @@ class GpudashMagics(Magics):
                 events.register("pre_run_cell", self._pre_run_cell)
                 events.register("post_run_cell", self._post_run_cell)
                 self._cells_on = True
+            print("gpudash: a memory line after every cell is on (%gpudash_cells off to stop)")
         elif arg in _FALSE:
+            was = self._cells_on
             self._cells_off()
+            print("gpudash: memory lines after cells are off" if was else
+                  "gpudash: memory lines after cells were already off")
         else:
             raise UsageError("usage: %gpudash_cells on|off")
 

@@ -89,7 +89,10 @@ def test_gpudash_config_changes_the_live_session(ip, capsys):
     ("growth=maybe", "allow_growth must be true or false"),
     ("deferred=-5", "deferred"),
     ("colour=blue", "key=value"),
-    ("", "nothing to change"),
+    ("device=0", "nothing to change"),
+    ("'fraction=0.3", "No closing quotation"),
+    ("fraction=0.3 device=GPU:5", "device 5 does not exist"),
+    ("fraction=inf", "per_process_gpu_memory_fraction"),
 ])
 def test_gpudash_config_refuses_bad_values_and_changes_nothing(ip, line, fragment):
     ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5")
@@ -98,6 +101,52 @@ def test_gpudash_config_refuses_bad_values_and_changes_nothing(ip, line, fragmen
     with pytest.raises(UsageError, match=fragment):
         ip.run_line_magic("gpudash_config", line)
     assert sess.devices[0].memory_limit == before
+
+
+def test_gpudash_config_reports_every_bad_value_and_changes_nothing(ip):
+    ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5")
+    dev = _session().devices[0]
+    before = (dev.memory_limit, dev.allocator.allow_growth, dev._deferred.threshold)
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("gpudash_config", "fraction=0.25 growth=maybe deferred=-5 colour=x")
+    text = str(info.value)
+    assert text.startswith("%gpudash_config changed nothing:")
+    for part in ("allow_growth must be true or false", "deferred_deletion_bytes",
+                 "'colour=x' is not key=value"):
+        assert part in text
+    # the good value in the same line was not applied either
+    assert (dev.memory_limit, dev.allocator.allow_growth, dev._deferred.threshold) == before
+
+
+def test_gpudash_config_without_arguments_shows_the_settings(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB --fraction 0.5 --growth")
+    capsys.readouterr()
+    ip.run_line_magic("gpudash_config", "")
+    out = capsys.readouterr().out
+    assert out.strip() == ("gpudash: /device:GPU:0 fraction=0.5, limit 4.00 GiB, "
+                           "allow_growth=True, deferred_deletion_bytes=8.00 MiB")
+
+
+def test_gpudash_config_takes_a_device_by_name(ip, capsys):
+    ip.run_line_magic("gpudash", "--simulate 8GiB")
+    ip.run_line_magic("gpudash_config", "device=GPU:0 fraction=0.25")
+    assert _session().devices[0].memory_limit == 2 * GiB
+    assert "fraction=0.25, limit 2.00 GiB" in capsys.readouterr().out
+
+
+def test_a_refused_gpudash_leaves_no_half_made_session(ip, monkeypatch):
+    from gpudash.widgets import dashboard as dashboard_mod
+
+    def boom(*a, **k):
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(dashboard_mod.Dashboard, "__init__", boom)
+    with pytest.raises(UsageError, match="int too large"):
+        ip.run_line_magic("gpudash", "--simulate 8GiB")
+    assert session_mod.default_session(create=False) is None
+    monkeypatch.undo()
+    ip.run_line_magic("gpudash", "--simulate 4GiB")  # a later %gpudash works
+    assert _session().devices[0].total == 4 * GiB
 
 
 def test_gpudash_config_without_a_session_says_what_to_do(ip):
@@ -136,11 +185,13 @@ def test_gpudash_cells_prints_a_line_after_each_cell(ip, capsys):
     ip.run_line_magic("gpudash", "--simulate 8GiB")
     ip.user_ns["sess"] = _session()
     ip.run_line_magic("gpudash_cells", "on")
+    assert "after every cell is on" in capsys.readouterr().out  # it says so
     ip.run_cell("p = sess.allocate(5 * 1024 * 1024)")
     out = capsys.readouterr().out
     assert "gpudash: in use +5.00 MiB" in out
     assert "1 allocation(s)" in out
     ip.run_line_magic("gpudash_cells", "off")
+    assert "are off" in capsys.readouterr().out
     ip.run_cell("q = 1")
     assert "gpudash:" not in capsys.readouterr().out
     with pytest.raises(UsageError):
