@@ -200,7 +200,9 @@ DRAWN = '.gd-plot[data-drawn="1"]'
 
 
 def wait_for_views(page: Any, root: Any, n: int = 4, timeout_ms: int = 60_000) -> None:
-    """Wait until ``root`` (a dashboard) has drawn ``n`` plots."""
+    """Scroll ``root`` (a dashboard) into view and wait until it has drawn ``n`` plots (a
+    dashboard out of view does not draw)."""
+    root.scroll_into_view_if_needed()
     page.wait_for_function(
         "([root, sel, n]) => root.querySelectorAll(sel).length >= n",
         arg=[root.element_handle(), DRAWN, n], timeout=timeout_ms, polling=100)
@@ -307,3 +309,39 @@ def test_whatif_view_replays_at_the_slider_fraction(page, lab, tmp_path):
     shot = tmp_path / "whatif.png"
     screenshot(page, view, shot)
     assert shot.stat().st_size > 20_000
+
+
+def test_fragmentation_notebook_runs_all_with_a_live_dashboard(page, lab):
+    """Run-all of notebook 03: the live dashboard (heatmap and chunk map) draws what the
+    background workload left, and no widget or comm error shows."""
+    open_and_run_all(page, lab, "03_fragmentation.ipynb")
+    dash = page.locator(".gd-root").first
+    dash.wait_for(state="attached")
+    wait_for_views(page, dash, 2)
+    title = dash.locator('[data-view="chunkmap"] .gd-title')
+    page.wait_for_function("(e) => /chunk map - [1-9][0-9]* chunks/.test(e.textContent)",
+                           arg=title.element_handle(), timeout=15_000)
+    text = page.evaluate("() => document.body.innerText")
+    assert "comm" not in " ".join(page_problems(page)).lower()
+    assert "no comm channel" not in text.lower()
+    assert not page.console_errors, page.console_errors
+
+
+def test_dashboard_in_notebook_7(page, lab):
+    """The same dashboard in Notebook 7's own page (``/notebooks/...``)."""
+    pytest.importorskip("notebook")
+    page.goto(lab.url("notebooks/01_quickstart.ipynb"))
+    wait_for_notebook(page)
+    run_code_in_new_cell(page, "%load_ext gpudash\nprint('ok')")
+    run_code_in_new_cell(page, "%gpudash --simulate 4GiB")
+    dash = page.locator(".gd-root").first
+    dash.wait_for(state="attached", timeout=60_000)
+    wait_for_views(page, dash)
+    limit = kernel_int(page, "import gpudash\nprint(gpudash.default_session().devices[0]"
+                             ".memory_limit)")
+    assert limit > 0
+    assert not page_problems(page), page_problems(page)
+    # Notebook 7's own complaints about the lab plugins this server disables
+    ours = [e for e in page.console_errors if "filebrowser:open-path" not in e
+            and "reading 'schema'" not in e]
+    assert not ours, ours
