@@ -1,4 +1,4 @@
-"""Write the sample traces in ``assets/samples/`` (deterministic: same files every run).
+"""Write the sample traces in ``gpudash/samples/`` (package data: ``gpudash.samples``) (deterministic: same files every run).
 
 - ``training.gdtrace``: :func:`~gpudash.trace.workloads.training_loop` (10 steps, 12 layers);
 - ``inference.gdtrace``: :func:`~gpudash.trace.workloads.inference_server` (120 requests);
@@ -24,7 +24,7 @@ SAMPLES = {
                               {"rounds": 700, "seed": 0, "high": "900MiB", "low": "250MiB"}),
 }
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "samples"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "gpudash" / "samples"
 
 
 def make_samples(out: Path = DEFAULT_OUT) -> dict[str, int]:

@@ -58,7 +58,7 @@ _LAZY = {
 }
 
 # Submodules reachable as attributes without an import of their own (``gpudash.torch``).
-_SUBMODULES = ("torch", "monitors")
+_SUBMODULES = ("torch", "monitors", "samples")
 
 __all__ = [
     "__version__",

@@ -75,7 +75,7 @@ write("02_tuning_fraction.ipynb", [
          "from pathlib import Path\n"
          "from gpudash.trace import load_trace\n"
          "\n"
-         "samples = Path(gpudash.__file__).resolve().parent.parent / 'assets' / 'samples'\n"
+         "samples = gpudash.samples.path('training').parent  # in the package: works from a wheel\n"
          "trace = load_trace(samples / 'training.gdtrace')\n"
          "trace"),
     code("from gpudash.trace.replay import replay\n"
@@ -135,8 +135,9 @@ write("03_fragmentation.ipynb", [
     code("print(task.result(timeout=600))\n"
          "dash.refresh()\n"
          "print(sess.stats(0))"),
-    code("dash.close()\n"
-         "sess.close()"),
+    md("The dashboard stays live: allocate on `sess` and it follows. When you are done, "
+       "`dash.close()` stops its refresher (the figures stay as drawn) and `sess.close()` ends "
+       "the session."),
 ])
 write("06_postmortem.ipynb", [
     md("# After an out-of-memory error: explain it, and who held the memory\n\n"

@@ -238,7 +238,7 @@ def test_paste_fraction_reaches_the_limit_the_framework_way():
 
 
 def test_whatif_framework_prints_paste_lines(capsys):
-    trace = ROOT / "assets" / "samples" / "training.gdtrace"
+    trace = ROOT / "gpudash" / "samples" / "training.gdtrace"
     assert main(["whatif", str(trace), "--framework", "jax", "--fractions", "0.5",
                  "--jobs", "1"]) == 0
     out = capsys.readouterr().out
@@ -269,7 +269,7 @@ def test_whatif_framework_prints_paste_lines(capsys):
 
 
 def test_whatif_framework_jax_refuses_gc(capsys):
-    trace = ROOT / "assets" / "samples" / "training.gdtrace"
+    trace = ROOT / "gpudash" / "samples" / "training.gdtrace"
     assert main(["whatif", str(trace), "--framework", "jax", "--gc"]) == 1
     assert "never garbage-collects" in capsys.readouterr().err
 

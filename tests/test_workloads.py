@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gpudash
 from gpudash import BFCAllocator, OutOfMemoryError, SimulatedDevice
 from gpudash.events import EventKind
 from gpudash.trace import read_trace
@@ -26,7 +27,7 @@ from gpudash.trace.workloads import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "assets" / "samples"
+SAMPLES = ROOT / "gpudash" / "samples"
 A, F = int(EventKind.ALLOC), int(EventKind.FREE)
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -205,3 +206,17 @@ def test_make_samples_regenerates_the_same_traces(tmp_path):
         new.meta.pop("gpudash_version")
         old.meta.pop("gpudash_version")
         assert new.meta == old.meta
+
+
+def test_the_samples_ship_in_the_package():
+    """``gpudash.samples`` finds its traces through the package (a wheel carries them)."""
+    from gpudash import samples
+
+    assert samples.names() == ["fragmentation.gdtrace", "inference.gdtrace",
+                               "training.gdtrace"]
+    assert samples.path("training") == samples.path("training.gdtrace")
+    assert samples.path("training").parent == Path(gpudash.__file__).parent / "samples"
+    trace = samples.load("training")
+    assert "events=2072" in repr(trace)  # what make_samples.py wrote
+    with pytest.raises(gpudash.ConfigError, match="no sample trace 'nope.gdtrace'"):
+        samples.path("nope")
