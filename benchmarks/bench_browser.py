@@ -175,8 +175,12 @@ def _move_fraction(page: Any, n: int, value: float) -> float:
         t = page.evaluate("Date.now()")
         page.mouse.click(x, y)
         return t
-    # an ipywidgets FloatSlider (noUiSlider): press, move, release (acts on release)
-    slider = cell.locator(".widget-hslider").first
+    return _drag_float_slider(page, cell.locator(".widget-hslider").first, value, 0.05, 1.0)
+
+
+def _drag_float_slider(page: Any, slider: Any, value: float, lo: float, hi: float) -> float:
+    """Drag an ipywidgets FloatSlider (noUiSlider) to about ``value``: press, move, release
+    (it acts on release); returns the page's ``Date.now()`` just before the release."""
     slider.scroll_into_view_if_needed()
     track = slider.locator(".noUi-base").bounding_box()
     handle = slider.locator(".noUi-handle").bounding_box()
@@ -184,7 +188,7 @@ def _move_fraction(page: Any, n: int, value: float) -> float:
     y0 = handle["y"] + handle["height"] / 2
     page.mouse.move(x0, y0)
     page.mouse.down()
-    page.mouse.move(track["x"] + track["width"] * (value - 0.05) / 0.95, y0, steps=8)
+    page.mouse.move(track["x"] + track["width"] * (value - lo) / (hi - lo), y0, steps=8)
     t = page.evaluate("Date.now()")
     page.mouse.up()
     return t

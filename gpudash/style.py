@@ -39,6 +39,7 @@ __all__ = [
     "format_percent",
     "format_size",
     "base_layout",
+    "unit_for",
 ]
 
 #: One colour per meaning. Keys are the names used in legends.
@@ -111,6 +112,24 @@ def byte_ticks(top: float, count: int = 6) -> tuple[list[int], list[str]]:
         step *= 2
         values = list(range(0, int(top) + step, step))
     return values, [format_size(v) for v in values]
+
+
+def unit_for(top: float) -> tuple[str, float]:
+    """The binary unit to scale an axis that reaches *top* bytes: ``(name, bytes per unit)``.
+
+    Plot ``values / scale`` with ``ticksuffix=" " + name``: ticks read ``12 GiB``, never
+    ``12k MiB`` or ``12.9B``.
+
+    >>> unit_for(3 << 30)
+    ('GiB', 1073741824.0)
+    >>> unit_for(100)
+    ('B', 1.0)
+    """
+    top = abs(float(top))
+    i = 0
+    while i + 1 < len(_UNITS) and top >= 1024.0 ** (i + 1):
+        i += 1
+    return _UNITS[i], float(1024 ** i)
 
 
 def byte_axis(top: float, title: str = "bytes", count: int = 6) -> dict:

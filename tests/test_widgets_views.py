@@ -404,6 +404,9 @@ def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small
         assert list(first.x) == [r.first_oom[0]] and "first OOM" in first.text[0]
         assert len(decode_array(view.timeline.data[3].x)) == r.oom_count
         limit_y = view.timeline.data[2].y
+        # bytes in a binary unit picked for the range: ticks read "100 MiB", hovers too
+        assert view.timeline.layout.yaxis.ticksuffix == " MiB"
+        assert "MiB" in view.timeline.data[0].hovertemplate
         assert limit_y[0] * MIB == pytest.approx(r.memory_limit)
         # room above the limit for the OOM markers on it; the first OOM's label below its
         # marker (not above the plot, where it was cut off)

@@ -22,6 +22,7 @@ import ipywidgets as widgets
 import numpy as np
 import traitlets
 
+from .. import style
 from .._units import format_bytes
 from ..events import EventKind
 from . import _figure, _width_watcher
@@ -29,7 +30,6 @@ from .model import typed_array
 
 __all__ = ["WhatIfView", "replay_heatmap"]
 
-_MIB = float(1 << 20)
 _ALLOC = int(EventKind.ALLOC)
 _FREE = int(EventKind.FREE)
 _OOM = int(EventKind.OOM)
@@ -241,30 +241,26 @@ class WhatIfView(widgets.VBox):
 
         watcher = _width_watcher()  # before the figures (see _width_watcher)
         tl = _figure(320, "replay: memory over the trace")
-        tl.add_scatter(name="in use", mode="lines", line=dict(color="#1f77b4"),
-                       fill="tozeroy", fillcolor="rgba(31,119,180,0.15)",
-                       hovertemplate="call %{x:.0f}: %{y:.2f} MiB in use<extra></extra>")
-        tl.add_scatter(name="pool", mode="lines", line=dict(color="#2ca02c"),
-                       hovertemplate="call %{x:.0f}: pool %{y:.2f} MiB<extra></extra>")
-        tl.add_scatter(name="limit", mode="lines", line=dict(color="#d62728", dash="dash"),
-                       hovertemplate="limit %{y:.2f} MiB<extra></extra>")
-        tl.add_scatter(name="OOM", mode="markers", marker=dict(color="#d62728", symbol="x",
+        C = style.COLORS
+        tl.add_scatter(name="in use", mode="lines", line=dict(color=C["in use"]),
+                       fill="tozeroy", fillcolor=style.FILLS["in use"])
+        tl.add_scatter(name="pool", mode="lines", line=dict(color=C["pool"]))
+        tl.add_scatter(name="limit", mode="lines", line=dict(color=C["limit"], dash="dash"))
+        tl.add_scatter(name="OOM", mode="markers", marker=dict(color=C["oom"], symbol="x",
                                                                size=7),
                        hovertemplate="OOM at call %{x:.0f}<extra></extra>")
         tl.add_scatter(name="first OOM", mode="markers",
-                       marker=dict(color="#d62728", symbol="star", size=14),
+                       marker=dict(color=C["oom"], symbol="star", size=14),
                        hovertemplate="%{text}<extra></extra>")
         tl.update_xaxes(title_text="call", rangemode="tozero")
-        tl.update_yaxes(title_text="MiB", rangemode="tozero")
+        tl.update_yaxes(title_text="bytes", rangemode="tozero", gridcolor=C["grid"])
         hm = _figure(340, "replay: address × time, fraction in use")
-        hm.add_heatmap(zmin=0, zmax=100, colorscale="Blues",
-                       colorbar=dict(title=dict(text="% in use")),
-                       hovertemplate="call %{x:.0f}<br>offset %{y:.1f} MiB<br>%{z}% in use"
-                                     "<extra></extra>")
-        hm.add_scatter(name="first OOM", mode="lines", line=dict(color="#d62728", dash="dot"),
+        hm.add_heatmap(zmin=0, zmax=100, colorscale=style.HEATMAP_SCALE,
+                       colorbar=dict(title=dict(text="% in use")))
+        hm.add_scatter(name="first OOM", mode="lines", line=dict(color=C["oom"], dash="dot"),
                        hoverinfo="skip")
         hm.update_xaxes(title_text="call")
-        hm.update_yaxes(title_text="address offset (MiB)")
+        hm.update_yaxes(title_text="address offset")
         self.timeline = tl
         self.heatmap = hm
         super().__init__(children=(
@@ -345,20 +341,26 @@ class WhatIfView(widgets.VBox):
             calls = np.arange(len(in_use), dtype=np.float64)
             x, (y_in, y_pool) = _max_box(calls, [in_use, pool], 4000)
             limit = result.memory_limit
+            # bytes in one binary unit, chosen for the highest line (ticks read "12 GiB")
+            top_bytes = max([limit, int(y_pool.max()) if len(y_pool) else 0,
+                             int(y_in.max()) if len(y_in) else 0, 1])
+            unit, scale = style.unit_for(top_bytes)
             ooms = result.ooms[:1000]
-            oom_y = in_use[ooms] / _MIB if len(in_use) else np.zeros(len(ooms))
+            oom_y = in_use[ooms] / scale if len(in_use) else np.zeros(len(ooms))
             first = result.first_oom
             with self.timeline.batch_update():
                 t_in, t_pool, t_limit, t_oom, t_first = self.timeline.data
-                t_in.update(x=typed_array(x, np.float64), y=typed_array(y_in / _MIB, np.float32))
+                t_in.update(x=typed_array(x, np.float64), y=typed_array(y_in / scale, np.float32),
+                            hovertemplate=f"call %{{x:.0f}}: %{{y:.2f}} {unit} in use<extra></extra>")
                 t_pool.update(x=typed_array(x, np.float64),
-                              y=typed_array(y_pool / _MIB, np.float32))
-                t_limit.update(x=[0, max(len(calls) - 1, 1)], y=[limit / _MIB] * 2)
+                              y=typed_array(y_pool / scale, np.float32),
+                              hovertemplate=f"call %{{x:.0f}}: pool %{{y:.2f}} {unit}<extra></extra>")
+                t_limit.update(x=[0, max(len(calls) - 1, 1)], y=[limit / scale] * 2,
+                               hovertemplate=f"limit %{{y:.2f}} {unit}<extra></extra>")
+                self.timeline.layout.yaxis.ticksuffix = " " + unit
                 t_oom.update(x=typed_array(ooms, np.float64), y=typed_array(oom_y, np.float32))
                 # room above the highest line for the markers on it (OOMs happen at the limit)
-                top = max([limit, int(y_pool.max()) if len(y_pool) else 0,
-                           int(y_in.max()) if len(y_in) else 0]) / _MIB
-                self.timeline.layout.yaxis.range = [0, max(top, 1.0) * 1.12]
+                self.timeline.layout.yaxis.range = [0, top_bytes / scale * 1.12]
                 if first is not None:
                     label = f"first OOM: call {first[0]}, asked {format_bytes(first[1])}"
                     t_first.update(x=[first[0]], y=[float(oom_y[0])], text=[label])
@@ -378,13 +380,17 @@ class WhatIfView(widgets.VBox):
                     + ("fits" if first is None else f"{result.oom_count} OOMs"))
             z = np.rint(hm["z"] * 100).astype(np.uint8)
             rows = z.shape[0]
-            y = (np.arange(rows) + 0.5) * hm["row_bytes"] / _MIB
+            hunit, hscale = style.unit_for(rows * hm["row_bytes"])
+            y = (np.arange(rows) + 0.5) * hm["row_bytes"] / hscale
             with self.heatmap.batch_update():
                 h, line = self.heatmap.data
                 h.update(z=typed_array(z, np.uint8), x=typed_array(hm["x"], np.float64),
-                         y=typed_array(y, np.float64))
+                         y=typed_array(y, np.float64),
+                         hovertemplate=f"call %{{x:.0f}}<br>offset %{{y:.2f}} {hunit}<br>"
+                                       "%{z}% in use<extra></extra>")
+                self.heatmap.layout.yaxis.ticksuffix = " " + hunit
                 if first is not None:
-                    line.update(x=[first[0], first[0]], y=[0, rows * hm["row_bytes"] / _MIB])
+                    line.update(x=[first[0], first[0]], y=[0, rows * hm["row_bytes"] / hscale])
                 else:
                     line.update(x=[], y=[])
             if first is None:

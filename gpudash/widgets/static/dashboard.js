@@ -440,9 +440,13 @@ class View {
   drawHeatmap() {
     if (!this.hasLayout) return this.none("heatmap", "this source reports totals only: no address layout to draw");
     const H = this.heat;
-    const rows = H.rows || 0;
     const ncol = H.cols.length;
-    const top = rows * (H.rowBytes || 1);
+    // rows cover the device; draw only up to the largest pool seen (the rest is never used)
+    let pool = (this.headline && this.headline.pool) || 0;
+    for (const v of this.tl.pool) if (v > pool) pool = v;
+    const rb = H.rowBytes || 1;
+    const rows = Math.max(1, Math.min(H.rows || 0, Math.ceil((pool * 1.02) / rb)));
+    const top = rows * rb;
     const u = unitFor(top);
     const z = new Array(rows);
     for (let r = 0; r < rows; r++) {

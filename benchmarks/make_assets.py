@@ -1,0 +1,120 @@
+"""Make the README's screenshots in ``assets/``, on purpose (tests never write there).
+
+Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
+
+- ``dashboard.png``: the quick start run top to bottom, its dashboard idle afterwards;
+- ``dashboard-load.png``: the same dashboard while a background training loop runs;
+- ``dashboard-reload.png``: after saving the notebook and reloading the page;
+- ``whatif.png``: the what-if view of ``02_tuning_fraction.ipynb``, below the smallest
+  fraction that fits.
+
+Run: ``python benchmarks/make_assets.py [--out DIR]`` (default ``assets/``). Look at them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_browser import WORKLOAD, _run_cell, _wait_idle  # noqa: E402
+from browser_helpers import LabServer, command, launch_chromium, wait_for_notebook  # noqa: E402
+
+VIEWPORT = {"width": 1400, "height": 1000}
+DRAWN = '.gd-plot[data-drawn="1"]'
+
+
+def _views_drawn(page, root, n: int = 4) -> None:
+    root.scroll_into_view_if_needed()
+    page.wait_for_function("([r, sel, n]) => r.querySelectorAll(sel).length >= n",
+                           arg=[root.element_handle(), DRAWN, n], timeout=120_000)
+
+
+def _shot(page, root, path: Path) -> None:
+    root.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(800)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root.screenshot(path=str(path))
+    print(f"wrote {path} ({path.stat().st_size:,} B)")
+
+
+def _run_all(page, lab, name: str) -> None:
+    page.goto(lab.url(f"lab/tree/{name}?reset"))
+    wait_for_notebook(page)
+    page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+    command(page, "notebook:run-all-cells")
+    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.content.widgets"
+                           ".every(c => c.model.type !== 'code' || c.model.executionCount "
+                           "!== null)", timeout=300_000, polling=250)
+    _wait_idle(page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "assets")
+    args = ap.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="gpudash-assets-") as tmp:
+        lab = LabServer(Path(tmp))
+        lab.start()
+        pw = sync_playwright().start()
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
+            _run_all(page, lab, "01_quickstart.ipynb")
+            root = page.locator(".gd-root").first
+            _views_drawn(page, root)
+            time.sleep(1.0)
+            out = page.locator(".jp-OutputArea-output").filter(has=root).first
+            _shot(page, out, args.out / "dashboard.png")
+
+            n, _ = _run_cell(page, WORKLOAD)
+            _views_drawn(page, root)
+            time.sleep(6.0)
+            _shot(page, out, args.out / "dashboard-load.png")
+            _run_cell(page, "task.cancel(); print(task.result(timeout=60))")
+            _wait_idle(page)
+
+            command(page, "docmanager:save")
+            time.sleep(1.0)
+            page.reload()
+            wait_for_notebook(page)
+            page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+            root = page.locator(".gd-root").first
+            root.wait_for(state="attached", timeout=60_000)
+            _views_drawn(page, root)
+            time.sleep(1.0)
+            out = page.locator(".jp-OutputArea-output").filter(has=root).first
+            _shot(page, out, args.out / "dashboard-reload.png")
+            lab.shutdown_kernels()
+
+            _run_all(page, lab, "02_tuning_fraction.ipynb")
+            view = page.locator(".jp-OutputArea-output").filter(
+                has=page.locator(".widget-hslider")).first
+            view.wait_for(state="attached")
+            page.wait_for_function("(e) => /minimum fraction/.test(e.innerText) && "
+                                   "!/minimum fraction: …/.test(e.innerText)",
+                                   arg=view.element_handle(), timeout=120_000)
+            # below the smallest fraction that fits: the first out-of-memory is marked
+            from bench_browser import _drag_float_slider
+            _drag_float_slider(page, view.locator(".widget-hslider").first, 0.15, 0.05, 1.0)
+            view.locator(".widget-html", has_text="out of memory at").first.wait_for(
+                timeout=120_000)
+            time.sleep(2.0)
+            _shot(page, view, args.out / "whatif.png")
+        finally:
+            browser.close()
+            pw.stop()
+            lab.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
