@@ -275,6 +275,19 @@ def test_dashboard_draws_acts_and_survives_a_rerun_and_a_reload(page, lab, tmp_p
     wait_for_views(page, dash)
     assert timeline_points(dash) >= points
 
+    # a limit lowered live below the pool: the banner says what waits to be returned, and
+    # OVER LIMIT shows while bytes in use exceed the limit
+    run_code_in_new_cell(page, "s = gpudash.default_session()\nkeep = s.allocate(3 << 30)\n"
+                               "s.configure(per_process_gpu_memory_fraction=0.05)\nprint('ok')")
+    dash.scroll_into_view_if_needed()  # out of view, a dashboard does not draw
+    banner = dash.locator(".gd-banner")
+    banner.wait_for(state="visible", timeout=15_000)
+    assert banner.inner_text().startswith("pool above limit: ")
+    assert "wait to be returned" in banner.inner_text()
+    dash.locator(".gd-over", has_text="OVER LIMIT").wait_for(timeout=15_000)
+    run_code_in_new_cell(page, "s.free_now(keep)\ns.release_free_regions() if hasattr(s, "
+                               "'release_free_regions') else None\nprint('ok')")
+
     assert not page_problems(page), page_problems(page)
     assert not page.console_errors, page.console_errors
     shot = tmp_path / "dashboard.png"
