@@ -6,7 +6,9 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
 - ``dashboard-load.png``: the same dashboard while a background training loop runs;
 - ``dashboard-reload.png``: after saving the notebook and reloading the page;
 - ``whatif.png``: the what-if view of ``02_tuning_fraction.ipynb``, below the smallest
-  fraction that fits.
+  fraction that fits;
+- ``watch-tensorflow.png``: ``05_frameworks.ipynb``'s dashboard watching TensorFlow's CPU BFC
+  while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``).
 
 Run: ``python benchmarks/make_assets.py [--out DIR]`` (default ``assets/``). Look at them.
 """
@@ -109,6 +111,19 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=120_000)
             time.sleep(2.0)
             _shot(page, view, args.out / "whatif.png")
+            lab.shutdown_kernels()
+
+            import importlib.util
+
+            if importlib.util.find_spec("tensorflow") is not None:
+                _run_all(page, lab, "05_frameworks.ipynb")
+                root = page.locator(".gd-root").first
+                _views_drawn(page, root, 1)
+                time.sleep(1.5)
+                out = page.locator(".jp-OutputArea-output").filter(has=root).first
+                _shot(page, out, args.out / "watch-tensorflow.png")
+            else:
+                print("tensorflow is not installed: no watch-tensorflow.png")
         finally:
             browser.close()
             pw.stop()

@@ -3,8 +3,9 @@
 - ``%gpudash [--fraction F] [--growth/--no-growth] [--simulate SIZE] [--device N]``: create
   (or reuse) the default session and show its dashboard. Without a GPU the session runs on a
   simulated device, and says so once.
-- ``%gpudash --watch torch|jax|tensorflow``: watch that framework's own allocator, read-only
-  (:func:`gpudash.watch`).
+- ``%gpudash --watch torch|jax|tensorflow [--device NAME]``: watch that framework's own
+  allocator, read-only (:func:`gpudash.watch`; ``--device CPU:0`` watches TensorFlow's CPU
+  allocator), in the dashboard.
 - ``%gpudash`` again on the same session shows the same dashboard (its history carries on).
 - ``%gpudash_config key=value ...``: change the live session (``sess.configure``); keys are
   ``per_process_gpu_memory_fraction`` (or ``fraction``), ``allow_growth`` (``growth``),
@@ -137,7 +138,7 @@ class GpudashMagics(Magics):
         parser.add_argument("--fraction", type=float, default=None)
         parser.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None)
         parser.add_argument("--simulate", default=None)
-        parser.add_argument("--device", type=int, default=0)
+        parser.add_argument("--device", default=None)
         parser.add_argument("--watch", default=None, metavar="FRAMEWORK")
         try:
             args, extra = parser.parse_known_args(shlex.split(line))
@@ -146,17 +147,23 @@ class GpudashMagics(Magics):
         if extra:
             raise UsageError(f"%gpudash: unknown arguments {extra}; usage: %gpudash "
                              "[--fraction F] [--growth|--no-growth] [--simulate SIZE] [--device N]"
-                             " | %gpudash --watch torch|jax|tensorflow")
+                             " | %gpudash --watch torch|jax|tensorflow [--device NAME]")
         if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
             from .monitors import watch
 
             if self.monitor is not None:
                 self.monitor.stop()
             try:
-                self.monitor = watch(args.watch)
+                devices = None if args.device is None else [args.device]
+                self.monitor = watch(args.watch, devices=devices)
                 return self.monitor.dashboard()
             except GpudashError as exc:
                 raise UsageError(str(exc)) from None
+        try:
+            device = 0 if args.device is None else int(args.device)
+        except ValueError:
+            raise UsageError(f"%gpudash: --device must be a device index; got {args.device!r}"
+                             " (a framework's device name goes with --watch)") from None
         existing = self.session if self.session is not None and not self.session.closed \
             else None
         try:
@@ -164,7 +171,7 @@ class GpudashMagics(Magics):
         except (GpudashError, ValueError, OverflowError) as exc:
             raise UsageError(f"%gpudash: {exc}") from None
         try:
-            return self._show(sess, args.device)
+            return self._show(sess, device)
         except (GpudashError, ValueError, OverflowError) as exc:
             if sess is not existing:  # made by this call: no half-made default session
                 from .session import default_session, set_default_session

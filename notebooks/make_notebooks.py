@@ -167,6 +167,69 @@ write("06_postmortem.ipynb", [
     code("r = replay(t, memory_limit='12MiB')\n"
          "r"),
 ])
+write("05_frameworks.ipynb", [
+    md("# Frameworks: JAX's settings, and TensorFlow watched live\n\n"
+       "TensorFlow and JAX run the same BFC allocator with different knobs. gpudash speaks "
+       "both (`Session.from_env`), and watches a real framework's allocator while it runs "
+       "(`gpudash.watch`, or `%gpudash --watch tensorflow|jax|torch`). Watching is read-only: "
+       "the framework fixes its settings when it starts, so the dashboard's controls are off and "
+       "a button prints the settings to restart with.\n\n"
+       "This notebook needs `tensorflow-cpu` (`pip install -e '.[tf]'`). Without a GPU it "
+       "watches TensorFlow's CPU allocator, which is a BFC when `TF_CPU_ALLOCATOR_USE_BFC=true` "
+       "is set before TensorFlow starts."),
+    code("%env TF_CPU_ALLOCATOR_USE_BFC=true\n"
+         "%env TF_CPP_MIN_LOG_LEVEL=2"),
+    md("## JAX's settings\n\n"
+       "`XLA_PYTHON_CLIENT_MEM_FRACTION` is a fraction of *total* memory (default 0.75) and "
+       "`XLA_PYTHON_CLIENT_PREALLOCATE=false` means growth; garbage collection is off. A session "
+       "built from them behaves as JAX's allocator would (simulated here)."),
+    code("import gpudash\n"
+         "from gpudash.options import framework_settings_text\n"
+         "\n"
+         "jax_sess = gpudash.Session.from_env(\"jax\", simulate=\"16GiB\", environ={\n"
+         "    \"XLA_PYTHON_CLIENT_MEM_FRACTION\": \"0.5\", \"XLA_PYTHON_CLIENT_PREALLOCATE\": \"false\"})\n"
+         "dev = jax_sess.devices[0]\n"
+         "print(framework_settings_text(\"jax\", dev.options.per_process_gpu_memory_fraction,\n"
+         "                              dev.allocator.allow_growth, dev.memory_limit))\n"
+         "jax_sess.close()"),
+    md("## TensorFlow, watched live\n\n"
+       "`gpudash.watch` polls `tf.config.experimental.get_memory_info` four times a second in a "
+       "thread of its own; its dashboard shows the timeline and stats (TensorFlow reports bytes "
+       "in use and their peak, no layout: the chunk map says so). `%gpudash --watch tensorflow "
+       "--device CPU:0` does the same in one line."),
+    code("import tensorflow as tf\n"
+         "\n"
+         "mon = gpudash.watch(\"tensorflow\", devices=[\"CPU:0\"])\n"
+         "dash = mon.dashboard()\n"
+         "dash"),
+    md("A small Keras model trains in the background (so the notebook stays responsive); "
+       "watch the timeline follow TensorFlow's own figures."),
+    code("def train(stop_event=None):\n"
+         "    model = tf.keras.Sequential([tf.keras.Input((512,)),\n"
+         "                                 tf.keras.layers.Dense(1024, activation=\"relu\"),\n"
+         "                                 tf.keras.layers.Dense(1024, activation=\"relu\"),\n"
+         "                                 tf.keras.layers.Dense(10)])\n"
+         "    model.compile(optimizer=\"adam\",\n"
+         "                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+         "    x = tf.random.normal((8192, 512))\n"
+         "    y = tf.random.uniform((8192,), maxval=10, dtype=tf.int32)\n"
+         "    epochs = 0\n"
+         "    while epochs < 6 and not (stop_event is not None and stop_event.is_set()):\n"
+         "        model.fit(x, y, batch_size=256, epochs=1, verbose=0)\n"
+         "        epochs += 1\n"
+         "    return epochs\n"
+         "\n"
+         "task = gpudash.run_in_background(train)\n"
+         "task"),
+    code("print(task.result(timeout=600), \"epochs\")\n"
+         "dash.refresh()\n"
+         "state = dash.model.state(0)\n"
+         "print(f\"peak in use {state.stats.peak_bytes_in_use:,} bytes over \"\n"
+         "      f\"{len(state.timeline['time_ms'])} samples\")"),
+    md("The settings to restart with (the dashboard's button prints the same):"),
+    code("print(\"\\n\".join(mon.restart_lines(fraction=0.5, allow_growth=True)))"),
+    md("Closing the dashboard stops the monitor: `dash.close()`."),
+])
 write("04_cluster.ipynb", [
     md("# gpudash on a Dask cluster\n\n"
        "Every Dask worker gets its own gpudash session (`GpudashPlugin`), and streams what its "

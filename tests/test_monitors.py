@@ -133,6 +133,14 @@ def test_watch_tensorflow_without_gpu_and_the_magic():
             ip.run_line_magic("gpudash", "--watch tensorflow")
         except UsageError as exc:
             print("MAGIC", exc)
+        # the CPU allocator, in the dashboard: read-only controls that say why
+        dash = ip.run_line_magic("gpudash", "--watch tensorflow --device CPU:0")
+        info = dash._controls_info(0)
+        print("DASH", type(dash).__name__, dash.setup["devices"], info["has_layout"],
+              info["restart"], "|", info["disabled"])
+        mon = ip.magics_manager.registry["GpudashMagics"].monitor
+        dash.close()
+        print("STOPPED", not mon.running)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=240)
@@ -140,6 +148,9 @@ def test_watch_tensorflow_without_gpu_and_the_magic():
     assert "WATCH cannot watch tensorflow: TensorFlow sees no GPU here (its devices: CPU:0)" \
         in out, proc.stderr[-2000:]
     assert "MAGIC cannot watch tensorflow: TensorFlow sees no GPU here" in out
+    assert "DASH Dashboard ['tensorflow CPU:0'] False True | TensorFlow fixes its " \
+        "allocator's settings" in out, proc.stderr[-2000:]
+    assert "STOPPED True" in out  # closing the dashboard stops the monitor
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")

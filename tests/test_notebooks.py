@@ -8,6 +8,7 @@ once per test session; the tests then read its outputs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -131,8 +132,19 @@ def test_repository_notebooks_are_stored_without_outputs():
                     f"{name} is stored with outputs; regenerate it (make_notebooks.py)"
 
 
+#: Notebooks that need an optional package (skipped, saying so, without it).
+REQUIRES = {"04_cluster.ipynb": "distributed", "05_frameworks.ipynb": "tensorflow"}
+
+
+def _skip_without_requirement(name: str) -> None:
+    need = REQUIRES.get(name)
+    if need and importlib.util.find_spec(need) is None:
+        pytest.skip(f"{name} needs {need} (pip install -e '.[tf]' for tensorflow-cpu)")
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom(run_notebook, name):
+    _skip_without_requirement(name)
     ex = run_notebook(name)
     assert ex.error is None, f"{name} raised:\n{ex.error_summary()}"
     cells = ex.code_cells()
@@ -252,6 +264,22 @@ def test_fragmentation_stress_is_worse_than_training(run_notebook):
     assert any(WIDGET_VIEW in o.get("data", {}) for o in dash.outputs), cell_text(dash)
     done = ex.text("print(task.result(")
     assert re.search(r"WorkloadRun\(allocs=\d+", done), done
+
+
+def test_frameworks_notebook_watches_tensorflow_live(run_notebook):
+    _skip_without_requirement("05_frameworks.ipynb")
+    ex = run_notebook("05_frameworks.ipynb")
+    jax_text = ex.text("Session.from_env")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_PYTHON_CLIENT_PREALLOCATE=false" in jax_text
+    dash = ex.cell("mon.dashboard()")
+    assert any(WIDGET_VIEW in o.get("data", {}) for o in dash.outputs), cell_text(dash)
+    text = ex.text("task.result(")
+    m = re.search(r"peak in use ([\d,]+) bytes over (\d+) samples", text)
+    assert m, text
+    # the MLP's weights alone are ~6 MB: TensorFlow's own peak, polled while it trained
+    assert int(m.group(1).replace(",", "")) > 4_000_000 and int(m.group(2)) >= 3, text
+    lines = ex.text("restart_lines(")
+    assert "config.gpu_options.per_process_gpu_memory_fraction = 0.5" in lines, lines
 
 
 def test_cluster_notebook_streams_configures_traces_and_sweeps(run_notebook):
