@@ -113,6 +113,26 @@ def kill_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
         return
 
 
+def _kill_processes_mentioning(text: str) -> None:
+    """SIGKILL every process of ours whose command line mentions ``text`` (Linux /proc)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return
+    me = os.getpid()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 class LabServer:
     """JupyterLab on 127.0.0.1 serving a copy of the notebooks, with a random token.
 
@@ -239,8 +259,15 @@ class LabServer:
             return ""
 
     def stop(self) -> None:
+        """Stop the server and its kernels. Kernels run in sessions of their own (jupyter_client
+        starts them so), out of the server's process group: they are shut down through the
+        API first, and any left (a server that no longer answers) are killed by their
+        connection files, which live under this server's runtime folder."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.shutdown_kernels()
         kill_group(self.proc)
         self.proc = None
+        _kill_processes_mentioning(str(self.home))
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -343,7 +343,13 @@ def test_fragmentation_notebook_runs_all_with_a_live_dashboard(page, lab):
 def test_dashboard_in_notebook_7(page, lab):
     """The same dashboard in Notebook 7's own page (``/notebooks/...``)."""
     pytest.importorskip("notebook")
-    page.goto(lab.url("notebooks/01_quickstart.ipynb"))
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, lab.root / "notebook7.ipynb")  # a fresh one (others may be saved)
+    page.goto(lab.url("notebooks/notebook7.ipynb"))
     wait_for_notebook(page)
     run_code_in_new_cell(page, "%load_ext gpudash\nprint('ok')")
     run_code_in_new_cell(page, "%gpudash --simulate 4GiB")

@@ -296,6 +296,7 @@ class _TotalsFeed(DeviceFeed):
 
     kind = "torch"
     has_layout = False
+    missing = ("pool_bytes", "largest_free_block_bytes")
     controls = "PyTorch's allocator is watched read-only: set PYTORCH_CUDA_ALLOC_CONF"
 
     def __init__(self):
@@ -333,6 +334,8 @@ def test_a_read_only_feed_shows_totals_and_disabled_controls_that_say_why(comms,
             if c["type"] in ("snapshot", "update")))
         content, _ = sent(comms, dash, "snapshot")[-1]
         assert content["controls"]["disabled"] == feed.controls
+        # what the source does not report is shown as unknown, not as 0
+        assert content["headline"]["missing"] == ["largest_free_block_bytes", "pool_bytes"]
         assert content["controls"]["has_layout"] is False
         assert content["controls"]["restart"] is True
         reply = act(comms, dash, "fraction", 0.5)

@@ -223,6 +223,8 @@ class Dashboard(anywidget.AnyWidget):
             "pending_release": int(pending), "regions_holding": int(held),
             "ooms": [[(o.time_ms - self.model.start_ms) / 1e3, o.rounded, o.in_use]
                      for o in state.ooms[-50:]],
+            # stats the source does not report (a framework's totals): shown as unknown
+            "missing": sorted(getattr(self.model.feed(state.device), "missing", ()) or ()),
         }
 
     def _chunk_buffers(self, state: Any) -> tuple[dict, list]:

@@ -85,6 +85,7 @@ const CSS = `
 .gd-controls label{display:flex;gap:4px;align-items:center}
 .gd-controls button{padding:2px 8px;cursor:pointer}
 .gd-controls input[type=range]{width:180px}
+.gd-note{color:#777;font-style:italic}
 .gd-controls input[type=number]{width:80px}
 .gd-status{min-height:16px;color:#555;padding:2px}
 .gd-status.err{color:#d62728}
@@ -378,17 +379,19 @@ class View {
     const h = this.headline;
     if (!h) return;
     const over = h.in_use > h.limit && h.limit > 0;
-    const items = [
-      `<b>${esc(h.name)}</b>`,
-      `in use <b>${fmtBytes(h.in_use)}</b>`,
-      `pool <b>${fmtBytes(h.pool)}</b>`,
-      `limit <b>${h.limit ? fmtBytes(h.limit) : "-"}</b>`,
-      `peak ${fmtBytes(h.peak)}`,
-      `largest free ${fmtBytes(h.largest_free)}`,
-      `fragmentation ${(100 * h.fragmentation).toFixed(1)} %`,
-      `chunks ${h.chunks}`,
-      `OOMs ${h.counters.ooms || 0}`,
-    ];
+    const miss = new Set(h.missing || []);
+    const known = (k) => !miss.has(k);
+    const items = [`<b>${esc(h.name)}</b>`, `in use <b>${fmtBytes(h.in_use)}</b>`];
+    if (known("pool_bytes")) items.push(`pool <b>${fmtBytes(h.pool)}</b>`);
+    if (known("bytes_limit")) items.push(`limit <b>${h.limit ? fmtBytes(h.limit) : "-"}</b>`);
+    if (known("peak_bytes_in_use")) items.push(`peak ${fmtBytes(h.peak)}`);
+    if (known("largest_free_block_bytes")) items.push(`largest free ${fmtBytes(h.largest_free)}`);
+    if (known("fragmentation") && known("largest_free_block_bytes"))
+      items.push(`fragmentation ${(100 * h.fragmentation).toFixed(1)} %`);
+    if (this.hasLayout) items.push(`chunks ${h.chunks}`);
+    items.push(`OOMs ${h.counters.ooms || 0}`);
+    if (miss.size) items.push(`<span class="gd-note">not reported by this source: ${
+      esc([...miss].map((k) => k.replace(/_/g, " ")).join(", "))}</span>`);
     if (over) items.push('<span class="gd-over">OVER LIMIT</span>');
     this.head.innerHTML = items.map((x) => `<span>${x}</span>`).join("");
     if (h.pending_release > 0) {
@@ -401,7 +404,9 @@ class View {
       this.banner.style.display = "none";
     }
     const t = this.cells.timeline;
-    if (t) t.title.textContent = `memory over time - in use ${fmtBytes(h.in_use)}, pool ${fmtBytes(h.pool)}, limit ${h.limit ? fmtBytes(h.limit) : "-"}`;
+    if (t) t.title.textContent = `memory over time - in use ${fmtBytes(h.in_use)}` +
+      (known("pool_bytes") ? `, pool ${fmtBytes(h.pool)}` : "") +
+      (known("bytes_limit") ? `, limit ${h.limit ? fmtBytes(h.limit) : "-"}` : "");
   }
 
   drawTimeline() {
@@ -425,6 +430,9 @@ class View {
       { type: "scatter", mode: "lines", name: "limit", x: xs, y: ext(sc(tl.limit)),
         line: { color: C.limit, width: 1.5, dash: "dash", shape: "hv" }, hovertemplate: "limit " + hov + "<extra></extra>" },
     ];
+    const miss = new Set((this.headline && this.headline.missing) || []);
+    if (miss.has("bytes_limit")) traces.splice(2, 1);
+    if (miss.has("pool_bytes")) traces.splice(1, 1);
     const ooms = (this.headline && this.headline.ooms) || [];
     if (ooms.length) traces.push({ type: "scatter", mode: "markers", name: "OOM",
       x: ooms.map((o) => o[0]), y: ooms.map((o) => o[2] / u.scale),
