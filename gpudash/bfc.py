@@ -23,6 +23,7 @@ only while someone listens; ``benchmarks/bench_allocator.py`` measures them.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import warnings
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._errors import GpudashWarning, InvalidPointerError, OutOfMemoryError
+from ._errors import ConfigError, GpudashWarning, InvalidPointerError, OutOfMemoryError
 from ._units import human_readable_num_bytes as _hr
 from .events import COLUMN_DTYPES, Event, EventKind
 
@@ -54,6 +55,9 @@ logger = logging.getLogger("gpudash")
 
 K_MIN_ALLOCATION_BITS = 8
 K_MIN_ALLOCATION_SIZE = 1 << K_MIN_ALLOCATION_BITS  # 256
+#: The largest request taken as a size at all (TensorFlow's sizes are int64): above it,
+#: an out-of-memory error at once.
+MAX_ALLOCATION = (1 << 63) - 1 - K_MIN_ALLOCATION_SIZE
 K_NUM_BINS = 21
 K_MAX_INTERNAL_FRAGMENTATION = 128 << 20
 K_BACKPEDAL_FACTOR = np.float32(0.9)  # a C++ float: the product is computed in float32
@@ -344,6 +348,16 @@ class _Region:
         self.first: _Chunk | None = None
 
 
+def _pointer_or_none(ptr: Any) -> int | None:
+    """An address given as another integer type (numpy), else None."""
+    if isinstance(ptr, bool):
+        return None
+    try:
+        return _as_index(ptr)
+    except TypeError:
+        return None
+
+
 def _coerce_size(nbytes: Any) -> int:
     if isinstance(nbytes, bool) or isinstance(nbytes, float):
         raise TypeError(f"allocation size must be an integer number of bytes; got {nbytes!r}")
@@ -415,8 +429,9 @@ class BFCAllocator:
                 f"got {fragmentation_fraction}"
             )
         retry_timeout = float(retry_timeout)
-        if retry_timeout < 0:
-            raise ValueError(f"retry_timeout must be >= 0 seconds; got {retry_timeout}")
+        if not math.isfinite(retry_timeout) or retry_timeout < 0:
+            raise ConfigError(f"retry_timeout must be a finite number of seconds >= 0; got "
+                              f"{retry_timeout}")
 
         self._sub = sub_allocator
         self._name = str(name)
@@ -573,6 +588,12 @@ class BFCAllocator:
             if nbytes == 0:
                 return 0
             raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+        if nbytes > MAX_ALLOCATION:
+            raise OutOfMemoryError(
+                f"Allocator ({self._name}) ran out of memory trying to allocate {nbytes} bytes: "
+                f"more than any device holds (at most {MAX_ALLOCATION} bytes can be asked "
+                "for, TensorFlow's int64 sizes)", requested=nbytes, rounded=nbytes,
+                allocator=self._name)
         rounded = (nbytes + 255) & ~255
         b = (rounded >> 8).bit_length() - 1
         if b > 20:
@@ -813,9 +834,14 @@ class BFCAllocator:
             For an address never allocated here, or one already freed.
         """
         if not ptr:
-            return
+            if not isinstance(ptr, bool) and isinstance(ptr, (int, np.integer)):
+                return  # nullptr, as TensorFlow's DeallocateRaw
+            # None, False, "", {}: a bug in the caller, never a silent no-op
+            raise InvalidPointerError(
+                f"{self._name}: deallocate() expects an int address; got {ptr!r}")
         with self._lock:
-            c = self._by_ptr.get(ptr)
+            c = self._by_ptr.get(ptr) if type(ptr) is int else self._by_ptr.get(
+                _pointer_or_none(ptr))
             if c is None or c.aid < 0:
                 raise self._invalid_pointer(ptr, "deallocate")
             journal = self._journal
@@ -921,6 +947,10 @@ class BFCAllocator:
         if rounded > available:
             return False
         increased = False
+        if self._curr_region <= 0:  # the limit was 0 when it was set: start as TF would now
+            self._curr_region = rounded_bytes(
+                min(self._limit, K_FIRST_GROWTH_REGION) if self._allow_growth else self._limit)
+            self._curr_region = max(self._curr_region, K_MIN_ALLOCATION_SIZE)
         while rounded > self._curr_region:
             self._curr_region *= 2
             increased = True
@@ -1126,6 +1156,8 @@ class BFCAllocator:
         On: later regions start again at 2 MiB and double. Off: the next extension asks for
         everything the limit leaves (call :meth:`preallocate` to take it at once).
         """
+        if not isinstance(allow_growth, (bool, np.bool_)):
+            raise ConfigError(f"allow_growth must be True or False; got {allow_growth!r}")
         allow_growth = bool(allow_growth)
         with self._lock:
             journal = self._journal

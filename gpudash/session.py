@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+import numpy as np
+
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -180,6 +182,13 @@ class Device:
     def __repr__(self) -> str:
         return (f"Device({self.name}, {self.kind}, total={format_bytes(self.total)}, "
                 f"limit={format_bytes(self.memory_limit)}, allocator={self.allocator.name!r})")
+
+
+def _null_or_bug(ptr: Any, what: str) -> None:
+    """A falsy address: 0 (nullptr) is a no-op, as in TensorFlow; None, False, "", {} are
+    a caller's bug and raise."""
+    if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)):
+        raise InvalidPointerError(f"{what}() expects an int address; got {ptr!r}")
 
 
 class _Release:
@@ -504,6 +513,7 @@ class Session:
     def free(self, ptr: int, device: Any = None) -> None:
         """Free through deferred deletion (the block reaches the allocator later)."""
         if not ptr:
+            _null_or_bug(ptr, "free")
             return
         dev = self._device_of(ptr) if device is None else self.device(device)
         size = dev.allocator.allocated_size(ptr)  # validates the pointer now
@@ -520,11 +530,24 @@ class Session:
                 self._flush_pending(dev)
 
     def free_now(self, ptr: int, device: Any = None) -> None:
-        """Free at once, bypassing deferred deletion."""
+        """Free at once, bypassing deferred deletion.
+
+        Raises
+        ------
+        InvalidPointerError
+            For an address not allocated here, already freed, or already queued by
+            :meth:`free` (it reaches the allocator at the next flush: freeing it again now
+            would be a double free)."""
         if not ptr:
+            _null_or_bug(ptr, "free_now")
             return
         dev = self._device_of(ptr) if device is None else self.device(device)
-        dev.allocator.deallocate(ptr)
+        with self._lock:
+            if ptr in dev._deferred.queued:
+                raise InvalidPointerError(
+                    f"{dev.allocator.name}: free_now({ptr:#x}): this address is already queued "
+                    "for deletion by free() (double free?); flush() returns it now")
+            dev.allocator.deallocate(ptr)
 
     def _device_of(self, ptr: int) -> Device:
         for dev in self.devices:
@@ -576,9 +599,16 @@ class Session:
                     elif not marker.done:
                         break
                 d.inflight.popleft()
-                for ptr in ptrs:
+                failed = []
+                for ptr in ptrs:  # one bad pointer never keeps the rest of its batch
                     d.queued.discard(ptr)
-                    dev.allocator.deallocate(ptr)
+                    try:
+                        dev.allocator.deallocate(ptr)
+                    except InvalidPointerError as exc:
+                        failed.append(str(exc))
+                if failed:
+                    warnings.warn(f"gpudash: {len(failed)} deferred free(s) failed and were "
+                                  f"dropped: {failed[0]}", GpudashWarning, stacklevel=2)
                 freed += nbytes
             d.completed_bytes += freed
         return freed
@@ -666,6 +696,10 @@ class Session:
             changes["deferred_deletion_bytes"] = deferred_deletion_bytes
         if not changes:
             return
+        with self._lock:  # one configure at a time: each builds on the options in force
+            self._configure_locked(changes, device)
+
+    def _configure_locked(self, changes: dict, device: Any) -> None:
         targets = self.devices if device is None else [self.device(device)]
         # Validate everything first.
         new_opts = {dev.index: dev.options.copy(**changes) for dev in targets}

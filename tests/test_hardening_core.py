@@ -1,0 +1,183 @@
+"""Defects found by attacking the allocator and the session: each test failed before its fix."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+import gpudash
+from gpudash import BFCAllocator, ConfigError, InvalidPointerError, OutOfMemoryError
+from gpudash import SimulatedDevice
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def _in_thread(fn, timeout: float = 10.0):
+    """Run ``fn`` in a thread; its result, or fail if it does not end (a hang)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} did not end in {timeout} s (hang)"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_a_limit_raised_from_zero_extends_instead_of_hanging():
+    a = BFCAllocator(SimulatedDevice("16GiB"), 0)
+    with pytest.raises(OutOfMemoryError):
+        a.allocate(1000)
+    a.set_memory_limit(GIB)
+    ptr = _in_thread(lambda: a.allocate(1000))
+    assert ptr and a.stats().pool_bytes == 2 * MIB  # growth starts again at 2 MiB
+    a.check_invariants() if hasattr(a, "check_invariants") else None
+
+
+def test_a_tiny_fraction_then_a_larger_one_on_a_session():
+    with gpudash.Session(simulate="16GiB", poll=False,
+                         config={"allow_growth": True}) as sess:
+        sess.configure(per_process_gpu_memory_fraction=1e-12)
+        assert sess.devices[0].memory_limit == 0
+        sess.configure(per_process_gpu_memory_fraction=0.5)
+        assert _in_thread(lambda: sess.allocate(1000))
+
+
+def test_growth_off_from_a_zero_limit_preallocates_the_new_limit():
+    a = BFCAllocator(SimulatedDevice("16GiB"), 0, allow_growth=False)
+    a.set_memory_limit(GIB)
+    assert _in_thread(lambda: a.allocate(1000))
+    assert a.stats().pool_bytes == GIB
+
+
+def test_concurrent_configures_of_different_fields_lose_nothing():
+    """Three threads, each changing its own field: after every call, its field holds what it
+    set (a configure built from stale options would put another thread's old value back),
+    and the allocator's growth always matches the options at the end."""
+    sess = gpudash.Session(simulate="16GiB", poll=False)
+    dev = sess.devices[0]
+    lost = {"fraction": 0, "deferred": 0, "growth": 0}
+    rounds = 300
+
+    def fractions():
+        for i in range(rounds):
+            f = 0.3 + (i % 5) / 10
+            sess.configure(per_process_gpu_memory_fraction=f)
+            lost["fraction"] += dev.options.per_process_gpu_memory_fraction != f
+
+    def deferred():
+        for i in range(rounds):
+            n = (1 + i % 7) * MIB
+            sess.configure(deferred_deletion_bytes=n)
+            lost["deferred"] += dev.options.deferred_deletion_bytes != n
+
+    def growth():
+        for i in range(rounds):
+            g = bool(i % 2)
+            sess.configure(allow_growth=g)
+            lost["growth"] += dev.options.allow_growth != g
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=f) for f in (fractions, deferred, growth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+        sess.close()
+    assert lost == {"fraction": 0, "deferred": 0, "growth": 0}
+    assert dev.allocator.allow_growth == dev.options.allow_growth
+
+
+def test_free_then_free_now_is_refused_and_the_flush_loses_nothing():
+    with gpudash.Session(simulate="16GiB", poll=False, config={"allow_growth": True,
+                                                                "deferred_deletion_bytes": GIB}
+                         ) as sess:
+        ptrs = [sess.allocate(MIB) for _ in range(4)]
+        for p in ptrs:
+            sess.free(p)
+        with pytest.raises(InvalidPointerError, match="already queued for deletion"):
+            sess.free_now(ptrs[0])
+        assert sess.flush() == 4 * MIB
+        assert sess.stats(0).bytes_in_use == 0
+        assert not sess.devices[0]._deferred.queued
+
+
+def test_a_bad_pointer_in_a_deferred_batch_does_not_keep_the_others():
+    """A block freed behind the session's back (on the allocator itself) while queued: the
+    flush warns about it and still returns the rest of the batch."""
+    with gpudash.Session(simulate="16GiB", poll=False, config={"allow_growth": True,
+                                                                "deferred_deletion_bytes": GIB}
+                         ) as sess:
+        ptrs = [sess.allocate(MIB) for _ in range(3)]
+        for p in ptrs:
+            sess.free(p)
+        sess.devices[0].allocator.deallocate(ptrs[1])
+        with pytest.warns(gpudash.GpudashWarning, match="deferred free"):
+            sess.flush()
+        assert sess.stats(0).bytes_in_use == 0
+        assert not sess.devices[0]._deferred.queued
+
+
+def test_an_allocation_beyond_int64_is_an_out_of_memory_error():
+    a = BFCAllocator(SimulatedDevice("16GiB"), GIB)
+    for n in (2 ** 63, 2 ** 64, 10 ** 30):
+        with pytest.raises(OutOfMemoryError, match="more than any device holds"):
+            a.allocate(n)
+    assert a.stats().bytes_in_use == 0
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None, 0.0])
+def test_allow_growth_takes_booleans_only(value):
+    a = BFCAllocator(SimulatedDevice("16GiB"), GIB, allow_growth=False)
+    with pytest.raises(ConfigError, match="allow_growth must be True or False"):
+        a.set_allow_growth(value)
+    assert a.allow_growth is False
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_retry_timeout_must_be_finite(value):
+    with pytest.raises(ConfigError, match="retry_timeout"):
+        BFCAllocator(SimulatedDevice("16GiB"), GIB, retry_timeout=value)
+
+
+@pytest.mark.parametrize("bad", [None, False, {}, "", [], 0.0])
+def test_freeing_a_non_address_is_an_error_not_a_silent_no_op(bad):
+    a = BFCAllocator(SimulatedDevice("16GiB"), GIB)
+    with pytest.raises(InvalidPointerError, match="expects an int address"):
+        a.deallocate(bad)
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        for free in (sess.free, sess.free_now):
+            with pytest.raises(InvalidPointerError, match="expects an int address"):
+                free(bad)
+
+
+def test_null_stays_a_no_op():
+    a = BFCAllocator(SimulatedDevice("16GiB"), GIB)
+    a.deallocate(0)  # TensorFlow's DeallocateRaw(nullptr)
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        sess.free(0)
+        sess.free_now(0)
+
+
+def test_a_stats_call_is_not_blocked_while_another_thread_allocates():
+    a = BFCAllocator(SimulatedDevice("16GiB"), 0)
+    a.set_memory_limit(GIB)
+    t0 = time.monotonic()
+    _in_thread(lambda: a.allocate(1000))
+    assert _in_thread(a.stats, timeout=5).bytes_in_use == 1024
+    assert time.monotonic() - t0 < 10
