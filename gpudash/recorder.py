@@ -9,12 +9,17 @@ batch into fixed-size ring arrays, one per column of :data:`gpudash.events.COLUM
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from typing import Any
 
 import numpy as np
 
+from ._errors import ConfigError, GpudashError
 from .events import COLUMN_DTYPES, COLUMNS, Event
+
+logger = logging.getLogger("gpudash")
 
 __all__ = ["Recorder"]
 
@@ -78,6 +83,9 @@ class Recorder:
         self._writer = None
         self._streamer: threading.Thread | None = None
         self._stop = threading.Event()
+        #: The exception that stopped the stream to ``path`` (None while it is well);
+        #: :meth:`detach` raises it.
+        self.stream_error: BaseException | None = None
         if path is not None:
             from ._version import __version__
             from .trace import TraceWriter
@@ -85,9 +93,16 @@ class Recorder:
             meta = {"gpudash_version": __version__, "source": "gpudash",
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
                     if source is not None else []}
+            try:
+                interval = float(flush_interval)
+            except (TypeError, ValueError):
+                interval = float("nan")
+            if not (math.isfinite(interval) and interval > 0):
+                raise ConfigError(f"flush_interval must be a finite number of seconds > 0; got "
+                                  f"{flush_interval!r}")
             self._writer = TraceWriter(path, meta, overwrite=overwrite,
                                        flush_interval=float("inf"), batch_events=1 << 62)
-            self._flush_interval = float(flush_interval)
+            self._flush_interval = interval
         if source is not None:
             self.attach(source)
         if self._writer is not None:
@@ -104,8 +119,12 @@ class Recorder:
                             "garbage_collection": alloc.garbage_collection}}
 
     def _stream(self) -> None:
-        while not self._stop.wait(self._flush_interval):
-            self._write_batch()
+        try:
+            while not self._stop.wait(self._flush_interval):
+                self._write_batch()
+        except Exception as exc:  # noqa: BLE001 - kept, logged, and raised by detach()
+            self.stream_error = exc
+            logger.error("gpudash: the recorder's stream to %s failed: %r", self.path, exc)
 
     def _write_batch(self) -> None:
         self.flush()
@@ -135,6 +154,10 @@ class Recorder:
             writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        if self.stream_error is not None:
+            exc, self.stream_error = self.stream_error, None
+            raise GpudashError(f"the recording stream failed, events after its last good "
+                               f"write are missing from the file: {exc!r}") from exc
 
     @property
     def path(self) -> str | None:

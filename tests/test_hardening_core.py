@@ -181,3 +181,46 @@ def test_a_stats_call_is_not_blocked_while_another_thread_allocates():
     _in_thread(lambda: a.allocate(1000))
     assert _in_thread(a.stats, timeout=5).bytes_in_use == 1024
     assert time.monotonic() - t0 < 10
+
+
+def test_recorder_flush_interval_must_be_finite(tmp_path):
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        for bad in (float("inf"), float("nan"), 0, -1, "soon"):
+            with pytest.raises(ConfigError, match="flush_interval"):
+                gpudash.Recorder(sess, path=tmp_path / f"r{bad}.gdtrace", flush_interval=bad)
+
+
+def test_a_failing_recorder_stream_is_raised_not_silent(tmp_path, monkeypatch):
+    with gpudash.Session(simulate="16GiB", poll=False) as sess:
+        rec = gpudash.Recorder(sess, path=tmp_path / "r.gdtrace", flush_interval=0.01)
+
+        def broken():
+            raise OSError("disk full")
+
+        monkeypatch.setattr(rec, "_write_batch", broken)
+        sess.allocate(MIB)
+        deadline = time.monotonic() + 5
+        while rec.stream_error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(rec.stream_error, OSError)
+        with pytest.raises(gpudash.GpudashError, match="disk full"):
+            rec.detach()
+
+
+@pytest.mark.parametrize("tolerance", [1e-18, 0.0, float("nan"), -0.1])
+def test_min_fraction_refuses_a_tolerance_finer_than_a_byte(tolerance):
+    from gpudash.trace.whatif import min_fraction
+    from gpudash.trace.workloads import training_loop
+
+    trace = training_loop(steps=1, layers=2, hidden=256)
+    with pytest.raises(ConfigError, match="tolerance must be a fraction"):
+        min_fraction(trace, "1GiB", tolerance=tolerance)
+
+
+def test_min_fraction_at_the_finest_tolerance_ends():
+    from gpudash.trace.whatif import MIN_TOLERANCE, min_fraction
+    from gpudash.trace.workloads import training_loop
+
+    trace = training_loop(steps=1, layers=2, hidden=256)
+    r = _in_thread(lambda: min_fraction(trace, "1GiB", tolerance=MIN_TOLERANCE), timeout=60)
+    assert r.fits and r.replays <= 60

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import ConfigError
 from .._units import format_bytes
 from .format import Trace
 from .replay import _calls_lists, _progress_fn, _replay_lists, resolve_settings
@@ -82,6 +83,10 @@ class MinFractionResult:
                 f"{format_bytes(self.device_bytes)}, replays={self.replays})")
 
 
+#: The finest ``min_fraction`` tolerance: below it a step changes no limit.
+MIN_TOLERANCE = 1e-15
+
+
 def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: float = 0.005,
                  lo: float = 0.0, hi: float = 1.0, count_ooms: bool = False,
                  progress: Any = None, client: Any = None, **options: Any) -> MinFractionResult:
@@ -132,8 +137,10 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     True
     """
     tolerance = float(tolerance)
-    if not tolerance > 0:
-        raise ValueError(f"tolerance must be > 0; got {tolerance}")
+    if not (math.isfinite(tolerance) and tolerance >= MIN_TOLERANCE):
+        raise ConfigError(f"tolerance must be a fraction >= {MIN_TOLERANCE:g} (finer steps "
+                          f"change the limit by less than a byte of a 1 PiB device); got "
+                          f"{tolerance!r}")
     lo, hi = float(lo), float(hi)
     if not 0.0 <= lo < hi:
         raise ValueError(f"need 0 <= lo < hi; got lo={lo}, hi={hi}")
@@ -168,6 +175,8 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     good, bad = hi, lo
     while good - bad > tolerance:
         mid = (good + bad) / 2.0
+        if not bad < mid < good:  # as fine as floats go
+            break
         if fits(mid):
             good = mid
         else:
