@@ -27,6 +27,22 @@ class _UserError(Exception):
     """A problem with what the user asked for: reported in one line, exit code 1."""
 
 
+#: Exit codes, for scripts and CI (also in ``gpudash --help``).
+EXIT_OK = 0
+EXIT_ERROR = 1     # bad input or arguments: one line on stderr
+EXIT_OOM = 3       # replay: the trace ran out of memory under the settings given
+EXIT_BUG = 70      # an unexpected error inside gpudash (GPUDASH_DEBUG=1 shows the traceback)
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_TEXT = ("exit codes: 0 success; 1 bad input or arguments (one line on stderr); "
+                   "3 replay ran out of memory; 70 an internal error (GPUDASH_DEBUG=1 for the "
+                   "traceback); 130 interrupted")
+
+#: Simulated device sizes the commands accept.
+MIN_DEVICE = 1 << 20
+MAX_DEVICE = 1 << 50
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 with usage; we say one line
         raise _UserError(f"{self.prog}: {message} (see {self.prog} --help)")
@@ -39,14 +55,27 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _device_arg(text: str) -> int:
+    """A simulated device size: 1 MiB to 1 PiB (``1.5`` alone would be a 1-byte device)."""
+    n = _bytes_arg(text)
+    if n < MIN_DEVICE:
+        raise argparse.ArgumentTypeError(
+            f"a device size must be at least 1 MiB; got {text!r} = {n} B (give a unit: "
+            f"{text}GiB?)")
+    if n > MAX_DEVICE:
+        raise argparse.ArgumentTypeError(f"a device size must be at most 1 PiB; got {text!r}")
+    return n
+
+
 def _fraction_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a fraction must be a number; got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
+    if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(
-            f"a fraction must be >= 0 (0 = TensorFlow's default); got {text}")
+            f"a fraction must be in 0..1 (0 = TensorFlow's default; a simulated device has no "
+            f"unified memory to oversubscribe); got {text}")
     return value
 
 
@@ -60,11 +89,24 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
                        help="per_process_gpu_memory_fraction (default: TensorFlow's rule, "
                             "free memory minus the system reserve)")
     p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=True,
-                   help="allow_growth (default: on)")
-    p.add_argument("--device", type=_bytes_arg, default=16 << 30, metavar="SIZE",
-                   help="simulated device size, e.g. 16GiB (default 16GiB)")
+                   help="allow_growth (default: on, as most jobs run; TensorFlow's own "
+                        "default is off: pass --no-growth for it)")
+    p.add_argument("--device", type=_device_arg, default=16 << 30, metavar="SIZE",
+                   help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default 16GiB)")
     p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=False,
                    help="garbage collection of free regions before an OOM (default: off)")
+
+
+def _formats() -> list[str]:
+    from .trace.io import FORMATS
+
+    return list(FORMATS)
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default=None, choices=_formats(), metavar="FORMAT",
+                   help="read the input as this format instead of guessing from its first "
+                        "bytes: " + ", ".join(_formats()))
 
 
 def _add_device_choice(p: argparse.ArgumentParser) -> None:
@@ -98,7 +140,7 @@ def _chosen_devices(trace: Any, args: argparse.Namespace) -> list[int]:
 
 def _parser() -> _Parser:
     parser = _Parser(prog="gpudash", description="See and tune GPU memory: TensorFlow's BFC "
-                     "allocator, live and replayed.")
+                     "allocator, live and replayed.", epilog=EXIT_CODES_TEXT)
     parser.add_argument("--version", action="version", version=f"gpudash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
@@ -120,10 +162,12 @@ def _parser() -> _Parser:
                        description="Replay an allocation trace (gpudash, TensorFlow log, "
                        "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device.")
     p.add_argument("trace", type=Path, metavar="TRACE")
+    _add_format(p)
     _add_settings(p)
     _add_device_choice(p)
     p.add_argument("--deferred", type=_bytes_arg, default=0, metavar="BYTES",
-                   help="deferred_deletion_bytes (default 0: frees apply at once)")
+                   help="deferred_deletion_bytes (default 0: frees apply at once, as a trace "
+                        "records them; in a TensorFlow session 0 means its 8 MiB default)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
@@ -131,6 +175,7 @@ def _parser() -> _Parser:
                        description="Find the smallest per_process_gpu_memory_fraction at which "
                        "the trace replays without running out of memory, and sweep settings.")
     p.add_argument("trace", type=Path, metavar="TRACE")
+    _add_format(p)
     _add_settings(p, fraction=False)
     _add_device_choice(p)
     p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
@@ -157,7 +202,7 @@ def _parser() -> _Parser:
         "cause (limit reached or fragmentation), the smallest limit that would have served "
         "the request, and the holders when the dump names them.")
     p.add_argument("path", type=Path, metavar="PATH", help="a log or a MemoryDump protobuf")
-    p.add_argument("--device", type=_bytes_arg, default=None, metavar="SIZE",
+    p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
                    help="device size, e.g. 16GiB: also give the smallest limit as a "
                         "per_process_gpu_memory_fraction")
     p.add_argument("--allocator", default=None, metavar="NAME",
@@ -180,7 +225,9 @@ def _parser() -> _Parser:
                        description="Read any trace gpudash knows and write it as a gpudash "
                        "trace (.gdtrace) or a PyTorch snapshot (.json / .pickle).")
     p.add_argument("input", type=Path, metavar="IN")
-    p.add_argument("output", type=Path, metavar="OUT")
+    p.add_argument("output", type=Path, metavar="OUT",
+                   help="its extension chooses the format: .gdtrace, .json or .pickle/.pkl")
+    _add_format(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
     p = sub.add_parser(
@@ -204,17 +251,25 @@ def _say(*parts: Any) -> None:
     print(*parts, flush=True)
 
 
-def _load(path: Path):
+def _load(path: Path, format: str | None = None):
     from .trace import load_trace
 
-    if not path.exists():
-        raise _UserError(f"no such file: {path}")
-    return load_trace(path)
+    return load_trace(path, format=format)
 
 
 def _check_out(path: Path | None, overwrite: bool) -> None:
-    if path is not None and path.exists() and not overwrite:
+    """Refuse an output before any work: it exists, or its folder does not."""
+    if path is None:
+        return
+    if path.exists() and not overwrite:
         raise _UserError(f"{path} exists; pass --overwrite to replace it")
+    if path.exists() and path.is_dir():
+        raise _UserError(f"{path} is a directory; name a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise _UserError(f"cannot write {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise _UserError(f"cannot write {path}: the folder {parent} is not writable")
 
 
 def _workload_calls(name: str, steps: int, seed: int):
@@ -292,8 +347,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .trace.replay import device_label, replay, source_limit
 
     _check_out(args.html, args.overwrite)
-    trace = _load(args.trace)
+    trace = _load(args.trace, args.format)
     devices = _chosen_devices(trace, args)
+    out_of_memory = False
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
              "(--device-index N or --allocator NAME for one)")
@@ -312,6 +368,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if result.fits:
             _say("fits: no allocation ran out of memory")
         else:
+            out_of_memory = True
             idx, nbytes = result.first_oom
             _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call "
                  f"{idx} ({format_bytes(nbytes)})")
@@ -332,7 +389,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                      overwrite=args.overwrite, replay_options=opts)
         _say(f"report: {args.html}" + (f" ({device_label(trace, devices[0])})"
                                        if len(devices) > 1 else ""))
-    return 0
+    return EXIT_OOM if out_of_memory else EXIT_OK
 
 
 def _dask_client(address: str) -> Any:
@@ -353,7 +410,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     _check_out(args.html, args.overwrite)
     if args.jobs < 1:
         raise _UserError(f"--jobs must be >= 1; got {args.jobs}")
-    trace = _load(args.trace)
+    trace = _load(args.trace, args.format)
     if args.framework == "jax" and args.gc:
         raise _UserError("--framework jax replays JAX's BFC, which never garbage-collects; "
                          "drop --gc")
@@ -492,11 +549,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .trace import save_trace
 
-    _check_out(args.output, args.overwrite)
-    trace = _load(args.input)
     suffix = args.output.suffix.lower()
-    fmt = {".json": "torch-json", ".pickle": "torch-pickle", ".pkl": "torch-pickle"}.get(
-        suffix, "gdtrace")
+    fmt = {".json": "torch-json", ".pickle": "torch-pickle", ".pkl": "torch-pickle",
+           ".gdtrace": "gdtrace"}.get(suffix)
+    if fmt is None:
+        raise _UserError(f"{args.output}: cannot tell what to write from {suffix or 'no'} "
+                         "extension; use .gdtrace (gpudash's own), .json or .pickle (PyTorch's "
+                         "snapshot)")
+    _check_out(args.output, args.overwrite)
+    trace = _load(args.input, args.format)
     save_trace(trace, args.output, format=fmt, overwrite=args.overwrite)
     _say(f"{args.input} -> {args.output} ({fmt}, {len(trace)} events)")
     return 0
@@ -599,14 +660,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except _UserError as exc:
         print(f"gpudash: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except (GpudashError, OSError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"gpudash: error: {message}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("gpudash: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, a distinct code
+        if os.environ.get("GPUDASH_DEBUG"):
+            raise
+        print(f"gpudash: internal error: {type(exc).__name__}: {exc} (set GPUDASH_DEBUG=1 "
+              "for the traceback, and please report it)", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -77,7 +77,7 @@ def test_replay_reports_fit_and_oom(small_trace, capsys):
     assert "fits" in out
     code, out, _ = run(capsys, "replay", str(small_trace), "--device", "16GiB",
                        "--fraction", "0.00001", "--no-growth")
-    assert code == 0
+    assert code == 3  # replay's documented code for "ran out of memory", for CI
     assert "OUT OF MEMORY" in out
 
 
@@ -123,8 +123,13 @@ def test_lab_dry_run_names_the_quickstart(capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["replay", "missing.gdtrace"], "no such file"),
     (["replay", "x", "--fraction", "abc"], "must be a number"),
-    (["replay", "x", "--fraction", "-1"], ">= 0"),
+    (["replay", "x", "--fraction", "-1"], "must be in 0..1"),
+    (["replay", "x", "--fraction", "2"], "must be in 0..1"),
     (["replay", "x", "--device", "lots"], "byte count"),
+    (["replay", "x", "--device", "10PB"], "at most 1 PiB"),
+    (["replay", "x", "--device", "1.5"], "at least 1 MiB"),
+    (["demo", "--html", "/nonexistent/x.html"], "the folder /nonexistent does not exist"),
+    (["convert", "in.gdtrace", "x.csv"], "cannot tell what to write from .csv"),
     (["whatif", "x", "--jobs", "0"], None),
     (["frobnicate"], "invalid choice"),
 ])
@@ -136,6 +141,48 @@ def test_user_errors_are_one_line_and_exit_1(argv, fragment, capsys, tmp_path):
     assert "Traceback" not in err
     if fragment:
         assert fragment in err
+
+
+def test_odd_inputs_are_named_in_one_line(tmp_path, capsys):
+    import os
+
+    empty = tmp_path / "empty.gdtrace"
+    empty.write_bytes(b"")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path, fragment in ((empty, "the file is empty"), (fifo, "is a FIFO"),
+                           (tmp_path, "")):
+        code, _, err = run(capsys, "replay", str(path))
+        assert code == 1, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and fragment in lines[0], err
+
+
+def test_format_forces_the_reader(small_trace, capsys):
+    code, out, err = run(capsys, "replay", str(small_trace), "--format", "gdtrace")
+    assert code == 0, err
+    code, _, err = run(capsys, "replay", str(small_trace), "--format", "rmm-csv")
+    assert code == 1 and str(small_trace) in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_internal_error_is_one_line_with_its_own_code(capsys, monkeypatch):
+    from gpudash import cli
+
+    def boom(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setitem(cli.COMMANDS, "info", boom)
+    monkeypatch.delenv("GPUDASH_DEBUG", raising=False)
+    code, _, err = run(capsys, "info")
+    assert code == 70
+    assert err.strip() == ("gpudash: internal error: ZeroDivisionError: division by zero (set "
+                           "GPUDASH_DEBUG=1 for the traceback, and please report it)")
+
+
+def test_help_lists_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "3 replay ran out of memory" in " ".join(capsys.readouterr().out.split())
 
 
 def test_bad_trace_file_is_a_one_line_error(tmp_path, capsys):

@@ -175,7 +175,7 @@ def test_replay_of_a_dump_log_rebuilds_the_state_and_fails_at_the_request():
     calls = t.calls()
     assert r.first_oom[0] == len(calls) - 1              # the failed request, nothing before
     r = gpudash_cli("replay", str(REAL / "tf_oom_mixed.log"))
-    assert r.returncode == 0 and "(from the log)" in r.stdout and "OUT OF MEMORY" in r.stdout
+    assert r.returncode == 3 and "(from the log)" in r.stdout and "OUT OF MEMORY" in r.stdout
 
 
 # ---------------------------------------------------------------------------- profiles

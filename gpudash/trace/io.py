@@ -22,12 +22,19 @@ of a TensorBoard log directory, unless ``run=`` names one.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
+import stat
+import struct
+import zlib
 from collections.abc import Callable
+from typing import Any
 
-from .._errors import TraceFormatError
+import numpy as np
+
+from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
 from .format import MAGICS, Trace, read_trace, write_trace
 from .rmm_csv import load_rmm_csv
@@ -111,8 +118,13 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
     TraceFormatError
         An unknown format (the message lists the known ones), or the loader's own errors.
     """
+    path = _check_input(path)
     if format is None:
-        format = sniff_format(path)
+        try:
+            format = sniff_format(path)
+        except (ValueError, RecursionError, UnicodeError) as exc:
+            raise TraceFormatError(f"{os.fspath(path)}: cannot tell its format "
+                                   f"({type(exc).__name__})") from exc
         if format is None:
             raise TraceFormatError(
                 f"{os.fspath(path)}: cannot tell its format; known formats: "
@@ -121,7 +133,52 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
     if loader is None:
         raise TraceFormatError(
             f"unknown trace format {format!r}; known formats: {', '.join(FORMATS)}")
-    return loader(path, **options)
+    try:
+        trace = loader(path, **options)
+    except (GpudashError, OSError, KeyboardInterrupt):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            RecursionError, EOFError, UnicodeError, MemoryError, struct.error,
+            zlib.error, csv.Error) as exc:
+        # a reader met something it does not expect: the input is damaged or not what its
+        # format says, and the caller gets one error naming the file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TraceFormatError(
+            f"{os.fspath(path)}: not a readable {format} trace ({type(exc).__name__}"
+            f"{': ' + detail[:300] if detail else ''})") from exc
+    cols = getattr(trace, "columns", None)
+    if cols is not None and "size" in cols and len(cols["size"]):
+        bad = np.flatnonzero(cols["size"] < 0)
+        if len(bad):
+            raise TraceFormatError(
+                f"{os.fspath(path)}: event {int(bad[0])} has a negative size "
+                f"({int(cols['size'][bad[0]])} B); sizes are bytes >= 0")
+    return trace
+
+
+def _check_input(path: Any) -> Any:
+    """A path to read: a str or os.PathLike naming a regular file, or a directory (a
+    TensorBoard log dir). Never an int (a file descriptor would be closed) or a bool."""
+    if isinstance(path, (bool, int)) or not isinstance(path, (str, bytes, os.PathLike)):
+        raise TraceFormatError(f"a trace is read from a path (str or os.PathLike); got "
+                               f"{type(path).__name__} {path!r}")
+    name = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TraceFormatError(f"{name}: no such file") from None
+    except OSError as exc:
+        raise TraceFormatError(f"{name}: cannot read it ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        return path  # a TensorBoard log directory; the xplane reader says if it is not one
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise TraceFormatError(f"{name}: is {kind}, not a trace file")
+    if st.st_size == 0:
+        raise TraceFormatError(f"{name}: the file is empty")
+    return path
 
 
 def save_trace(trace: Trace, path: str | os.PathLike, format: str = "gdtrace",
