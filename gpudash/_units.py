@@ -105,12 +105,12 @@ def parse_bytes(value: object, *, name: str | None = None) -> int:
         result = int(value)
         if result < 0:
             raise _bad(value, name)
-        return result
+        return _within_int64(result, value, name)
     if isinstance(value, numbers.Real):
         f = float(value)
         if not math.isfinite(f) or f < 0 or not f.is_integer():
             raise _bad(value, name)
-        return int(f)
+        return _within_int64(int(f), value, name)
     if not isinstance(value, str):
         raise _bad(value, name)
     match = _BYTES_RE.match(value)
@@ -120,7 +120,28 @@ def parse_bytes(value: object, *, name: str | None = None) -> int:
     if unit is None:
         raise _bad(value, name)
     # Fraction parses decimal strings exactly, so "1.5GiB" is exactly 1610612736.
-    return math.floor(Fraction(match["num"]) * unit)
+    exact = Fraction(match["num"]) * unit
+    if exact > MAX_BYTES:  # compared before any huge integer is made or printed
+        raise _too_large(value, name)
+    return math.floor(exact)
+
+
+#: The largest byte count taken (TensorFlow's sizes are int64).
+MAX_BYTES = (1 << 63) - 1
+
+
+def _too_large(value: object, name: str | None):
+    from ._errors import ConfigError
+
+    what = name or "a byte count"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return ConfigError(f"{what} must be at most {MAX_BYTES} bytes (8 EiB, int64); got {shown}")
+
+
+def _within_int64(result: int, value: object, name: str | None) -> int:
+    if result > MAX_BYTES:
+        raise _too_large(value, name)
+    return result
 
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")

@@ -230,3 +230,14 @@ def test_unload_restores_cupys_allocator(ip, monkeypatch):
     assert not sess.installed
     assert cupy.cuda.get_allocator() == before
     ip.run_line_magic("load_ext", "gpudash")
+
+
+def test_absurd_sizes_are_usage_errors_and_leave_nothing_behind(ip):
+    with pytest.raises(UsageError, match="at most 9223372036854775807 bytes"):
+        ip.run_line_magic("gpudash", "--simulate 1e999999")
+    assert session_mod.default_session(create=False) is None
+    ip.run_line_magic("gpudash", "--simulate 8GiB")
+    before = _session().devices[0]._deferred.threshold
+    with pytest.raises(UsageError, match="at most 9223372036854775807 bytes"):
+        ip.run_line_magic("gpudash_config", "deferred=1e99999")
+    assert _session().devices[0]._deferred.threshold == before

@@ -125,3 +125,11 @@ def test_human_readable_num_bytes_range_and_type():
     with pytest.raises(TypeError):
         human_readable_num_bytes(1.5)
     assert human_readable_num_bytes(np.int64(4096)) == "4.0KiB"
+
+
+@pytest.mark.parametrize("value", ["1e999999", 2 ** 63, "9000000PB", float(2 ** 64)])
+def test_byte_counts_beyond_int64_are_refused_before_any_huge_number_is_made(value):
+    from gpudash._units import MAX_BYTES, parse_bytes
+
+    with pytest.raises(ConfigError, match=f"at most {MAX_BYTES} bytes"):
+        parse_bytes(value, name="the size")
