@@ -96,3 +96,21 @@ def test_the_recursion_limit_is_left_as_it_was(tmp_path):
     with pytest.raises(TraceFormatError):
         load_trace(path)
     assert sys.getrecursionlimit() == limit
+
+
+def test_a_pickle_whose_shared_references_expand_to_10_8_blocks_is_refused_fast(tmp_path):
+    """A few kilobytes of pickle, 10^8 blocks once expanded (one dict repeated by reference):
+    refused by its size, in well under a second, without walking it."""
+    import pickle
+    import time
+
+    block = {"size": 512, "state": "active_allocated", "requested_size": 512}
+    seg = dict(_SEG, blocks=[block] * 10_000)
+    path = tmp_path / "bomb.pickle"
+    path.write_bytes(pickle.dumps({"segments": [seg] * 10_000, "device_traces": []},
+                                  protocol=4))
+    assert path.stat().st_size < 200_000
+    t0 = time.perf_counter()
+    with pytest.raises(TraceFormatError, match="gpudash's bound on what one import may expand"):
+        load_trace(path)
+    assert time.perf_counter() - t0 < 30

@@ -100,6 +100,34 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     return obj
 
 
+#: The most segments + blocks + trace entries a snapshot may hold. A pickle can repeat one
+#: object by reference (its memo) so that a few kilobytes expand to 10^8 blocks, minutes of
+#: work; real snapshots hold far fewer (the largest PyTorch keeps by default: ~10^6).
+MAX_SNAPSHOT_ITEMS = 20_000_000
+
+
+def _check_size(name: str, segments: list, traces: list) -> None:
+    """Refuse a snapshot larger than :data:`MAX_SNAPSHOT_ITEMS` before walking it (len()
+    of each list only: nothing is expanded)."""
+    total = len(segments) + len(traces)
+    if total <= MAX_SNAPSHOT_ITEMS:
+        for seg in segments:
+            blocks = seg.get("blocks") if isinstance(seg, dict) else None
+            total += len(blocks) if isinstance(blocks, list) else 0
+            if total > MAX_SNAPSHOT_ITEMS:
+                break
+    if total <= MAX_SNAPSHOT_ITEMS:
+        for t in traces:
+            total += len(t) if isinstance(t, list) else 0
+            if total > MAX_SNAPSHOT_ITEMS:
+                break
+    if total > MAX_SNAPSHOT_ITEMS:
+        raise TraceFormatError(
+            f"{name}: more than {MAX_SNAPSHOT_ITEMS:,} segments, blocks and trace entries "
+            "(gpudash's bound on what one import may expand to; a pickle's shared references "
+            "can make a small file this large)")
+
+
 def _unpickle(data: bytes, name: str) -> Any:
     try:
         return _NoGlobalsUnpickler(io.BytesIO(data), name).load()
@@ -149,6 +177,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
     traces = snap.get("device_traces") or []
     if not isinstance(segments, list) or not isinstance(traces, list):
         raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
+    _check_size(name, segments, traces)
 
     # ---- final state from segments
     final_segs: dict[int, dict[int, int]] = {}
