@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -106,8 +107,9 @@ class Recorder:
         if source is not None:
             self.attach(source)
         if self._writer is not None:
-            self._streamer = threading.Thread(target=self._stream, name="gpudash-recorder",
-                                              daemon=True)
+            self._streamer = threading.Thread(target=Recorder._stream_loop,
+                                              args=(weakref.ref(self), self._stop),
+                                              name="gpudash-recorder", daemon=True)
             self._streamer.start()
 
     @staticmethod
@@ -118,13 +120,29 @@ class Recorder:
                 "options": {"allow_growth": alloc.allow_growth,
                             "garbage_collection": alloc.garbage_collection}}
 
-    def _stream(self) -> None:
-        try:
-            while not self._stop.wait(self._flush_interval):
-                self._write_batch()
-        except Exception as exc:  # noqa: BLE001 - kept, logged, and raised by detach()
-            self.stream_error = exc
-            logger.error("gpudash: the recorder's stream to %s failed: %r", self.path, exc)
+    @staticmethod
+    def _stream_loop(ref: "weakref.ref[Recorder]", stop: threading.Event) -> None:
+        """The streaming thread. It holds the recorder only weakly while it waits, so a
+        recorder dropped without detach() is collected and the thread ends."""
+        while True:
+            rec = ref()
+            if rec is None:
+                return
+            interval = rec._flush_interval
+            del rec
+            if stop.wait(interval):
+                return
+            rec = ref()
+            if rec is None:
+                return
+            try:
+                rec._write_batch()
+            except Exception as exc:  # noqa: BLE001 - kept, logged, and raised by detach()
+                rec.stream_error = exc
+                logger.error("gpudash: the recorder's stream to %s failed: %r", rec.path, exc)
+                return
+            finally:
+                del rec
 
     def _write_batch(self) -> None:
         self.flush()

@@ -224,3 +224,28 @@ def test_min_fraction_at_the_finest_tolerance_ends():
     trace = training_loop(steps=1, layers=2, hidden=256)
     r = _in_thread(lambda: min_fraction(trace, "1GiB", tolerance=MIN_TOLERANCE), timeout=60)
     assert r.fits and r.replays <= 60
+
+
+def test_objects_dropped_without_close_end_their_threads(tmp_path):
+    """A session (its deferred-deletion poller), a recorder streaming to a file and a live
+    model (its refresher), dropped without close(): collected, and their threads end."""
+    import gc
+
+    from gpudash.widgets import LiveModel
+
+    before = {t.ident for t in threading.enumerate()}
+    sess = gpudash.Session(simulate="16GiB", poll=True)
+    rec = gpudash.Recorder(sess, path=tmp_path / "r.gdtrace", flush_interval=0.05)
+    model = LiveModel(sess, rate_hz=20)
+    sess.allocate(MIB)
+    started = {t.ident for t in threading.enumerate()} - before
+    assert len(started) >= 3
+    del sess, rec, model
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gc.collect()
+        if not started & {t.ident for t in threading.enumerate()}:
+            break
+        time.sleep(0.05)
+    left = [t.name for t in threading.enumerate() if t.ident in started]
+    assert not left, left
