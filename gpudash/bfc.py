@@ -629,8 +629,12 @@ class BFCAllocator:
             if nbytes == 0:
                 return 0
             raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+        if nbytes > MAX_ALLOCATION:
+            return 0
         rounded = (nbytes + 255) & ~255
-        b = bin_num_for_size(rounded)
+        b = (rounded >> 8).bit_length() - 1  # bin_num_for_size, inlined
+        if b > 20:
+            b = 20
         with self._lock:
             journal = self._journal
             start = len(journal) if journal is not None else 0

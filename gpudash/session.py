@@ -497,8 +497,13 @@ class Session:
     def allocate(self, nbytes: int, device: Any = 0) -> int:
         """Allocate on a device; if the allocator is out of memory, flush the device's
         deferred frees and retry once before raising :class:`~gpudash.OutOfMemoryError`."""
-        self._check_open()
-        dev = self.devices[_parse_device(device, len(self.devices))]
+        if self._closed:
+            self._check_open()
+        devices = self.devices
+        if type(device) is int and 0 <= device < len(devices):  # the common case, fast
+            dev = devices[device]
+        else:
+            dev = devices[_parse_device(device, len(devices))]
         ptr = dev.allocator.try_allocate(nbytes)
         if not ptr and nbytes:
             # Flush deferred frees, then the real attempt (which raises OutOfMemoryError,
@@ -515,8 +520,14 @@ class Session:
         if not ptr:
             _null_or_bug(ptr, "free")
             return
-        dev = self._device_of(ptr) if device is None else self.device(device)
-        size = dev.allocator.allocated_size(ptr)  # validates the pointer now
+        devices = self.devices
+        if device is None and len(devices) == 1 and type(ptr) is int:
+            dev = devices[0]  # one device: the allocator's own table validates the pointer
+            c = dev.allocator._by_ptr.get(ptr)
+            size = c.size if c is not None and c.aid >= 0 else dev.allocator.allocated_size(ptr)
+        else:
+            dev = self._device_of(ptr) if device is None else self.device(device)
+            size = dev.allocator.allocated_size(ptr)  # validates the pointer now
         with self._lock:
             d = dev._deferred
             if ptr in d.queued:
