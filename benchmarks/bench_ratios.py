@@ -9,6 +9,7 @@ each step frees what a random slot holds and allocates a new block there) runs, 
 - ``session``: :meth:`gpudash.Session.allocate` / :meth:`~gpudash.Session.free` on a
   simulated device, deferred deletion on (TensorFlow's default 8 MiB; frees reach the
   allocator from the session's poller thread, in batches);
+- ``session+stacks``: the same with ``record_stacks=True`` (each block's allocating frame);
 - ``recorder``: the bare allocator with a :class:`gpudash.Recorder` attached;
 - ``reference``: ``reference_bfc.ReferenceBFC``, a plain Python BFC with no hooks.
 
@@ -62,13 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     steps = make_workload(args.pairs)
-    rates: dict[str, list[float]] = {"bare": [], "session": [], "recorder": [],
-                                     "reference": []}
+    rates: dict[str, list[float]] = {"bare": [], "session": [], "session+stacks": [],
+                                     "recorder": [], "reference": []}
     for _ in range(args.repeat):
         a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
         rates["bare"].append(run(a.allocate, a.deallocate, steps))
         with gpudash.Session(simulate="16GiB", config={"allow_growth": True}) as sess:
             rates["session"].append(run(sess.allocate, sess.free, steps))
+        with gpudash.Session(simulate="16GiB", config={"allow_growth": True},
+                             record_stacks=True) as sess:
+            rates["session+stacks"].append(run(sess.allocate, sess.free, steps))
         a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
         rec = Recorder(a, capacity=4 * args.pairs + 1000)
         rates["recorder"].append(run(a.allocate, a.deallocate, steps))
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:<12} {v:>18,.0f}   {', '.join(f'{x:,.0f}' for x in rates[k])}")
     print()
     print(f"session / bare          {med['session'] / med['bare']:.2f}   (target >= 0.8)")
+    print(f"record_stacks cost      {med['session'] / med['session+stacks']:.2f}x  "
+          "(session time with vs without)")
     print(f"recorder cost           {med['bare'] / med['recorder']:.2f}x  (target <= 1.25)")
     print(f"bare / reference BFC    {med['bare'] / med['reference']:.2f}   (target >= 2.5)")
 

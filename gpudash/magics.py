@@ -291,10 +291,14 @@ class GpudashMagics(Magics):
         sess = self._get_session()
         before = {d.index: d.stats() for d in sess.devices}
         rec = Recorder(sess)  # the allocator's own stats are left alone
+        # the cell's allocations are held by "cell [N]" (Session.label): the chunk map's
+        # hover and the summary name them
+        label = f"cell [{getattr(self.shell, 'execution_count', '?')}]"
         t0 = time.perf_counter()
         error = None
         try:
-            self.shell.ex(cell)
+            with sess.label(label):
+                self.shell.ex(cell)
         except BaseException as exc:  # shown after the summary
             error = exc
         finally:
@@ -400,6 +404,8 @@ class TrackSummary:
                 "ooms": int((kind == EventKind.OOM).sum()),
                 "worst_fragmentation": _worst_fragmentation(d, after),
                 "pool": after.pool_bytes,
+                # what holds memory at the end of the cell, largest first (Session.label)
+                "holders": list(sess.holders(d.index).items())[:5],
             })
         return cls(rows, seconds, timeline)
 
@@ -413,6 +419,9 @@ class TrackSummary:
                 f"{r['allocations']} allocation(s), {r['ooms']} out of memory, "
                 f"worst fragmentation {r['worst_fragmentation']:.1%}, "
                 f"pool {format_bytes(r['pool'])}")
+            if r.get("holders"):
+                lines.append("    held now by: " + ", ".join(
+                    f"{h} {format_bytes(b)} ({n} block(s))" for h, (b, n) in r["holders"]))
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -421,12 +430,24 @@ class TrackSummary:
         """A small timeline of bytes in use during the cell, one line per device."""
         import plotly.graph_objects as go
 
+        from . import style
+
+        top = max((int(s.max()) for s in self.timeline.values() if len(s)), default=1)
+        unit, scale = style.unit_for(top)
         fig = go.Figure()
         for r, (_, series) in zip(self.rows, self.timeline.items()):
-            fig.add_scatter(y=series, mode="lines", name=r["device"], line={"shape": "hv"})
-        fig.update_layout(height=160, margin={"l": 50, "r": 10, "t": 24, "b": 20},
+            fig.add_scatter(y=series / scale, mode="lines", name=r["device"],
+                            line={"shape": "hv", "color": style.COLORS["in use"]
+                                  if len(self.rows) == 1 else None},
+                            hovertemplate=f"event %{{x}}: %{{y:.2f}} {unit} in use"
+                                          "<extra></extra>")
+        fig.update_layout(height=160, margin={"l": 60, "r": 10, "t": 24, "b": 20},
                           title={"text": "bytes in use during the cell", "font": {"size": 12}},
-                          showlegend=len(self.rows) > 1)
+                          showlegend=len(self.rows) > 1, font={"family": style.FONT},
+                          plot_bgcolor="white")
+        fig.update_yaxes(ticksuffix=" " + unit, rangemode="tozero",
+                         gridcolor=style.COLORS["grid"])
+        fig.update_xaxes(title_text=style.EVENT_TITLE, gridcolor=style.COLORS["grid"])
         return fig
 
 

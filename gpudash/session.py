@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -151,6 +152,7 @@ class Device:
         self.cc_major = cc_major
         self.options = options
         self._deferred = _Deferred(threshold=deferred_threshold)
+        self._holders: dict[int, str] = {}  # live block -> holder (Session.label, stacks)
 
     @property
     def name(self) -> str:
@@ -182,6 +184,19 @@ class Device:
     def __repr__(self) -> str:
         return (f"Device({self.name}, {self.kind}, total={format_bytes(self.total)}, "
                 f"limit={format_bytes(self.memory_limit)}, allocator={self.allocator.name!r})")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_outside_gpudash() -> str:
+    """``file:line function`` of the nearest Python frame outside gpudash."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = f.f_back
+    if f is None:
+        return ""
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}"
 
 
 def _null_or_bug(ptr: Any, what: str) -> None:
@@ -282,8 +297,15 @@ class Session:
     """
 
     def __init__(self, config: Any = None, *, simulate: Any = None,
-                 environ: Mapping[str, str] | None = None, poll: bool = True) -> None:
+                 environ: Mapping[str, str] | None = None, poll: bool = True,
+                 record_stacks: bool = False) -> None:
         env = os.environ if environ is None else environ
+        if not isinstance(record_stacks, bool):
+            raise ConfigError(f"record_stacks must be True or False; got {record_stacks!r}")
+        # who holds each live block: a label (label()) and/or the allocating Python frame
+        self._record_stacks = record_stacks
+        self._track_holders = record_stacks
+        self._label_local = threading.local()
         self._environ = env
         self._config = self._to_config(config)
         gpu = self._config.gpu_options
@@ -510,10 +532,61 @@ class Session:
             # logged and recorded once, if memory is still short).
             self._drain(dev)
             ptr = dev.allocator.allocate(nbytes)
+        if self._track_holders and ptr:
+            holder = self._current_holder()
+            if holder:
+                dev._holders[ptr] = holder
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
                         dev.allocator.name)
         return ptr
+
+    # ------------------------------------------------------------------ holders
+    @contextmanager
+    def label(self, name: str) -> Iterator[None]:
+        """Mark the allocations made inside the block (in this thread) as held by ``name``:
+        ``with sess.label("forward"): ...``. Labels nest (the innermost wins); the chunk map
+        shows them on hover and :meth:`holders` lists them."""
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"a label is a non-empty string; got {name!r}")
+        self._track_holders = True
+        stack = getattr(self._label_local, "stack", None)
+        if stack is None:
+            stack = self._label_local.stack = []
+        stack.append(name)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _current_holder(self) -> str:
+        stack = getattr(self._label_local, "stack", None)
+        label = stack[-1] if stack else ""
+        if not self._record_stacks:
+            return label
+        where = _caller_outside_gpudash()
+        return f"{label} @ {where}" if label and where else (label or where)
+
+    def holder_of(self, ptr: int, device: Any = None) -> str | None:
+        """The label or allocating frame of a live block, or None when it has none."""
+        dev = self._device_of(ptr) if device is None else self.device(device)
+        return dev._holders.get(ptr)
+
+    def holders(self, device: Any = 0) -> dict[str, tuple[int, int]]:
+        """``{holder: (bytes, blocks)}`` of a device's live blocks that have a holder,
+        largest first."""
+        dev = self.device(device)
+        out: dict[str, list[int]] = {}
+        alloc = dev.allocator
+        for ptr, holder in list(dev._holders.items()):
+            try:
+                size = alloc.allocated_size(ptr)
+            except InvalidPointerError:
+                continue
+            rec = out.setdefault(holder, [0, 0])
+            rec[0] += size
+            rec[1] += 1
+        return {h: (b, n) for h, (b, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
     def free(self, ptr: int, device: Any = None) -> None:
         """Free through deferred deletion (the block reaches the allocator later)."""
@@ -559,6 +632,7 @@ class Session:
                     f"{dev.allocator.name}: free_now({ptr:#x}): this address is already queued "
                     "for deletion by free() (double free?); flush() returns it now")
             dev.allocator.deallocate(ptr)
+            dev._holders.pop(ptr, None)
 
     def _device_of(self, ptr: int) -> Device:
         for dev in self.devices:
@@ -611,8 +685,10 @@ class Session:
                         break
                 d.inflight.popleft()
                 failed = []
+                holders = dev._holders
                 for ptr in ptrs:  # one bad pointer never keeps the rest of its batch
                     d.queued.discard(ptr)
+                    holders.pop(ptr, None)
                     try:
                         dev.allocator.deallocate(ptr)
                     except InvalidPointerError as exc:

@@ -788,6 +788,11 @@ class LiveModel(traitlets.HasTraits):
             return self._build_from_feed(dev)
         alloc = dev.allocator
         table = alloc.chunk_table()
+        holders = getattr(dev.session_device, "_holders", None)
+        if holders:  # labels of a session's live blocks (Session.label, record_stacks)
+            get = holders.get
+            table["holder"] = np.array([get(p, "") for p in table["ptr"].tolist()],
+                                       dtype=object)
         raw = alloc.stats()
         now_ms = time.time_ns() / 1e6
         size = table["size"]
