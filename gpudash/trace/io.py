@@ -37,6 +37,7 @@ import numpy as np
 from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
 from .format import MAGICS, Trace, read_trace, write_trace
+from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors
@@ -94,8 +95,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
     if text[:1] == b"[" and _JSON_LIST.match(text):
         return "torch-json"
     first_line = text.split(b"\n", 1)[0].decode("utf-8", "replace")
-    cols = {c.strip() for c in first_line.split(",")}
-    if {"Time", "Action", "Pointer", "Size"} <= cols:
+    if rmm_layout(first_line) is not None:  # header, header-less rows, or RMM 0.12
         return "rmm-csv"
     if any(w in head for w in _TF_WORDS):
         return "tf-log"

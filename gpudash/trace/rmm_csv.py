@@ -8,7 +8,14 @@
     140215557785344,00:00:00.000350,allocate failure,(nil),68719476736,0x0
 
 Columns are read by name (``csv.DictReader``), so their order and extra columns do not
-matter. ``allocate`` becomes an ``alloc`` event, ``free`` a ``free``, ``allocate failure`` an
+matter. Two other layouts are read too:
+
+- rows without the header line, as spark-rapids prints them to stderr
+  (``spark.rapids.memory.gpu.debug``): the six columns above, in that order;
+- RMM 0.12's ``rmm.csv_log()``: ``Event Type,Device ID,Address,Stream,Size (bytes),...,
+  Start,End,Elapsed,Location`` (``Alloc``/``Free``, times in seconds from ``Start``, the
+  device from ``Device ID``).
+ ``allocate`` becomes an ``alloc`` event, ``free`` a ``free``, ``allocate failure`` an
 ``oom``. Times have no date: a time more than 12 hours earlier than the previous one is taken
 as the next day (the log crossed midnight). ``time_ns`` counts from midnight of the first
 day. A ``.dev{N}`` suffix in the file name (``rmm_log.dev1.csv``, as
@@ -28,6 +35,24 @@ from .format import Trace, _EventBuilder, _source_name, _text_source
 __all__ = ["load_rmm_csv", "device_from_filename"]
 
 _REQUIRED = ("Time", "Action", "Pointer", "Size")
+#: The header of the current log, for header-less rows.
+HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
+#: RMM <= 0.12 (``rmm.csv_log()``).
+OLD_REQUIRED = ("Event Type", "Address", "Size (bytes)", "Start")
+_ROW = re.compile(r"\s*\d+\s*,\s*\d{1,2}:\d{2}:\d{2}(\.\d+)?\s*,\s*(allocate|free|allocate failure)"
+                  r"\s*,")
+
+
+def layout_of(first_line: str) -> str | None:
+    """``"header"``, ``"rows"`` (no header), ``"rmm012"`` or None for a first line."""
+    cols = {c.strip() for c in first_line.split(",")}
+    if set(_REQUIRED) <= cols:
+        return "header"
+    if set(OLD_REQUIRED) <= cols:
+        return "rmm012"
+    if _ROW.match(first_line):
+        return "rows"
+    return None
 _TIME = re.compile(r"\s*(\d{1,2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*$")
 _DEV = re.compile(r"\.dev(\d+)(?:\.[^.]*)?$")
 _DAY_NS = 86_400 * 10**9
@@ -83,6 +108,7 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
         (names the file, line and column).
     """
     name = _source_name(path_or_file)
+    given = device if device is not None else device_from_filename(name)
     if device is None:
         device = device_from_filename(name) or 0
     b = _EventBuilder()
@@ -93,15 +119,23 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
     day = 0
     prev = None
     with _text_source(path_or_file, newline="") as f:
-        reader = csv.DictReader(f, skipinitialspace=True)
-        fields = [h.strip() for h in (reader.fieldnames or [])]
-        missing = [c for c in _REQUIRED if c not in fields]
-        if missing:
-            raise TraceFormatError(
-                f"{name}, line 1: expected an RMM log header with columns "
-                f"Thread,Time,Action,Pointer,Size,Stream; missing {missing} "
-                f"(found {fields})")
-        reader.fieldnames = fields
+        first = f.readline()
+        f.seek(0)
+        kind = layout_of(first)
+        if kind == "rmm012":
+            return _load_rmm012(f, name, given)
+        if kind == "rows":
+            reader = csv.DictReader(f, fieldnames=list(HEADER), skipinitialspace=True)
+        else:
+            reader = csv.DictReader(f, skipinitialspace=True)
+            fields = [h.strip() for h in (reader.fieldnames or [])]
+            missing = [c for c in _REQUIRED if c not in fields]
+            if missing:
+                raise TraceFormatError(
+                    f"{name}, line 1: expected an RMM log header with columns "
+                    f"Thread,Time,Action,Pointer,Size,Stream (or rows in that order, or RMM "
+                    f"0.12's Event Type,...); missing {missing} (found {fields})")
+            reader.fieldnames = fields
         for row in reader:
             line = reader.line_num
             try:
@@ -143,3 +177,44 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
     meta = {"source": "rmm-csv", "threads": len(threads), "streams": len(streams),
             "null_frees": null_frees, "null_allocs": null_allocs, "days": day}
     return b.build(meta)
+
+
+def _load_rmm012(f: IO, name: str, device: int | None) -> Trace:
+    """RMM <= 0.12's ``rmm.csv_log()`` layout."""
+    reader = csv.DictReader(f, skipinitialspace=True)
+    reader.fieldnames = [h.strip() for h in (reader.fieldnames or [])]
+    b = _EventBuilder()
+    devices: set[int] = set()
+    streams: set[str] = set()
+    null = 0
+    for row in reader:
+        line = reader.line_num
+        try:
+            kind = (row["Event Type"] or "").strip().lower()
+            dev = device if device is not None else int((row.get("Device ID") or "0").strip())
+            t = round(float(row["Start"]) * 1e9)
+            if not (0 <= t < 1 << 62):
+                raise ValueError(f"Start {row['Start']!r} is not a time in seconds")
+            ptr = _pointer(row["Address"] or "")
+            size = _size(row["Size (bytes)"] or "")
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise TraceFormatError(f"{name}, line {line}: {exc}") from None
+        if dev not in devices:
+            b.add_device(dev, f"cuda:{dev}")
+            devices.add(dev)
+        if row.get("Stream"):
+            streams.add(row["Stream"].strip())
+        if not ptr:
+            null += 1
+            continue
+        if kind == "alloc":
+            b.alloc(t, dev, ptr, size)
+        elif kind == "free":
+            b.free(t, dev, ptr, size)
+        else:
+            raise TraceFormatError(f"{name}, line {line}: Event Type {row['Event Type']!r}; "
+                                   "expected 'Alloc' or 'Free'")
+    if not devices:
+        b.add_device(device or 0, f"cuda:{device or 0}")
+    return b.build({"source": "rmm-csv", "layout": "rmm-0.12", "streams": len(streams),
+                    "null_pointers": null, "threads": 0, "days": 0})
