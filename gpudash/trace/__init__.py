@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .cupy_hook import load_cupy_hook
 from .format import Trace, TraceWriter, read_trace, write_trace
-from .io import load_trace, save_trace
+from .io import load_ranks, load_trace, save_trace
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors, load_vector_json
@@ -25,6 +25,7 @@ __all__ = [
     "read_trace",
     "write_trace",
     "load_trace",
+    "load_ranks",
     "save_trace",
     "load_tf_log",
     "load_tf_vectors",

@@ -44,7 +44,7 @@ from .tf_vectors import load_tf_vectors
 from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
 from .xplane import load_xplane
 
-__all__ = ["load_trace", "save_trace", "sniff_format", "FORMATS"]
+__all__ = ["load_trace", "load_ranks", "save_trace", "sniff_format", "FORMATS"]
 
 #: Format name -> loader.
 FORMATS: dict[str, Callable[..., Trace]] = {
@@ -67,10 +67,19 @@ _TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,",
 _JSON_LIST = re.compile(rb"\[\s*(?:[\[{\]\"]|-?\d|true|false|null)")
 
 
+def _is_profile_dir(path: str | os.PathLike) -> bool:
+    """A TensorBoard log directory, a profile folder or a run folder (xplane files)."""
+    from pathlib import Path
+
+    p = Path(path)
+    return any(p.glob("*.xplane.pb")) or any(p.glob("plugins/profile/*/*.xplane.pb")) or \
+        any(p.glob("profile/*/*.xplane.pb")) or any(p.glob("*/*.xplane.pb"))
+
+
 def sniff_format(path: str | os.PathLike) -> str | None:
     """The format name of the file (or directory) at ``path`` from its first 64 KiB, or None."""
     if os.path.isdir(path):
-        return "xplane"
+        return "xplane" if _is_profile_dir(path) else None
     if os.fspath(path).endswith(".xplane.pb"):
         return "xplane"
     with open(path, "rb") as f:
@@ -118,6 +127,12 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
     TraceFormatError
         An unknown format (the message lists the known ones), or the loader's own errors.
     """
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bool):
+        name = os.fspath(path)
+        if isinstance(name, str) and _GLOB.search(name) and not os.path.exists(name):
+            return load_ranks(name, format, **options)
+        if os.path.isdir(name) and not _is_profile_dir(name):
+            return load_ranks(name, format, **options)
     path = _check_input(path)
     if format is None:
         try:
@@ -197,3 +212,91 @@ def save_trace(trace: Trace, path: str | os.PathLike, format: str = "gdtrace",
     else:
         raise TraceFormatError(
             f"cannot save as {format!r}; formats gpudash writes: {', '.join(_SAVE_FORMATS)}")
+
+
+_GLOB = re.compile(r"[*?\[]")
+_RANK = re.compile(r"(?:rank|worker|proc|gpu)[_-]?(\d+)", re.IGNORECASE)
+
+
+def _natural(path: Any) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(path))]
+
+
+def _rank_name(path: str, taken: set) -> str:
+    base = os.path.basename(path)
+    m = _RANK.search(base)
+    name = f"rank{m.group(1)}" if m else base.split(".")[0]
+    while name in taken:
+        name += "'"
+    taken.add(name)
+    return name
+
+
+def load_ranks(files: Any, format: str | None = None, **options) -> Trace:
+    """Per-rank (or per-worker) files as one trace, one device per file and device.
+
+    Parameters
+    ----------
+    files : str, os.PathLike or list of them
+        A glob (``"snaps/rank*_memory_snapshot.pickle"``), a directory (its files, in natural
+        order; hidden files skipped), or a list of paths.
+    format : str, optional
+        The format of every file (sniffed per file by default).
+
+    Returns
+    -------
+    Trace
+        Devices numbered in file order; each is named after its rank (``rank3`` from
+        ``rank3_memory_snapshot.pickle``, ``worker2``...; else the file's name) and the
+        device's own name (``rank3 cuda:0``); ``meta["ranks"]`` lists ``{"name", "file"}``.
+
+    Raises
+    ------
+    TraceFormatError
+        No files matched, or a file is not a trace (the message names it).
+    """
+    import glob as _glob
+
+    if isinstance(files, (str, os.PathLike)):
+        name = os.fspath(files)
+        if os.path.isdir(name):
+            paths = [os.path.join(name, f) for f in os.listdir(name)
+                     if not f.startswith(".") and os.path.isfile(os.path.join(name, f))]
+        else:
+            paths = _glob.glob(name)
+        where = name
+    else:
+        paths = [os.fspath(f) for f in files]
+        where = f"{len(paths)} file(s)"
+    paths = sorted(paths, key=_natural)
+    if not paths:
+        raise TraceFormatError(f"{where}: no files to read as ranks")
+    parts = []
+    ranks = []
+    taken: set = set()
+    next_dev = 0
+    for path in paths:
+        t = load_trace(path, format, **options)
+        rank = _rank_name(path, taken)
+        ranks.append({"name": rank, "file": path})
+        known = {int(d["index"]): d for d in t.meta.get("devices") or []}
+        devs = sorted(set(np.unique(t.columns["device"]).tolist()) | set(known)) or [0]
+        lut = np.zeros(max(devs) + 1, dtype=np.int64)
+        for i, d in enumerate(devs):
+            lut[d] = next_dev + i
+        cols = dict(t.columns)
+        cols["device"] = lut[cols["device"]].astype(cols["device"].dtype) if len(
+            cols["device"]) else cols["device"]
+        meta = dict(t.meta)
+        meta["devices"] = [
+            dict(known.get(d, {}), index=int(lut[d]),
+                 name=f"{rank} {known.get(d, {}).get('name') or f'device {d}'}", file=path)
+            for d in devs]
+        settings = [dict(st, device=int(lut[int(st["device"])])) if "device" in st else dict(st)
+                    for st in t.settings]
+        parts.append(Trace(cols, meta, settings, holder=t.holder, holders=t.holders))
+        next_dev += len(devs)
+    out = Trace.concat(parts)
+    out.meta["source"] = f"{parts[0].meta.get('source', 'trace')} ({len(paths)} ranks)"
+    out.meta["ranks"] = ranks
+    return out
