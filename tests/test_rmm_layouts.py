@@ -70,3 +70,39 @@ def test_real_rmm_logs_of_every_layout(name, allocs, frees):
     t = load_trace(EXTERNAL / name)
     s = t.summary()
     assert (s["allocations"], s["frees"]) == (allocs, frees)
+
+
+# ------------------------------------------------------------------ PyTorch: expandable segments
+def _reserved_peak(trace, dev):
+    c = trace.columns
+    m = c["device"] == dev
+    k, s = c["kind"][m], c["size"][m]
+    d = np.where(k == EventKind.EXTEND, s, 0) - np.where(k == EventKind.RELEASE, s, 0)
+    run = np.cumsum(d)
+    return int(run.max()), int(run.min())
+
+
+def test_expandable_segments_unmapped_in_parts_make_no_phantom_segments():
+    """A range mapped in the trace and unmapped in two parts at other addresses is not
+    memory from before the trace; a part unmapped that the trace never mapped is."""
+    from gpudash.trace import load_torch_snapshot
+
+    mib = 1 << 20
+    base = 1 << 40
+    entries = [
+        {"action": "segment_map", "addr": base, "size": 4 * mib, "time_us": 1},
+        {"action": "segment_unmap", "addr": base + 2 * mib, "size": 2 * mib, "time_us": 2},
+        {"action": "segment_unmap", "addr": base, "size": 2 * mib, "time_us": 3},
+        # mapped before the trace began: only its unmap is seen
+        {"action": "segment_unmap", "addr": base + 64 * mib, "size": 6 * mib, "time_us": 4},
+    ]
+    t = load_torch_snapshot({"segments": [], "device_traces": [entries]})
+    peak, low = _reserved_peak(t, 0)
+    assert peak == 10 * mib  # 6 MiB from before + the 4 MiB mapped
+    assert low >= 0          # never more released than held
+
+
+@needs_external
+def test_code_location_device_1_reserved_peak_matches_memoryviz():
+    t = load_trace(EXTERNAL / "code_location.memory_snapshot.pickle")
+    assert _reserved_peak(t, 1)[0] == 84_202_749_952

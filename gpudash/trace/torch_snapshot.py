@@ -248,10 +248,15 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 blocks.pop(addr, None)
             elif a == "free_completed":
                 blocks[addr] = (size, e.get("requested_size", size))
-            elif a in ("segment_alloc", "segment_map"):
+            elif a == "segment_alloc":
                 segs.pop(addr, None)
-            elif a in ("segment_free", "segment_unmap"):
+            elif a == "segment_free":
                 segs[addr] = size
+        # expandable segments map and unmap parts of one address range, at any address
+        # inside it: what is unmapped without having been mapped in the trace was mapped
+        # before it began (by interval, not by address: no phantom segments)
+        for addr, size in _premapped(lst):
+            segs[addr] = size
     initial: list[tuple[int, int, int, int, dict]] = []
     n_rec_segs = n_rec_blocks = 0
     for dev in sorted(set(init_segs) | set(init_blocks)):
@@ -315,6 +320,47 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         "oom_device_free": oom_free,
     }
     return b.build(_jsonable(meta))
+
+
+def _premapped(entries: list) -> list[tuple[int, int]]:
+    """``(address, size)`` of the ranges that ``segment_unmap`` entries give back without a
+    ``segment_map`` of them earlier in the trace (mapped before the trace began)."""
+    mapped: list[list[int]] = []   # disjoint [start, end), sorted
+    before: list[tuple[int, int]] = []
+
+    def subtract(lo: int, hi: int) -> list[tuple[int, int]]:
+        """Remove [lo, hi) from ``mapped``; return the parts of it that were not there."""
+        missing = []
+        cur = lo
+        keep = []
+        for a, b in mapped:
+            if b <= lo or a >= hi:
+                keep.append([a, b])
+                continue
+            if a > cur:
+                missing.append((cur, a))
+            cur = max(cur, b)
+            if a < lo:
+                keep.append([a, lo])
+            if b > hi:
+                keep.append([hi, b])
+        if cur < hi:
+            missing.append((cur, hi))
+        mapped[:] = sorted(keep)
+        return missing
+
+    for e in entries:
+        a, addr, size = e.get("action"), e.get("addr"), e.get("size")
+        if a not in ("segment_map", "segment_unmap") or not isinstance(addr, int) or \
+                not isinstance(size, int) or size <= 0:
+            continue
+        if a == "segment_map":
+            subtract(addr, addr + size)
+            mapped.append([addr, addr + size])
+            mapped.sort()
+        else:
+            before.extend(subtract(addr, addr + size))
+    return [(lo, hi - lo) for lo, hi in before]
 
 
 def _jsonable(obj: Any) -> Any:
