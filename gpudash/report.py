@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import style
 from ._errors import GpudashError
 from ._units import format_bytes
 from ._version import __version__
@@ -22,15 +23,19 @@ from ._version import __version__
 __all__ = ["build_report", "write_report", "timeline_figure", "heatmap_figure",
            "bins_figure", "chunkmap_figure"]
 
-_GIB = float(1 << 30)
-_COLORS = {"in_use": "#d62728", "free": "#2ca02c", "waste": "#ff7f0e", "pool": "#1f77b4",
-           "limit": "#444444"}
+_C = style.COLORS
 
 
 def _go():
     import plotly.graph_objects as go
 
     return go
+
+
+def _layout(fig: Any, title: str, height: int, **axes: Any) -> None:
+    """The shared layout (style.base_layout: the title clear of the mode bar)."""
+    fig.update_layout(**style.base_layout(title, height))
+    fig.update_layout(**axes)
 
 
 def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = None,
@@ -51,45 +56,54 @@ def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = Non
         pool_d = pool[:cut].reshape(-1, step).max(axis=1)
     else:
         xs_d, in_use_d, pool_d = xs, in_use, pool
+    top = max(int(pool.max()) if n else 0, int(in_use.max()) if n else 0, int(limit), 1)
+    unit, scale = style.unit_for(top)
+    hover = f"%{{y:.2f}} {unit}<extra>%{{fullData.name}}</extra>"
     fig = go.Figure()
-    fig.add_scatter(x=xs_d, y=pool_d / _GIB, name="pool", mode="lines",
-                    line={"color": _COLORS["pool"], "shape": "hv"})
-    fig.add_scatter(x=xs_d, y=in_use_d / _GIB, name="in use", mode="lines", fill="tozeroy",
-                    line={"color": _COLORS["in_use"], "shape": "hv"})
+    fig.add_scatter(x=xs_d, y=pool_d / scale, name="pool", mode="lines",
+                    line={"color": _C["pool"], "shape": "hv"}, hovertemplate=hover)
+    fig.add_scatter(x=xs_d, y=in_use_d / scale, name="in use", mode="lines", fill="tozeroy",
+                    fillcolor=style.FILLS["in use"], hovertemplate=hover,
+                    line={"color": _C["in use"], "shape": "hv"})
     if n:
-        fig.add_scatter(x=[xs[0], xs[-1]], y=[limit / _GIB, limit / _GIB], name="limit",
-                        mode="lines", line={"color": _COLORS["limit"], "dash": "dash"})
+        fig.add_scatter(x=[xs[0], xs[-1]], y=[limit / scale, limit / scale], name="limit",
+                        mode="lines", line={"color": _C["limit"], "dash": "dash"},
+                        hovertemplate=hover)
     if ooms is not None and len(ooms):
         ooms = np.asarray(ooms)
         ooms = ooms[ooms < n]
-        fig.add_scatter(x=xs[ooms], y=in_use[ooms] / _GIB, name="out of memory",
-                        mode="markers", marker={"symbol": "x", "size": 10, "color": "black"})
+        fig.add_scatter(x=xs[ooms], y=in_use[ooms] / scale, name="out of memory",
+                        mode="markers", marker={"symbol": "x", "size": 10, "color": _C["oom"]},
+                        hovertemplate=hover)
     for s in settings or []:
         at = s.get("x")
         if at is None:
             continue
-        fig.add_vline(x=at, line={"dash": "dot", "color": "#9467bd"},
+        fig.add_vline(x=at, line={"dash": "dot", "color": _C["marker"]},
                       annotation_text=f"{s['setting']} {s['old']}\u2192{s['new']}",
                       annotation_position="top left")
-    fig.update_layout(title="Memory timeline", xaxis_title=x_title, yaxis_title="GiB",
-                      height=360, margin={"l": 60, "r": 20, "t": 50, "b": 40},
-                      legend={"orientation": "h"})
+    _layout(fig, "Memory timeline", 360, legend={"orientation": "h"},
+            xaxis={"title": {"text": x_title}, "gridcolor": _C["grid"]},
+            yaxis={"title": {"text": "bytes"}, "ticksuffix": " " + unit,
+                   "rangemode": "tozero", "gridcolor": _C["grid"]})
     return fig
 
 
 def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndarray,
                    *, x_title: str = "event") -> Any:
-    """Address (rows) x time (columns); each cell the fraction of its bytes in use."""
+    """Address (rows) x time (columns); each cell the share of its bytes in use, in %."""
     go = _go()
-    rows_mid = (np.asarray(row_edges[:-1]) + np.asarray(row_edges[1:])) / 2
-    cols_mid = (np.asarray(col_edges[:-1]) + np.asarray(col_edges[1:])) / 2
-    fig = go.Figure(go.Heatmap(z=values, x=cols_mid, y=rows_mid / (1 << 20), zmin=0, zmax=1,
-                               colorscale="Viridis", colorbar={"title": "in use"},
-                               hovertemplate="offset %{y:.1f} MiB<br>%{x}<br>"
-                                             "in use %{z:.0%}<extra></extra>"))
-    fig.update_layout(title="Fragmentation heatmap (address \u00d7 time)", xaxis_title=x_title,
-                      yaxis_title="offset in the pool (MiB)", height=420,
-                      margin={"l": 60, "r": 20, "t": 50, "b": 40})
+    rows = np.asarray(row_edges, dtype=np.float64)
+    unit, scale = style.unit_for(rows[-1] if len(rows) else 1)
+    fig = go.Figure(go.Heatmap(
+        z=np.asarray(values, dtype=np.float64) * 100.0, x=np.asarray(col_edges),
+        y=rows / scale, zmin=0, zmax=100, colorscale=style.HEATMAP_SCALE,
+        colorbar={"title": {"text": "% in use"}},
+        hovertemplate=f"offset %{{y:.2f}} {unit}<br>%{{x}}<br>%{{z:.0f}} % in use"
+                      "<extra></extra>"))
+    _layout(fig, "Fragmentation heatmap (address \u00d7 time)", 420,
+            xaxis={"title": {"text": x_title}},
+            yaxis={"title": {"text": "offset in the pool"}, "ticksuffix": " " + unit})
     return fig
 
 
@@ -98,16 +112,20 @@ def bins_figure(dump: Any) -> Any:
     go = _go()
     labels = [format_bytes(b.bin_size).replace(".00", "") for b in dump.bins]
     labels[-1] += "+"
+    free = np.array([b.free_bytes for b in dump.bins], dtype=np.float64)
+    used = np.array([b.total_bytes_in_use for b in dump.bins], dtype=np.float64)
+    unit, scale = style.unit_for(max(float(free.max(initial=0)), float(used.max(initial=0)), 1))
     fig = go.Figure()
-    fig.add_bar(x=labels, y=[b.free_bytes / (1 << 20) for b in dump.bins], name="free",
-                marker_color=_COLORS["free"],
+    fig.add_bar(x=labels, y=used / scale, name="in use", marker_color=_C["in use"],
+                hovertemplate=f"bin %{{x}}<br>in use %{{y:.2f}} {unit}<extra></extra>")
+    fig.add_bar(x=labels, y=free / scale, name="free", marker_color=_C["free"],
                 customdata=[b.free_chunks for b in dump.bins],
-                hovertemplate="bin %{x}<br>free %{y:.2f} MiB in %{customdata} chunk(s)"
-                              "<extra></extra>")
-    fig.add_bar(x=labels, y=[b.total_bytes_in_use / (1 << 20) for b in dump.bins],
-                name="in use", marker_color=_COLORS["in_use"])
-    fig.update_layout(title="Bin occupancy", barmode="group", yaxis_title="MiB",
-                      height=340, margin={"l": 60, "r": 20, "t": 50, "b": 60})
+                hovertemplate=f"bin %{{x}}<br>free %{{y:.2f}} {unit} in %{{customdata}} "
+                              "chunk(s)<extra></extra>")
+    _layout(fig, "Bin occupancy", 340, barmode="group",
+            xaxis={"title": {"text": "bin (chunk size)"}, "type": "category"},
+            yaxis={"title": {"text": "bytes"}, "ticksuffix": " " + unit,
+                   "gridcolor": _C["grid"]})
     return fig
 
 
@@ -116,22 +134,24 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
     go = _go()
     regions = {r.ptr: i for i, r in enumerate(dump.regions)}
     names = [f"region {i} @ {r.ptr:#x}" for i, r in enumerate(dump.regions)]
+    unit, scale = style.unit_for(max((r.size for r in dump.regions), default=1))
     cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
                                         for k in ("in use", "waste", "free")}
     for c in dump.chunks:
         region = dump.regions[regions[c.region]]
         y = names[regions[c.region]]
-        off = (c.address - region.ptr) / (1 << 20)
+        off = (c.address - region.ptr) / scale
         if c.in_use:
             # requested 0: not known (a dump read from a log): the whole chunk shows in use
             req = c.requested_size if c.requested_size > 0 else c.size
-            used = req / (1 << 20)
-            info = (f"{c.address:#x}<br>size {c.size}<br>requested "
-                    f"{c.requested_size if c.requested_size > 0 else 'unknown'}"
+            used = req / scale
+            info = (f"{c.address:#x}<br>size {format_bytes(c.size)}<br>requested "
+                    f"{format_bytes(c.requested_size) if c.requested_size > 0 else 'unknown'}"
                     f"<br>allocation {c.allocation_id}"
-                    + (f"<br>held by {c.holder}" if getattr(c, "holder", "") else ""))
+                    + (f"<br>held by {html.escape(str(c.holder))}"
+                       if getattr(c, "holder", "") else ""))
             for key, base, width in (("in use", off, used),
-                                     ("waste", off + used, (c.size - req) / (1 << 20))):
+                                     ("waste", off + used, (c.size - req) / scale)):
                 if width > 0:
                     d = cats[key]
                     d["y"].append(y)
@@ -142,17 +162,17 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
             d = cats["free"]
             d["y"].append(y)
             d["base"].append(off)
-            d["x"].append(c.size / (1 << 20))
-            d["text"].append(f"{c.address:#x}<br>free {c.size}<br>bin {c.bin}")
+            d["x"].append(c.size / scale)
+            d["text"].append(f"{c.address:#x}<br>free {format_bytes(c.size)}<br>bin {c.bin}")
     fig = go.Figure()
-    colors = {"in use": _COLORS["in_use"], "waste": _COLORS["waste"], "free": _COLORS["free"]}
     for key, d in cats.items():
         fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
-                    marker={"color": colors[key], "line": {"width": 0}},
+                    marker={"color": _C[key], "line": {"width": 0}},
                     hovertext=d["text"], hoverinfo="text")
-    fig.update_layout(title=title, barmode="overlay", xaxis_title="offset in region (MiB)",
-                      height=max(220, 60 + 40 * len(names)),
-                      margin={"l": 160, "r": 20, "t": 50, "b": 40})
+    _layout(fig, title, max(220, 60 + 40 * len(names)), barmode="overlay",
+            xaxis={"title": {"text": "offset in region"}, "ticksuffix": " " + unit,
+                   "rangemode": "tozero"},
+            margin={"l": 160, "r": 20, "t": 56, "b": 40})
     return fig
 
 
@@ -221,6 +241,7 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     ]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in summary)
+    holders_html = _holders_section(trace, opts.get("device"))
     source = html.escape(str(trace.meta.get("source", "")))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -237,10 +258,29 @@ section.plot {{ margin: 12px 0; }}
 <p>gpudash {__version__} &middot; trace source: {source} &middot; {len(trace):,} events</p>
 <table id="summary">{rows}</table>
 {''.join(parts)}
+{holders_html}
 <h2>What if: other fractions</h2>
 <div id="whatif">{sweep_table.to_html()}</div>
 </body></html>
 """
+
+
+def _holders_section(trace: Any, device: Any) -> str:
+    """"Who holds memory at the peak": bytes by holder (op, stack, label), when the trace
+    names holders; empty otherwise."""
+    holder = getattr(trace, "holder", None)
+    if holder is None or not len(holder) or not (np.asarray(holder) >= 0).any():
+        return ""
+    from .trace.holders import top_holders
+
+    top = top_holders(trace, at="peak", device=device, limit=15)
+    if not top:
+        return ""
+    body = "".join(
+        f"<tr><td>{html.escape(h.holder)}</td><td>{html.escape(format_bytes(h.bytes))}</td>"
+        f"<td>{h.allocations:,}</td></tr>" for h in top)
+    return ('<h2>Who holds memory at the peak</h2><table id="holders"><tr><th>holder</th>'
+            f"<th>bytes in use</th><th>allocations</th></tr>{body}</table>")
 
 
 def write_report(trace: Any, path: str | Path, *, overwrite: bool = False, **kwargs: Any) -> Path:

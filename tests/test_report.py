@@ -71,3 +71,30 @@ def test_report_renders_every_plot_in_headless_chromium(tmp_path):
                 shutil.copy(tmp_path / "report.png", ASSETS / "report.png")
         finally:
             browser.close()
+
+
+def test_report_says_who_holds_memory_at_the_peak_when_the_trace_names_holders():
+    from gpudash.trace import load_trace, top_holders
+
+    profile = Path(__file__).resolve().parent / "data" / "real" / "tf_mlp_training.xplane.pb"
+    trace = load_trace(profile)
+    text = build_report(trace, device_bytes=1 << 30, fractions=(0.5,),
+                        replay_options={"device": 0})
+    assert "Who holds memory at the peak" in text
+    first = top_holders(trace, at="peak", device=0, limit=1)[0]
+    assert first.holder.split(" ")[0] in text
+    # a trace without holders has no such section
+    plain = build_report(training_loop(steps=2, layers=2, hidden=256), fractions=(0.5,))
+    assert "Who holds memory" not in plain
+
+
+def test_report_figures_speak_binary_units_and_the_shared_colours():
+    from gpudash import style
+    from gpudash.report import timeline_figure
+
+    fig = timeline_figure({"in_use": [0, 3 << 30], "pool": [0, 4 << 30]}, limit=8 << 30)
+    assert fig.layout.yaxis.ticksuffix == " GiB"
+    by_name = {t.name: t for t in fig.data}
+    assert by_name["in use"].line.color == style.COLORS["in use"]
+    assert by_name["pool"].line.color == style.COLORS["pool"]
+    assert list(by_name["pool"].y) == [0, 4]
