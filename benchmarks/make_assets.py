@@ -7,6 +7,7 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
 - ``dashboard-reload.png``: after saving the notebook and reloading the page;
 - ``whatif.png``: the what-if view of ``02_tuning_fraction.ipynb``, below the smallest
   fraction that fits;
+- ``report.png``: the HTML report of a fragmentation stress trace (``gpudash.report``);
 - ``watch-tensorflow.png``: ``05_frameworks.ipynb``'s dashboard watching TensorFlow's CPU BFC
   while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``).
 
@@ -57,11 +58,43 @@ def _run_all(page, lab, name: str) -> None:
     _wait_idle(page)
 
 
+def _report(out: Path) -> int:
+    from playwright.sync_api import sync_playwright
+
+    from gpudash.report import write_report
+    from gpudash.trace.workloads import fragmentation_stress
+
+    with tempfile.TemporaryDirectory(prefix="gpudash-report-") as tmp:
+        path = write_report(fragmentation_stress(rounds=600, seed=3), Path(tmp) / "r.html",
+                            title="gpudash report", device_bytes=4 << 30,
+                            replay_options={"fraction": 0.5})
+        with sync_playwright() as pw:
+            browser = launch_chromium(pw)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 900})
+                page.goto(path.as_uri())
+                page.wait_for_function(
+                    "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8",
+                    timeout=60_000)
+                page.wait_for_timeout(500)
+                target = out / "report.png"
+                page.screenshot(path=str(target), full_page=True)
+                print(f"wrote {target} ({target.stat().st_size:,} B)")
+            finally:
+                browser.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "assets")
+    ap.add_argument("--only", choices=("report",), default=None,
+                    help="make only this screenshot")
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
+
+    if args.only == "report":
+        return _report(args.out)
 
     with tempfile.TemporaryDirectory(prefix="gpudash-assets-") as tmp:
         lab = LabServer(Path(tmp))
@@ -124,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 _shot(page, out, args.out / "watch-tensorflow.png")
             else:
                 print("tensorflow is not installed: no watch-tensorflow.png")
+            _report(args.out)
         finally:
             browser.close()
             pw.stop()

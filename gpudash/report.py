@@ -89,6 +89,15 @@ def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = Non
     return fig
 
 
+def calls_at_events(recording: Any, event_edges: Any) -> np.ndarray:
+    """Event indices of a replay's recording as call numbers (allocations, frees and
+    refusals: the timeline's x), so a heatmap over events lines up with the timeline."""
+    kinds = np.asarray(recording.columns["kind"])
+    calls_before = np.concatenate([[0], np.cumsum(np.isin(kinds, (1, 2, 7)))])
+    return np.interp(np.asarray(event_edges, dtype=np.float64),
+                     np.arange(len(calls_before)), calls_before)
+
+
 def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndarray,
                    *, x_title: str = "event") -> Any:
     """Address (rows) x time (columns); each cell the share of its bytes in use, in %."""
@@ -210,7 +219,9 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
         result.per_call, limit=result.memory_limit, ooms=result.ooms,
         settings=_settings_marks(trace, result.calls))))
     hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
-    sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, hm.col_edges)))
+    edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
+    sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
+                                               x_title="call")))
     peak = chunk_map_at_peak(recording)
     sections.append(("bins", bins_figure(peak)))
     sections.append(("chunkmap", chunkmap_figure(

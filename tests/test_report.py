@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpudash import GpudashError
@@ -67,8 +68,7 @@ def test_report_renders_every_plot_in_headless_chromium(tmp_path):
             assert page.locator("#whatif table tr").count() >= 2
             assert errors == []
             page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
-            if os.environ.get("GPUDASH_UPDATE_ASSETS"):
-                shutil.copy(tmp_path / "report.png", ASSETS / "report.png")
+            assert (tmp_path / "report.png").stat().st_size > 20_000
         finally:
             browser.close()
 
@@ -98,3 +98,15 @@ def test_report_figures_speak_binary_units_and_the_shared_colours():
     assert by_name["in use"].line.color == style.COLORS["in use"]
     assert by_name["pool"].line.color == style.COLORS["pool"]
     assert list(by_name["pool"].y) == [0, 4]
+
+
+def test_the_heatmap_shares_the_timelines_call_axis():
+    from gpudash.analysis import heatmap
+    from gpudash.report import calls_at_events
+    from gpudash.trace.replay import replay
+
+    r = replay(training_loop(steps=2, layers=2, hidden=256), record=True, per_call=True)
+    hm = heatmap(r.recording, rows=32, cols=50)
+    edges = calls_at_events(r.recording, hm.col_edges)
+    assert edges[0] == 0 and edges[-1] == r.calls == len(r.per_call["in_use"])
+    assert np.all(np.diff(edges) >= 0)

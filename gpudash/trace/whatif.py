@@ -424,7 +424,7 @@ class SweepTable:
                 "-" if r["first_oom"] is None else f"{r['first_oom']:,}",
                 format_bytes(r["peak_pool_bytes"]),
                 format_bytes(r["peak_bytes_in_use"]),
-                f"{r['worst_fragmentation']:.3f}",
+                f"{100 * r['worst_fragmentation']:.1f} %",
                 str(r["extensions"]),
             ])
         return head, body
