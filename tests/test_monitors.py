@@ -138,6 +138,8 @@ def test_watch_tensorflow_without_gpu_and_the_magic():
         info = dash._controls_info(0)
         print("DASH", type(dash).__name__, dash.setup["devices"], info["has_layout"],
               info["restart"], "|", info["disabled"])
+        drv = info["driver"]
+        print("DRIVER", drv["available"], bool(drv["reason"]))
         mon = ip.magics_manager.registry["GpudashMagics"].monitor
         dash.close()
         print("STOPPED", not mon.running)
@@ -151,6 +153,11 @@ def test_watch_tensorflow_without_gpu_and_the_magic():
     assert "DASH Dashboard ['tensorflow CPU:0'] False True | TensorFlow fixes its " \
         "allocator's settings" in out, proc.stderr[-2000:]
     assert "STOPPED True" in out  # closing the dashboard stops the monitor
+    # who else is on the GPU: here no driver, and the dashboard says why (NVML's reason)
+    from gpudash.nvml import nvml_available
+
+    ok, _ = nvml_available()
+    assert f"DRIVER {ok} True" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")

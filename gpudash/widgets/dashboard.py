@@ -165,6 +165,7 @@ class Dashboard(anywidget.AnyWidget):
         self._chunks_sent_ms = 0.0
         self._chunks_version: bytes | None = None
         self._controls_sent: dict | None = None
+        self._driver_cache: dict[int, tuple[float, dict]] = {}
         self.sent: dict[str, list[int]] = {}
         self._hellos = 0
         version, _ = plotly_bundle()
@@ -200,6 +201,7 @@ class Dashboard(anywidget.AnyWidget):
         disabled = m.controls_disabled(device)
         feed = m.feed(device)
         return {
+            "driver": self._driver_info(device),
             "settings": {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                          for k, v in settings.items()},
             "disabled": disabled,
@@ -209,6 +211,38 @@ class Dashboard(anywidget.AnyWidget):
             "paused": bool(m.paused),
             "rate_hz": m.rate_hz,
         }
+
+    def _driver_info(self, device: int) -> dict | None:
+        """Who else is on the GPU, for a watched framework: NVML's processes on the device
+        (this one marked) and the framework's pool against what the driver counts for this
+        process; or why NVML cannot say. Read at most every 2 s (None for other sources)."""
+        feed = self.model.feed(device)
+        monitor = getattr(feed, "_monitor", None)
+        if monitor is None or not hasattr(monitor, "driver_view"):
+            return None
+        now = time.monotonic()
+        cached = self._driver_cache.get(device)
+        if cached is not None and now - cached[0] < 2.0:
+            return cached[1]
+        try:
+            view = monitor.driver_view()
+        except Exception as exc:  # noqa: BLE001 - shown in words, never fatal
+            info: dict = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        else:
+            info = {"available": bool(view.get("available")), "reason": view.get("reason", "")}
+            row = next((d for d in view.get("devices", []) if d.get("feed") == feed.name), None)
+            if row is not None:
+                def num(v: Any) -> int | None:
+                    return int(v) if isinstance(v, (int, np.integer)) else None
+
+                info.update(pool=num(row.get("pool")), driver=num(row.get("driver")),
+                            outside=num(row.get("outside_pool")), processes=[
+                                {"pid": int(p.pid), "name": str(p.name), "used": num(p.used),
+                                 "self": bool(p.is_self),
+                                 "framework": str(getattr(p, "framework", "") or "")}
+                                for p in row.get("processes", [])[:12]])
+        self._driver_cache[device] = (now, info)
+        return info
 
     def _headline(self, state: Any) -> dict:
         s = state.stats

@@ -86,6 +86,7 @@ const CSS = `
 .gd-controls button{padding:2px 8px;cursor:pointer}
 .gd-controls input[type=range]{width:180px}
 .gd-note{color:#777;font-style:italic}
+.gd-driver{font-size:12px;color:#444;margin:2px 0 6px}
 .gd-controls input[type=number]{width:80px}
 .gd-status{min-height:16px;color:#555;padding:2px}
 .gd-status.err{color:#d62728}
@@ -140,6 +141,7 @@ class View {
     this.banner = r.appendChild(el("div", { class: "gd-banner", style: "display:none" }));
     this.controls = r.appendChild(el("div", { class: "gd-controls" }));
     this.status = r.appendChild(el("div", { class: "gd-status" }));
+    this.driver = r.appendChild(el("div", { class: "gd-driver", style: "display:none" }));
     this.buildControls();
     this.grid = r.appendChild(el("div", { class: "gd-grid" }));
     this.cells = {};
@@ -233,9 +235,28 @@ class View {
     }
   }
 
+  // Who else is on the GPU (a watched framework): NVML's processes, and the framework's pool
+  // against what the driver counts for this process; or why NVML cannot say.
+  applyDriver(d) {
+    const box = this.driver;
+    if (!d) { box.style.display = "none"; return; }
+    box.style.display = "";
+    if (!d.available) { box.textContent = "GPU processes (NVML): " + (d.reason || "not available"); return; }
+    const procs = (d.processes || []).map((p) => {
+      const who = p.self ? ` (this process${p.framework ? ", " + p.framework : ""})` : "";
+      return `${esc(p.name)} [${p.pid}]${esc(who)} ${p.used == null ? "n/a" : fmtBytes(p.used)}`;
+    });
+    let pool = "";
+    if (d.driver != null && d.pool != null)
+      pool = ` - the framework's pool ${fmtBytes(d.pool)} of ${fmtBytes(d.driver)} the driver counts ` +
+        `for this process (${fmtBytes(d.outside || 0)} outside the pool: CUDA context, libraries)`;
+    box.innerHTML = "<b>GPU processes (NVML):</b> " + (procs.length ? procs.join("; ") : "none listed") + pool;
+  }
+
   applyControls(info) {
     const s = info.settings || {};
     this.info = info;
+    this.applyDriver(info.driver);
     const ctl = this.ctl;
     const total = s.total || 0;
     // fraction 0 (or unset) means "all the device allows": show the limit's share as "auto"
