@@ -41,9 +41,9 @@ Speed
 Events are decoded in bulk: the protobuf runtime parses the file with each line's events left
 as bytes (``XSpaceRaw``), and the event and stat messages of all lines are then decoded at
 once with numpy, following protobuf's wire format for those two messages (varints, 64-bit
-values, length-delimited fields). A million memory events load in about two seconds
-(``benchmarks/bench_xplane.py``); the tests check the result against the protobuf runtime's
-own parse of every event.
+values, length-delimited fields). A million memory events load in 3.6-4.9 s on a shared
+2-core machine (``benchmarks/bench_xplane.py``); the tests check the result against the
+protobuf runtime's own parse of every event.
 """
 
 from __future__ import annotations
