@@ -1104,6 +1104,9 @@ class BFCAllocator:
                 f"memory_limit must be an integer number of bytes; got {nbytes!r}") from None
         if nbytes < 0:
             raise ValueError(f"memory_limit must be >= 0 bytes; got {nbytes}")
+        if nbytes > MAX_ALLOCATION:
+            raise ValueError(f"memory_limit must be at most {MAX_ALLOCATION} bytes (int64); "
+                             f"got {nbytes}")
         return nbytes
 
     def _max_internal_fragmentation(self) -> int:

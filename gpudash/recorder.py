@@ -72,9 +72,11 @@ class Recorder:
 
     def __init__(self, source: Any = None, *, capacity: int = 1_000_000,
                  path: Any = None, overwrite: bool = False, flush_interval: float = 1.0) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or \
+                not 0 < capacity <= 1 << 40:
+            raise ConfigError(f"capacity must be a positive integer number of events; got "
+                              f"{capacity!r}")
         capacity = int(capacity)
-        if capacity <= 0:
-            raise ValueError(f"capacity must be a positive number of events; got {capacity}")
         self._capacity = capacity
         self._cols = {name: np.zeros(capacity, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
         self._total = 0  # events ever received

@@ -249,3 +249,25 @@ def test_objects_dropped_without_close_end_their_threads(tmp_path):
         time.sleep(0.05)
     left = [t.name for t in threading.enumerate() if t.ident in started]
     assert not left, left
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda s: gpudash.Recorder(s, capacity=float("inf")), "capacity must be a positive"),
+    (lambda s: gpudash.Recorder(s, capacity=0), "capacity must be a positive"),
+    (lambda s: gpudash.LiveModel(s, history=float("inf"), start=False), "history must be"),
+    (lambda s: gpudash.LiveModel(s, heatmap_rows=10 ** 9, start=False), "heatmap_rows must"),
+    (lambda s: gpudash.LiveModel(s, rate_hz=float("nan"), start=False), "rate"),
+    (lambda s: s.configure(per_process_gpu_memory_fraction=float("inf")), "fraction"),
+    (lambda s: s.configure(deferred_deletion_bytes=float("inf")), "deferred"),
+])
+def test_infinite_and_absurd_settings_are_config_errors(make, fragment):
+    with gpudash.Session(simulate="1GiB", poll=False) as sess:
+        with pytest.raises(ConfigError, match=fragment):
+            make(sess)
+
+
+def test_a_limit_beyond_int64_is_refused():
+    a = BFCAllocator(SimulatedDevice("16GiB"), GIB)
+    with pytest.raises(ValueError, match="at most"):
+        a.set_memory_limit(2 ** 70)
+    assert a.memory_limit == GIB

@@ -492,12 +492,14 @@ class LiveModel(traitlets.HasTraits):
                  heatmap_rows: int = 256, heatmap_columns: int = 600,
                  start: bool = True, feeds: Any = None) -> None:
         super().__init__()
-        history, heatmap_rows, heatmap_columns = int(history), int(heatmap_rows), int(
-            heatmap_columns)
-        for label, v in (("history", history), ("heatmap_rows", heatmap_rows),
-                         ("heatmap_columns", heatmap_columns)):
-            if v < 1:
-                raise ConfigError(f"{label} must be a positive integer; got {v}")
+        checked = []
+        for label, v, top in (("history", history, 10_000_000),
+                              ("heatmap_rows", heatmap_rows, 65_536),
+                              ("heatmap_columns", heatmap_columns, 100_000)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= top:
+                raise ConfigError(f"{label} must be an integer from 1 to {top:,}; got {v!r}")
+            checked.append(int(v))
+        history, heatmap_rows, heatmap_columns = checked
         try:
             self.rate_hz = rate_hz
         except traitlets.TraitError as exc:
