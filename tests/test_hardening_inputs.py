@@ -114,3 +114,49 @@ def test_a_pickle_whose_shared_references_expand_to_10_8_blocks_is_refused_fast(
     with pytest.raises(TraceFormatError, match="gpudash's bound on what one import may expand"):
         load_trace(path)
     assert time.perf_counter() - t0 < 30
+
+
+# ------------------------------------------------------------------ crafted .gdtrace records
+def _crafted(tmp_path, mutate):
+    """A real trace file whose records are rebuilt with valid CRCs after ``mutate``."""
+    from gpudash.trace import format as fmt
+    from gpudash.trace.workloads import training_loop
+
+    good = tmp_path / "good.gdtrace"
+    fmt.write_trace(training_loop(steps=1, layers=2, hidden=256), good, overwrite=True)
+    data = good.read_bytes()
+    off = len(fmt.MAGIC)
+    records = []
+    while off < len(data):
+        (rtype, js, payload, off), _ = fmt._parse_record(data, off)
+        records.append([rtype, json.loads(js), payload])
+    mutate(records)
+    out = tmp_path / "crafted.gdtrace"
+    out.write_bytes(fmt.MAGIC + b"".join(fmt._record(t, h, p) for t, h, p in records))
+    return out
+
+
+def test_crafted_records_with_valid_crcs_are_trace_format_errors(tmp_path):
+    from gpudash.trace import format as fmt
+    from gpudash.trace import read_trace
+
+    def bad_settings(records):
+        for r in records:
+            if r[0] == fmt._REC_EVENTS:
+                r[1]["settings"] = 5
+
+    def list_update(records):
+        records.insert(1, [fmt._REC_META_UPDATE, ["not", "a", "dict"], b""])
+
+    def bad_payload(records):
+        for r in records:
+            if r[0] == fmt._REC_EVENTS:
+                r[2] = b"\x93NUMPY garbage"
+
+    for mutate, fragment in ((bad_settings, "'settings' must be a list"),
+                             (list_update, "metadata update"),
+                             (bad_payload, "event batch")):
+        path = _crafted(tmp_path, mutate)
+        for reader in (read_trace, load_trace):
+            with pytest.raises(TraceFormatError, match=fragment):
+                reader(path)

@@ -1103,11 +1103,19 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
                                        f"{rec_off}: 'holders' must be a list of strings")
             holders.extend(new)
             cols = _decode_batch(name, recno, rec_off, header, payload, len(holders))
+            new_settings = header.get("settings", [])
+            if not (isinstance(new_settings, list)
+                    and all(isinstance(x, dict) for x in new_settings)):
+                raise TraceFormatError(f"{name}: record {recno} (event batch) at byte offset "
+                                       f"{rec_off}: 'settings' must be a list of objects")
             batches.append(cols)
             n_events += len(cols["seq"])
-            settings.extend(header.get("settings", []))
+            settings.extend(new_settings)
         elif rtype == _REC_META_UPDATE:
-            assert meta is not None
+            if not isinstance(header, dict):
+                raise TraceFormatError(f"{name}: record {recno} (metadata update) at byte "
+                                       f"offset {rec_off}: expected a JSON object, found "
+                                       f"{type(header).__name__}")
             meta.update(header)
         elif rtype == _REC_END:
             ended = True
