@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import gpudash
@@ -271,3 +272,66 @@ def test_a_limit_beyond_int64_is_refused():
     with pytest.raises(ValueError, match="at most"):
         a.set_memory_limit(2 ** 70)
     assert a.memory_limit == GIB
+
+
+# --------------------------------------------------------------------- constructor settings
+
+
+@pytest.mark.parametrize("field,value", [
+    ("allow_growth", "false"), ("allow_growth", 0), ("allow_growth", None),
+    ("garbage_collection", "false"), ("garbage_collection", 1),
+    ("fragmentation_fraction", float("nan")), ("fragmentation_fraction", float("inf")),
+    ("fragmentation_fraction", "0.5"), ("fragmentation_fraction", -0.1),
+    ("retry_timeout", float("inf")), ("retry_timeout", "1"), ("retry_timeout", None),
+])
+def test_allocator_constructor_settings_are_config_errors(field, value):
+    with pytest.raises(gpudash.ConfigError, match=field):
+        BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, **{field: value})
+
+
+def test_allocator_constructor_string_false_is_not_growth():
+    # "false" was truthy: growth silently on
+    with pytest.raises(gpudash.ConfigError):
+        BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, allow_growth="false")
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, allow_growth=np.bool_(False))
+    assert a.allow_growth is False
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1, 1 << 64, "1GiB", None])
+def test_memory_limit_is_a_config_error_naming_it(value):
+    with pytest.raises(gpudash.ConfigError, match="memory_limit"):
+        BFCAllocator(SimulatedDevice("1GiB"), value)
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    with pytest.raises(gpudash.ConfigError, match="memory_limit"):
+        a.set_memory_limit(value)
+    assert a.memory_limit == 1 << 30
+
+
+# --------------------------------------------------------------------- background tasks
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1, "1", True])
+def test_background_timeouts_refuse_nonsense(timeout):
+    from gpudash.background import run_in_background
+
+    gate = threading.Event()
+    task = run_in_background(gate.wait, 10)
+    try:
+        for wait in (task.join, task.result, task.exception):
+            with pytest.raises(gpudash.ConfigError, match="timeout"):
+                wait(timeout=timeout)
+    finally:
+        gate.set()
+    assert task.result(timeout=10) is True
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300])
+def test_background_infinite_timeout_waits_without_limit(timeout):
+    from gpudash.background import run_in_background
+
+    gate = threading.Event()
+    task = run_in_background(gate.wait, 10)
+    threading.Timer(0.05, gate.set).start()
+    assert task.result(timeout=timeout) is True  # was OverflowError
+    assert task.join(timeout=timeout) is True
+    assert task.exception(timeout=timeout) is None
