@@ -335,3 +335,39 @@ def test_background_infinite_timeout_waits_without_limit(timeout):
     assert task.result(timeout=timeout) is True  # was OverflowError
     assert task.join(timeout=timeout) is True
     assert task.exception(timeout=timeout) is None
+
+
+# --------------------------------------------------------------------- recorder stream
+
+
+@pytest.mark.parametrize("interval", [True, 1e300, float("inf"), "often", None])
+def test_recorder_flush_interval_refused_by_name(tmp_path, interval):
+    path = tmp_path / "r.gdtrace"
+    with pytest.raises(ConfigError, match="flush_interval"):
+        gpudash.Recorder(path=path, flush_interval=interval)
+    assert not path.exists()
+
+
+def test_a_dropped_recorder_closes_its_file(tmp_path):
+    import gc
+    import warnings
+
+    from gpudash.trace import read_trace
+
+    path = tmp_path / "r.gdtrace"
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    rec = gpudash.Recorder(a, path=path, flush_interval=0.02)
+    for _ in range(100):
+        a.deallocate(a.allocate(1000))
+    n = len(rec)  # takes in everything the allocator buffered
+    assert n > 300
+    thread = rec._streamer
+    time.sleep(0.1)  # a streamed batch or two
+    del rec, a
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no end record" would be a warning
+        trace = read_trace(path)
+    assert len(trace.columns["seq"]) == n
