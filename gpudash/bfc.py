@@ -915,9 +915,11 @@ class BFCAllocator:
 
     def _invalid_pointer(self, ptr: Any, what: str) -> InvalidPointerError:
         try:
+            if isinstance(ptr, bool):
+                raise TypeError
             p = int(ptr)
             shown = f"{p:#x}"
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return InvalidPointerError(f"{self._name}: {what}() expects an int address; got {ptr!r}")
         c = self._by_ptr.get(p)
         if c is not None:

@@ -371,3 +371,46 @@ def test_a_dropped_recorder_closes_its_file(tmp_path):
         warnings.simplefilter("error")  # "no end record" would be a warning
         trace = read_trace(path)
     assert len(trace.columns["seq"]) == n
+
+
+# --------------------------------------------------------------------- odd values elsewhere
+
+
+@pytest.mark.parametrize("ptr", [float("inf"), float("nan"), 1.5, True, [1]])
+def test_pointer_queries_refuse_non_addresses_by_name(ptr):
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    for query in (a.allocated_size, a.requested_size, a.allocation_id, a.deallocate):
+        with pytest.raises(InvalidPointerError):  # was OverflowError for inf
+            query(ptr)
+
+
+@pytest.mark.parametrize("ptr", [float("inf"), float("nan"), 1.5, "x", [1]])
+def test_simulated_device_free_of_non_address(ptr):
+    dev = SimulatedDevice("1GiB")
+    with pytest.raises(InvalidPointerError):  # was a ValueError from the message's format
+        dev.free(ptr, 256)
+
+
+@pytest.mark.parametrize("cc", [(float("inf"), 0), (float("nan"), 0), ("x", 0), (-1, 0),
+                                (8,), None, (True, 0)])
+def test_simulated_device_compute_capability_checked(cc):
+    with pytest.raises(ConfigError, match="compute_capability"):
+        SimulatedDevice("1GiB", compute_capability=cc)
+
+
+def test_format_bytes_of_non_finite_values_does_not_raise():
+    from gpudash._units import format_bytes
+
+    assert format_bytes(float("inf")) == "inf B"
+    assert format_bytes(float("nan")) == "nan B"
+    assert format_bytes(-float("inf")) == "-inf B"
+
+
+def test_a_huge_fraction_is_a_config_error_naming_it():
+    from gpudash.options import memory_limit
+
+    with pytest.raises(ConfigError, match="per_process_gpu_memory_fraction"):
+        memory_limit(1 << 30, 1 << 30, 1e300, 8, environ={})  # was OverflowError
+    with pytest.raises(ConfigError, match="per_process_gpu_memory_fraction"):
+        memory_limit(1 << 62, 1 << 62, 4.0, 8, environ={})  # beyond int64
+    assert memory_limit(1 << 30, 1 << 30, 2.0, 8, environ={}) == 2 << 30
