@@ -414,3 +414,60 @@ def test_a_huge_fraction_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match="per_process_gpu_memory_fraction"):
         memory_limit(1 << 62, 1 << 62, 4.0, 8, environ={})  # beyond int64
     assert memory_limit(1 << 30, 1 << 30, 2.0, 8, environ={}) == 2 << 30
+
+
+# --------------------------------------------------------------------- batched deferred frees
+
+
+def test_batched_deallocation_matches_one_by_one():
+    import random
+
+    from gpudash import Recorder
+    from gpudash.events import COLUMNS
+
+    def churn(free_batch):
+        a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+        rec = Recorder(a)
+        rng = random.Random(3)
+        live = []
+        for _ in range(400):
+            live.append(a.allocate(rng.randrange(1, 1 << 20)))
+            if len(live) > 20:
+                rng.shuffle(live)
+                batch, live = live[:10], live[10:]
+                free_batch(a, batch + [0x1234])  # one bad pointer in each batch
+        a.check()
+        cols = rec.columns()
+        return a.stats(), {k: cols[k] for k in COLUMNS if k != "time_ns"}
+
+    failures = []
+
+    def one_by_one(a, ptrs):
+        for p in ptrs:
+            try:
+                a.deallocate(p)
+            except InvalidPointerError as exc:
+                failures.append(str(exc))
+
+    def batched(a, ptrs):
+        failures.extend(a._deallocate_batch(ptrs))
+
+    s1, c1 = churn(one_by_one)
+    n1 = len(failures)
+    s2, c2 = churn(batched)
+    assert n1 == 38 and len(failures) == 2 * n1
+    assert s1 == s2
+    for k in c1:
+        assert (c1[k] == c2[k]).all(), k
+
+
+def test_cuda_malloc_sessions_still_return_regions_on_deferred_frees():
+    from gpudash import Session
+
+    sess = Session(simulate="1GiB", poll=False, config={"allocator_type": "cuda_malloc"})
+    ptrs = [sess.allocate(1 << 20) for _ in range(4)]
+    for p in ptrs:
+        sess.free(p)
+    sess.flush()
+    assert sess.allocator(0).pool_bytes == 0
+    sess.close()
