@@ -931,7 +931,9 @@ class BFCAllocator:
         bins = self._bins
         with lock:
             for ptr in ptrs:
-                c = by_ptr.get(ptr) if type(ptr) is int else None
+                if type(ptr) is not int:
+                    ptr = _pointer_or_none(ptr)
+                c = by_ptr.get(ptr)
                 if c is None or c.aid < 0:
                     failed.append(str(self._invalid_pointer(ptr, "deallocate")))
                     continue

@@ -471,3 +471,11 @@ def test_cuda_malloc_sessions_still_return_regions_on_deferred_frees():
     sess.flush()
     assert sess.allocator(0).pool_bytes == 0
     sess.close()
+
+
+def test_batched_deallocation_takes_numpy_addresses():
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    ptrs = [np.int64(a.allocate(1000)), np.uint64(a.allocate(2000)), a.allocate(3000)]
+    assert a._deallocate_batch(ptrs) == []
+    assert a.bytes_in_use == 0
+    a.check()
