@@ -479,3 +479,51 @@ def test_batched_deallocation_takes_numpy_addresses():
     assert a._deallocate_batch(ptrs) == []
     assert a.bytes_in_use == 0
     a.check()
+
+
+# --------------------------------------------------------------------- what-if arguments
+
+
+def _small_trace():
+    from gpudash import Recorder
+
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    with Recorder(a) as rec:
+        ptrs = [a.allocate(1 << 20) for _ in range(8)]
+        for p in ptrs:
+            a.deallocate(p)
+    return rec.to_trace()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tolerance": "x"}, {"tolerance": True}, {"hi": float("inf")}, {"lo": float("nan")},
+    {"hi": "1"},
+])
+def test_min_fraction_arguments_refused_by_name(kwargs):
+    from gpudash.trace.whatif import min_fraction
+
+    name = next(iter(kwargs))
+    with pytest.raises(ConfigError, match=name if name != "lo" else "lo"):
+        min_fraction(_small_trace(), "1GiB", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"fractions": ["x"]}, "fraction"), ({"fractions": [True]}, "fraction"),
+    ({"fractions": []}, "at least one"), ({"fractions": "0.5"}, "fractions"),
+    ({"allow_growth": "false"}, "allow_growth"), ({"allow_growth": [None]}, "allow_growth"),
+    ({"allow_growth": ["false"]}, "allow_growth"), ({"jobs": float("inf")}, "jobs"),
+    ({"jobs": 0}, "jobs"),
+])
+def test_sweep_arguments_refused_by_name(kwargs, fragment):
+    from gpudash.trace.whatif import sweep
+
+    kwargs = {"fractions": [0.5], **kwargs}
+    with pytest.raises(ConfigError, match=fragment):
+        sweep(_small_trace(), device_bytes="1GiB", **kwargs)
+
+
+def test_sweep_takes_one_fraction():
+    from gpudash.trace.whatif import sweep
+
+    table = sweep(_small_trace(), 0.5, allow_growth=False, device_bytes="1GiB")
+    assert len(table.rows) == 1
