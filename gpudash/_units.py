@@ -174,6 +174,8 @@ def format_bytes(n: int) -> str:
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
         raise TypeError(f"format_bytes expects a number of bytes; got {n!r}")
+    if not math.isfinite(n):
+        return f"{n} B"  # inf / nan: shown, not a crash in a view
     sign = "-" if n < 0 else ""
     n = abs(int(n))
     if n < 1024:

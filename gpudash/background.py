@@ -14,13 +14,35 @@ controls, and the live views (updated from their own thread) show the workload a
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ._errors import ConfigError
+
 __all__ = ["run_in_background", "BackgroundTask", "CancelledError"]
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    """A wait in seconds: None or +inf (or anything beyond what threads can wait) waits
+    without limit; nan, negatives, strings and bools are refused by name."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (bool, str, bytes)):
+        raise ConfigError(f"timeout must be a number of seconds >= 0 or None; got {timeout!r}")
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"timeout must be a number of seconds >= 0 or None; got "
+                          f"{timeout!r}") from None
+    if math.isnan(t) or t < 0:
+        raise ConfigError(f"timeout must be a number of seconds >= 0 or None; got {timeout!r}")
+    if t >= threading.TIMEOUT_MAX:
+        return None
+    return t
 
 
 class CancelledError(Exception):
@@ -107,8 +129,9 @@ class BackgroundTask:
         return end - self._started
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the function to end; True if it did within ``timeout``."""
-        return self._done.wait(timeout)
+        """Wait for the function to end; True if it did within ``timeout`` (seconds >= 0;
+        None or ``inf`` waits without limit)."""
+        return self._done.wait(_check_timeout(timeout))
 
     def result(self, timeout: float | None = None) -> Any:
         """The function's return value, waiting for it; re-raises its exception.
@@ -118,7 +141,7 @@ class BackgroundTask:
         TimeoutError
             If it is still running after ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
+        if not self._done.wait(_check_timeout(timeout)):
             raise TimeoutError(f"task {self.name!r} still running after {timeout} s")
         if self._exc is not None:
             raise self._exc
@@ -126,7 +149,7 @@ class BackgroundTask:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the function raised (None if it returned), waiting for it."""
-        if not self._done.wait(timeout):
+        if not self._done.wait(_check_timeout(timeout)):
             raise TimeoutError(f"task {self.name!r} still running after {timeout} s")
         return self._exc
 

@@ -358,6 +358,27 @@ def _pointer_or_none(ptr: Any) -> int | None:
         return None
 
 
+class _ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type: a ConfigError naming it, and a TypeError as before."""
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    """A boolean setting: True/False only (``"false"`` would be truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise _ConfigTypeError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
+def _check_number(name: str, value: Any, accepted: str) -> float:
+    """A real-number setting as a float; a string, None or a bool is refused by name."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or value is None:
+        raise _ConfigTypeError(f"{name} must be {accepted}; got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise _ConfigTypeError(f"{name} must be {accepted}; got {value!r}") from None
+
+
 def _coerce_size(nbytes: Any) -> int:
     if isinstance(nbytes, bool) or isinstance(nbytes, float):
         raise TypeError(f"allocation size must be an integer number of bytes; got {nbytes!r}")
@@ -422,13 +443,18 @@ class BFCAllocator:
                     f"{type(sub_allocator).__name__} has no {method}()"
                 )
         memory_limit = self._check_limit(memory_limit)
-        fragmentation_fraction = float(fragmentation_fraction)
+        allow_growth = _check_flag("allow_growth", allow_growth)
+        garbage_collection = _check_flag("garbage_collection", garbage_collection)
+        fragmentation_fraction = _check_number(
+            "fragmentation_fraction", fragmentation_fraction,
+            "a number in [0, 1] (0 = TensorFlow's 128 MiB rule)")
         if not 0.0 <= fragmentation_fraction <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"fragmentation_fraction must be in [0, 1] (0 = TensorFlow's 128 MiB rule); "
                 f"got {fragmentation_fraction}"
             )
-        retry_timeout = float(retry_timeout)
+        retry_timeout = _check_number("retry_timeout", retry_timeout,
+                                      "a finite number of seconds >= 0")
         if not math.isfinite(retry_timeout) or retry_timeout < 0:
             raise ConfigError(f"retry_timeout must be a finite number of seconds >= 0; got "
                               f"{retry_timeout}")
@@ -887,11 +913,76 @@ class BFCAllocator:
             elif self._capped and c.prev is None and c.next is None:
                 self._deallocate_regions([c.region])
 
+    def _deallocate_batch(self, ptrs: list) -> list[str]:
+        """Deallocate every pointer of ``ptrs`` (a session's completed deferred batch),
+        taking the lock once; returns the messages of those refused (the others are freed
+        all the same). Event for event the same as calling :meth:`deallocate` on each."""
+        failed: list[str] = []
+        if (type(self).deallocate is not BFCAllocator.deallocate
+                or "deallocate" in self.__dict__):  # a subclass's (or a wrapper's) own rules
+            for ptr in ptrs:
+                try:
+                    self.deallocate(ptr)
+                except InvalidPointerError as exc:
+                    failed.append(str(exc))
+            return failed
+        lock = self._lock
+        by_ptr = self._by_ptr
+        bins = self._bins
+        with lock:
+            for ptr in ptrs:
+                if type(ptr) is not int:
+                    ptr = _pointer_or_none(ptr)
+                c = by_ptr.get(ptr)
+                if c is None or c.aid < 0:
+                    failed.append(str(self._invalid_pointer(ptr, "deallocate")))
+                    continue
+                journal = self._journal
+                freed = size = c.size
+                self._in_use -= size
+                aid = c.aid
+                requested = c.requested
+                c.aid = -1
+                next_size = prev_size = 0
+                n = c.next
+                if n is not None and n.aid < 0:
+                    next_size = n.size
+                    self._remove_free(n)
+                    self._merge(c, n)
+                p = c.prev
+                if p is not None and p.aid < 0:
+                    prev_size = p.size
+                    self._remove_free(p)
+                    self._merge(p, c)
+                    c = p
+                size = c.size
+                b = (size >> 8).bit_length() - 1
+                if b > 20:
+                    b = 20
+                c.bin = b
+                insort(bins[b], size << 64 | c.ptr)
+                self._mask |= 1 << b
+                if journal is not None:
+                    start = len(journal)
+                    journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size,
+                                    prev_size))
+                    if self._capped and c.prev is None and c.next is None:
+                        self._deallocate_regions([c.region])
+                    if start >= self._flush_at:
+                        self._after_op(start)
+                elif self._capped and c.prev is None and c.next is None:
+                    self._deallocate_regions([c.region])
+            if self._waiters:
+                self._cond.notify_all()
+        return failed
+
     def _invalid_pointer(self, ptr: Any, what: str) -> InvalidPointerError:
         try:
+            if isinstance(ptr, bool):
+                raise TypeError
             p = int(ptr)
             shown = f"{p:#x}"
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return InvalidPointerError(f"{self._name}: {what}() expects an int address; got {ptr!r}")
         c = self._by_ptr.get(p)
         if c is not None:
@@ -1096,17 +1187,18 @@ class BFCAllocator:
     @staticmethod
     def _check_limit(nbytes: Any) -> int:
         if isinstance(nbytes, (bool, float)):
-            raise TypeError(f"memory_limit must be an integer number of bytes; got {nbytes!r}")
+            raise _ConfigTypeError(
+                f"memory_limit must be an integer number of bytes; got {nbytes!r}")
         try:
             nbytes = _as_index(nbytes)
         except TypeError:
-            raise TypeError(
+            raise _ConfigTypeError(
                 f"memory_limit must be an integer number of bytes; got {nbytes!r}") from None
         if nbytes < 0:
-            raise ValueError(f"memory_limit must be >= 0 bytes; got {nbytes}")
+            raise ConfigError(f"memory_limit must be >= 0 bytes; got {nbytes}")
         if nbytes > MAX_ALLOCATION:
-            raise ValueError(f"memory_limit must be at most {MAX_ALLOCATION} bytes (int64); "
-                             f"got {nbytes}")
+            raise ConfigError(f"memory_limit must be at most {MAX_ALLOCATION} bytes (int64); "
+                              f"got {nbytes}")
         return nbytes
 
     def _max_internal_fragmentation(self) -> int:

@@ -58,6 +58,20 @@ def _check_nbytes(nbytes: object) -> int:
     return int(nbytes)
 
 
+def _check_cc(cc: object) -> tuple[int, int]:
+    """``compute_capability`` as ``(major, minor)`` of small non-negative ints."""
+    try:
+        major, minor = cc  # type: ignore[misc]
+        ok = all(not isinstance(v, bool) and isinstance(v, (int, np.integer)) and 0 <= v < 1000
+                 for v in (major, minor))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"SimulatedDevice compute_capability must be (major, minor) integers "
+                          f"such as (8, 0); got {cc!r}")
+    return int(major), int(minor)
+
+
 def _align_up(x: int, alignment: int) -> int:
     return (x + alignment - 1) & -alignment
 
@@ -78,10 +92,14 @@ class _BlockTable:
         self.used += nbytes
 
     def remove(self, owner: str, ptr: int, nbytes: int) -> None:
-        size = self.sizes.get(ptr)
+        try:
+            size = self.sizes.get(ptr)
+        except TypeError:  # unhashable
+            size = None
         if size is None:
+            shown = f"{ptr:#x}" if isinstance(ptr, (int, np.integer)) else repr(ptr)
             raise InvalidPointerError(
-                f"{owner}: free of {ptr:#x}, which is not a live block of this device "
+                f"{owner}: free of {shown}, which is not a live block of this device "
                 "(never allocated here, or already freed)"
             )
         if size != nbytes:
@@ -185,7 +203,7 @@ class SimulatedDevice:
         self.base = base
         self.alignment = alignment
         self.unified = bool(unified)
-        self.compute_capability = tuple(compute_capability)
+        self.compute_capability = _check_cc(compute_capability)
         self._first = _align_up(base, alignment)
         self._blocks = _BlockTable()
         self._lock = threading.Lock()

@@ -892,7 +892,12 @@ def memory_limit(total: int, available: int, fraction: float, cc_major: int = 8,
         if reserve < limit:
             limit -= reserve
     else:
-        limit = int(total * fraction)
+        product = total * fraction
+        if not math.isfinite(product) or product > _INT64_MAX:
+            raise ConfigError(
+                f"per_process_gpu_memory_fraction={fraction} of {total} bytes is beyond what "
+                f"a limit can be (int64 bytes); choose a smaller fraction")
+        limit = int(product)
 
     reserved_mb: int | None = None
     if system_memory_mb is not None and system_memory_mb != 0:

@@ -97,12 +97,14 @@ class Recorder:
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
                     if source is not None else []}
             try:
-                interval = float(flush_interval)
-            except (TypeError, ValueError):
+                interval = float("nan") if isinstance(flush_interval, (bool, np.bool_)) \
+                    else float(flush_interval)
+            except (TypeError, ValueError, OverflowError):
                 interval = float("nan")
-            if not (math.isfinite(interval) and interval > 0):
-                raise ConfigError(f"flush_interval must be a finite number of seconds > 0; got "
-                                  f"{flush_interval!r}")
+            # Beyond TIMEOUT_MAX the streaming thread's wait() would raise OverflowError.
+            if not (math.isfinite(interval) and 0 < interval <= threading.TIMEOUT_MAX):
+                raise ConfigError(f"flush_interval must be a finite number of seconds > 0 (at "
+                                  f"most {threading.TIMEOUT_MAX:g}); got {flush_interval!r}")
             self._writer = TraceWriter(path, meta, overwrite=overwrite,
                                        flush_interval=float("inf"), batch_events=1 << 62)
             self._flush_interval = interval
@@ -112,6 +114,10 @@ class Recorder:
             self._streamer = threading.Thread(target=Recorder._stream_loop,
                                               args=(weakref.ref(self), self._stop),
                                               name="gpudash-recorder", daemon=True)
+            # A recorder dropped without detach() still closes its file (an end record
+            # after what was streamed), as detach() would.
+            self._finalizer = weakref.finalize(self, Recorder._close_dropped, self._stop,
+                                               self._writer)
             self._streamer.start()
 
     @staticmethod
@@ -121,6 +127,14 @@ class Recorder:
                 "memory_limit": alloc.memory_limit,
                 "options": {"allow_growth": alloc.allow_growth,
                             "garbage_collection": alloc.garbage_collection}}
+
+    @staticmethod
+    def _close_dropped(stop: threading.Event, writer: Any) -> None:
+        stop.set()
+        try:
+            writer.close()
+        except Exception as exc:  # noqa: BLE001 - at collection there is no caller to raise to
+            logger.error("gpudash: closing the stream of a dropped recorder failed: %r", exc)
 
     @staticmethod
     def _stream_loop(ref: "weakref.ref[Recorder]", stop: threading.Event) -> None:
@@ -168,6 +182,9 @@ class Recorder:
         for _, remove in attached:
             remove()
         self._stop.set()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         if self._streamer is not None and self._streamer is not threading.current_thread():
             self._streamer.join(timeout=5)
         with self._lock:

@@ -685,14 +685,13 @@ class Session:
                         break
                 d.inflight.popleft()
                 failed = []
+                d.queued.difference_update(ptrs)
                 holders = dev._holders
-                for ptr in ptrs:  # one bad pointer never keeps the rest of its batch
-                    d.queued.discard(ptr)
-                    holders.pop(ptr, None)
-                    try:
-                        dev.allocator.deallocate(ptr)
-                    except InvalidPointerError as exc:
-                        failed.append(str(exc))
+                if holders:
+                    for ptr in ptrs:
+                        holders.pop(ptr, None)
+                # One lock round for the batch; one bad pointer never keeps the rest of it.
+                failed = dev.allocator._deallocate_batch(ptrs)
                 if failed:
                     warnings.warn(f"gpudash: {len(failed)} deferred free(s) failed and were "
                                   f"dropped: {failed[0]}", GpudashWarning, stacklevel=2)

@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import gpudash
@@ -271,3 +272,258 @@ def test_a_limit_beyond_int64_is_refused():
     with pytest.raises(ValueError, match="at most"):
         a.set_memory_limit(2 ** 70)
     assert a.memory_limit == GIB
+
+
+# --------------------------------------------------------------------- constructor settings
+
+
+@pytest.mark.parametrize("field,value", [
+    ("allow_growth", "false"), ("allow_growth", 0), ("allow_growth", None),
+    ("garbage_collection", "false"), ("garbage_collection", 1),
+    ("fragmentation_fraction", float("nan")), ("fragmentation_fraction", float("inf")),
+    ("fragmentation_fraction", "0.5"), ("fragmentation_fraction", -0.1),
+    ("retry_timeout", float("inf")), ("retry_timeout", "1"), ("retry_timeout", None),
+])
+def test_allocator_constructor_settings_are_config_errors(field, value):
+    with pytest.raises(gpudash.ConfigError, match=field):
+        BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, **{field: value})
+
+
+def test_allocator_constructor_string_false_is_not_growth():
+    # "false" was truthy: growth silently on
+    with pytest.raises(gpudash.ConfigError):
+        BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, allow_growth="false")
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30, allow_growth=np.bool_(False))
+    assert a.allow_growth is False
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1, 1 << 64, "1GiB", None])
+def test_memory_limit_is_a_config_error_naming_it(value):
+    with pytest.raises(gpudash.ConfigError, match="memory_limit"):
+        BFCAllocator(SimulatedDevice("1GiB"), value)
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    with pytest.raises(gpudash.ConfigError, match="memory_limit"):
+        a.set_memory_limit(value)
+    assert a.memory_limit == 1 << 30
+
+
+# --------------------------------------------------------------------- background tasks
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1, "1", True])
+def test_background_timeouts_refuse_nonsense(timeout):
+    from gpudash.background import run_in_background
+
+    gate = threading.Event()
+    task = run_in_background(gate.wait, 10)
+    try:
+        for wait in (task.join, task.result, task.exception):
+            with pytest.raises(gpudash.ConfigError, match="timeout"):
+                wait(timeout=timeout)
+    finally:
+        gate.set()
+    assert task.result(timeout=10) is True
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300])
+def test_background_infinite_timeout_waits_without_limit(timeout):
+    from gpudash.background import run_in_background
+
+    gate = threading.Event()
+    task = run_in_background(gate.wait, 10)
+    threading.Timer(0.05, gate.set).start()
+    assert task.result(timeout=timeout) is True  # was OverflowError
+    assert task.join(timeout=timeout) is True
+    assert task.exception(timeout=timeout) is None
+
+
+# --------------------------------------------------------------------- recorder stream
+
+
+@pytest.mark.parametrize("interval", [True, 1e300, float("inf"), "often", None])
+def test_recorder_flush_interval_refused_by_name(tmp_path, interval):
+    path = tmp_path / "r.gdtrace"
+    with pytest.raises(ConfigError, match="flush_interval"):
+        gpudash.Recorder(path=path, flush_interval=interval)
+    assert not path.exists()
+
+
+def test_a_dropped_recorder_closes_its_file(tmp_path):
+    import gc
+    import warnings
+
+    from gpudash.trace import read_trace
+
+    path = tmp_path / "r.gdtrace"
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    rec = gpudash.Recorder(a, path=path, flush_interval=0.02)
+    for _ in range(100):
+        a.deallocate(a.allocate(1000))
+    n = len(rec)  # takes in everything the allocator buffered
+    assert n > 300
+    thread = rec._streamer
+    time.sleep(0.1)  # a streamed batch or two
+    del rec, a
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no end record" would be a warning
+        trace = read_trace(path)
+    assert len(trace.columns["seq"]) == n
+
+
+# --------------------------------------------------------------------- odd values elsewhere
+
+
+@pytest.mark.parametrize("ptr", [float("inf"), float("nan"), 1.5, True, [1]])
+def test_pointer_queries_refuse_non_addresses_by_name(ptr):
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    for query in (a.allocated_size, a.requested_size, a.allocation_id, a.deallocate):
+        with pytest.raises(InvalidPointerError):  # was OverflowError for inf
+            query(ptr)
+
+
+@pytest.mark.parametrize("ptr", [float("inf"), float("nan"), 1.5, "x", [1]])
+def test_simulated_device_free_of_non_address(ptr):
+    dev = SimulatedDevice("1GiB")
+    with pytest.raises(InvalidPointerError):  # was a ValueError from the message's format
+        dev.free(ptr, 256)
+
+
+@pytest.mark.parametrize("cc", [(float("inf"), 0), (float("nan"), 0), ("x", 0), (-1, 0),
+                                (8,), None, (True, 0)])
+def test_simulated_device_compute_capability_checked(cc):
+    with pytest.raises(ConfigError, match="compute_capability"):
+        SimulatedDevice("1GiB", compute_capability=cc)
+
+
+def test_format_bytes_of_non_finite_values_does_not_raise():
+    from gpudash._units import format_bytes
+
+    assert format_bytes(float("inf")) == "inf B"
+    assert format_bytes(float("nan")) == "nan B"
+    assert format_bytes(-float("inf")) == "-inf B"
+
+
+def test_a_huge_fraction_is_a_config_error_naming_it():
+    from gpudash.options import memory_limit
+
+    with pytest.raises(ConfigError, match="per_process_gpu_memory_fraction"):
+        memory_limit(1 << 30, 1 << 30, 1e300, 8, environ={})  # was OverflowError
+    with pytest.raises(ConfigError, match="per_process_gpu_memory_fraction"):
+        memory_limit(1 << 62, 1 << 62, 4.0, 8, environ={})  # beyond int64
+    assert memory_limit(1 << 30, 1 << 30, 2.0, 8, environ={}) == 2 << 30
+
+
+# --------------------------------------------------------------------- batched deferred frees
+
+
+def test_batched_deallocation_matches_one_by_one():
+    import random
+
+    from gpudash import Recorder
+    from gpudash.events import COLUMNS
+
+    def churn(free_batch):
+        a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+        rec = Recorder(a)
+        rng = random.Random(3)
+        live = []
+        for _ in range(400):
+            live.append(a.allocate(rng.randrange(1, 1 << 20)))
+            if len(live) > 20:
+                rng.shuffle(live)
+                batch, live = live[:10], live[10:]
+                free_batch(a, batch + [0x1234])  # one bad pointer in each batch
+        a.check()
+        cols = rec.columns()
+        return a.stats(), {k: cols[k] for k in COLUMNS if k != "time_ns"}
+
+    failures = []
+
+    def one_by_one(a, ptrs):
+        for p in ptrs:
+            try:
+                a.deallocate(p)
+            except InvalidPointerError as exc:
+                failures.append(str(exc))
+
+    def batched(a, ptrs):
+        failures.extend(a._deallocate_batch(ptrs))
+
+    s1, c1 = churn(one_by_one)
+    n1 = len(failures)
+    s2, c2 = churn(batched)
+    assert n1 == 38 and len(failures) == 2 * n1
+    assert s1 == s2
+    for k in c1:
+        assert (c1[k] == c2[k]).all(), k
+
+
+def test_cuda_malloc_sessions_still_return_regions_on_deferred_frees():
+    from gpudash import Session
+
+    sess = Session(simulate="1GiB", poll=False, config={"allocator_type": "cuda_malloc"})
+    ptrs = [sess.allocate(1 << 20) for _ in range(4)]
+    for p in ptrs:
+        sess.free(p)
+    sess.flush()
+    assert sess.allocator(0).pool_bytes == 0
+    sess.close()
+
+
+def test_batched_deallocation_takes_numpy_addresses():
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    ptrs = [np.int64(a.allocate(1000)), np.uint64(a.allocate(2000)), a.allocate(3000)]
+    assert a._deallocate_batch(ptrs) == []
+    assert a.bytes_in_use == 0
+    a.check()
+
+
+# --------------------------------------------------------------------- what-if arguments
+
+
+def _small_trace():
+    from gpudash import Recorder
+
+    a = BFCAllocator(SimulatedDevice("1GiB"), 1 << 30)
+    with Recorder(a) as rec:
+        ptrs = [a.allocate(1 << 20) for _ in range(8)]
+        for p in ptrs:
+            a.deallocate(p)
+    return rec.to_trace()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tolerance": "x"}, {"tolerance": True}, {"hi": float("inf")}, {"lo": float("nan")},
+    {"hi": "1"},
+])
+def test_min_fraction_arguments_refused_by_name(kwargs):
+    from gpudash.trace.whatif import min_fraction
+
+    name = next(iter(kwargs))
+    with pytest.raises(ConfigError, match=name if name != "lo" else "lo"):
+        min_fraction(_small_trace(), "1GiB", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"fractions": ["x"]}, "fraction"), ({"fractions": [True]}, "fraction"),
+    ({"fractions": []}, "at least one"), ({"fractions": "0.5"}, "fractions"),
+    ({"allow_growth": "false"}, "allow_growth"), ({"allow_growth": [None]}, "allow_growth"),
+    ({"allow_growth": ["false"]}, "allow_growth"), ({"jobs": float("inf")}, "jobs"),
+    ({"jobs": 0}, "jobs"),
+])
+def test_sweep_arguments_refused_by_name(kwargs, fragment):
+    from gpudash.trace.whatif import sweep
+
+    kwargs = {"fractions": [0.5], **kwargs}
+    with pytest.raises(ConfigError, match=fragment):
+        sweep(_small_trace(), device_bytes="1GiB", **kwargs)
+
+
+def test_sweep_takes_one_fraction():
+    from gpudash.trace.whatif import sweep
+
+    table = sweep(_small_trace(), 0.5, allow_growth=False, device_bytes="1GiB")
+    assert len(table.rows) == 1

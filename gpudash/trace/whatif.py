@@ -136,14 +136,14 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     >>> r.fits and r.fraction < 0.2
     True
     """
-    tolerance = float(tolerance)
+    tolerance = _real("tolerance", tolerance)
     if not (math.isfinite(tolerance) and tolerance >= MIN_TOLERANCE):
         raise ConfigError(f"tolerance must be a fraction >= {MIN_TOLERANCE:g} (finer steps "
                           f"change the limit by less than a byte of a 1 PiB device); got "
                           f"{tolerance!r}")
-    lo, hi = float(lo), float(hi)
-    if not 0.0 <= lo < hi:
-        raise ValueError(f"need 0 <= lo < hi; got lo={lo}, hi={hi}")
+    lo, hi = _real("lo", lo), _real("hi", hi)
+    if not (0.0 <= lo < hi and math.isfinite(hi)):
+        raise ConfigError(f"need 0 <= lo < hi, both finite fractions; got lo={lo}, hi={hi}")
     if "fraction" in options or "memory_limit" in options:
         raise ValueError("min_fraction chooses the fraction itself; do not pass fraction= or "
                          "memory_limit=")
@@ -255,6 +255,16 @@ def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
     }
 
 
+def _real(name: str, value: Any) -> float:
+    """A number argument as a float; a string, bool or None is refused by name."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or value is None:
+        raise ConfigError(f"{name} must be a number; got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name} must be a number; got {value!r}") from None
+
+
 def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
           allow_growth: bool | Iterable[bool] = (True, False), *,
           device_bytes: int | str = "16GiB", jobs: int = 1, progress: Any = None,
@@ -288,13 +298,26 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     """
     if isinstance(allow_growth, (bool, np.bool_)):
         allow_growth = (bool(allow_growth),)
-    fractions = list(fractions)
-    growths = [bool(g) for g in allow_growth]
+    if isinstance(allow_growth, (str, bytes)) or not isinstance(allow_growth, Iterable):
+        raise ConfigError(f"allow_growth must be True, False or a list of them; got "
+                          f"{allow_growth!r}")
+    if fractions is None or isinstance(fractions, (int, float, np.number)) \
+            and not isinstance(fractions, (bool, np.bool_)):
+        fractions = [fractions]  # one fraction
+    if isinstance(fractions, (str, bytes)) or not isinstance(fractions, Iterable):
+        raise ConfigError(f"fractions must be a list of fractions; got {fractions!r}")
+    fractions = [f if f is None else _real("fraction", f) for f in fractions]
+    growths = []
+    for g in allow_growth:
+        if not isinstance(g, (bool, np.bool_)):  # "false" or None would be read as a truth
+            raise ConfigError(f"allow_growth values must be True or False; got {g!r}")
+        growths.append(bool(g))
     if not fractions or not growths:
-        raise ValueError("sweep needs at least one fraction and one allow_growth value")
+        raise ConfigError("sweep needs at least one fraction and one allow_growth value")
+    if isinstance(jobs, (bool, np.bool_)) or not isinstance(jobs, (int, np.integer)) \
+            or jobs < 1:
+        raise ConfigError(f"jobs must be an integer >= 1; got {jobs!r}")
     jobs = int(jobs)
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1; got {jobs}")
     if client is not None and jobs != 1:
         raise ValueError(f"pass jobs= (local processes) or client= (a Dask cluster), not "
                          f"both; got jobs={jobs} and a client")
