@@ -461,3 +461,79 @@ def test_load_trace_sniffs_torch_and_refuses_unknown(tmp_path):
         assert fmt in str(info.value)
     with pytest.raises(TraceFormatError, match="unknown trace format 'xml'"):
         gt.load_trace(odd, format="xml")
+
+
+# ---------------------------------------------------------------------------- crafted records
+def _crafted(tmp_path, *records):
+    """A .gdtrace of a valid metadata record then ``records`` ((type, header, payload)),
+    each with a correct crc, so only the reader's own checks can refuse them."""
+    from gpudash.trace.format import _record
+
+    data = MAGIC + _record(1, {"format": "crafted"})
+    for rtype, header, payload in records:
+        data += _record(rtype, header, payload)
+    path = tmp_path / "crafted.gdtrace"
+    path.write_bytes(data)
+    return path
+
+
+def _batch_header_and_payload(settings=None, spoil=None):
+    import io as _io
+
+    from numpy.lib import format as npformat
+
+    payload, layout = _io.BytesIO(), []
+    for name in COLUMNS:
+        start = payload.tell()
+        npformat.write_array(payload, np.zeros(1, dtype=COLUMN_DTYPES[name]),
+                             allow_pickle=False)
+        layout.append([name, start, payload.tell() - start])
+    data = payload.getvalue()
+    if spoil is not None:
+        data = spoil(data, layout)
+    return {"n": 1, "columns": layout, "settings": settings if settings is not None else []}, data
+
+
+@pytest.mark.parametrize("settings", [5, "abc", {"a": 1}, [1, 2]])
+def test_crafted_batch_with_non_list_settings_is_a_format_error(tmp_path, settings):
+    header, payload = _batch_header_and_payload(settings)
+    path = _crafted(tmp_path, (2, header, payload))
+    with pytest.raises(TraceFormatError, match=r"crafted\.gdtrace: record 1 .*'settings'"):
+        read_trace(path)
+    with pytest.raises(TraceFormatError, match="record 1"):
+        gt.load_trace(path)
+
+
+def test_crafted_metadata_update_that_is_a_list_is_a_format_error(tmp_path):
+    path = _crafted(tmp_path, (3, [1, 2, 3], b""))
+    with pytest.raises(TraceFormatError, match=r"record 1 \(metadata update\).*JSON object"):
+        gt.load_trace(path)
+
+
+def test_crafted_bad_npy_header_is_a_format_error(tmp_path):
+    def spoil(data, layout):  # the first column's header dict made unparseable
+        start = layout[0][1]
+        i = data.index(b"{", start)
+        return data[:i] + b"{'descr': <i8'," + data[i + 15:]
+    header, payload = _batch_header_and_payload(spoil=spoil)
+    path = _crafted(tmp_path, (2, header, payload))
+    with pytest.raises(TraceFormatError, match=r"record 1 .*column 'seq' is not valid \.npy"):
+        gt.load_trace(path)
+
+
+def test_columns_are_aligned_writable_views_of_the_file_buffer(tmp_path):
+    from gpudash.trace.workloads import training_loop
+
+    t = training_loop(steps=2, layers=3, batch=8, hidden=256)
+    path = tmp_path / "t.gdtrace"
+    write_trace(t, path)
+    back = read_trace(path)
+    assert back == t
+    for name, col in back.columns.items():
+        assert not col.flags.owndata, name  # a view into the one read buffer: no copy
+        assert col.flags.aligned and col.flags.writeable, name
+    back.columns["ptr"][0] += 0  # writable
+    # a file object gives read-only bytes: the columns are then copies, still writable
+    with open(path, "rb") as f:
+        again = read_trace(f)
+    assert again == t and again.columns["ptr"].flags.writeable

@@ -836,8 +836,14 @@ def _dumps(obj: Any, what: str) -> bytes:
         raise TraceFormatError(f"the trace's {what} cannot be written as JSON: {exc}") from None
 
 
-def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata") -> bytes:
+def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata",
+            at: int | None = None) -> bytes:
+    """One record; with ``at`` (its offset in the file), the JSON header is padded with
+    spaces so that the payload starts at a multiple of 64 bytes (then the columns a reader
+    maps from it are aligned and need no copy)."""
     js = _dumps(header, what)
+    if at is not None:
+        js += b" " * (-(at + _RECORD.size + len(js)) % 64)
     head = _RECORD.pack(_RECORD_MAGIC, rtype, len(js), len(payload), 0)[:20]
     crc = zlib.crc32(payload, zlib.crc32(js, zlib.crc32(head)))
     return head + struct.pack("<I", crc) + js + payload
@@ -979,13 +985,18 @@ class TraceWriter:
         payload = io.BytesIO()
         layout = []
         for name in names:
+            payload.write(b"\0" * (-payload.tell() % 64))  # each column 64-byte aligned
             start = payload.tell()
             npformat.write_array(payload, np.ascontiguousarray(cols[name]), allow_pickle=False)
             layout.append([name, start, payload.tell() - start])
         header = {"n": self._buffered, "columns": layout, "settings": self._buffer_settings}
         if self._new_holders:
             header["holders"] = self._new_holders
-        self._write(_record(_REC_EVENTS, header, payload.getvalue(), what="settings"))
+        try:
+            at = self._file.tell()
+        except (OSError, ValueError):
+            at = None
+        self._write(_record(_REC_EVENTS, header, payload.getvalue(), what="settings", at=at))
         self.events_written += self._buffered
         self.batches_written += 1
         self._buffer, self._buffer_settings, self._buffered = [], [], 0
@@ -1055,8 +1066,13 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     """
     name = _source_name(path)
     if isinstance(path, (str, os.PathLike)):
+        # one writable buffer; the columns of the batches are numpy views into it (no copy)
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            data = bytearray(size)
+            got = f.readinto(data)
+            if got < size:
+                del data[got:]
     else:
         data = path.read()
     if len(data) < len(MAGIC) and any(m.startswith(data) for m in MAGICS):
@@ -1160,12 +1176,28 @@ def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
     if jlen > _MAX_JSON or body + jlen + plen > end:
         return None, (f"cut short: the record needs {_RECORD.size + jlen + plen} bytes, "
                       f"{end - off} left")
-    js = data[body:body + jlen]
-    payload = data[body + jlen:body + jlen + plen]
+    js = bytes(data[body:body + jlen])
+    payload = memoryview(data)[body + jlen:body + jlen + plen]
     got = zlib.crc32(payload, zlib.crc32(js, zlib.crc32(data[off:off + 20])))
     if got != crc:
         return None, f"crc32 mismatch (stored {crc:#010x}, computed {got:#010x})"
     return (rtype, js, payload, body + jlen + plen), None
+
+
+def _read_npy(chunk: memoryview) -> np.ndarray:
+    """The 1-D array stored as ``.npy`` bytes in ``chunk``: a view into it, not a copy
+    (writable when ``chunk`` is). Raises ValueError for anything but plain numbers."""
+    head = io.BytesIO(bytes(chunk[:min(len(chunk), 1 << 17)]))
+    version = npformat.read_magic(head)
+    if version == (1, 0):
+        shape, _fortran, dtype = npformat.read_array_header_1_0(head)
+    elif version == (2, 0):
+        shape, _fortran, dtype = npformat.read_array_header_2_0(head)
+    else:
+        raise ValueError(f"unsupported .npy version {version}")
+    if dtype.hasobject or len(shape) != 1:
+        raise ValueError(f"expected a 1-D array of numbers, found shape {shape} of {dtype}")
+    return np.frombuffer(chunk, dtype=dtype, count=shape[0], offset=head.tell())
 
 
 def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
@@ -1184,31 +1216,31 @@ def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
             raise TraceFormatError(f"{where}: column {col!r} is missing")
         start, nbytes = layout[col]
         try:
-            arr = npformat.read_array(io.BytesIO(payload[start:start + nbytes]),
-                                      allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data ({exc})")\
-                from None
+            arr = _read_npy(payload[start:start + nbytes])
+        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
+                MemoryError, EOFError) as exc:
+            raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if arr.dtype != np.dtype(COLUMN_DTYPES[col]) or arr.shape != (n,):
             raise TraceFormatError(
                 f"{where}: column {col!r} should be {n} values of "
                 f"{np.dtype(COLUMN_DTYPES[col])}, found shape {arr.shape} of {arr.dtype}")
-        cols[col] = arr
+        cols[col] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     if "holder" in layout:
         start, nbytes = layout["holder"]
         try:
-            arr = npformat.read_array(io.BytesIO(payload[start:start + nbytes]),
-                                      allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise TraceFormatError(f"{where}: column 'holder' is not valid .npy data ({exc})")\
-                from None
+            arr = _read_npy(payload[start:start + nbytes])
+        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
+                MemoryError, EOFError) as exc:
+            raise TraceFormatError(f"{where}: column 'holder' is not valid .npy data "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if arr.dtype != np.dtype(HOLDER_DTYPE) or arr.shape != (n,):
             raise TraceFormatError(f"{where}: column 'holder' should be {n} values of int32, "
                                    f"found shape {arr.shape} of {arr.dtype}")
         if n and (arr.min() < -1 or arr.max() >= n_holders):
             raise TraceFormatError(f"{where}: column 'holder' indexes beyond the "
                                    f"{n_holders} holder names listed so far")
-        cols["holder"] = arr
+        cols["holder"] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     else:
         cols["holder"] = np.full(n, -1, dtype=HOLDER_DTYPE)
     return cols
