@@ -282,3 +282,29 @@ def test_progress_true_writes_to_stderr(capsys):
     assert "replay:" in err and f"{len(t):,}/{len(t):,}" in err
     with pytest.raises(TypeError, match="progress"):
         replay(t, progress=3)
+
+
+def test_calls_stay_numpy_columns_and_replay_the_same_as_lists(monkeypatch):
+    import sys
+
+    import numpy as np
+
+    monkeypatch.setattr(sys.modules["gpudash.trace.replay"], "_CHUNK", 97)  # many chunks
+
+    from gpudash.trace.replay import _calls_lists, _replay_lists, resolve_settings
+    from gpudash.trace.workloads import fragmentation_stress
+
+    t = fragmentation_stress(rounds=400)
+    ops, keys, nbytes, n = _calls_lists(t, 0)
+    assert all(isinstance(a, np.ndarray) for a in (ops, keys, nbytes))  # 17 B a call
+    for ddb in (0, 1 << 20):
+        s = resolve_settings(t, None, device_bytes="2GiB", deferred_deletion_bytes=ddb,
+                             allow_growth=True)
+        a = _replay_lists(s, ops, keys, nbytes, n, record=False, per_call=True,
+                          max_ooms=None, progress=None)
+        b = _replay_lists(s, ops.tolist(), keys.tolist(), nbytes.tolist(), n, record=False,
+                          per_call=True, max_ooms=None, progress=None)
+        assert a.peak_pool_bytes == b.peak_pool_bytes and a.oom_count == b.oom_count
+        for k in ("in_use", "pool", "largest_free"):
+            assert a.per_call[k].dtype == np.int64 and len(a.per_call[k]) == len(ops)
+            assert np.array_equal(a.per_call[k], b.per_call[k])

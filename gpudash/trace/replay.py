@@ -366,9 +366,9 @@ class _Engine:
         pop = ptrs.pop
         oom_calls = self.oom_calls
         skipped = 0
-        ops = self.ops[start:stop]
-        keys = self.keys[start:stop]
-        nbytes = self.nbytes[start:stop]
+        ops = _part(self.ops, start, stop)
+        keys = _part(self.keys, start, stop)
+        nbytes = _part(self.nbytes, start, stop)
         if sample is not None:
             s_in, s_pool, s_lf = (lst.append for lst in sample)
             bins = alloc._bins
@@ -416,11 +416,14 @@ class _Engine:
         if sample is not None:
             s_in, s_pool, s_lf = (lst.append for lst in sample)
             bins = alloc._bins
+        ops = _part(self.ops, start, stop)
+        keys = _part(self.keys, start, stop)
+        nbytes = _part(self.nbytes, start, stop)
         for i in range(start, stop):
-            op = self.ops[i]
-            n = self.nbytes[i]
+            op = ops[i - start]
+            n = nbytes[i - start]
             if op == 2:
-                p = pop(self.keys[i], None)
+                p = pop(keys[i - start], None)
                 if p is None:
                     self.skipped_frees += 1
                 else:
@@ -445,7 +448,7 @@ class _Engine:
                         self.retried += 1
                 if p or not n:
                     if op == 1:
-                        ptrs[self.keys[i]] = p
+                        ptrs[keys[i - start]] = p
                     else:
                         deallocate(p)
                 else:
@@ -676,10 +679,18 @@ def _progress_fn(progress: Any, label: str) -> Callable[[int, int], None] | None
 
 
 # ---------------------------------------------------------------------------------- replay
-def _calls_lists(trace: Trace, device: int) -> tuple[list[int], list[int], list[int], int]:
+def _part(seq: Any, start: int, stop: int) -> list:
+    """``seq[start:stop]`` as a list: calls are kept as numpy columns (17 bytes a call) and
+    turned into Python ints one chunk at a time, not all at once (~90 bytes a call)."""
+    part = seq[start:stop]
+    return part.tolist() if isinstance(part, np.ndarray) else part
+
+
+def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The calls of ``device`` as numpy columns (op, key, nbytes) and its event count."""
     calls = trace.calls(device)
     n_events = int(np.count_nonzero(trace.columns["device"] == device))
-    return calls.op.tolist(), calls.key.tolist(), calls.nbytes.tolist(), n_events
+    return calls.op, calls.key, calls.nbytes, n_events
 
 
 def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | None = _UNSET,
@@ -804,6 +815,7 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         # alloc <= split+alloc+extends, free <= free+2 merges: 3 events per call is generous
         rec = Recorder(alloc, capacity=max(3 * total + 1024, 4096))
     sample = [[], [], []] if per_call else None
+    parts: list[list[np.ndarray]] = [[], [], []]  # the samples, as int64 arrays per chunk
     run = eng._run_deferred if settings["deferred_deletion_bytes"] > 0 else eng._run_plain
     quiet = _QuietGC()
     logger = logging.getLogger("gpudash")
@@ -815,6 +827,10 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         pos = 0
         while pos < total:
             run(pos, min(pos + _CHUNK, total), sample, limit)
+            if sample is not None:  # per-call samples kept compact: 24 bytes a call
+                for k in range(3):
+                    parts[k].append(np.array(sample[k], dtype=np.int64))
+                    sample[k].clear()
             pos = eng.pos
             if len(eng.oom_calls) >= limit:
                 stopped = pos < total
@@ -843,9 +859,9 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     first = (int(ooms[0]), int(nbytes[ooms[0]])) if len(ooms) else None
     pc: dict[str, np.ndarray] = {}
     if sample is not None:
-        in_use = np.array(sample[0], dtype=np.int64)
-        pool = np.array(sample[1], dtype=np.int64)
-        lf = np.array(sample[2], dtype=np.int64)
+        for k in range(3):  # anything sampled after the last chunk (an early stop)
+            parts[k].append(np.array(sample[k], dtype=np.int64))
+        in_use, pool, lf = (np.concatenate(p) for p in parts)
         free = pool - in_use
         with np.errstate(divide="ignore", invalid="ignore"):
             frag = np.where(free > 0, 1.0 - lf / np.where(free > 0, free, 1), 0.0)

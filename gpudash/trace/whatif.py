@@ -234,7 +234,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, n_events: int) -> None:
-    _WORKER["calls"] = (ops.tolist(), keys.tolist(), nbytes.tolist(), n_events)
+    _WORKER["calls"] = (ops, keys, nbytes, n_events)  # numpy: listed a chunk at a time
 
 
 def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
@@ -340,7 +340,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         rows = list(sweep_rows(client, settings, calls.op, calls.key, calls.nbytes, n_events,
                                report))
     elif jobs == 1 or total == 1:
-        lists = (calls.op.tolist(), calls.key.tolist(), calls.nbytes.tolist(), n_events)
+        lists = (calls.op, calls.key, calls.nbytes, n_events)
         for i, s in enumerate(settings):
             rows[i] = _sweep_one(s, lists)
             done += 1
