@@ -88,6 +88,7 @@ def parse_human_bytes(text: str) -> tuple[int, bool]:
 # "2017-11-06 08:55:24.919712: I tensorflow/core/.../bfc_allocator.cc:627] ",
 # "I tensorflow/core/common_runtime/bfc_allocator.cc:685] " (TF 0.8, no time)
 _SOURCE_TAG = re.compile(r"\S+\.(?:cc|h|cpp|py):\d+\]\s?")
+_TAG_SPAN = 512
 _OOM = re.compile(
     r"Allocator \((?P<name>[^)]*)\) ran out of memory trying to allocate "
     r"(?P<num>\d+(?:\.\d+)?)(?P<unit>[KMGTPE]i)?B"
@@ -140,7 +141,9 @@ class _Raw:
 
 
 def _body(line: str) -> str:
-    m = _SOURCE_TAG.search(line)
+    # the tag is near the start of a log line; searching a whole long line (a run of
+    # characters without spaces) would take time quadratic in its length
+    m = _SOURCE_TAG.search(line[:_TAG_SPAN])
     return line[m.end():].rstrip("\r\n") if m is not None else line.strip()
 
 
