@@ -69,6 +69,8 @@ def _numbers(data: bytes) -> list[re.Match]:
 def mutate(data: bytes, rng: random.Random, fmt: str) -> tuple[str, bytes]:
     """One mutant of ``data``: (the mutation's name, the bytes)."""
     kind = rng.choice(["truncate", "bitflip", "bytes", "huge", "json", "nest", "pickle"])
+    if fmt == "gdtrace" and rng.random() < 0.5:
+        return "recrc", _recrc(data, rng)
     if kind == "truncate":
         return kind, data[:rng.randrange(0, len(data))]
     if kind == "bitflip":
@@ -104,6 +106,42 @@ def mutate(data: bytes, rng: random.Random, fmt: str) -> tuple[str, bytes]:
         [[1, 2], "x"], 7, None,
     ])
     return "pickle", pickle.dumps(obj, protocol=rng.choice([0, 2, 4]))
+
+
+def _recrc(data: bytes, rng: random.Random) -> bytes:
+    """A .gdtrace with one record's JSON header or payload changed and its crc32 made
+    valid again, so that only the reader's own checks can refuse it."""
+    import struct
+    import zlib
+
+    from gpudash.trace.format import _RECORD, MAGIC
+
+    out, off, records = bytearray(data[:len(MAGIC)]), len(MAGIC), []
+    while off + _RECORD.size <= len(data):
+        magic, rtype, jlen, plen, _crc = _RECORD.unpack_from(data, off)
+        body = off + _RECORD.size
+        records.append([rtype, bytearray(data[body:body + jlen]),
+                        bytearray(data[body + jlen:body + jlen + plen])])
+        off = body + jlen + plen
+    if not records:
+        return data
+    rec = rng.choice(records)
+    part = rec[1] if not rec[2] or rng.random() < 0.5 else rec[2]
+    if part:
+        i = rng.randrange(len(part))
+        if part is rec[1] and rng.random() < 0.5:  # a number in the header changed
+            nums = _numbers(bytes(part))
+            if nums:
+                m = rng.choice(nums)
+                rec[1] = bytearray(part[:m.start()] + rng.choice(HUGE + JSON_VALUES).encode()
+                                   + part[m.end():])
+        else:
+            part[i] = rng.randrange(256)
+    for rtype, js, payload in records:
+        head = _RECORD.pack(b"GDRC", rtype, len(js), len(payload), 0)[:20]
+        crc = zlib.crc32(payload, zlib.crc32(js, zlib.crc32(head)))
+        out += head + struct.pack("<I", crc) + js + payload
+    return bytes(out)
 
 
 def load_one(path: Path, fmt: str | None) -> str:

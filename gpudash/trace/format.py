@@ -1067,21 +1067,23 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     name = _source_name(path)
     if isinstance(path, (str, os.PathLike)):
         # one writable buffer; the columns of the batches are numpy views into it (no copy)
+        # (a numpy buffer, not a bytearray: a bytearray freed by the garbage collector while
+        # a view of it is alive reports a SystemError)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            data = bytearray(size)
-            got = f.readinto(data)
-            if got < size:
-                del data[got:]
+            buf = np.empty(size, dtype=np.uint8)
+            got = f.readinto(memoryview(buf))
+            data = memoryview(buf[:got])
     else:
-        data = path.read()
-    if len(data) < len(MAGIC) and any(m.startswith(data) for m in MAGICS):
+        data = memoryview(path.read())
+    head = bytes(data[:len(MAGIC)])
+    if len(data) < len(MAGIC) and any(m.startswith(head) for m in MAGICS):
         raise TraceFormatError(
             f"{name}: cut short at byte {len(data)}, inside the magic line {MAGIC!r}")
-    if not data.startswith(MAGICS):
+    if not head.startswith(MAGICS):
         raise TraceFormatError(
             f"{name} is not a gpudash trace: expected the line {MAGIC!r} (or version 1's "
-            f"{MAGICS[0]!r}) at byte 0, found {data[:len(MAGIC)]!r}")
+            f"{MAGICS[0]!r}) at byte 0, found {head!r}")
     meta, off, problem = None, len(MAGIC), None
     batches: list[dict[str, np.ndarray]] = []
     settings: list[dict] = []
