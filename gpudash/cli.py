@@ -638,7 +638,14 @@ def cmd_lab(args: argparse.Namespace) -> int:
     _say(" ".join(cmd))
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, cwd=cwd)
+    if hasattr(os, "execv"):
+        # become JupyterLab: signals (Ctrl-C, a terminate) reach the server itself, and no
+        # server is left behind when this process ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.chdir(cwd)
+        os.execv(cmd[0], cmd)
+    return subprocess.call(cmd, cwd=cwd)  # pragma: no cover - platforms without exec
 
 
 COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif,
