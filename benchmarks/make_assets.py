@@ -157,12 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                 _shot(page, out, args.out / "watch-tensorflow.png")
             else:
                 print("tensorflow is not installed: no watch-tensorflow.png")
-            _report(args.out)
         finally:
             browser.close()
             pw.stop()
             lab.stop()
-    return 0
+    return _report(args.out)
 
 
 if __name__ == "__main__":
