@@ -880,6 +880,9 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
         assert view.setup["devices"] == [f"{a} GPU_0_bfc"]
         assert wait_for(lambda: view.model.state(0) is not None and
                         view.model.state(0).stats.bytes_in_use == 40 * MIB)
+        # the worker's deferred deletion can be flushed and tuned from its dashboard
+        assert view._controls_info(0)["session"] is True
+        assert view._act({"name": "flush"})["ok"]
         before_b = on(client, b, _settings)
         reply = view._act({"name": "fraction", "value": 0.25})
         assert reply["ok"], reply

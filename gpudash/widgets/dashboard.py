@@ -205,7 +205,9 @@ class Dashboard(anywidget.AnyWidget):
             "settings": {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                          for k, v in settings.items()},
             "disabled": disabled,
-            "session": m.session is not None,
+            # deferred deletion to flush and tune: a session here, or a controllable feed
+            # (a Dask worker's session)
+            "session": m.session is not None or (feed is not None and not disabled),
             "has_layout": m.has_layout(device),
             "restart": feed is not None and hasattr(feed, "restart_lines"),
             "paused": bool(m.paused),
