@@ -874,44 +874,48 @@ class BFCAllocator:
                 _pointer_or_none(ptr))
             if c is None or c.aid < 0:
                 raise self._invalid_pointer(ptr, "deallocate")
-            journal = self._journal
-            freed = size = c.size
-            self._in_use -= size
-            aid = c.aid
-            requested = c.requested
-            c.aid = -1
-            # TryToCoalesce: the next chunk first, then the previous one.
-            next_size = prev_size = 0
-            n = c.next
-            if n is not None and n.aid < 0:
-                next_size = n.size
-                self._remove_free(n)
-                self._merge(c, n)
-            p = c.prev
-            if p is not None and p.aid < 0:
-                prev_size = p.size
-                self._remove_free(p)
-                self._merge(p, c)
-                c = p
-            # InsertFreeChunkIntoBin, inline.
-            size = c.size
-            b = (size >> 8).bit_length() - 1
-            if b > 20:
-                b = 20
-            c.bin = b
-            insort(self._bins[b], size << 64 | c.ptr)
-            self._mask |= 1 << b
+            self._free_locked(ptr, c)
             if self._waiters:
                 self._cond.notify_all()
-            if journal is not None:
-                start = len(journal)
-                journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size, prev_size))
-                if self._capped and c.prev is None and c.next is None:
-                    self._deallocate_regions([c.region])
-                if start >= self._flush_at:
-                    self._after_op(start)
-            elif self._capped and c.prev is None and c.next is None:
+
+    def _free_locked(self, ptr: int, c: _Chunk) -> None:
+        """Lock held, ``c`` the live chunk at ``ptr``: TensorFlow's FreeAndMaybeCoalesce."""
+        journal = self._journal
+        freed = size = c.size
+        self._in_use -= size
+        aid = c.aid
+        requested = c.requested
+        c.aid = -1
+        # TryToCoalesce: the next chunk first, then the previous one.
+        next_size = prev_size = 0
+        n = c.next
+        if n is not None and n.aid < 0:
+            next_size = n.size
+            self._remove_free(n)
+            self._merge(c, n)
+        p = c.prev
+        if p is not None and p.aid < 0:
+            prev_size = p.size
+            self._remove_free(p)
+            self._merge(p, c)
+            c = p
+        # InsertFreeChunkIntoBin, inline.
+        size = c.size
+        b = (size >> 8).bit_length() - 1
+        if b > 20:
+            b = 20
+        c.bin = b
+        insort(self._bins[b], size << 64 | c.ptr)
+        self._mask |= 1 << b
+        if journal is not None:
+            start = len(journal)
+            journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size, prev_size))
+            if self._capped and c.prev is None and c.next is None:
                 self._deallocate_regions([c.region])
+            if start >= self._flush_at:
+                self._after_op(start)
+        elif self._capped and c.prev is None and c.next is None:
+            self._deallocate_regions([c.region])
 
     def _deallocate_batch(self, ptrs: list) -> list[str]:
         """Deallocate every pointer of ``ptrs`` (a session's completed deferred batch),
@@ -926,10 +930,9 @@ class BFCAllocator:
                 except InvalidPointerError as exc:
                     failed.append(str(exc))
             return failed
-        lock = self._lock
         by_ptr = self._by_ptr
-        bins = self._bins
-        with lock:
+        free = self._free_locked
+        with self._lock:
             for ptr in ptrs:
                 if type(ptr) is not int:
                     ptr = _pointer_or_none(ptr)
@@ -937,41 +940,7 @@ class BFCAllocator:
                 if c is None or c.aid < 0:
                     failed.append(str(self._invalid_pointer(ptr, "deallocate")))
                     continue
-                journal = self._journal
-                freed = size = c.size
-                self._in_use -= size
-                aid = c.aid
-                requested = c.requested
-                c.aid = -1
-                next_size = prev_size = 0
-                n = c.next
-                if n is not None and n.aid < 0:
-                    next_size = n.size
-                    self._remove_free(n)
-                    self._merge(c, n)
-                p = c.prev
-                if p is not None and p.aid < 0:
-                    prev_size = p.size
-                    self._remove_free(p)
-                    self._merge(p, c)
-                    c = p
-                size = c.size
-                b = (size >> 8).bit_length() - 1
-                if b > 20:
-                    b = 20
-                c.bin = b
-                insort(bins[b], size << 64 | c.ptr)
-                self._mask |= 1 << b
-                if journal is not None:
-                    start = len(journal)
-                    journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size,
-                                    prev_size))
-                    if self._capped and c.prev is None and c.next is None:
-                        self._deallocate_regions([c.region])
-                    if start >= self._flush_at:
-                        self._after_op(start)
-                elif self._capped and c.prev is None and c.next is None:
-                    self._deallocate_regions([c.region])
+                free(ptr, c)
             if self._waiters:
                 self._cond.notify_all()
         return failed
