@@ -809,27 +809,8 @@ class LiveModel(traitlets.HasTraits):
             raw, bytes_in_use=in_use, pool_bytes=pool, largest_free_block_bytes=largest_free,
             fragmentation=frag, peak_bytes_in_use=max(raw.peak_bytes_in_use, in_use),
             peak_pool_bytes=max(raw.peak_pool_bytes, pool))
-        bins = BinCounts.from_table(table)
         internal = in_use - int(table["requested"][used].sum())
-        dev.timeline.append(now_ms, in_use, pool, stats.bytes_limit)
-        hm = dev.heatmap
-        hm.fit(pool)
-        hm.append(now_ms, heatmap_column(table, hm.rows, hm.row_bytes))
-        with self._lock:
-            pending, dev.pending_ooms = dev.pending_ooms, []
-            counters = dict(dev.counters)
-            settings = tuple(dev.settings)
-        for t_ns, rounded, requested in pending:
-            dev.ooms.append(OomMark(t_ns / 1e6, rounded, requested, in_use))
-        dev.version += 1
-        state = DeviceState(
-            device=dev.index, name=dev.name, time_ms=now_ms, version=dev.version, stats=stats,
-            table=table, bins=bins, internal_fragmentation=internal, capacity=dev.capacity,
-            counters=counters, timeline=dev.timeline.arrays(), ooms=tuple(dev.ooms),
-            settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
-            heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes)
-        dev.state = state
-        return state
+        return self._finish_state(dev, now_ms, stats, table, internal, pool)
 
     def _build_from_feed(self, dev: _Device) -> DeviceState:
         sample, dev.sample = dev.sample, None
@@ -842,14 +823,20 @@ class LiveModel(traitlets.HasTraits):
             stats = sample.stats
         else:
             stats = AllocatorStats(bytes_limit=0)
-        in_use, pool = int(stats.bytes_in_use), int(stats.pool_bytes)
-        bins = BinCounts.from_table(table)
         used = table["in_use"]
         internal = int(table["size"][used].sum()) - int(table["requested"][used].sum())
-        dev.timeline.append(now_ms, in_use, pool, int(stats.bytes_limit))
-        hm = dev.heatmap
         layout_pool = int(table["regions"][:, 1].sum()) if len(table["regions"]) else 0
-        hm.fit(max(pool, layout_pool))
+        return self._finish_state(dev, now_ms, stats, table, internal,
+                                  max(int(stats.pool_bytes), layout_pool))
+
+    def _finish_state(self, dev: _Device, now_ms: float, stats: AllocatorStats, table: dict,
+                      internal: int, span: int) -> DeviceState:
+        """The part of a refresh every source shares: timeline point, heatmap column (its
+        rows fit ``span`` bytes), OOM marks, counters; the new :class:`DeviceState`."""
+        in_use = int(stats.bytes_in_use)
+        dev.timeline.append(now_ms, in_use, int(stats.pool_bytes), int(stats.bytes_limit))
+        hm = dev.heatmap
+        hm.fit(span)
         hm.append(now_ms, heatmap_column(table, hm.rows, hm.row_bytes))
         with self._lock:
             pending, dev.pending_ooms = dev.pending_ooms, []
@@ -860,9 +847,9 @@ class LiveModel(traitlets.HasTraits):
         dev.version += 1
         state = DeviceState(
             device=dev.index, name=dev.name, time_ms=now_ms, version=dev.version, stats=stats,
-            table=table, bins=bins, internal_fragmentation=internal, capacity=dev.capacity,
-            counters=counters, timeline=dev.timeline.arrays(), ooms=tuple(dev.ooms),
-            settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
+            table=table, bins=BinCounts.from_table(table), internal_fragmentation=internal,
+            capacity=dev.capacity, counters=counters, timeline=dev.timeline.arrays(),
+            ooms=tuple(dev.ooms), settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
             heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes)
         dev.state = state
         return state
