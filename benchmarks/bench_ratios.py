@@ -8,7 +8,7 @@ each step frees what a random slot holds and allocates a new block there) runs, 
 - ``bare``: :class:`gpudash.BFCAllocator` with no listener;
 - ``session``: :meth:`gpudash.Session.allocate` / :meth:`~gpudash.Session.free` on a
   simulated device, deferred deletion on (TensorFlow's default 8 MiB; frees reach the
-  allocator from the session's poller thread, in batches);
+  allocator in batches, each returned by the free that completes it);
 - ``session+stacks``: the same with ``record_stacks=True`` (each block's allocating frame);
 - ``recorder``: the bare allocator with a :class:`gpudash.Recorder` attached;
 - ``reference``: ``reference_bfc.ReferenceBFC``, a plain Python BFC with no hooks.

@@ -656,15 +656,25 @@ class Session:
         return event
 
     def _flush_pending(self, dev: Device) -> None:
-        """Lock held: queued frees become one in-flight batch (TensorFlow's QueueTensors)."""
+        """Lock held: queued frees become one in-flight batch (TensorFlow's QueueTensors).
+
+        A CUDA batch waits for its event, and the poller thread returns it. A simulated
+        device has no work to wait for: the poller would return the batch at its next
+        poll, within ``polling_active_delay_usecs`` (10 µs), so with a poller running the
+        batch is returned here and now, which spares a thread handoff per batch. Without a
+        poller (``poll=False``) it waits for :meth:`poll` or :meth:`flush`."""
         d = dev._deferred
         if not d.pending:
             return
-        d.inflight.append((self._marker(dev), d.pending, d.pending_bytes))
+        marker = self._marker(dev)
+        d.inflight.append((marker, d.pending, d.pending_bytes))
         d.pending = []
         d.pending_bytes = 0
         d.flushes += 1
-        self._wake.notify_all()
+        if marker is None and self._poller is not None:
+            self._complete(dev, wait=False)
+        else:
+            self._wake.notify_all()
 
     def _complete(self, dev: Device, wait: bool) -> int:
         """Return finished in-flight batches to the allocator; ``wait`` blocks on CUDA

@@ -817,6 +817,26 @@ def test_threshold_flushes_a_batch_at_next_poll(make):
     assert sess.poll() == 0
 
 
+def test_simulated_batch_returned_when_flushed_with_a_poller(make):
+    """With the poller running, a simulated device's batch (no device work to wait for) is
+    returned by the free that makes it, in the freeing thread, not after a thread handoff;
+    smaller frees stay queued."""
+    sess = make({"deferred_deletion_bytes": 4 * MiB}, poll=True)
+    dev = sess.devices[0]
+    alloc = dev.allocator
+    returned_by = []
+    real = alloc._deallocate_batch
+    alloc._deallocate_batch = lambda ptrs: returned_by.append(threading.current_thread()) or real(ptrs)
+    ptrs = [sess.allocate(MiB) for _ in range(5)]
+    for p in ptrs[:3]:
+        sess.free(p)
+    assert alloc.bytes_in_use == 5 * MiB and dev.deferred_bytes == 3 * MiB
+    sess.free(ptrs[3])  # 4 MiB queued: one batch, returned now
+    assert alloc.bytes_in_use == MiB and dev.deferred_bytes == 0
+    assert returned_by == [threading.current_thread()]
+    assert dev._deferred.flushes == 1 and not dev._deferred.inflight
+
+
 def test_flush_large_tensor_immediately(make):
     """EventMgr FlushLargeTensorImmediately: one free at or above the threshold flushes."""
     sess = make()
@@ -878,9 +898,20 @@ def test_poller_thread_returns_batch_within_a_second(make):
     assert sess.devices[0].deferred_bytes == MiB
 
 
+class _DoneEvent:
+    """A CUDA event that has completed: the batch it marks goes to the poller thread."""
+    done = True
+
+    def synchronize(self):
+        pass
+
+
 def _slow_poller_deallocate(monkeypatch, sess, delay=0.05):
     """Make the poller thread return blocks slowly, to open the window in which it has taken
-    a batch off the queue but not yet given it back to the allocator."""
+    a batch off the queue but not yet given it back to the allocator. Batches carry an
+    event, as on a GPU (a simulated device's batch is returned at once when it is flushed,
+    without the poller)."""
+    monkeypatch.setattr(sess, "_marker", lambda dev: _DoneEvent())
     alloc = sess.devices[0].allocator
     real = alloc.deallocate
 
