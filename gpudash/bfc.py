@@ -27,6 +27,7 @@ import math
 import threading
 import time
 import warnings
+from array import array as _array
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
 from operator import index as _as_index
@@ -672,45 +673,77 @@ class BFCAllocator:
         return ptr
 
     def _take(self, nbytes: int, rounded: int, b: int) -> int:
-        """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits."""
+        """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits.
+
+        The hot path: SplitChunk, AllocateChunk and InsertFreeChunkIntoBin are inlined
+        (``_split`` is the same steps as a method, for the rest of the class)."""
         if self._capped and self._in_use + rounded > self._limit:
             return 0
         mask = self._mask >> b
         if not mask:
             return 0
         bins = self._bins
-        key = -1
         lst = bins[b]
-        nb = b
         if mask & 1:
             i = bisect_left(lst, rounded << 64)
             if i < len(lst):
                 key = lst.pop(i)
-            mask ^= 1
-        if key < 0:
-            if not mask:
-                return 0
+                if not lst:
+                    self._mask ^= 1 << b
+            else:
+                mask ^= 1
+                if not mask:
+                    return 0
+                nb = b + ((mask & -mask).bit_length() - 1)
+                lst = bins[nb]
+                key = lst.pop(0)
+                if not lst:
+                    self._mask ^= 1 << nb
+        else:
             nb = b + ((mask & -mask).bit_length() - 1)
             lst = bins[nb]
             key = lst.pop(0)
-        if not lst:
-            self._mask ^= 1 << nb
+            if not lst:
+                self._mask ^= 1 << nb
         ptr = key & _MASK64
         chunk = self._by_ptr[ptr]
         size = key >> 64
         remainder = 0
         if size >= rounded << 1 or size - rounded >= self._max_frag:
+            # SplitChunk: the rest becomes a free chunk after this one.
             remainder = size - rounded
-            self._split(chunk, rounded)
-            size = rounded
+            spare = self._spare
+            if spare:
+                new = spare.pop()
+            else:
+                new = _Chunk(self._n_handles)
+                self._n_handles += 1
+            rest = ptr + rounded
+            new.ptr = rest
+            new.size = remainder
+            new.region = chunk.region
+            self._by_ptr[rest] = new
+            neighbor = chunk.next
+            new.prev = chunk
+            new.next = neighbor
+            chunk.next = new
+            if neighbor is not None:
+                neighbor.prev = new
+            rb = (remainder >> 8).bit_length() - 1
+            if rb > 20:
+                rb = 20
+            new.bin = rb
+            insort(bins[rb], remainder << 64 | rest)
+            self._mask |= 1 << rb
+            chunk.size = size = rounded
         chunk.requested = nbytes
         aid = chunk.aid = self._next_aid
         self._next_aid = aid + 1
         chunk.bin = -1
         self._num_allocs += 1
-        self._in_use += size
-        if self._in_use > self._peak:
-            self._peak = self._in_use
+        in_use = self._in_use = self._in_use + size
+        if in_use > self._peak:
+            self._peak = in_use
         if size > self._largest:
             self._largest = size
         journal = self._journal
@@ -879,34 +912,59 @@ class BFCAllocator:
                 self._cond.notify_all()
 
     def _free_locked(self, ptr: int, c: _Chunk) -> None:
-        """Lock held, ``c`` the live chunk at ``ptr``: TensorFlow's FreeAndMaybeCoalesce."""
-        journal = self._journal
+        """Lock held, ``c`` the live chunk at ``ptr``: TensorFlow's FreeAndMaybeCoalesce.
+
+        The hot path: RemoveFreeChunkFromBin, Merge, DeleteChunk and InsertFreeChunkIntoBin
+        are inlined (the same steps as ``_remove_free``, ``_merge`` and ``_delete_chunk``)."""
         freed = size = c.size
         self._in_use -= size
         aid = c.aid
         requested = c.requested
         c.aid = -1
+        bins = self._bins
         # TryToCoalesce: the next chunk first, then the previous one.
         next_size = prev_size = 0
         n = c.next
         if n is not None and n.aid < 0:
             next_size = n.size
-            self._remove_free(n)
-            self._merge(c, n)
+            nb = n.bin
+            lst = bins[nb]
+            del lst[bisect_left(lst, next_size << 64 | n.ptr)]
+            if not lst:
+                self._mask ^= 1 << nb
+            nn = c.next = n.next
+            if nn is not None:
+                nn.prev = c
+            size += next_size
+            del self._by_ptr[n.ptr]
+            n.bin = -1
+            n.prev = n.next = n.region = None
+            self._spare.append(n)
         p = c.prev
         if p is not None and p.aid < 0:
             prev_size = p.size
-            self._remove_free(p)
-            self._merge(p, c)
+            pb = p.bin
+            lst = bins[pb]
+            del lst[bisect_left(lst, prev_size << 64 | p.ptr)]
+            if not lst:
+                self._mask ^= 1 << pb
+            nn = p.next = c.next
+            if nn is not None:
+                nn.prev = p
+            size += prev_size
+            del self._by_ptr[ptr]
+            c.bin = -1
+            c.prev = c.next = c.region = None
+            self._spare.append(c)
             c = p
-        # InsertFreeChunkIntoBin, inline.
-        size = c.size
+        c.size = size
         b = (size >> 8).bit_length() - 1
         if b > 20:
             b = 20
         c.bin = b
-        insort(self._bins[b], size << 64 | c.ptr)
+        insort(bins[b], size << 64 | c.ptr)
         self._mask |= 1 << b
+        journal = self._journal
         if journal is not None:
             start = len(journal)
             journal.extend((_now(), _FREE, ptr, freed, requested, aid, next_size, prev_size))
@@ -1728,7 +1786,10 @@ class BFCAllocator:
         if not self._sinks:
             self._journal_seq = seq0 + counted + _count_events(journal, pos)
             return
-        columns = _expand_numpy(np.array(journal, dtype=np.int64).reshape(-1, _W), seq0,
+        # array('q') converts Python ints about a third faster than np.array (and raises
+        # the same OverflowError beyond int64); numpy then shares its buffer.
+        columns = _expand_numpy(np.frombuffer(_array("q", journal), dtype=np.int64)
+                                .reshape(-1, _W), seq0,
                                 self._next_aid, self._region_ptrs,
                                 [r.end for r in self._regions], self.device_index)
         self._journal_seq = seq0 + len(columns["seq"])
