@@ -88,9 +88,9 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
         p.add_argument("--fraction", type=_fraction_arg, default=None, metavar="F",
                        help="per_process_gpu_memory_fraction (default: TensorFlow's rule, "
                             "free memory minus the system reserve)")
-    p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=True,
-                   help="allow_growth (default: on, as most jobs run; TensorFlow's own "
-                        "default is off: pass --no-growth for it)")
+    p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None,
+                   help="allow_growth (default: what the trace was recorded with, else "
+                        "TensorFlow's default, off)")
     p.add_argument("--device", type=_device_arg, default=16 << 30, metavar="SIZE",
                    help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default 16GiB)")
     p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=False,
@@ -165,9 +165,9 @@ def _parser() -> _Parser:
     _add_format(p)
     _add_settings(p)
     _add_device_choice(p)
-    p.add_argument("--deferred", type=_bytes_arg, default=0, metavar="BYTES",
-                   help="deferred_deletion_bytes (default 0: frees apply at once, as a trace "
-                        "records them; in a TensorFlow session 0 means its 8 MiB default)")
+    p.add_argument("--deferred", type=_bytes_arg, default=None, metavar="BYTES",
+                   help="deferred_deletion_bytes, as TensorFlow reads it (0 = 8 MiB). "
+                        "Default: none, frees apply at once, as the trace records them")
     p.add_argument("--html", type=Path, default=None, metavar="OUT", help="write a report")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
@@ -293,7 +293,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_html:
         _check_out(args.html, args.overwrite)
     config = ConfigProto(allow_soft_placement=True)
-    config.gpu_options.allow_growth = args.growth
+    config.gpu_options.allow_growth = bool(args.growth)  # None: TensorFlow's default, off
     if args.fraction is not None:
         config.gpu_options.per_process_gpu_memory_fraction = args.fraction
     _say(f"gpudash demo: {args.workload} workload on a simulated "
@@ -337,10 +337,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         write_report(trace, args.html, title=f"gpudash demo: {args.workload}",
                      device_bytes=args.device, overwrite=args.overwrite,
-                     replay_options={"allow_growth": args.growth, "fraction": args.fraction,
-                                     "garbage_collection": args.gc})
+                     replay_options={"allow_growth": bool(args.growth),
+                                     "fraction": args.fraction, "garbage_collection": args.gc})
         _say(f"report: {args.html}")
     return 0
+
+
+def _growth(given: bool | None, trace: Any, device: int) -> bool:
+    """``--growth``/``--no-growth``, else the trace's recorded setting, else TensorFlow's
+    default (off)."""
+    if given is not None:
+        return given
+    from .trace.replay import trace_settings
+
+    return bool(trace_settings(trace, device).get("allow_growth", False))
+
+
+def _deferred_bytes(given: int | None) -> int:
+    """``--deferred`` as TensorFlow reads deferred_deletion_bytes (0 = its 8 MiB default);
+    not given: 0, frees at once, as the trace recorded them."""
+    if given is None:
+        return 0
+    from .options import DEFAULT_DEFERRED_DELETION_BYTES
+
+    return given or DEFAULT_DEFERRED_DELETION_BYTES
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -353,10 +373,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
              "(--device-index N or --allocator NAME for one)")
+    deferred = _deferred_bytes(args.deferred)
     for dev in devices:
-        kwargs: dict[str, Any] = {"device_bytes": args.device, "allow_growth": args.growth,
+        kwargs: dict[str, Any] = {"device_bytes": args.device,
+                                  "allow_growth": _growth(args.growth, trace, dev),
                                   "garbage_collection": args.gc,
-                                  "deferred_deletion_bytes": args.deferred, "device": dev}
+                                  "deferred_deletion_bytes": deferred, "device": dev}
         if args.fraction is not None:
             kwargs["fraction"] = args.fraction
         result = replay(trace, progress=True, **kwargs)
@@ -364,7 +386,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
         _say(f"{args.trace}:{label} {result.calls} calls replayed on a "
              f"{format_bytes(result.options['device_bytes'])} device, limit "
-             f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}")
+             f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}, "
+             f"allow_growth={result.options['allow_growth']}"
+             + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
         if result.fits:
             _say("fits: no allocation ran out of memory")
         else:
@@ -379,8 +403,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.html is not None:
         from .report import write_report
 
-        opts = {"allow_growth": args.growth, "fraction": args.fraction,
-                "garbage_collection": args.gc, "deferred_deletion_bytes": args.deferred,
+        opts = {"allow_growth": _growth(args.growth, trace, devices[0]),
+                "fraction": args.fraction,
+                "garbage_collection": args.gc, "deferred_deletion_bytes": deferred,
                 "device": devices[0]}
         if args.fraction is None and source_limit(trace, devices[0]) is not None:
             opts["memory_limit"] = source_limit(trace, devices[0])
@@ -434,7 +459,8 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
     first = None
     for dev in devices:
         label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
-        best = min_fraction(trace, args.device, allow_growth=args.growth,
+        growth = _growth(args.growth, trace, dev)
+        best = min_fraction(trace, args.device, allow_growth=growth,
                             garbage_collection=args.gc, device=dev, progress=True,
                             client=client)
         if best.fraction is None:
@@ -443,9 +469,9 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         else:
             _say(f"{args.trace}:{label} smallest fraction that fits: {best.fraction:.3f} "
                  f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
-                 f"allow_growth={args.growth}, {best.replays} replays")
+                 f"allow_growth={growth}, {best.replays} replays")
             if args.framework is not None:
-                _say_paste_lines(args.framework, best.limit_bytes, args.device, args.growth)
+                _say_paste_lines(args.framework, best.limit_bytes, args.device, growth)
         kwargs: dict = {"device_bytes": args.device, "progress": True,
                         "garbage_collection": args.gc, "device": dev}
         if client is None:
@@ -465,7 +491,8 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         dev, best, table = first
         write_report(trace, args.html, title=f"gpudash what-if: {args.trace.name}",
                      device_bytes=args.device, overwrite=args.overwrite, sweep_table=table,
-                     replay_options={"allow_growth": args.growth, "fraction": best.fraction,
+                     replay_options={"allow_growth": _growth(args.growth, trace, dev),
+                                     "fraction": best.fraction,
                                      "garbage_collection": args.gc, "device": dev})
         _say(f"report: {args.html}" + (f" ({device_label(trace, dev)})"
                                        if len(devices) > 1 else ""))

@@ -81,6 +81,32 @@ def test_replay_reports_fit_and_oom(small_trace, capsys):
     assert "OUT OF MEMORY" in out
 
 
+def test_replay_defaults_are_tensorflows(small_trace, tmp_path, capsys):
+    """No --growth: the trace's recorded setting, else TensorFlow's default (off: the whole
+    limit is one region). --deferred reads as deferred_deletion_bytes does (0 = 8 MiB);
+    without it frees apply at once, as recorded."""
+    code, out, _ = run(capsys, "replay", str(small_trace), "--device", "1GiB",
+                       "--fraction", "0.5")
+    assert code == 0
+    assert "allow_growth=False" in out and "deferred deletion" not in out
+    assert re.search(r"peak pool 512\.00 MiB, 1 region\(s\)", out), out
+    code, out, _ = run(capsys, "replay", str(small_trace), "--device", "1GiB",
+                       "--fraction", "0.5", "--growth", "--deferred", "0")
+    assert code == 0
+    assert "allow_growth=True, deferred deletion 8.00 MiB" in out
+    assert "peak pool 512.00 MiB" not in out
+    # a trace that says it was recorded with growth on replays with growth on
+    trace = load_trace(small_trace)
+    trace.meta["devices"] = [{"index": 0, "options": {"allow_growth": True}}]
+    grown = tmp_path / "grown.gdtrace"
+    write_trace(trace, grown)
+    code, out, _ = run(capsys, "replay", str(grown), "--device", "1GiB", "--fraction", "0.5")
+    assert code == 0 and "allow_growth=True" in out
+    code, out, _ = run(capsys, "whatif", str(grown), "--device", "1GiB", "--no-growth",
+                       "--fractions", "0.5", "--jobs", "1")
+    assert code == 0 and "allow_growth=False" in out
+
+
 def test_replay_imports_a_tensorflow_log(capsys):
     code, out, _ = run(capsys, "replay", str(DATA / "fragment_202.log"), "--fraction", "0.5")
     assert code == 0, out
