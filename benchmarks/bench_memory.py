@@ -11,7 +11,8 @@ memory:
 - ``min_fraction``: load, then ``min_fraction`` (the bisection of replays).
 
 Run: ``python benchmarks/bench_memory.py [--events N]`` (default 1,000,000; 10,000,000 needs
-several GB). Prints one table: seconds, extra peak memory, bytes per event.
+several GB). Prints one table: seconds, extra peak memory, bytes per event, and the
+timed process's maximum resident set (imports and interpreter included).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 STEP = r"""
-import json, sys, time, tracemalloc
+import json, resource, sys, time, tracemalloc
 import gpudash
 from gpudash.trace import load_trace
 from gpudash.trace.replay import replay
@@ -35,14 +36,15 @@ if trace_memory:
 t0 = time.perf_counter()
 t = load_trace(path)
 if step == "replay":
-    replay(t, device_bytes="64GiB")
+    replay(t, device_bytes="64GiB", record=False)
 elif step == "replay+record":
     replay(t, device_bytes="64GiB", record=True)
 elif step == "min_fraction":
     min_fraction(t, "64GiB", tolerance=0.01)
 seconds = time.perf_counter() - t0
 peak = tracemalloc.get_traced_memory()[1] if trace_memory else 0
-print(json.dumps({"seconds": seconds, "peak": peak}))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+print(json.dumps({"seconds": seconds, "peak": peak, "rss": rss}))
 """
 
 
@@ -64,21 +66,21 @@ def main(argv: list[str] | None = None) -> None:
         steps, trace = 1, None
         while True:  # grow the workload until it has enough events
             trace = training_loop(steps=steps, layers=24, hidden=4096, seed=0)
-            if len(trace) >= args.events or steps >= 4096:
+            if len(trace) >= args.events:
                 break
-            steps = max(steps + 1, int(steps * args.events / max(len(trace), 1)))
+            steps = max(steps + 1, int(steps * 1.02 * args.events / max(len(trace), 1)) + 1)
         write_trace(trace, path)
         n = len(trace)
         del trace
         print(f"{n:,} events, {path.stat().st_size / 1e6:,.1f} MB on disk", flush=True)
         rows = []
+        print(f"{'step (after import)':<22}{'seconds':>9}{'peak MB':>10}{'bytes/event':>13}"
+              f"{'max RSS MB':>12}", flush=True)
         for step in ("load", "replay", "replay+record", "min_fraction"):
-            seconds = _run(path, step, False)["seconds"]
+            timed = _run(path, step, False)
             peak = _run(path, step, True)["peak"]  # Python and numpy allocations
-            rows.append((step, seconds, peak))
-        print(f"{'step (after import)':<22}{'seconds':>9}{'peak MB':>10}{'bytes/event':>13}")
-        for step, secs, peak in rows:
-            print(f"{step:<22}{secs:>9.1f}{peak / 1e6:>10,.0f}{peak / n:>13,.0f}")
+            print(f"{step:<22}{timed['seconds']:>9.1f}{peak / 1e6:>10,.0f}{peak / n:>13,.0f}"
+                  f"{timed['rss'] / 1e6:>12,.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from .._errors import ConfigError
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
+from ..events import COLUMN_DTYPES, COLUMNS
 from ..options import GPUOptions, memory_limit as _tf_memory_limit
 from .format import Trace
 
@@ -808,12 +809,7 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     eng = _Engine(settings, ops, keys, nbytes)
     alloc = eng.alloc
     total = len(ops)
-    rec = None
-    if record:
-        from ..recorder import Recorder
-
-        # alloc <= split+alloc+extends, free <= free+2 merges: 3 events per call is generous
-        rec = Recorder(alloc, capacity=max(3 * total + 1024, 4096))
+    rec = _Collected(alloc) if record else None
     sample = [[], [], []] if per_call else None
     parts: list[list[np.ndarray]] = [[], [], []]  # the samples, as int64 arrays per chunk
     run = eng._run_deferred if settings["deferred_deletion_bytes"] > 0 else eng._run_plain
@@ -845,16 +841,7 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         progress(total, total)
     recording = None
     if rec is not None:
-        rec.detach()
-        if rec.dropped:
-            import warnings
-
-            from .._errors import GpudashWarning
-
-            warnings.warn(f"replay: the recording dropped its first {rec.dropped:,} events "
-                          f"(more than {rec.capacity:,}); record=False avoids the cost",
-                          GpudashWarning, stacklevel=3)
-        recording = rec.to_trace({"replay_of": _settings_for_meta(settings)})
+        recording = rec.to_trace(alloc, {"replay_of": _settings_for_meta(settings)})
     ooms = np.array(eng.oom_calls, dtype=np.int64)
     first = (int(ooms[0]), int(nbytes[ooms[0]])) if len(ooms) else None
     pc: dict[str, np.ndarray] = {}
@@ -877,6 +864,31 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         recording=recording, final_snapshot=alloc.snapshot(), calls=done, events=events,
         skipped_frees=eng.skipped_frees, retried=eng.retried, stopped_early=stopped,
         elapsed_s=elapsed, events_per_second=events / elapsed if elapsed > 0 else float("inf"))
+
+
+class _Collected:
+    """A replay's events: the allocator's event batches, kept as they come and joined once
+    at the end, column by column. Memory is the events made (about 60 bytes each), not a
+    ring buffer sized ahead for the most a replay could make."""
+
+    def __init__(self, alloc: BFCAllocator) -> None:
+        self.batches: list[dict[str, np.ndarray]] = []
+        self._remove = alloc._add_sink(lambda columns, extra: self.batches.append(columns))
+
+    def to_trace(self, alloc: BFCAllocator, meta: dict) -> Trace:
+        from .._version import __version__
+        from ..recorder import Recorder
+
+        alloc.flush_events()
+        self._remove()
+        columns = {}
+        for name in COLUMNS:  # each batch's column is dropped as soon as it is copied
+            columns[name] = np.concatenate(
+                [b.pop(name) for b in self.batches] or [np.zeros(0, COLUMN_DTYPES[name])])
+        self.batches = []
+        m = {"gpudash_version": __version__, "source": "gpudash",
+             "devices": [Recorder._device_meta(alloc)], "dropped": 0, **meta}
+        return Trace(columns=columns, meta=m)
 
 
 def _settings_for_meta(settings: dict) -> dict:
