@@ -601,16 +601,18 @@ class Session:
         else:
             dev = self._device_of(ptr) if device is None else self.device(device)
             size = dev.allocator.allocated_size(ptr)  # validates the pointer now
+        d = dev._deferred
+        queued = d.queued
         with self._lock:
-            d = dev._deferred
-            if ptr in d.queued:
+            n = len(queued)
+            queued.add(ptr)
+            if len(queued) == n:
                 raise InvalidPointerError(
                     f"{dev.allocator.name}: free({ptr:#x}): this address is already queued for "
                     "deletion (double free?)")
-            d.queued.add(ptr)
             d.pending.append(ptr)
-            d.pending_bytes += size
-            if d.pending_bytes >= d.threshold:
+            pending = d.pending_bytes = d.pending_bytes + size
+            if pending >= d.threshold:
                 self._flush_pending(dev)
 
     def free_now(self, ptr: int, device: Any = None) -> None:
