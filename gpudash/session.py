@@ -276,7 +276,10 @@ class Session:
         ``TF_ENABLE_GPU_GARBAGE_COLLECTION``, ``GPUDASH_SIMULATE``, ``CUDA_VISIBLE_DEVICES``
         (applied by CUDA itself to real devices).
     poll : bool
-        Start the deferred-deletion polling thread (default True).
+        Start the deferred-deletion polling thread (default True). It returns batches of
+        frees once their CUDA event has completed; a simulated device's batch has nothing to
+        wait for and is returned by the free that completes it. With ``poll=False`` batches
+        wait for :meth:`poll` or :meth:`flush` (deterministic, for tests).
 
     Notes
     -----
