@@ -675,8 +675,7 @@ class BFCAllocator:
     def _take(self, nbytes: int, rounded: int, b: int) -> int:
         """FindChunkPtr (not inlined): best fit from bin ``b`` upwards; 0 if none fits.
 
-        The hot path: SplitChunk, AllocateChunk and InsertFreeChunkIntoBin are inlined
-        (``_split`` is the same steps as a method, for the rest of the class)."""
+        The hot path: SplitChunk (with AllocateChunk and InsertFreeChunkIntoBin) is inlined."""
         if self._capped and self._in_use + rounded > self._limit:
             return 0
         mask = self._mask >> b
@@ -862,31 +861,6 @@ class BFCAllocator:
             self._mask ^= 1 << b
         c.bin = -1
 
-    def _split(self, c: _Chunk, num_bytes: int) -> None:
-        """SplitChunk: keep ``num_bytes`` in ``c``; the rest becomes a free chunk after it."""
-        new = self._new_chunk()
-        new.ptr = ptr = c.ptr + num_bytes
-        new.size = c.size - num_bytes
-        new.aid = -1
-        new.region = c.region
-        self._by_ptr[ptr] = new
-        c.size = num_bytes
-        neighbor = c.next
-        new.prev = c
-        new.next = neighbor
-        c.next = new
-        if neighbor is not None:
-            neighbor.prev = new
-        self._insert_free(new)
-
-    def _merge(self, c1: _Chunk, c2: _Chunk) -> None:
-        """Merge: ``c2`` (``c1``'s next) is absorbed into ``c1`` and deleted."""
-        nxt = c1.next = c2.next
-        if nxt is not None:
-            nxt.prev = c1
-        c1.size += c2.size
-        self._delete_chunk(c2)
-
     # ------------------------------------------------------------------ deallocate
     def deallocate(self, ptr: int) -> None:
         """Free an address returned by :meth:`allocate`; 0 is a no-op.
@@ -915,7 +889,8 @@ class BFCAllocator:
         """Lock held, ``c`` the live chunk at ``ptr``: TensorFlow's FreeAndMaybeCoalesce.
 
         The hot path: RemoveFreeChunkFromBin, Merge, DeleteChunk and InsertFreeChunkIntoBin
-        are inlined (the same steps as ``_remove_free``, ``_merge`` and ``_delete_chunk``)."""
+        are inlined (``_remove_free`` and ``_delete_chunk`` are the same steps as methods,
+        for region release)."""
         freed = size = c.size
         self._in_use -= size
         aid = c.aid
