@@ -239,7 +239,7 @@ def test_paste_fraction_reaches_the_limit_the_framework_way():
 
 def test_whatif_framework_prints_paste_lines(capsys):
     trace = ROOT / "gpudash" / "samples" / "training.gdtrace"
-    assert main(["whatif", str(trace), "--framework", "jax", "--fractions", "0.5",
+    assert main(["whatif", str(trace), "--framework", "jax", "--growth", "--fractions", "0.5",
                  "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     m = re.search(r"smallest fraction that fits: ([0-9.]+) \(", out)
@@ -247,7 +247,7 @@ def test_whatif_framework_prints_paste_lines(capsys):
     lines = re.findall(r"^  (XLA_PYTHON_CLIENT_MEM_FRACTION=([0-9.]+))$", out, re.M)
     assert lines and float(lines[0][1]) >= float(m.group(1))
     assert "%env XLA_PYTHON_CLIENT_MEM_FRACTION=" in out
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in out  # --growth is the default
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in out  # --growth
     assert "JAX must restart to take them" in out
     # the pasted value, read back the way JAX reads it, still fits the trace
     from gpudash.trace import load_trace
