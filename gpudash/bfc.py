@@ -888,9 +888,8 @@ class BFCAllocator:
     def _free_locked(self, ptr: int, c: _Chunk) -> None:
         """Lock held, ``c`` the live chunk at ``ptr``: TensorFlow's FreeAndMaybeCoalesce.
 
-        The hot path: RemoveFreeChunkFromBin, Merge, DeleteChunk and InsertFreeChunkIntoBin
-        are inlined (``_remove_free`` and ``_delete_chunk`` are the same steps as methods,
-        for region release)."""
+        Merge and InsertFreeChunkIntoBin are inlined (the hot path); a merge removes the
+        neighbour from its bin and deletes the absorbed chunk with the shared helpers."""
         freed = size = c.size
         self._in_use -= size
         aid = c.aid
@@ -902,35 +901,21 @@ class BFCAllocator:
         n = c.next
         if n is not None and n.aid < 0:
             next_size = n.size
-            nb = n.bin
-            lst = bins[nb]
-            del lst[bisect_left(lst, next_size << 64 | n.ptr)]
-            if not lst:
-                self._mask ^= 1 << nb
+            self._remove_free(n)
             nn = c.next = n.next
             if nn is not None:
                 nn.prev = c
             size += next_size
-            del self._by_ptr[n.ptr]
-            n.bin = -1
-            n.prev = n.next = n.region = None
-            self._spare.append(n)
+            self._delete_chunk(n)
         p = c.prev
         if p is not None and p.aid < 0:
             prev_size = p.size
-            pb = p.bin
-            lst = bins[pb]
-            del lst[bisect_left(lst, prev_size << 64 | p.ptr)]
-            if not lst:
-                self._mask ^= 1 << pb
+            self._remove_free(p)
             nn = p.next = c.next
             if nn is not None:
                 nn.prev = p
             size += prev_size
-            del self._by_ptr[ptr]
-            c.bin = -1
-            c.prev = c.next = c.region = None
-            self._spare.append(c)
+            self._delete_chunk(c)
             c = p
         c.size = size
         b = (size >> 8).bit_length() - 1

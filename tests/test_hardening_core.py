@@ -104,10 +104,14 @@ def test_concurrent_configures_of_different_fields_lose_nothing():
     assert dev.allocator.allow_growth == dev.options.allow_growth
 
 
+def _queueing_session() -> gpudash.Session:
+    """A session whose frees stay queued until flush(): no poller, a 1 GiB threshold."""
+    return gpudash.Session(simulate="16GiB", poll=False,
+                           config={"allow_growth": True, "deferred_deletion_bytes": GIB})
+
+
 def test_free_then_free_now_is_refused_and_the_flush_loses_nothing():
-    with gpudash.Session(simulate="16GiB", poll=False, config={"allow_growth": True,
-                                                                "deferred_deletion_bytes": GIB}
-                         ) as sess:
+    with _queueing_session() as sess:
         ptrs = [sess.allocate(MIB) for _ in range(4)]
         for p in ptrs:
             sess.free(p)
@@ -121,9 +125,7 @@ def test_free_then_free_now_is_refused_and_the_flush_loses_nothing():
 def test_a_bad_pointer_in_a_deferred_batch_does_not_keep_the_others():
     """A block freed behind the session's back (on the allocator itself) while queued: the
     flush warns about it and still returns the rest of the batch."""
-    with gpudash.Session(simulate="16GiB", poll=False, config={"allow_growth": True,
-                                                                "deferred_deletion_bytes": GIB}
-                         ) as sess:
+    with _queueing_session() as sess:
         ptrs = [sess.allocate(MIB) for _ in range(3)]
         for p in ptrs:
             sess.free(p)
