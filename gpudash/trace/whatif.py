@@ -30,6 +30,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from .._units import format_bytes
+from ..bfc import _check_number
 from .format import Trace
 from .replay import _calls_lists, _progress_fn, _replay_lists, resolve_settings
 
@@ -256,13 +257,9 @@ def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
 
 
 def _real(name: str, value: Any) -> float:
-    """A number argument as a float; a string, bool or None is refused by name."""
-    if isinstance(value, (bool, np.bool_, str, bytes)) or value is None:
-        raise ConfigError(f"{name} must be a number; got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{name} must be a number; got {value!r}") from None
+    """A number argument as a float; a string, bool or None is refused by name (a
+    ConfigError)."""
+    return _check_number(name, value, "a number")
 
 
 def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
