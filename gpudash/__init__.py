@@ -26,6 +26,8 @@ from ._version import __version__
 # name -> module that defines it (imported on first attribute access)
 _LAZY = {
     "BFCAllocator": "gpudash.bfc",
+    "CachingAllocator": "gpudash.caching",
+    "CachingAllocatorConfig": "gpudash.caching",
     "AllocatorStats": "gpudash.bfc",
     "MemoryDump": "gpudash.bfc",
     "MemChunk": "gpudash.bfc",

@@ -12,8 +12,9 @@ EXPECTED = {
     # errors and warnings
     "GpudashError", "OutOfMemoryError", "InvalidPointerError", "ConfigError",
     "BackendUnavailableError", "TraceFormatError", "GpudashWarning",
-    # allocator
+    # allocators: TensorFlow's and JAX's BFC, PyTorch's caching allocator
     "BFCAllocator", "AllocatorStats", "MemoryDump", "MemChunk", "BinSummary", "RegionInfo",
+    "CachingAllocator", "CachingAllocatorConfig",
     "Event", "EventKind", "Recorder",
     # backends
     "SimulatedDevice", "HostMemory", "CudaMemory",

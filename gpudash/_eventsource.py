@@ -1,0 +1,407 @@
+"""The event machinery both allocator models share: journal, subscribers and batch sinks.
+
+An allocator keeps ``_journal``: None while nobody listens (its hot paths then skip all event
+work), else a flat list of op records of 8 ints each::
+
+    (time_ns, code, ptr, size, requested, a, b, c)
+
+    alloc:   a = bytes split off into a new free block after it (0: no split)
+    free:    a = allocation id, b = bytes of the next block merged, c = bytes of the
+             previous block merged into
+    extend:  requested = the rounded request that asked for the region/segment
+    release, oom, limit, split, merge: as gpudash.events' table (one event each)
+
+One record per operation keeps recording cheap; :meth:`EventSource._after_op` expands an
+op's records into :class:`~gpudash.events.Event` objects for per-event callbacks, and
+:meth:`EventSource._flush_locked` expands whole batches in numpy for sinks (the Recorder, the
+live views). Subclasses provide the lock, the journal fields (``_init_events``), the
+allocation-id counter ``_next_aid``, and two lookups: ``_region_table()`` (sorted region
+starts and ends now) and ``_region_at(ptr)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from array import array as _array
+from typing import Any, Callable
+
+import numpy as np
+
+from ._errors import GpudashWarning
+from .events import COLUMN_DTYPES, Event, EventKind
+
+__all__ = ["EventSource", "count_events", "expand_records", "W", "JOURNAL_FLUSH"]
+
+W = 8  # ints per journal record
+JOURNAL_FLUSH = 8192 * W  # journal ints buffered before batch sinks receive them
+
+_ALLOC = int(EventKind.ALLOC)
+_FREE = int(EventKind.FREE)
+_SPLIT = int(EventKind.SPLIT)
+_MERGE = int(EventKind.MERGE)
+_EXTEND = int(EventKind.EXTEND)
+_RELEASE = int(EventKind.RELEASE)
+_OOM = int(EventKind.OOM)
+_LIMIT = int(EventKind.LIMIT)
+
+now_ns = time.time_ns
+
+
+def bin_num_for_size(nbytes: int) -> int:
+    """TensorFlow's ``BinNumForSize`` (the ``bin`` column of every event table)."""
+    b = (max(nbytes, 256) >> 8).bit_length() - 1
+    return b if b < 20 else 20
+
+
+def count_events(journal: list[int], start: int, end: int | None = None) -> int:
+    """Events in the journal records between ``start`` and ``end`` (an alloc may carry a
+    split, a free up to two merges)."""
+    n = 0
+    for i in range(start, len(journal) if end is None else end, W):
+        code = journal[i + 1]
+        if code == _ALLOC:
+            n += 2 if journal[i + 5] else 1
+        elif code == _FREE:
+            n += 1 + (journal[i + 6] > 0) + (journal[i + 7] > 0)
+        else:
+            n += 1
+    return n
+
+
+def _bins_of(sizes: np.ndarray) -> np.ndarray:
+    """BinNumForSize over an array (exact for sizes below 2**53)."""
+    v = np.maximum(sizes, 256) >> 8
+    return np.minimum(np.frexp(v.astype(np.float64))[1] - 1, 20)
+
+
+def expand_records(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: Any,
+                   region_ends: Any, device: int) -> dict[str, np.ndarray]:
+    """Journal records (one row per op) -> event columns (one row per event), vectorised.
+
+    Allocation ids of alloc events are consecutive, so they follow from ``next_aid``;
+    regions follow from the region table now, corrected for regions released within the
+    batch (processed newest first, so an address range reused by a later region resolves
+    to the region that was live at each event).
+    """
+    t, code, ptr, size, req, a, b, c = (rec[:, i] for i in range(W))
+    n_rec = len(code)
+    is_alloc = code == _ALLOC
+    is_free = code == _FREE
+    split = is_alloc & (a > 0)
+    m_next = is_free & (b > 0)
+    m_prev = is_free & (c > 0)
+    counts = 1 + split + m_next + m_prev
+    total = int(counts.sum())
+    rid = np.repeat(np.arange(n_rec), counts)
+    pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    # region of each record
+    rptr = np.zeros(n_rec, dtype=np.int64)
+    chunky = is_alloc | is_free
+    if len(region_ptrs):
+        rp = np.asarray(region_ptrs, dtype=np.int64)
+        re = np.asarray(region_ends, dtype=np.int64)
+        idx = np.searchsorted(rp, ptr, side="right") - 1
+        ok = chunky & (idx >= 0)
+        ok[ok] &= ptr[ok] < re[idx[ok]]
+        rptr[ok] = rp[idx[ok]]
+    rel = np.flatnonzero(code == _RELEASE)
+    for j in rel[::-1]:
+        inside = chunky[:j] & (ptr[:j] >= ptr[j]) & (ptr[:j] < ptr[j] + size[j])
+        rptr[:j][inside] = ptr[j]
+    ext = (code == _EXTEND) | (code == _RELEASE)
+    rptr[ext] = ptr[ext]
+
+    aid = np.full(n_rec, -1, dtype=np.int64)
+    n_alloc = int(is_alloc.sum())
+    aid[is_alloc] = np.arange(next_aid - n_alloc, next_aid, dtype=np.int64)
+    aid[is_free] = a[is_free]
+
+    e_code = code[rid].copy()
+    e_ptr = ptr[rid].copy()
+    e_size = size[rid].copy()
+    e_req = req[rid].copy()
+    e_aid = aid[rid].copy()
+    e_b, e_c, e_a = b[rid], c[rid], a[rid]
+    rsize = size[rid]
+
+    ev_split = split[rid] & (pos == 0)
+    e_code[ev_split] = _SPLIT
+    e_ptr[ev_split] += rsize[ev_split]
+    e_size[ev_split] = e_a[ev_split]
+    e_req[ev_split] = rsize[ev_split]
+    e_aid[ev_split] = -1
+
+    ev_next = m_next[rid] & (pos == 1)
+    ev_prev = m_prev[rid] & (pos == 1 + (e_b > 0))
+    e_code[ev_next | ev_prev] = _MERGE
+    e_aid[ev_next | ev_prev] = -1
+    e_size[ev_next] = rsize[ev_next] + e_b[ev_next]
+    e_req[ev_next] = e_b[ev_next]
+    e_ptr[ev_prev] -= e_c[ev_prev]
+    e_size[ev_prev] = e_c[ev_prev] + rsize[ev_prev] + e_b[ev_prev]
+    e_req[ev_prev] = rsize[ev_prev] + e_b[ev_prev]
+
+    binned = (e_code == _ALLOC) | (e_code == _FREE) | (e_code == _SPLIT) | (e_code == _OOM)
+    e_bin = np.where(binned, _bins_of(e_size), -1)
+    return {
+        "seq": np.arange(seq0, seq0 + total, dtype=np.int64),
+        "time_ns": t[rid],
+        "kind": e_code.astype(COLUMN_DTYPES["kind"]),
+        "ptr": e_ptr,
+        "size": e_size,
+        "requested": e_req,
+        "bin": e_bin.astype(COLUMN_DTYPES["bin"]),
+        "region": rptr[rid],
+        "alloc_id": e_aid,
+        "device": np.full(total, device, dtype=COLUMN_DTYPES["device"]),
+    }
+
+
+class EventSource:
+    """Mixin: ``subscribe``, batch sinks, ``flush_events``, ``seq`` over ``_journal``."""
+
+    _lock: Any
+    _name: str
+    _next_aid: int
+    device_index: int
+
+    def _init_events(self) -> None:
+        self._journal: list[int] | None = None
+        self._journal_seq = 0  # seq of the first event of _journal
+        self._journal_extra: dict[int, tuple] = {}  # seq -> (setting, old, new)
+        self._counted = (0, 0)  # (journal position, events in the records before it)
+        self._flush_at = JOURNAL_FLUSH  # journal length at which _after_op must run
+        self._callbacks: list[Callable[[Event], Any]] = []
+        self._sinks: list[Callable[[dict, dict], Any]] = []
+        self._raw_sinks: list[Callable[[list, dict], Any]] = []
+        self._dispatch_lock = threading.RLock()
+        self.device_index = 0
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _region_table(self) -> tuple[list[int], list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _region_at(self, ptr: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- subscribing -------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
+        """Call ``callback(event)`` after every change of state; returns ``unsubscribe``.
+
+        Callbacks run in the thread that made the change, after the change, in ``seq``
+        order. A callback that raises is reported with a :class:`GpudashWarning` and never
+        breaks the allocator or the other subscribers.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable; got {callback!r}")
+        with self._lock:
+            if self._journal:
+                self._flush_locked()
+            self._callbacks.append(callback)
+            self._update_journal()
+
+        def unsubscribe() -> None:
+            with self._lock:
+                try:
+                    self._callbacks.remove(callback)
+                except ValueError:
+                    return
+                self._update_journal()
+
+        return unsubscribe
+
+    def _add_sink(self, sink: Callable[[Any, dict], Any], *, raw: bool = False
+                  ) -> Callable[[], None]:
+        """Deliver events in batches, every few thousand events and on :meth:`flush_events`.
+
+        ``sink(columns, extra)``: numpy arrays keyed like :data:`gpudash.events.COLUMNS`
+        (one row per event) and ``extra`` = {seq: (setting, old, new)}. With ``raw=True``,
+        ``sink(records, extra)`` gets the journal itself instead: a flat list of ints, 8 per
+        operation, read-only, with no conversion at all -- for listeners that only count
+        (the live views).
+        """
+        with self._lock:
+            if self._journal:
+                self._flush_locked()  # earlier events go to earlier listeners only
+            (self._raw_sinks if raw else self._sinks).append(sink)
+            self._update_journal()
+
+        def remove() -> None:
+            self.flush_events()
+            with self._lock:
+                try:
+                    (self._raw_sinks if raw else self._sinks).remove(sink)
+                except ValueError:
+                    return
+                self._update_journal()
+
+        return remove
+
+    def _update_journal(self) -> None:
+        if self._journal:
+            self._flush_locked()
+        listening = bool(self._callbacks or self._sinks or self._raw_sinks)
+        if listening and self._journal is None:
+            self._journal = []
+            self._counted = (0, 0)
+        elif not listening and self._journal is not None:
+            self._journal = None
+            self._journal_extra.clear()
+        # With per-event callbacks every op must dispatch; otherwise only a full journal
+        # needs attention.
+        self._flush_at = 0 if self._callbacks else JOURNAL_FLUSH
+
+    def _seq_now(self) -> int:
+        """Lock held: the seq the next event will get."""
+        journal = self._journal
+        if journal is None:
+            return self._journal_seq
+        pos, n = self._counted
+        if pos < len(journal):
+            n += count_events(journal, pos)
+            self._counted = (len(journal), n)
+        return self._journal_seq + n
+
+    @property
+    def seq(self) -> int:
+        """The seq the next event will get (events are counted while anyone listens)."""
+        with self._lock:
+            return self._seq_now()
+
+    def _log_setting(self, setting: str, old: Any, new: Any, new_int: int, old_int: int) -> None:
+        journal = self._journal
+        if journal is None:
+            return
+        self._journal_extra[self._seq_now()] = (setting, old, new)
+        journal.extend((now_ns(), _LIMIT, 0, new_int, old_int, 0, 0, 0))
+
+    def note_setting(self, setting: str, old: Any, new: Any) -> None:
+        """Record a ``limit`` event for a setting changed above the allocator (a session's
+        fraction, a PyTorch setting), so that views can mark it."""
+        with self._lock:
+            journal = self._journal
+            if journal is None:
+                return
+            start = len(journal)
+            as_int = [v if type(v) is int else 0 for v in (new, old)]
+            self._log_setting(setting, old, new, as_int[0], as_int[1])
+            self._after_op(start)
+
+    # -- expansion ------------------------------------------------------------------------------
+    def _expand_python(self, records: list[int], seq: int) -> list[Event]:
+        """Lock held, right after the op: a few journal records as Event objects."""
+        out: list[Event] = []
+        extra = self._journal_extra
+        dev = self.device_index
+        name = self._name
+        released = [(records[i + 2], records[i + 3]) for i in range(0, len(records), W)
+                    if records[i + 1] == _RELEASE]
+        aid_next = self._next_aid - sum(1 for i in range(0, len(records), W)
+                                        if records[i + 1] == _ALLOC)
+        for i in range(0, len(records), W):
+            t, code, ptr, size, req, a, b, c = records[i:i + W]
+            rptr = self._region_at(ptr) if code in (_ALLOC, _FREE) else 0
+            if not rptr and code == _FREE:
+                rptr = next((rp for rp, rs in released if rp <= ptr < rp + rs), 0)
+            if code == _ALLOC:
+                if a:
+                    out.append(Event(seq, t, _SPLIT, ptr + size, a, size, bin_num_for_size(a),
+                                     rptr, -1, dev, name))
+                    seq += 1
+                out.append(Event(seq, t, _ALLOC, ptr, size, req, bin_num_for_size(size), rptr,
+                                 aid_next, dev, name))
+                aid_next += 1
+                seq += 1
+            elif code == _FREE:
+                out.append(Event(seq, t, _FREE, ptr, size, req, bin_num_for_size(size), rptr,
+                                 a, dev, name))
+                seq += 1
+                if b:
+                    out.append(Event(seq, t, _MERGE, ptr, size + b, b, -1, rptr, -1, dev, name))
+                    seq += 1
+                if c:
+                    out.append(Event(seq, t, _MERGE, ptr - c, c + size + b, size + b, -1, rptr,
+                                     -1, dev, name))
+                    seq += 1
+            else:
+                b_ = bin_num_for_size(size) if code in (_OOM, _SPLIT) else -1
+                rptr = ptr if code in (_EXTEND, _RELEASE) else 0
+                ev = Event(seq, t, code, ptr, size, req, b_, rptr, -1, dev, name)
+                if code == _LIMIT and seq in extra:
+                    ev.setting, ev.old, ev.new = extra[seq]
+                out.append(ev)
+                seq += 1
+        return out
+
+    def _after_op(self, start: int) -> None:
+        """Lock held: hand the op's events to callbacks, and full batches to sinks."""
+        journal = self._journal
+        if self._callbacks and len(journal) > start:
+            pos, n = self._counted
+            if pos < start:
+                n += count_events(journal, pos, start)
+            seq = self._journal_seq + n
+            events = self._expand_python(journal[start:], seq)
+            self._counted = (len(journal), n + count_events(journal, start))
+            callbacks = list(self._callbacks)
+            # Hand over to the dispatch lock before the state lock is released, so events
+            # reach callbacks in seq order even when threads race.
+            self._dispatch_lock.acquire()
+            self._lock.release()
+            try:
+                for ev in events:
+                    for cb in callbacks:
+                        try:
+                            cb(ev)
+                        except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                            warnings.warn(
+                                f"gpudash: event subscriber {cb!r} raised {exc!r} on {ev!r}; "
+                                "the allocator goes on", GpudashWarning, stacklevel=3)
+            finally:
+                self._dispatch_lock.release()
+                self._lock.acquire()
+            journal = self._journal
+            if journal is None:
+                return
+        if len(journal) >= JOURNAL_FLUSH:
+            self._flush_locked()
+
+    def flush_events(self) -> None:
+        """Hand buffered events to batch sinks (the Recorder, live views) now."""
+        with self._lock:
+            if self._journal is not None:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        journal = self._journal
+        if not journal:
+            return
+        seq0 = self._journal_seq
+        extra = self._journal_extra
+        pos, counted = self._counted
+        self._journal = []
+        self._journal_extra = {}
+        self._counted = (0, 0)
+        for sink in list(self._raw_sinks):
+            try:
+                sink(journal, extra)
+            except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
+                              GpudashWarning, stacklevel=3)
+        if not self._sinks:
+            self._journal_seq = seq0 + counted + count_events(journal, pos)
+            return
+        ptrs, ends = self._region_table()
+        columns = expand_records(np.frombuffer(_array("q", journal), dtype=np.int64)
+                                 .reshape(-1, W), seq0, self._next_aid, ptrs, ends,
+                                 self.device_index)
+        self._journal_seq = seq0 + len(columns["seq"])
+        for sink in list(self._sinks):
+            try:
+                sink(columns, extra)
+            except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
+                              GpudashWarning, stacklevel=3)

@@ -1,0 +1,574 @@
+"""PyTorch's caching-allocator settings: ``PYTORCH_CUDA_ALLOC_CONF``, parsed as PyTorch does.
+
+:class:`CachingAllocatorConfig` holds the settings that change the allocator's decisions
+(``max_split_size_mb``, ``max_non_split_rounding_mb``, ``garbage_collection_threshold``,
+``roundup_power2_divisions``, ``expandable_segments``) and accepts the ones that do not
+(``release_lock_on_cudamalloc``, the ``pinned_*`` keys, ``graph_capture_record_stream_reuse``,
+``backend:native``). It is read from a settings string with PyTorch's lexer (``,``, ``:``,
+``[`` and ``]`` separate tokens; spaces are dropped) and refuses what PyTorch's parser refuses,
+with a :class:`~gpudash.ConfigError` that names the key, the value and what is accepted.
+
+The rules depend on the PyTorch version (``version=(2, 11)`` by default):
+
+========================================  ==========================================
+rule                                      versions
+========================================  ==========================================
+``max_split_size_mb`` must be > 20        up to 2.7 (2.8 on: >= 20)
+``max_non_split_rounding_mb``             2.6 on (must be > 20; 2.8 on: >= 20)
+``roundup_power2_divisions:N``            1.12 on
+``roundup_power2_divisions:[K:v,...]``    2.0 on; ``>`` fills from the last key's interval
+                                          up to 2.7 (overwriting it), from the next one on
+``garbage_collection_threshold``          1.12 on
+``expandable_segments``                   2.1 on
+``divisions == 1`` leaves sizes unrounded 1.12 to 2.3 (later: plain 512-byte rounding)
+========================================  ==========================================
+
+A snapshot's ``allocator_settings`` (PyTorch 2.4 on) holds the parsed values;
+:meth:`CachingAllocatorConfig.from_snapshot_settings` reads them, so a replay needs no
+string at all.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["CachingAllocatorConfig", "parse_torch_version", "DEFAULT_TORCH_VERSION"]
+
+#: The PyTorch version whose rules apply when none is given.
+DEFAULT_TORCH_VERSION = (2, 11)
+
+K_LARGE_BUFFER = 20 << 20
+_MIB = 1 << 20
+_INTERVALS = 16
+#: The snapshot's keys for the 16 roundup intervals: interval start in MiB.
+_INTERVAL_KEYS = tuple(str(1 << i) for i in range(_INTERVALS))
+
+# Keys PyTorch accepts without an effect on the allocator's decisions, from the version that
+# added them (best knowledge: PyTorch's release notes and parser history).
+_INERT_KEYS: dict[str, tuple[int, int]] = {
+    "release_lock_on_cudamalloc": (2, 2),
+    "release_lock_on_hipmalloc": (2, 2),
+    "pinned_use_cuda_host_register": (2, 1),
+    "pinned_use_hip_host_register": (2, 1),
+    "pinned_num_register_threads": (2, 1),
+    "pinned_use_background_threads": (2, 8),
+    "pinned_reserve_segment_size_mb": (2, 9),
+    "graph_capture_record_stream_reuse": (2, 9),
+}
+_BOOL_INERT = {"release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+               "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+               "pinned_use_background_threads", "graph_capture_record_stream_reuse"}
+_KEYS_SINCE: dict[str, tuple[int, int]] = {
+    "max_split_size_mb": (1, 10),
+    "roundup_power2_divisions": (1, 12),
+    "garbage_collection_threshold": (1, 12),
+    "backend": (2, 0),
+    "expandable_segments": (2, 1),
+    "max_non_split_rounding_mb": (2, 6),
+    **_INERT_KEYS,
+}
+
+
+def parse_torch_version(version: Any) -> tuple[int, int]:
+    """``"2.4.1+cu121"``, ``(2, 4)`` or ``2.4`` -> ``(2, 4)``; None -> the default.
+
+    Raises
+    ------
+    ConfigError
+        Anything else, or a version before 1.0.
+    """
+    if version is None:
+        return DEFAULT_TORCH_VERSION
+    if isinstance(version, tuple) and len(version) >= 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in version[:2]):
+        out = (version[0], version[1])
+    elif isinstance(version, (str, float)) and not isinstance(version, bool):
+        m = re.match(r"^\s*(\d+)\.(\d+)", str(version))
+        if not m:
+            raise ConfigError(f"torch version must look like '2.4' or (2, 4); got {version!r}")
+        out = (int(m.group(1)), int(m.group(2)))
+    else:
+        raise ConfigError(f"torch version must look like '2.4' or (2, 4); got {version!r}")
+    if out < (1, 0):
+        raise ConfigError(f"torch version must be 1.0 or newer; got {version!r}")
+    return out
+
+
+def _lex(conf: str) -> list[str]:
+    """PyTorch's ``lexArgs``: separators are tokens of their own, spaces are dropped."""
+    out: list[str] = []
+    buf: list[str] = []
+    for ch in conf:
+        if ch in ",:[]":
+            if buf:
+                out.append("".join(buf))
+                buf = []
+            out.append(ch)
+        elif ch != " ":
+            buf.append(ch)
+    if buf:
+        out.append("".join(buf))
+    return out
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class _Tokens:
+    """The token stream of one settings string, with PyTorch's error for a missing token."""
+
+    def __init__(self, conf: str) -> None:
+        self.conf = conf
+        self.toks = _lex(conf)
+        self.i = 0
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"PYTORCH_CUDA_ALLOC_CONF={self.conf!r}: {message}")
+
+    def expect(self, ch: str, after: str) -> None:
+        if self.i >= len(self.toks) or self.toks[self.i] != ch:
+            found = self.toks[self.i] if self.i < len(self.toks) else "the end"
+            raise self.error(f"expected {ch!r} after {after!r}, found {found!r} (PyTorch: "
+                             f"\"Error parsing CachingAllocator settings, expected {ch}\")")
+        self.i += 1
+
+    def value(self, key: str) -> str:
+        self.expect(":", key)
+        if self.i >= len(self.toks) or self.toks[self.i] in ",:[]":
+            raise self.error(f"{key} needs a value (PyTorch: \"Error, expecting {key} value\")")
+        v = self.toks[self.i]
+        self.i += 1
+        return v
+
+
+def _int_value(tok: _Tokens, key: str, text: str, what: str) -> int:
+    if not re.fullmatch(r"\d+", text):
+        raise tok.error(f"{key} takes {what}; got {text!r}")
+    return int(text)
+
+
+class CachingAllocatorConfig:
+    """The settings of PyTorch's CUDA caching allocator (``PYTORCH_CUDA_ALLOC_CONF``).
+
+    Parameters
+    ----------
+    conf : str, optional
+        A settings string, as in ``PYTORCH_CUDA_ALLOC_CONF`` (``"expandable_segments:True"``,
+        ``"max_split_size_mb:128,garbage_collection_threshold:0.6"``,
+        ``"roundup_power2_divisions:[256:1,512:2,>:8]"``).
+    version : str or tuple, optional
+        The PyTorch version whose parsing rules and decisions apply (default 2.11).
+    **parts
+        Settings by name, applied after ``conf``: ``max_split_size_mb`` (int MiB or None),
+        ``max_non_split_rounding_mb`` (int MiB), ``garbage_collection_threshold`` (float in
+        (0, 1), or 0 for off), ``expandable_segments`` (bool), ``roundup_power2_divisions``
+        (an int, a settings string such as ``"[256:1,>:4]"``, a dict of the snapshot's
+        ``{"1": d0, ..., "32768": d15}`` or a sequence of 16 ints).
+
+    Attributes
+    ----------
+    max_split_size : int or None
+        Bytes; None when unset (PyTorch's SIZE_MAX: no block is "oversize").
+    max_non_split_rounding_size : int
+        Bytes an oversize block may exceed a request by and still serve it (20 MiB).
+    garbage_collection_threshold : float
+        0.0 when off.
+    expandable_segments : bool
+    roundup_power2_divisions : tuple of 16 int
+        Divisions per interval ``[2**(20+i), 2**(21+i))`` bytes (index 0 also below 1 MiB,
+        index 15 also above); 0 = no power-of-two rounding.
+    inert : dict
+        Accepted keys that do not change decisions, with their values.
+    version : tuple of int
+
+    Raises
+    ------
+    ConfigError
+        A key PyTorch does not know (in that version), a value it refuses, or a malformed
+        string; the message names the key and what is accepted.
+
+    Examples
+    --------
+    >>> c = CachingAllocatorConfig("max_split_size_mb:128,expandable_segments:True")
+    >>> c.max_split_size, c.expandable_segments
+    (134217728, True)
+    >>> CachingAllocatorConfig("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
+    ...                        ).roundup_power2_divisions[8:12]
+    (1, 2, 4, 8)
+    """
+
+    __slots__ = ("max_split_size", "max_non_split_rounding_size",
+                 "garbage_collection_threshold", "expandable_segments",
+                 "roundup_power2_divisions", "inert", "version")
+
+    def __init__(self, conf: str | None = None, *, version: Any = None, **parts: Any) -> None:
+        self.version = parse_torch_version(version)
+        self.max_split_size: int | None = None
+        self.max_non_split_rounding_size = K_LARGE_BUFFER
+        self.garbage_collection_threshold = 0.0
+        self.expandable_segments = False
+        self.roundup_power2_divisions: tuple[int, ...] = (0,) * _INTERVALS
+        self.inert: dict[str, Any] = {}
+        if conf is not None:
+            self.apply(conf)
+        if parts:
+            self.update(**parts)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *,
+                 version: Any = None) -> CachingAllocatorConfig:
+        """The settings of ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``, PyTorch
+        2.9's name, which wins when both are set) in ``environ`` (default ``os.environ``)."""
+        import os
+
+        env = os.environ if environ is None else environ
+        conf = env.get("PYTORCH_ALLOC_CONF")
+        if conf is None:
+            conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+        return cls(conf, version=version)
+
+    @classmethod
+    def from_snapshot_settings(cls, settings: Mapping[str, Any] | None, *,
+                               version: Any = None) -> CachingAllocatorConfig:
+        """The settings a snapshot's ``allocator_settings`` holds (PyTorch 2.4 on), already
+        parsed by PyTorch: ``max_split_size`` (-1 = unset), ``garbage_collection_threshold``,
+        ``expandable_segments``, ``roundup_power2_divisions`` (dict by interval start in
+        MiB). Missing or odd values keep the defaults; the settings string is not re-read."""
+        out = cls(version=version)
+        if not isinstance(settings, Mapping):
+            return out
+        mss = settings.get("max_split_size")
+        if isinstance(mss, int) and not isinstance(mss, bool) and 0 < mss < (1 << 62):
+            out.max_split_size = mss
+        gc = settings.get("garbage_collection_threshold")
+        if isinstance(gc, (int, float)) and not isinstance(gc, bool) and 0 < gc < 1:
+            out.garbage_collection_threshold = float(gc)
+        if isinstance(settings.get("expandable_segments"), bool):
+            out.expandable_segments = settings["expandable_segments"]
+        rd = settings.get("roundup_power2_divisions")
+        if isinstance(rd, Mapping):
+            vec = [0] * _INTERVALS
+            for i, key in enumerate(_INTERVAL_KEYS):
+                v = rd.get(key)
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    vec[i] = v
+            out.roundup_power2_divisions = tuple(vec)
+        mnsr = settings.get("max_non_split_rounding_size")
+        if isinstance(mnsr, int) and not isinstance(mnsr, bool) and mnsr > 0:
+            out.max_non_split_rounding_size = mnsr
+        return out
+
+    def copy(self) -> CachingAllocatorConfig:
+        new = object.__new__(CachingAllocatorConfig)
+        for name in self.__slots__:
+            setattr(new, name, getattr(self, name))
+        new.inert = dict(self.inert)
+        return new
+
+    # ------------------------------------------------------------------ parsing
+    def apply(self, conf: str) -> None:
+        """Parse a settings string onto these settings, as PyTorch's ``parseArgs`` does:
+        ``max_split_size_mb``, ``roundup_power2_divisions`` and
+        ``garbage_collection_threshold`` return to their defaults unless the string sets
+        them (``torch.cuda.memory._set_allocator_settings`` behaves the same way); the other
+        keys keep their values. Nothing changes when the string is refused."""
+        if not isinstance(conf, str):
+            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF must be a string; got {conf!r}")
+        work = self.copy()
+        work.max_split_size = None
+        work.roundup_power2_divisions = (0,) * _INTERVALS
+        work.garbage_collection_threshold = 0.0
+        tok = _Tokens(conf)
+        toks = tok.toks
+        while tok.i < len(toks):
+            key = toks[tok.i]
+            tok.i += 1
+            work._parse_key(tok, key)
+            if tok.i < len(toks):
+                tok.expect(",", key)
+        for name in self.__slots__:
+            setattr(self, name, getattr(work, name))
+
+    def _known(self, key: str) -> bool:
+        since = _KEYS_SINCE.get(key)
+        return since is not None and self.version >= since
+
+    def _parse_key(self, tok: _Tokens, key: str) -> None:
+        v = self.version
+        if not self._known(key):
+            since = _KEYS_SINCE.get(key)
+            known = sorted(k for k in _KEYS_SINCE if self._known(k))
+            if since is not None:
+                raise tok.error(f"{key!r} is not a setting of PyTorch {v[0]}.{v[1]} (it "
+                                f"came in {since[0]}.{since[1]}); PyTorch "
+                                f"{v[0]}.{v[1]} accepts {', '.join(known)}")
+            raise tok.error(f"unrecognized key {key!r} (PyTorch: \"Unrecognized key '{key}' "
+                            f"in CUDA allocator config.\"); accepted: {', '.join(known)}")
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            n = _int_value(tok, key, tok.value(key), "an integer number of MiB")
+            low_ok = n >= 20 if v >= (2, 8) else n > 20
+            if not low_ok:
+                bound = ">= 20" if v >= (2, 8) else "> 20"
+                raise tok.error(f"{key}:{n} is too small (PyTorch: \"CachingAllocator option "
+                                f"{key} too small, must be {bound}\")")
+            nbytes = min(n, ((1 << 64) - 1) // _MIB) * _MIB
+            if key == "max_split_size_mb":
+                self.max_split_size = nbytes
+            else:
+                self.max_non_split_rounding_size = nbytes
+        elif key == "garbage_collection_threshold":
+            text = tok.value(key)
+            try:
+                x = float(text)
+            except ValueError:
+                raise tok.error(f"{key} takes a number in (0.0, 1.0); got {text!r}") from None
+            if not (0.0 < x < 1.0):
+                raise tok.error(f"{key}:{text} is outside (0.0, 1.0) (PyTorch: "
+                                "\"garbage_collect_threshold is invalid, set it in (0.0, "
+                                "1.0)\")")
+            self.garbage_collection_threshold = x
+        elif key == "roundup_power2_divisions":
+            self._parse_roundup(tok)
+        elif key == "expandable_segments":
+            text = tok.value(key)
+            if text not in ("True", "False"):
+                raise tok.error(f"expandable_segments takes True or False; got {text!r} "
+                                "(PyTorch: \"Expected a single True/False argument for "
+                                "expandable_segments\")")
+            self.expandable_segments = text == "True"
+        elif key == "backend":
+            text = tok.value(key)
+            if text == "native":
+                self.inert[key] = text
+            elif text == "cudaMallocAsync":
+                raise tok.error("backend:cudaMallocAsync is CUDA's own stream-ordered pool, "
+                                "not the caching allocator gpudash models; use backend:native "
+                                "(the default)")
+            else:
+                raise tok.error(f"backend takes native or cudaMallocAsync; got {text!r} "
+                                "(PyTorch: \"Unknown allocator backend, options are native "
+                                "and cudaMallocAsync\")")
+        elif key in _BOOL_INERT:
+            text = tok.value(key)
+            if text not in ("True", "False"):
+                raise tok.error(f"{key} takes True or False; got {text!r}")
+            self.inert[key] = text == "True"
+        else:  # pinned_num_register_threads, pinned_reserve_segment_size_mb
+            n = _int_value(tok, key, tok.value(key), "a positive integer")
+            if key == "pinned_num_register_threads" and not (_is_pow2(n) and n <= 128):
+                raise tok.error(f"{key} must be a power of 2 up to 128; got {n}")
+            if n <= 0:
+                raise tok.error(f"{key} must be > 0; got {n}")
+            self.inert[key] = n
+
+    def _parse_roundup(self, tok: _Tokens) -> None:
+        key = "roundup_power2_divisions"
+        tok.expect(":", key)
+        toks = tok.toks
+        if tok.i >= len(toks):
+            raise tok.error(f"{key} needs a value (PyTorch: \"Error, expecting {key} value\")")
+        if toks[tok.i] != "[":
+            text = toks[tok.i]
+            tok.i += 1
+            n = _int_value(tok, key, text, "a power of 2 or a list such as [256:1,>:4]")
+            if not _is_pow2(n):
+                raise tok.error(f"{key}:{n}: the divisions must be a power of 2 (PyTorch: "
+                                "\"For roundups, the divisons has to be power of 2\")")
+            self.roundup_power2_divisions = (n,) * _INTERVALS
+            return
+        if self.version < (2, 0):
+            raise tok.error(f"{key} takes a single power of 2 in PyTorch "
+                            f"{self.version[0]}.{self.version[1]} (the list form came in 2.0)")
+        tok.i += 1  # "["
+        vec = list(self.roundup_power2_divisions)
+        first = True
+        last_index = 0
+        while tok.i < len(toks) and toks[tok.i] != "]":
+            k = toks[tok.i]
+            tok.i += 1
+            tok.expect(":", k)
+            if tok.i >= len(toks) or toks[tok.i] in ",:[]":
+                raise tok.error(f"{key}: the interval {k!r} needs a value")
+            val = _int_value(tok, key, toks[tok.i], "power-of-2 divisions (or 0)")
+            tok.i += 1
+            if not (val == 0 or _is_pow2(val)):
+                raise tok.error(f"{key}: divisions must be a power of 2 or 0; got {val} "
+                                "(PyTorch: \"For roundups, the divisons has to be power of 2 "
+                                "or 0 to disable roundup\")")
+            if k == ">":
+                start = last_index + 1 if self.version >= (2, 8) else last_index
+                for i in range(min(start, _INTERVALS), _INTERVALS):
+                    vec[i] = val
+            else:
+                mib = _int_value(tok, key, k, "interval starts in MiB that are powers of 2")
+                if not _is_pow2(mib):
+                    raise tok.error(f"{key}: the interval {mib} MiB is not a power of 2 "
+                                    "(PyTorch: \"For roundups, the intervals have to be "
+                                    "power of 2\")")
+                index = min(mib.bit_length() - 1, _INTERVALS - 1)
+                if first:
+                    for i in range(index):
+                        vec[i] = val
+                    first = False
+                vec[index] = val
+                last_index = index
+            if tok.i < len(toks) and toks[tok.i] == ",":
+                tok.i += 1
+            elif tok.i < len(toks) and toks[tok.i] != "]":
+                raise tok.error(f"{key}: expected ',' or ']' after {k}:{val}, found "
+                                f"{toks[tok.i]!r}")
+        if tok.i >= len(toks):
+            raise tok.error(f"{key}: the list has no closing ']'")
+        tok.i += 1  # "]"
+        self.roundup_power2_divisions = tuple(vec)
+
+    def update(self, **parts: Any) -> None:
+        """Set settings by name (see the class parameters); nothing changes on a refusal."""
+        work = self.copy()
+        for name, value in parts.items():
+            work._set_part(name, value)
+        for name in self.__slots__:
+            setattr(self, name, getattr(work, name))
+
+    def _set_part(self, name: str, value: Any) -> None:
+        v = self.version
+        if name == "max_split_size_mb" or name == "max_non_split_rounding_mb":
+            if not self._known(name):
+                raise ConfigError(f"{name} is not a setting of PyTorch {v[0]}.{v[1]}")
+            if value is None and name == "max_split_size_mb":
+                self.max_split_size = None
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer number of MiB"
+                                  f"{' or None (unset)' if name == 'max_split_size_mb' else ''}"
+                                  f"; got {value!r}")
+            low_ok = value >= 20 if v >= (2, 8) else value > 20
+            if not low_ok:
+                raise ConfigError(f"{name} must be {'>=' if v >= (2, 8) else '>'} 20 in "
+                                  f"PyTorch {v[0]}.{v[1]}; got {value}")
+            if name == "max_split_size_mb":
+                self.max_split_size = value * _MIB
+            else:
+                self.max_non_split_rounding_size = value * _MIB
+        elif name == "garbage_collection_threshold":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or not (value == 0 or 0 < value < 1):
+                raise ConfigError(f"garbage_collection_threshold must be in (0.0, 1.0), or 0 "
+                                  f"for off; got {value!r}")
+            self.garbage_collection_threshold = float(value)
+        elif name == "expandable_segments":
+            if not isinstance(value, bool):
+                raise ConfigError(f"expandable_segments must be True or False; got {value!r}")
+            if value and v < (2, 1):
+                raise ConfigError(f"expandable_segments came in PyTorch 2.1; this is "
+                                  f"{v[0]}.{v[1]}")
+            self.expandable_segments = value
+        elif name == "roundup_power2_divisions":
+            self.roundup_power2_divisions = self._divisions_from(value)
+        else:
+            raise ConfigError(
+                f"unknown caching-allocator setting {name!r}; known: expandable_segments, "
+                "garbage_collection_threshold, max_non_split_rounding_mb, max_split_size_mb, "
+                "roundup_power2_divisions")
+
+    def _divisions_from(self, value: Any) -> tuple[int, ...]:
+        if isinstance(value, bool):
+            raise ConfigError(f"roundup_power2_divisions: got {value!r}")
+        if isinstance(value, int):
+            if not (value == 0 or _is_pow2(value)):
+                raise ConfigError(f"roundup_power2_divisions must be a power of 2 (or 0 for "
+                                  f"off); got {value}")
+            return (value,) * _INTERVALS
+        if isinstance(value, str):
+            tmp = CachingAllocatorConfig(version=self.version)
+            tmp.apply(f"roundup_power2_divisions:{value}")
+            return tmp.roundup_power2_divisions
+        if isinstance(value, Mapping):
+            return CachingAllocatorConfig.from_snapshot_settings(
+                {"roundup_power2_divisions": value}).roundup_power2_divisions
+        try:
+            vec = tuple(int(x) for x in value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"roundup_power2_divisions must be an int, a string such as "
+                              f"'[256:1,>:4]', a dict or 16 ints; got {value!r}") from None
+        if len(vec) != _INTERVALS or any(not (x == 0 or _is_pow2(x)) for x in vec):
+            raise ConfigError(f"roundup_power2_divisions needs 16 powers of 2 (or 0); got "
+                              f"{value!r}")
+        return vec
+
+    # ------------------------------------------------------------------ views
+    def divisions_for(self, size: int) -> int:
+        """PyTorch's ``roundup_power2_divisions(size)``: the divisions of size's interval."""
+        i = size.bit_length() - 1 - 20
+        if i < 0:
+            i = 0
+        elif i > _INTERVALS - 1:
+            i = _INTERVALS - 1
+        return self.roundup_power2_divisions[i]
+
+    def as_conf(self) -> str:
+        """The settings as a ``PYTORCH_CUDA_ALLOC_CONF`` string (non-default ones only)."""
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size // _MIB}")
+        if self.max_non_split_rounding_size != K_LARGE_BUFFER:
+            parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_size // _MIB}")
+        if self.garbage_collection_threshold:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold:g}")
+        rd = self.roundup_power2_divisions
+        if any(rd):
+            if len(set(rd)) == 1:
+                parts.append(f"roundup_power2_divisions:{rd[0]}")
+            else:
+                parts.append("roundup_power2_divisions:[" + ",".join(
+                    f"{1 << i}:{d}" for i, d in enumerate(rd)) + "]")
+        return ",".join(parts)
+
+    def snapshot_settings(self) -> dict[str, Any]:
+        """``allocator_settings`` as PyTorch's snapshot writes them."""
+        return {
+            "PYTORCH_CUDA_ALLOC_CONF": self.as_conf(),
+            "max_split_size": -1 if self.max_split_size is None else self.max_split_size,
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+            "expandable_segments": self.expandable_segments,
+            "pinned_num_register_threads": int(self.inert.get("pinned_num_register_threads", 1)),
+            "release_lock_on_cudamalloc": bool(self.inert.get("release_lock_on_cudamalloc",
+                                                              False)),
+            "pinned_use_cuda_host_register": bool(self.inert.get(
+                "pinned_use_cuda_host_register", False)),
+            "roundup_power2_divisions": dict(zip(_INTERVAL_KEYS, self.roundup_power2_divisions)),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings by their ``PYTORCH_CUDA_ALLOC_CONF`` names (MiB where PyTorch takes
+        MiB), plus ``version``."""
+        return {
+            "expandable_segments": self.expandable_segments,
+            "max_split_size_mb": None if self.max_split_size is None
+            else self.max_split_size // _MIB,
+            "max_non_split_rounding_mb": self.max_non_split_rounding_size // _MIB,
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+            "roundup_power2_divisions": list(self.roundup_power2_divisions),
+            "version": f"{self.version[0]}.{self.version[1]}",
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CachingAllocatorConfig):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        conf = self.as_conf()
+        v = self.version
+        return f"CachingAllocatorConfig({conf!r}, version='{v[0]}.{v[1]}')"

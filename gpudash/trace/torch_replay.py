@@ -1,0 +1,921 @@
+"""Exact replay of PyTorch memory snapshots through :class:`~gpudash.CachingAllocator`.
+
+PyTorch's snapshot (``torch.cuda.memory._dump_snapshot``) records every decision its caching
+allocator made: ``segment_alloc``/``segment_map`` (memory asked of the driver),
+``segment_free``/``segment_unmap`` (memory given back), ``alloc``, ``free_completed`` and
+``oom``. :func:`replay_exact` makes the same calls (allocs, frees, failed requests) through
+gpudash's model and checks that it makes the same decisions:
+
+- **Addresses.** A new segment's address is the CUDA driver's choice, so the model takes
+  it from the trace (the ``segment_alloc`` of the same call; for an expandable segment,
+  the first ``segment_map`` outside the ranges already reserved). PyTorch breaks ties
+  between equal-size free blocks by address, so this matters.
+- **Releases.** The trace does not log ``empty_cache()`` calls, nor the driver refusing
+  memory. A run of ``segment_free``/``segment_unmap`` right before a call that gets new
+  memory (or fails) is the allocator's reaction to a refusal: the replay refuses device
+  memory in that call until the model has given back as many bytes (it then decides
+  itself what to release: oversize blocks first under ``max_split_size_mb``, then
+  everything). Any other run is an explicit ``torch.cuda.empty_cache()``. An ``oom`` entry
+  is a request the driver refused every time. With a known
+  ``set_per_process_memory_fraction`` (and the device's total memory) the model's own limit
+  decides instead.
+- **Mid-run traces.** PyTorch keeps the last ``max_entries`` events, so a trace can start
+  after segments and allocations that still exist. The starting state is rebuilt from the
+  final segments by walking the trace backwards (as MemoryViz does): segments that existed
+  before, blocks allocated before (their size from the final layout, or the request rounded,
+  extended over a leftover the allocator would not have split), the free gaps between them.
+  Garbage-collection ages before the trace are unknowable (0).
+
+The result (:class:`ExactReplay`) says per device how many segment events, allocation
+addresses and out-of-memory points matched, whether the final layout equals the snapshot's
+``segments`` (sizes, blocks and their states, in order), where the first divergence is, and
+what could not be exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_left, insort
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .._errors import TraceFormatError
+from .._torch_conf import CachingAllocatorConfig, parse_torch_version
+from ..caching import (
+    K_MIN_BLOCK_SIZE,
+    K_SMALL_SIZE,
+    CachingAllocator,
+    _Block,
+    _ExpandableSegment,
+    _inc,
+    _key,
+    round_size,
+)
+
+__all__ = ["TorchTrace", "ExactReplay", "from_snapshot", "replay_exact", "ACTIONS",
+           "ACTION_NAMES", "guess_version"]
+
+ACTION_NAMES = ("", "alloc", "free_requested", "free_completed", "segment_alloc",
+                "segment_free", "segment_map", "segment_unmap", "oom", "snapshot",
+                "user_defined")
+ACTIONS = {name: i for i, name in enumerate(ACTION_NAMES) if name}
+A_ALLOC, A_FREE_REQ, A_FREE, A_SEG_ALLOC, A_SEG_FREE, A_MAP, A_UNMAP, A_OOM = range(1, 9)
+_SEGMENT_ACTIONS = (A_SEG_ALLOC, A_SEG_FREE, A_MAP, A_UNMAP)
+_RELEASES = (A_SEG_FREE, A_UNMAP)
+_GETS = (A_SEG_ALLOC, A_MAP)
+_MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------------- input
+@dataclasses.dataclass(eq=False)
+class TorchTrace:
+    """One device's PyTorch trace as arrays, with what else the snapshot says.
+
+    Attributes
+    ----------
+    device : int
+    action : numpy.ndarray of int8
+        :data:`ACTIONS` codes.
+    addr, size, stream : numpy.ndarray of int64
+        As the entries hold them (``addr`` is ``device_free`` for ``oom``; ``size`` is the
+        request for ``alloc``, the rounded request for ``oom``); streams as unsigned values
+        in an int64 array.
+    final : list of dict or None
+        The snapshot's final segments of this device (PyTorch's dicts), or None.
+    settings : dict or None
+        ``allocator_settings`` (PyTorch 2.4 on).
+    version : tuple of int
+        The PyTorch version the snapshot's layout points to.
+    """
+
+    device: int
+    action: np.ndarray
+    addr: np.ndarray
+    size: np.ndarray
+    stream: np.ndarray
+    final: list[dict] | None = None
+    settings: dict | None = None
+    version: tuple[int, int] = (2, 11)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+
+def guess_version(snap: dict) -> tuple[int, int]:
+    """The oldest PyTorch whose snapshot layout matches: ``allocator_settings`` -> 2.4,
+    ``time_us`` -> 2.2, ``requested_size``/``is_expandable`` -> 2.1, ``history`` -> 2.0,
+    else 1.13. Newer versions decide the same way where it matters for a replay, so the
+    oldest consistent one is a safe guess; pass ``version=`` when known."""
+    if snap.get("allocator_settings"):
+        return (2, 4)
+    traces = snap.get("device_traces") or []
+    for lst in traces:
+        for e in (lst or [])[:1]:
+            if isinstance(e, dict) and "time_us" in e:
+                return (2, 2)
+    segs = snap.get("segments") or []
+    for seg in segs[:1]:
+        if isinstance(seg, dict):
+            if "is_expandable" in seg or "requested_size" in seg:
+                return (2, 1)
+            blocks = seg.get("blocks") or []
+            if blocks and isinstance(blocks[0], dict) and "history" in blocks[0]:
+                return (2, 0)
+    return (1, 13)
+
+
+def from_snapshot(snap: dict, name: str = "<snapshot>") -> dict[int, TorchTrace]:
+    """Every device of a loaded snapshot dict (``load_torch_snapshot_dict``) as a
+    :class:`TorchTrace`, by device index (devices with a trace or segments)."""
+    traces = snap.get("device_traces") or []
+    segments = snap.get("segments") or []
+    if not isinstance(traces, list) or not isinstance(segments, list):
+        raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
+    settings = snap.get("allocator_settings") if isinstance(
+        snap.get("allocator_settings"), dict) else None
+    version = guess_version(snap)
+    final: dict[int, list[dict]] = {}
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, dict):
+            raise TraceFormatError(f"{name}: segments[{i}] is not a dict")
+        final.setdefault(_as_int(seg.get("device", 0), f"{name}: segments[{i}].device"),
+                         []).append(seg)
+    out: dict[int, TorchTrace] = {}
+    devices = set(final) | {d for d, lst in enumerate(traces) if lst}
+    for d in sorted(devices):
+        lst = traces[d] if d < len(traces) and traces[d] else []
+        n = len(lst)
+        action = np.zeros(n, dtype=np.int8)
+        addr = np.zeros(n, dtype=np.int64)
+        size = np.zeros(n, dtype=np.int64)
+        stream = np.zeros(n, dtype=np.int64)
+        for i, e in enumerate(lst):
+            where = f"{name}: device_traces[{d}][{i}]"
+            if not isinstance(e, dict):
+                raise TraceFormatError(f"{where}: not a dict")
+            code = ACTIONS.get(e.get("action"), 0)
+            action[i] = code
+            if not code or code >= 9:
+                continue
+            a = e.get("device_free" if code == A_OOM else "addr", 0)
+            addr[i] = _as_int(a if a is not None else 0, where + ".addr", signed=True)
+            size[i] = _as_int(e.get("size"), where + ".size")
+            s = e.get("stream", 0)
+            s = _as_int(s if s is not None else 0, where + ".stream", signed=True) & _MASK64
+            stream[i] = s - (1 << 64) if s >= 1 << 63 else s
+        out[d] = TorchTrace(d, action, addr, size, stream, final.get(d), settings, version)
+    return out
+
+
+def _as_int(value: Any, where: str, signed: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{where}: expected an integer, found {value!r}")
+    if not signed and value < 0:
+        raise TraceFormatError(f"{where}: expected an integer >= 0, found {value}")
+    return value
+
+
+def _u64(v: int) -> int:
+    return v & _MASK64
+
+
+# ---------------------------------------------------------------------------------- result
+@dataclasses.dataclass(eq=False)
+class ExactReplay:
+    """How closely :class:`~gpudash.CachingAllocator` reproduced one device's trace.
+
+    Attributes
+    ----------
+    device : int
+    start : str
+        ``"empty"`` (the trace starts from an empty allocator: exact replay is checkable) or
+        ``"mid-run"`` (the starting state was rebuilt from the final segments).
+    segment_events, segment_events_matched : int
+        ``segment_alloc``/``segment_free``/``segment_map``/``segment_unmap`` entries of the
+        trace, and how many the model made identically (action, address, size) at the same
+        place within the same call.
+    allocs, allocs_matched : int
+        ``alloc`` entries, and how many got the same address.
+    ooms, ooms_matched : int
+        ``oom`` entries, and how many the model also failed.
+    unexpected_ooms : int
+        Requests the model refused that the trace served.
+    final_layout_equal : bool or None
+        Whether the model's segments equal the snapshot's (address, size, blocks with their
+        sizes and states, in order); None without final segments.
+    final_mismatch : str
+        The first difference of the final layouts ("" when equal).
+    first_divergence : int or None
+        Index of the first trace entry whose call the model did not reproduce.
+    divergence : str
+        What differed there, with the trace entries around it.
+    notes : list of str
+        What the replay assumed (rebuilt starting state, release runs read as
+        ``empty_cache()``, unknown fraction...).
+    empty_cache_calls : int
+        Release runs replayed as explicit ``empty_cache()`` calls.
+    pressure_calls : int
+        Calls in which the replay refused device memory (as the trace shows the driver did).
+    snapshot : dict
+        The model's own snapshot at the end, in PyTorch's layout with ``device_traces``.
+    allocator : CachingAllocator
+        The model after the replay.
+    """
+
+    device: int
+    start: str
+    segment_events: int = 0
+    segment_events_matched: int = 0
+    allocs: int = 0
+    allocs_matched: int = 0
+    ooms: int = 0
+    ooms_matched: int = 0
+    unexpected_ooms: int = 0
+    final_layout_equal: bool | None = None
+    final_mismatch: str = ""
+    first_divergence: int | None = None
+    divergence: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    empty_cache_calls: int = 0
+    pressure_calls: int = 0
+    rebuilt: dict = dataclasses.field(default_factory=dict)
+    snapshot: dict = dataclasses.field(default_factory=dict, repr=False)
+    allocator: Any = dataclasses.field(default=None, repr=False)
+    _kept: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def exact(self) -> bool:
+        """Every segment event, address and OOM matched and the final layout is equal."""
+        return (self.segment_events_matched == self.segment_events
+                and self.allocs_matched == self.allocs and self.ooms_matched == self.ooms
+                and not self.unexpected_ooms and self.final_layout_equal is not False)
+
+    def summary(self) -> str:
+        """One line: ``device 0 (empty start): segment events 61/61, addresses
+        7946/7946, OOMs 0/0, final layout equal``."""
+        fl = {True: "final layout equal", False: "final layout differs",
+              None: "no final layout"}[self.final_layout_equal]
+        text = (f"device {self.device} ({self.start} start): segment events "
+                f"{self.segment_events_matched}/{self.segment_events}, addresses "
+                f"{self.allocs_matched}/{self.allocs}, OOMs {self.ooms_matched}/{self.ooms}"
+                f"{f', {self.unexpected_ooms} unexpected OOMs' if self.unexpected_ooms else ''}"
+                f", {fl}")
+        return text
+
+
+# ---------------------------------------------------------------------------------- oracle
+class _Oracle:
+    """The device under a replay: addresses from the trace, refusals where the trace shows
+    the driver refused."""
+
+    kind = "replay"
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self.expected: deque = deque()     # (action, addr, size) segment gets of this call
+        self.reserved: list[tuple[int, int]] = []
+        self.refuse_bytes = -1             # refuse until this many bytes came back (-1: no)
+        self.refuse_all = False
+        self.returned = 0
+        self.synthetic = 0x100000000000
+        self.live: list[tuple[int, int]] = []   # segments handed out, by address
+        self.address_misses = 0
+        self.free_hint: int | None = None
+
+    # cudaMalloc / cudaFree
+    def alloc(self, nbytes: int) -> int:
+        if self._refusing():
+            raise MemoryError("refused (as in the trace)")
+        for i, (act, addr, size) in enumerate(self.expected):
+            if act == A_SEG_ALLOC:
+                del self.expected[i]
+                if size == nbytes and not self._overlaps(addr, nbytes):
+                    return self._take(addr, nbytes)
+                break
+        # the model asked for other memory than the trace shows (it diverged): an address
+        # no trace segment uses
+        self.address_misses += 1
+        ptr = self.synthetic
+        self.synthetic += (nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20) + (2 << 20)
+        return self._take(ptr, nbytes)
+
+    def _take(self, ptr: int, nbytes: int) -> int:
+        insort(self.live, (ptr, nbytes))
+        self.used += nbytes
+        return ptr
+
+    def _overlaps(self, ptr: int, nbytes: int) -> bool:
+        i = bisect_left(self.live, (ptr, 0))
+        if i < len(self.live) and self.live[i][0] < ptr + nbytes:
+            return True
+        return i > 0 and self.live[i - 1][0] + self.live[i - 1][1] > ptr
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        i = bisect_left(self.live, (ptr, nbytes))
+        if i < len(self.live) and self.live[i] == (ptr, nbytes):
+            del self.live[i]
+        self.used -= nbytes
+        self.returned += nbytes
+
+    # expandable segments
+    def reserve(self, nbytes: int) -> int:
+        # A reservation is mapped from its base upward: a map at or below a reservation's
+        # high-water mark extends it; the first map beyond every one starts a new one.
+        for act, addr, size in self.expected:
+            if act == A_MAP and not any(b <= addr <= top for b, top in self.reserved):
+                self.reserved.append((addr, addr))
+                return addr
+        self.address_misses += 1
+        ptr = self.synthetic
+        self.synthetic += nbytes + (1 << 30)
+        self.reserved.append((ptr, nbytes))
+        return ptr
+
+    def unreserve(self, base: int, nbytes: int) -> None:
+        self.reserved = [(b, top) for b, top in self.reserved if b != base]
+
+    def mapped(self, addr: int, size: int) -> None:
+        """Raise the high-water mark of the reservation holding ``addr``."""
+        for k, (b, top) in enumerate(self.reserved):
+            if b <= addr <= top:
+                self.reserved[k] = (b, max(top, addr + size))
+                return
+
+    def create_page(self, nbytes: int) -> int:
+        if self._refusing():
+            raise MemoryError("refused (as in the trace)")
+        self.used += nbytes
+        return 1
+
+    def release_page(self, handle: int, nbytes: int) -> None:
+        self.used -= nbytes
+        self.returned += nbytes
+
+    def _refusing(self) -> bool:
+        if self.refuse_all:
+            return True
+        return self.refuse_bytes >= 0 and self.returned < self.refuse_bytes
+
+    def memory_info(self) -> tuple[int, int]:
+        if self.free_hint is not None:
+            return self.free_hint, self.total
+        return max(0, self.total - self.used), self.total
+
+
+# ---------------------------------------------------------------------------------- replay
+def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = None,
+                 device_total: int | None = None, version: Any = None,
+                 max_entries: int = 10_000_000) -> ExactReplay:
+    """Replay one device's PyTorch trace through the model with the trace's own addresses,
+    and compare every decision (see the module docstring).
+
+    Parameters
+    ----------
+    tt : TorchTrace
+    conf : str, dict or CachingAllocatorConfig, optional
+        The settings the job ran with. Default: the snapshot's ``allocator_settings``, else
+        PyTorch's defaults (said in ``notes``).
+    fraction : float, optional
+        ``set_per_process_memory_fraction`` the job used (a snapshot does not record it).
+    device_total : int, optional
+        The device's total memory (``cudaMemGetInfo``'s total); needed with ``fraction``.
+        Default: enough for the trace (it is only a ceiling the replay never reaches).
+    version : str or tuple, optional
+        The PyTorch version (default: guessed from the snapshot's layout).
+    """
+    notes: list[str] = []
+    v = parse_torch_version(version) if version is not None else tt.version
+    if isinstance(conf, CachingAllocatorConfig):
+        cfg = conf.copy()
+    elif isinstance(conf, str):
+        cfg = CachingAllocatorConfig(conf, version=v)
+    elif isinstance(conf, dict) or (conf is None and tt.settings):
+        cfg = CachingAllocatorConfig.from_snapshot_settings(conf or tt.settings, version=v)
+    else:
+        cfg = CachingAllocatorConfig(version=v)
+        notes.append("the snapshot has no allocator_settings: PyTorch's defaults assumed "
+                     "(pass conf= with the job's PYTORCH_CUDA_ALLOC_CONF)")
+    if fraction is not None and device_total is None:
+        raise ValueError("fraction needs device_total (the device's total memory)")
+    total = device_total or (1 << 50)
+    oracle = _Oracle(total)
+    alloc = CachingAllocator(oracle, cfg, name=f"cuda:{tt.device}", device=tt.device)
+    alloc.record_history(True, max_entries=max_entries + 1)
+    if fraction is not None:
+        alloc.set_memory_fraction(fraction)
+
+    res = ExactReplay(tt.device, "empty", notes=notes)
+    act, addr, size, stream = (tt.action.tolist(), tt.addr.tolist(), tt.size.tolist(),
+                               [_u64(s) for s in tt.stream.tolist()])
+    start = _starts_empty(tt)
+    if not start:
+        res.start = "mid-run"
+        res.rebuilt = _rebuild(alloc, oracle, tt)
+        notes.append(
+            f"the trace starts mid-run: its starting state was rebuilt from the final "
+            f"segments ({res.rebuilt['segments']} segment(s), {res.rebuilt['blocks']} "
+            f"block(s) allocated before the trace, {res.rebuilt['guessed']} of them sized "
+            "from their request)")
+    hist = alloc._history
+    hist.clear()
+    ptr_of: dict[int, int] = {}   # trace address -> model address of live allocations
+    n = len(act)
+    i = 0
+    pending: list[int] = []        # indices of a release run not yet attributed
+    known_fraction = fraction is not None
+    while i < n:
+        a = act[i]
+        if a in _RELEASES:
+            pending.append(i)
+            i += 1
+            continue
+        if a in _GETS:
+            # the gets (and releases between them) up to the call they belong to
+            j = i
+            while j < n and act[j] in _SEGMENT_ACTIONS:
+                j += 1
+            if j < n and act[j] in (A_ALLOC, A_OOM):
+                _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, j + 1,
+                      ptr_of, known_fraction)
+                pending = []
+                i = j + 1
+                continue
+            res.notes.append(f"entry {i}: a {ACTION_NAMES[a]} that no alloc follows")
+            i = j
+            continue
+        if a in (A_ALLOC, A_OOM):
+            _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, i + 1, ptr_of,
+                  known_fraction)
+            pending = []
+            i += 1
+            continue
+        if pending:
+            _empty_cache(alloc, res, tt, act, addr, size, pending)
+            pending = []
+        if a == A_FREE:
+            p = ptr_of.pop(addr[i], None)
+            if p is None:
+                if addr[i] in alloc._blocks and alloc._blocks[addr[i]].allocated:
+                    p = addr[i]
+                else:
+                    _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: the model has no "
+                             "allocation there")
+                    i += 1
+                    continue
+            try:
+                alloc.deallocate(p)
+            except Exception as exc:  # noqa: BLE001 - recorded as a divergence
+                _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
+        i += 1
+    if pending:
+        _empty_cache(alloc, res, tt, act, addr, size, pending)
+    res.segment_events = sum(1 for x in act if x in _SEGMENT_ACTIONS)
+    res.allocs = sum(1 for x in act if x == A_ALLOC)
+    res.ooms = sum(1 for x in act if x == A_OOM)
+    if res.empty_cache_calls:
+        notes.append(f"{res.empty_cache_calls} run(s) of segment releases replayed as "
+                     "torch.cuda.empty_cache() calls (PyTorch does not log those calls)")
+    if res.pressure_calls and not known_fraction:
+        notes.append(f"{res.pressure_calls} call(s) met a device refusal where the trace "
+                     "shows one (releases before new memory, or an oom entry)")
+    if tt.final is not None:
+        mismatch = _compare_final(alloc, tt.final)
+        res.final_layout_equal = not mismatch
+        res.final_mismatch = mismatch
+    alloc.check()
+    _model_events(alloc, res._kept)
+    alloc._history.extend(res._kept)
+    res._kept = []
+    res.snapshot = alloc.snapshot()
+    res.allocator = alloc
+    return res
+
+
+def _starts_empty(tt: TorchTrace) -> bool:
+    """The trace starts from an empty allocator: every free follows its alloc, every final
+    allocated block and segment was made in the trace (the validation plan's step 2)."""
+    live: set[int] = set()
+    segs: set[int] = set()
+    mapped: list[tuple[int, int]] = []
+    for a, addr, size in zip(tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()):
+        if a == A_ALLOC:
+            live.add(addr)
+        elif a == A_FREE:
+            if addr not in live:
+                return False
+            live.discard(addr)
+        elif a == A_SEG_ALLOC:
+            segs.add(addr)
+        elif a == A_SEG_FREE:
+            if addr not in segs:
+                return False
+            segs.discard(addr)
+        elif a == A_MAP:
+            mapped = _add_range(mapped, addr, addr + size)
+        elif a == A_UNMAP:
+            if not _covered(mapped, addr, addr + size):
+                return False
+            mapped = _sub_range(mapped, addr, addr + size)
+    for seg in tt.final or ():
+        base = seg["address"]
+        if seg.get("is_expandable"):
+            if not _covered(mapped, base, base + seg["total_size"]):
+                return False
+        elif base not in segs:
+            return False
+        for blk, baddr in _blocks_of(seg):
+            if _state(blk).startswith("active") and baddr not in live:
+                return False
+    return True
+
+
+def _add_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        if b < lo or a > hi:
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    out.append((lo, hi))
+    return sorted(out)
+
+
+def _sub_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            out.append((a, b))
+            continue
+        if a < lo:
+            out.append((a, lo))
+        if b > hi:
+            out.append((hi, b))
+    return out
+
+
+def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(a <= lo and hi <= b for a, b in ranges)
+
+
+def _blocks_of(seg: dict):
+    addr = seg["address"]
+    for blk in seg.get("blocks") or []:
+        a = blk.get("address", addr)
+        yield blk, a
+        addr = a + blk["size"]
+
+
+def _state(blk: dict) -> str:
+    state = blk.get("state")
+    if state is None:
+        return "active_allocated" if blk.get("allocated") else "inactive"
+    return "active_pending_free" if state == "active_awaiting_free" else state
+
+
+def _diverge(res: ExactReplay, i: int, tt: TorchTrace, what: str) -> None:
+    if res.first_divergence is not None:
+        return
+    res.first_divergence = i
+    lo, hi = max(0, i - 20), min(len(tt), i + 21)
+    lines = []
+    for k in range(lo, hi):
+        a = int(tt.action[k])
+        mark = ">>" if k == i else "  "
+        lines.append(f"{mark} {k:7d} {ACTION_NAMES[a] or '?':15s} {int(tt.addr[k]):#x} "
+                     f"{int(tt.size[k])}")
+    res.divergence = what + "\n" + "\n".join(lines)
+
+
+def _model_events(alloc: CachingAllocator, kept: list) -> list[tuple[int, int, int]]:
+    """The model's trace entries since the last call (moved into ``kept``)."""
+    hist = alloc._history
+    new = list(hist)
+    hist.clear()
+    kept.extend(new)
+    return [(ACTIONS[e[0]], e[1], e[2]) for e in new]
+
+
+def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchTrace,
+          act: list, addr: list, size: list, stream: list, pending: list[int], lo: int,
+          hi: int, ptr_of: dict, known_fraction: bool) -> None:
+    """One malloc: the release run before it (``pending``), its gets ``lo..hi-2`` and the
+    alloc or oom at ``hi-1``."""
+    last = hi - 1
+    is_oom = act[last] == A_OOM
+    gets = [(act[k], addr[k], size[k]) for k in range(lo, last) if act[k] in _GETS]
+    mid_releases = [k for k in range(lo, last) if act[k] in _RELEASES]
+    releases = pending + mid_releases
+    expected = [(act[k], addr[k], size[k]) for k in releases] + gets
+    oracle.expected = deque(gets)
+    oracle.returned = 0
+    oracle.refuse_all = False
+    oracle.refuse_bytes = -1
+    oracle.free_hint = None
+    nbytes = size[last]
+    st = stream[last]
+    if not known_fraction:
+        # Releases before new memory: the allocator's answer to a refusal -- unless they are
+        # exactly what empty_cache() releases now (a refusal under max_split_size_mb frees
+        # oversize blocks first), or a cached block would serve the request now (PyTorch
+        # would not have asked the device): then they were an explicit empty_cache() first.
+        if pending and (not (gets or is_oom) or alloc.cached_block_for(nbytes, st)
+                        or _as_empty_cache(alloc, act, addr, size, pending)):
+            _empty_cache(alloc, res, tt, act, addr, size, pending)
+            releases = mid_releases
+            expected = [(act[k], addr[k], size[k]) for k in releases] + gets
+        if is_oom:
+            oracle.refuse_all = True
+            oracle.free_hint = addr[last]
+            res.pressure_calls += 1
+        elif releases and gets:
+            oracle.refuse_bytes = sum(size[k] for k in releases)
+            res.pressure_calls += 1
+    p = alloc.try_allocate(nbytes, True, st)
+    oracle.refuse_all = False
+    oracle.refuse_bytes = -1
+    oracle.free_hint = None
+    made = _model_events(alloc, res._kept)
+    made_seg = [e for e in made if e[0] in _SEGMENT_ACTIONS]
+    for a, p_, s_ in made_seg:
+        if a == A_MAP:
+            oracle.mapped(p_, s_)
+    matched = sum(1 for x, y in zip(made_seg, expected) if x == y)
+    res.segment_events_matched += matched
+    ok = matched == len(expected) == len(made_seg)
+    if is_oom:
+        if p:
+            res.unexpected_ooms += 0
+            _diverge(res, last, tt, f"oom of {nbytes} bytes: the model served it at {p:#x}")
+            alloc.deallocate(p)
+            ok = False
+        else:
+            res.ooms_matched += 1
+    else:
+        if not p:
+            res.unexpected_ooms += 1
+            _diverge(res, last, tt, f"alloc of {nbytes} bytes: the model ran out of memory")
+            return
+        ptr_of[addr[last]] = p
+        if p == addr[last]:
+            res.allocs_matched += 1
+        else:
+            ok = False
+            _diverge(res, last, tt, f"alloc of {nbytes} bytes: the model chose {p:#x}, the "
+                     f"trace {addr[last]:#x}")
+    if not ok and res.first_divergence is None:
+        _diverge(res, lo if not pending else pending[0], tt,
+                 f"segment events of this call: trace {_fmt(expected)}, model {_fmt(made_seg)}")
+
+
+def _as_empty_cache(alloc: CachingAllocator, act: list, addr: list, size: list,
+                    run: list[int]) -> bool:
+    """The release run equals what ``empty_cache()`` would release now, in order."""
+    if alloc.config.max_split_size is None:
+        return False   # without it a refusal releases exactly this too: same state either way
+    mine = [(ACTIONS[a], p, s) for a, p, s in alloc.cached_releases()]
+    return mine == [(act[k], addr[k], size[k]) for k in run]
+
+
+def _fmt(events: list[tuple[int, int, int]]) -> str:
+    return "[" + ", ".join(f"{ACTION_NAMES[a]} {p:#x} {s}" for a, p, s in events) + "]"
+
+
+def _empty_cache(alloc: CachingAllocator, res: ExactReplay, tt: TorchTrace, act: list,
+                 addr: list, size: list, pending: list[int]) -> None:
+    if not pending:
+        return
+    _model_events(alloc, res._kept)
+    alloc.empty_cache()
+    res.empty_cache_calls += 1
+    made = [e for e in _model_events(alloc, res._kept) if e[0] in _SEGMENT_ACTIONS]
+    expected = [(act[k], addr[k], size[k]) for k in pending]
+    matched = sum(1 for x, y in zip(made, expected) if x == y)
+    res.segment_events_matched += matched
+    if not (matched == len(expected) == len(made)):
+        _diverge(res, pending[0], tt, f"release run read as empty_cache(): trace "
+                 f"{_fmt(expected)}, model {_fmt(made)}")
+
+
+# ---------------------------------------------------------------------------------- compare
+def _compare_final(alloc: CachingAllocator, final: list[dict]) -> str:
+    mine = alloc.segments()
+    theirs = sorted(final, key=lambda s: s["address"])
+    if len(mine) != len(theirs):
+        a = {s["address"] for s in mine}
+        b = {s["address"] for s in theirs}
+        extra = sorted(a - b)[:3]
+        missing = sorted(b - a)[:3]
+        return (f"{len(mine)} segments in the model, {len(theirs)} in the snapshot (model "
+                f"only: {[hex(x) for x in extra]}, snapshot only: {[hex(x) for x in missing]})")
+    for m, t in zip(mine, theirs):
+        if m["address"] != t["address"] or m["total_size"] != t["total_size"]:
+            return (f"segment {t['address']:#x} ({t['total_size']} bytes) is "
+                    f"{m['address']:#x} ({m['total_size']} bytes) in the model")
+        mb = [(b["size"], b["state"]) for b in m["blocks"]]
+        tb = [(b["size"], _state(b) if _state(b) != "active_pending_free"
+               else "active_allocated") for b in t.get("blocks") or []]
+        if mb != tb:
+            for k, (x, y) in enumerate(zip(mb, tb)):
+                if x != y:
+                    return (f"segment {t['address']:#x}, block {k}: snapshot {y[0]} bytes "
+                            f"{y[1]}, model {x[0]} bytes {x[1]}")
+            return (f"segment {t['address']:#x}: {len(tb)} blocks in the snapshot, {len(mb)} "
+                    "in the model")
+    return ""
+
+
+# ---------------------------------------------------------------------------------- rebuild
+def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
+    """Put the state the trace started from into ``alloc`` (see the module docstring);
+    returns what was rebuilt: ``segments``, ``blocks`` (allocated before the trace) and
+    ``guessed`` (of those, sized from their request because the trace freed them)."""
+    act, addr, size = tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()
+    stream = [_u64(s) for s in tt.stream.tolist()]
+    conf = alloc._conf
+    # segments and live blocks at the end, walked back over the trace
+    segs: dict[int, dict] = {}
+    exp_ranges: list[tuple[int, int, int, bool]] = []   # (lo, hi, stream, small)
+    blocks: dict[int, list] = {}   # addr -> [size or None, requested]
+    for seg in tt.final or ():
+        strm = _u64(seg.get("stream", 0) or 0)
+        small = seg.get("segment_type") == "small"
+        if seg.get("is_expandable"):
+            exp_ranges.append((seg["address"], seg["address"] + seg["total_size"], strm, small))
+        else:
+            segs[seg["address"]] = {"size": seg["total_size"], "small": small, "stream": strm}
+        for blk, baddr in _blocks_of(seg):
+            if _state(blk).startswith("active"):
+                req = blk.get("requested_size")
+                if req is None:
+                    hist = blk.get("history") or []
+                    req = hist[-1].get("real_size") if hist else None
+                blocks[baddr] = [blk["size"], int(req or blk["size"])]
+    mapped: list[tuple[int, int]] = [(lo, hi) for lo, hi, _, _ in exp_ranges]
+    for k in range(len(act) - 1, -1, -1):
+        a = act[k]
+        if a == A_ALLOC:
+            blocks.pop(addr[k], None)
+        elif a == A_FREE:
+            blocks[addr[k]] = [None, size[k], k]
+        elif a == A_SEG_ALLOC:
+            segs.pop(addr[k], None)
+        elif a == A_SEG_FREE:
+            # a segment of 2 MiB is the small pool's (large segments are >= 10 MiB)
+            segs[addr[k]] = {"size": size[k], "small": size[k] == (2 << 20),
+                             "stream": stream[k]}
+        elif a == A_MAP:
+            mapped = _sub_range(mapped, addr[k], addr[k] + size[k])
+        elif a == A_UNMAP:
+            mapped = _add_range(mapped, addr[k], addr[k] + size[k])
+    starts = sorted(blocks)
+    counts = {"segments": 0, "blocks": 0, "guessed": 0}
+    # allocations by address, with their trace index: evidence of where free blocks began
+    alloc_at = sorted((addr[k], k) for k in range(len(act)) if act[k] == A_ALLOC)
+    alloc_addrs = [x for x, _ in alloc_at]
+
+    def first_alloc_in(lo: int, hi: int, before: int) -> int | None:
+        """The address of the earliest allocation (before trace index ``before``) in
+        [lo, hi): where the free block there began (an allocation takes the front)."""
+        best = None
+        for j in range(bisect_left(alloc_addrs, lo), bisect_left(alloc_addrs, hi)):
+            k = alloc_at[j][1]
+            if k < before and (best is None or k < best[1]):
+                best = (alloc_addrs[j], k)
+        return None if best is None else best[0]
+
+    def chain_of(lo: int, hi: int, strm: int, pool: Any, es: Any) -> list[_Block]:
+        """The blocks of [lo, hi): live blocks at their addresses, free gaps between."""
+        out: list[_Block] = []
+        k = bisect_left(starts, lo)
+        inside = []
+        while k < len(starts) and starts[k] < hi:
+            inside.append(starts[k])
+            k += 1
+        cursor = lo
+        for j, b0 in enumerate(inside):
+            sz, req = blocks[b0][:2]
+            nxt = inside[j + 1] if j + 1 < len(inside) else hi
+            if sz is None:
+                # freed in the trace: its size is the request rounded, unless the allocator
+                # did not split off what was left. The trace may say where the free space
+                # after it began (its first allocation there); else what is left before the
+                # next boundary decides (too little to split: the block owns it)
+                counts["guessed"] += 1
+                sz = round_size(req, conf)
+                keep = K_MIN_BLOCK_SIZE if (pool.is_small or es is not None) \
+                    else K_SMALL_SIZE + 1
+                mss = conf.max_split_size
+                start = first_alloc_in(b0 + sz, nxt, blocks[b0][2])
+                if start is not None and start - (b0 + sz) < keep:
+                    sz = start - b0
+                elif start is None and (nxt - (b0 + sz) < keep or
+                                        (mss is not None and sz >= mss and es is None)):
+                    sz = nxt - b0
+            sz = min(sz, nxt - b0)
+            if b0 > cursor:
+                out.append(_Block(cursor, b0 - cursor, strm, pool, es))
+            blk = _Block(b0, sz, strm, pool, es)
+            blk.allocated = True
+            blk.requested = min(req, sz) or sz
+            out.append(blk)
+            counts["blocks"] += 1
+            cursor = b0 + sz
+        if cursor < hi:
+            out.append(_Block(cursor, hi - cursor, strm, pool, es))
+        return out
+
+    def link(chain: list[_Block]) -> None:
+        prev = None
+        for b in chain:
+            b.prev = prev
+            if prev is not None:
+                prev.next = b
+            prev = b
+        for b in chain:
+            _install(alloc, b)
+
+    for base in sorted(segs):
+        info = segs[base]
+        pool = alloc._small if info["small"] else alloc._large
+        alloc._segments[base] = info["size"]
+        oracle._take(base, info["size"])
+        for k in (0, pool.index):
+            _inc(alloc._stats.pool["segment"][k], 1)
+        mss = conf.max_split_size
+        if mss is not None and info["size"] >= mss:
+            _inc(alloc._stats.oversize_segments, 1)
+        link(chain_of(base, base + info["size"], info["stream"], pool, None))
+        counts["segments"] += 1
+    # expandable segments: one reservation per (stream, pool), based at its lowest mapped
+    # range (the allocator maps a reservation from its start upward)
+    groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+    for lo, hi in mapped:
+        owner = next(((s, sm) for l2, h2, s, sm in exp_ranges if l2 <= lo < h2), (0, False))
+        groups.setdefault(owner, []).append((lo, hi))
+    total = alloc.device_total
+    for (strm, small), ranges in sorted(groups.items()):
+        ranges.sort()
+        page = (2 << 20) if small else (20 << 20)
+        pool = alloc._small if small else alloc._large
+        es = _ExpandableSegment(ranges[0][0], page, (total + total // 8 + page - 1) // page,
+                                strm, pool)
+        alloc._expandable.append(es)
+        oracle.reserved.append((es.base, ranges[-1][1]))
+        pieces: list[_Block] = []
+        cursor = es.base
+        for lo, hi in ranges:
+            if lo > cursor:
+                pieces.append(_Block(cursor, lo - cursor, strm, pool, es, mapped=False))
+            last = (hi - es.base) // page
+            es.handles.extend([None] * (last - len(es.handles)))
+            for p in range((lo - es.base) // page, last):
+                es.handles[p] = 1
+            oracle.used += hi - lo
+            pieces.extend(chain_of(lo, hi, strm, pool, es))
+            cursor = hi
+        if cursor < es.base + es.size:
+            pieces.append(_Block(cursor, es.base + es.size - cursor, strm, pool, es,
+                                 mapped=False))
+        link(pieces)
+        counts["segments"] += 1
+    # what existed before the trace is the baseline of the peaks
+    alloc._peak_reserved = alloc._reserved
+    for stat in alloc._stats.pool.values():
+        for s in stat:
+            s[1] = s[0]
+    return counts
+
+
+def _install(alloc: CachingAllocator, b: _Block) -> None:
+    """Register a rebuilt block: address table, pool or unmapped list, statistics."""
+    alloc._blocks[b.ptr] = b
+    pool = b.pool
+    st = alloc._stats.pool
+    t = pool.index
+    if b.mapped:
+        alloc._reserved += b.size
+        for k in (0, t):
+            _inc(st["reserved_bytes"][k], b.size)
+    if b.allocated:
+        b.aid = alloc._next_aid
+        alloc._next_aid += 1
+        for k in (0, t):
+            _inc(st["allocation"][k], 1)
+            _inc(st["allocated_bytes"][k], b.size)
+            _inc(st["active"][k], 1)
+            _inc(st["active_bytes"][k], b.size)
+            _inc(st["requested_bytes"][k], b.requested)
+        mss = alloc._conf.max_split_size
+        if mss is not None and b.size >= mss:
+            _inc(alloc._stats.oversize_allocations, 1)
+    elif b.mapped:
+        insort(pool.keys, _key(b))
+        if b.es is None and (b.prev is not None or b.next is not None):
+            for k in (0, t):
+                _inc(st["inactive_split"][k], 1)
+                _inc(st["inactive_split_bytes"][k], b.size)
+    else:
+        insort(pool.unmapped, (b.stream << 64) | b.ptr)
