@@ -225,14 +225,17 @@ def _stream_of(stream: Any) -> int:
 
 
 class _Stats:
-    """PyTorch's ``DeviceStats``: ``[current, peak, allocated, freed]`` per statistic and
-    stat type (aggregate, small pool, large pool), plus the plain counters."""
+    """PyTorch's ``DeviceStats``. Each per-pool statistic is a flat list of 12 ints:
+    ``[current, peak, allocated, freed]`` for the aggregate, the small pool and the large
+    pool (index ``4 * stat_type + field``). ``active``/``active_bytes`` are not kept: with
+    every free completing at once (no cross-stream uses), they equal
+    ``allocation``/``allocated_bytes`` at every moment."""
 
     __slots__ = ("pool", "oversize_allocations", "oversize_segments", "num_alloc_retries",
                  "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 
     def __init__(self) -> None:
-        self.pool = {name: [[0, 0, 0, 0] for _ in range(3)] for name in _POOL_STATS}
+        self.pool = {name: [0] * 12 for name in _POOL_STATS if not name.startswith("active")}
         self.oversize_allocations = [0, 0, 0, 0]
         self.oversize_segments = [0, 0, 0, 0]
         self.num_alloc_retries = 0
@@ -241,15 +244,45 @@ class _Stats:
         self.num_device_alloc = 0
         self.num_device_free = 0
 
+    def get(self, name: str, stat_type: int) -> list[int]:
+        """``[current, peak, allocated, freed]`` of a statistic and stat type."""
+        flat = self.pool[{"active": "allocation", "active_bytes": "allocated_bytes"}.get(
+            name, name)]
+        return flat[4 * stat_type:4 * stat_type + 4]
 
-def _inc(stat: list[int], n: int) -> None:
+
+def _inc(stat: list[int], t: int, n: int) -> None:
+    """Increase a statistic by ``n`` for the aggregate and stat type ``t``."""
+    c = stat[0] + n
+    stat[0] = c
+    if c > stat[1]:
+        stat[1] = c
+    stat[2] += n
+    j = t << 2
+    c = stat[j] + n
+    stat[j] = c
+    if c > stat[j + 1]:
+        stat[j + 1] = c
+    stat[j + 2] += n
+
+
+def _dec(stat: list[int], t: int, n: int) -> None:
+    stat[0] -= n
+    stat[3] += n
+    j = t << 2
+    stat[j] -= n
+    stat[j + 3] += n
+
+
+def _inc1(stat: list[int], n: int) -> None:
+    """Increase a statistic kept without stat types (``oversize_*``)."""
     c = stat[0] = stat[0] + n
     if c > stat[1]:
         stat[1] = c
     stat[2] += n
 
 
-def _dec(stat: list[int], n: int) -> None:
+def _dec1(stat: list[int], n: int) -> None:
     stat[0] -= n
     stat[3] += n
 
@@ -321,7 +354,7 @@ class CachingAllocator(EventSource):
         self._sub = sub_allocator
         self._device = device
         self._name = f"cuda:{device}" if name is None else str(name)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._small = _Pool(True)
         self._large = _Pool(False)
         self._blocks: dict[int, _Block] = {}
@@ -335,6 +368,8 @@ class CachingAllocator(EventSource):
         self._next_aid = 1
         self._peak_reserved = 0
         self._va_next = 0x600000000000 + (device << 42)
+        self._plain_round = not any(self._conf.roundup_power2_divisions)
+        self._gc_on = False  # a fraction is set and garbage_collection_threshold > 0
         self._history: deque | None = None
         self._history_max = 0
         self._init_events()
@@ -400,7 +435,7 @@ class CachingAllocator(EventSource):
     @property
     def bytes_in_use(self) -> int:
         """Bytes of blocks allocated (``allocated_bytes.all.current``)."""
-        return self._stats.pool["allocated_bytes"][0][0]
+        return self._stats.pool["allocated_bytes"][0]
 
     @property
     def allow_growth(self) -> None:
@@ -436,6 +471,7 @@ class CachingAllocator(EventSource):
             self._allowed = int(fraction * total)
             self._set_fraction = True
             self._fraction = fraction
+            self._gc_on = self._conf.garbage_collection_threshold > 0.0
             self._log_setting("fraction", old, fraction, self._allowed, 0)
             if journal is not None:
                 self._after_op(start)
@@ -464,6 +500,8 @@ class CachingAllocator(EventSource):
         journal = self._journal
         start = len(journal) if journal is not None else 0
         self._conf = new  # oversize counts follow the new threshold, as PyTorch's do
+        self._plain_round = not any(new.roundup_power2_divisions)
+        self._gc_on = self._set_fraction and new.garbage_collection_threshold > 0.0
         for key, a, b in (("expandable_segments", old.expandable_segments,
                            new.expandable_segments),
                           ("max_split_size_mb", old.as_dict()["max_split_size_mb"],
@@ -534,9 +572,10 @@ class CachingAllocator(EventSource):
         return nbytes
 
     def _malloc(self, nbytes: int, stream: Any, raise_oom: bool) -> int:
-        nbytes = self._check_request(nbytes)
-        if not nbytes:
-            return 0
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = self._check_request(nbytes)
+            if not nbytes:
+                return 0
         if type(stream) is not int or stream < 0:
             stream = _stream_of(stream)
         if nbytes >= K_ONE_EXA:
@@ -548,13 +587,13 @@ class CachingAllocator(EventSource):
         with self._lock:
             journal = self._journal
             start = len(journal) if journal is not None else 0
-            conf = self._conf
-            size = round_size(nbytes, conf)
+            size = (nbytes + 511) & ~511 if self._plain_round else round_size(nbytes,
+                                                                                self._conf)
             pool = self._small if size <= K_SMALL_SIZE else self._large
-            alloc_size = allocation_size(size)
             block = self._get_free_block(pool, stream, size)
             if block is None:
-                if self._set_fraction and conf.garbage_collection_threshold > 0.0:
+                alloc_size = allocation_size(size)
+                if self._gc_on:
                     self._garbage_collect()
                 block = self._alloc_block(pool, stream, size, alloc_size, False)
                 if block is None:
@@ -579,8 +618,7 @@ class CachingAllocator(EventSource):
                         take: bool = True) -> _Block | None:
         """``get_free_block``: the one best-fit candidate, or None. With ``take=False``
         only says which block a malloc would take now (no GC ageing, nothing removed)."""
-        conf = self._conf
-        if take and self._set_fraction and conf.garbage_collection_threshold > 0.0:
+        if take and self._gc_on:
             pool.calls += 1
         keys = pool.keys
         i = bisect_left(keys, (stream << 128) | (size << 64))
@@ -591,6 +629,7 @@ class CachingAllocator(EventSource):
             return None
         blocks = self._blocks
         b = blocks[key & _MASK64]
+        conf = self._conf
         if b.es is not None:
             if conf.expandable_segments:
                 n = len(keys)
@@ -660,7 +699,12 @@ class CachingAllocator(EventSource):
         t = pool.index
         already_split = block.prev is not None or block.next is not None
         remainder = 0
-        if self._should_split(block, size):
+        remaining_bytes = block.size - size
+        if pool.is_small:
+            split = remaining_bytes >= K_MIN_BLOCK_SIZE
+        else:
+            split = self._should_split(block, size)
+        if split:
             # the allocation takes the front; the old record becomes the free remainder
             remaining = block
             block = _Block(remaining.ptr, size, stream, pool, remaining.es)
@@ -675,34 +719,28 @@ class CachingAllocator(EventSource):
             self._blocks[block.ptr] = block
             self._blocks[remaining.ptr] = remaining
             remaining.gc_base = pool.calls
-            insort(pool.keys, _key(remaining))
+            insort(pool.keys, (stream << 128) | (remainder << 64) | remaining.ptr)
             if block.es is None:
                 if already_split:
                     # an already-split inactive block shrinks by `size` bytes
-                    for k in (0, t):
-                        _dec(stats["inactive_split_bytes"][k], size)
+                    _dec(stats["inactive_split_bytes"], t, size)
                 else:
-                    for k in (0, t):
-                        _inc(stats["inactive_split_bytes"][k], remaining.size)
-                        _inc(stats["inactive_split"][k], 1)
+                    _inc(stats["inactive_split_bytes"], t, remainder)
+                    _inc(stats["inactive_split"], t, 1)
         elif already_split and block.es is None:
-            for k in (0, t):
-                _dec(stats["inactive_split_bytes"][k], block.size)
-                _dec(stats["inactive_split"][k], 1)
+            _dec(stats["inactive_split_bytes"], t, block.size)
+            _dec(stats["inactive_split"], t, 1)
         block.allocated = True
         block.requested = orig
         aid = block.aid = self._next_aid
         self._next_aid = aid + 1
         bsize = block.size
-        for k in (0, t):
-            _inc(stats["allocation"][k], 1)
-            _inc(stats["allocated_bytes"][k], bsize)
-            _inc(stats["active"][k], 1)
-            _inc(stats["active_bytes"][k], bsize)
-            _inc(stats["requested_bytes"][k], orig)
+        _inc(stats["allocation"], t, 1)
+        _inc(stats["allocated_bytes"], t, bsize)
+        _inc(stats["requested_bytes"], t, orig)
         mss = self._conf.max_split_size
         if mss is not None and bsize >= mss:
-            _inc(self._stats.oversize_allocations, 1)
+            _inc1(self._stats.oversize_allocations, 1)
         if self._history is not None:
             self._trace("alloc", block.ptr, orig, stream)
         journal = self._journal
@@ -734,13 +772,11 @@ class CachingAllocator(EventSource):
         block = _Block(ptr, alloc_size, stream, pool)
         self._blocks[ptr] = block
         self._segments[ptr] = alloc_size
-        t = pool.index
-        for k in (0, t):
-            _inc(st.pool["segment"][k], 1)
-            _inc(st.pool["reserved_bytes"][k], alloc_size)
+        _inc(st.pool["segment"], pool.index, 1)
+        _inc(st.pool["reserved_bytes"], pool.index, alloc_size)
         mss = self._conf.max_split_size
         if mss is not None and alloc_size >= mss:
-            _inc(st.oversize_segments, 1)
+            _inc1(st.oversize_segments, 1)
         st.num_device_alloc += 1
         if self._history is not None:
             self._trace("segment_alloc", ptr, alloc_size, stream)
@@ -768,13 +804,11 @@ class CachingAllocator(EventSource):
             journal.extend((now_ns(), _RELEASE, block.ptr, block.size, 0, 0, 0, 0))
         self._sub.free(block.ptr, block.size)
         self._reserved -= block.size
-        t = pool.index
-        for k in (0, t):
-            _dec(st.pool["segment"][k], 1)
-            _dec(st.pool["reserved_bytes"][k], block.size)
+        _dec(st.pool["segment"], pool.index, 1)
+        _dec(st.pool["reserved_bytes"], pool.index, block.size)
         mss = self._conf.max_split_size
         if mss is not None and block.size >= mss:
-            _dec(st.oversize_segments, 1)
+            _dec1(st.oversize_segments, 1)
         keys = pool.keys
         del keys[bisect_left(keys, _key(block))]
         del self._blocks[block.ptr]
@@ -1035,8 +1069,7 @@ class CachingAllocator(EventSource):
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
         st = self._stats
-        for k in (0, pool.index):
-            _inc(st.pool["reserved_bytes"][k], msize)
+        _inc(st.pool["reserved_bytes"], pool.index, msize)
         st.num_device_alloc += 1
         if self._history is not None:
             self._trace("segment_map", mptr, msize, to_map.stream)
@@ -1107,8 +1140,7 @@ class CachingAllocator(EventSource):
         insort(pool.unmapped, (block.stream << 64) | block.ptr)
         self._reserved -= usize
         st = self._stats
-        for k in (0, pool.index):
-            _dec(st.pool["reserved_bytes"][k], usize)
+        _dec(st.pool["reserved_bytes"], pool.index, usize)
         st.num_device_free += 1
         if self._history is not None:
             self._trace("segment_unmap", uptr, usize, block.stream)
@@ -1205,47 +1237,40 @@ class CachingAllocator(EventSource):
         aid = block.aid
         block.allocated = False
         block.aid = -1
-        for k in (0, t):
-            _dec(stats["allocation"][k], 1)
-            _dec(stats["allocated_bytes"][k], bsize)
+        _dec(stats["allocation"], t, 1)
+        _dec(stats["allocated_bytes"], t, bsize)
         hist = self._history
         if hist is not None:
             self._trace("free_requested", ptr, req, block.stream)
         mss = self._conf.max_split_size
         if mss is not None and bsize >= mss:
-            _dec(self._stats.oversize_allocations, 1)
+            _dec1(self._stats.oversize_allocations, 1)
         # free_block
         if hist is not None:
             self._trace("free_completed", ptr, req, block.stream)
-        net_blocks = 0
-        net_bytes = 0
-        prev_size = self._try_merge(block, block.prev)
-        if prev_size:
-            net_blocks -= 1
-            net_bytes -= prev_size
-        next_size = self._try_merge(block, block.next)
-        if next_size:
-            net_blocks -= 1
-            net_bytes -= next_size
+        p, n = block.prev, block.next
+        prev_size = self._try_merge(block, p) if p is not None and not p.allocated else 0
+        next_size = self._try_merge(block, n) if n is not None and not n.allocated else 0
         block.gc_base = pool.calls
-        insort(pool.keys, _key(block))
-        if block.prev is not None or block.next is not None:
-            net_blocks += 1
-            net_bytes += block.size
+        insort(pool.keys, (block.stream << 128) | (block.size << 64) | block.ptr)
         if block.es is None:
-            for k in (0, t):
-                if net_blocks > 0:
-                    _inc(stats["inactive_split"][k], net_blocks)
-                elif net_blocks < 0:
-                    _dec(stats["inactive_split"][k], -net_blocks)
-                if net_bytes > 0:
-                    _inc(stats["inactive_split_bytes"][k], net_bytes)
-                elif net_bytes < 0:
-                    _dec(stats["inactive_split_bytes"][k], -net_bytes)
-        for k in (0, t):
-            _dec(stats["active"][k], 1)
-            _dec(stats["active_bytes"][k], bsize)
-            _dec(stats["requested_bytes"][k], req)
+            # inactive_split: free blocks of split segments (merged ones leave, this one
+            # joins while the segment stays split)
+            net_blocks = -(prev_size > 0) - (next_size > 0)
+            net_bytes = -prev_size - next_size
+            if block.prev is not None or block.next is not None:
+                net_blocks += 1
+                net_bytes += block.size
+            split, split_bytes = stats["inactive_split"], stats["inactive_split_bytes"]
+            if net_blocks > 0:
+                _inc(split, t, net_blocks)
+            elif net_blocks < 0:
+                _dec(split, t, -net_blocks)
+            if net_bytes > 0:
+                _inc(split_bytes, t, net_bytes)
+            elif net_bytes < 0:
+                _dec(split_bytes, t, -net_bytes)
+        _dec(stats["requested_bytes"], t, req)
         journal = self._journal
         if journal is not None:
             journal.extend((now_ns(), _FREE, ptr, bsize, req, aid, next_size, prev_size))
@@ -1321,7 +1346,7 @@ class CachingAllocator(EventSource):
     def oom_message(self, alloc_size: int, device_free: int | None = None) -> str:
         """PyTorch's out-of-memory message for a request of ``alloc_size`` (its segment size)
         now, in the wording of this allocator's PyTorch version."""
-        allocated = self._stats.pool["allocated_bytes"][0][0]
+        allocated = self._stats.pool["allocated_bytes"][0]
         reserved = self._reserved
         total = self.device_total
         free = self._device_free() if device_free is None else device_free
@@ -1362,38 +1387,39 @@ class CachingAllocator(EventSource):
         (``allocated_bytes.all.current``, ``reserved_bytes.large_pool.peak``,
         ``num_alloc_retries``, ``num_ooms``...), sorted by key as PyTorch returns them."""
         with self._lock:
-            st = self._stats
-            out: dict[str, int | float] = {}
-            for name in _POOL_STATS:
-                for ti, tname in enumerate(_STAT_TYPES):
-                    cur, peak, alloc, freed = st.pool[name][ti]
-                    prefix = f"{name}.{tname}."
-                    out[prefix + "current"] = cur
-                    out[prefix + "peak"] = peak
-                    out[prefix + "allocated"] = alloc
-                    out[prefix + "freed"] = freed
-            for name in ("oversize_allocations", "oversize_segments"):
-                cur, peak, alloc, freed = getattr(st, name)
-                out[f"{name}.current"] = cur
-                out[f"{name}.peak"] = peak
-                out[f"{name}.allocated"] = alloc
-                out[f"{name}.freed"] = freed
-            for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                         "num_device_alloc", "num_device_free"):
-                out[name] = getattr(st, name)
-            mss = self._conf.max_split_size
-            out["max_split_size"] = -1 if mss is None else mss
-            return dict(sorted(out.items()))
+            return self._memory_stats()
+
+    def _memory_stats(self) -> dict[str, int | float]:
+        st = self._stats
+        out: dict[str, int | float] = {}
+        for name in _POOL_STATS:
+            for ti, tname in enumerate(_STAT_TYPES):
+                cur, peak, alloc, freed = st.get(name, ti)
+                prefix = f"{name}.{tname}."
+                out[prefix + "current"] = cur
+                out[prefix + "peak"] = peak
+                out[prefix + "allocated"] = alloc
+                out[prefix + "freed"] = freed
+        for name in ("oversize_allocations", "oversize_segments"):
+            cur, peak, alloc, freed = getattr(st, name)
+            out[f"{name}.current"] = cur
+            out[f"{name}.peak"] = peak
+            out[f"{name}.allocated"] = alloc
+            out[f"{name}.freed"] = freed
+        for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                     "num_device_alloc", "num_device_free"):
+            out[name] = getattr(st, name)
+        mss = self._conf.max_split_size
+        out["max_split_size"] = -1 if mss is None else mss
+        return dict(sorted(out.items()))
 
     def reset_peak_stats(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()``: every peak back to its current value."""
         with self._lock:
             st = self._stats
-            for name in _POOL_STATS:
-                for s in st.pool[name]:
-                    s[1] = s[0]
-            for s in (st.oversize_allocations, st.oversize_segments):
-                s[1] = s[0]
+            for flat in (*st.pool.values(), st.oversize_allocations, st.oversize_segments):
+                for j in range(0, len(flat), 4):
+                    flat[j + 1] = flat[j]
             self._peak_reserved = self._reserved
 
     def reset_accumulated_stats(self) -> None:
@@ -1401,11 +1427,9 @@ class CachingAllocator(EventSource):
         the counters back to 0."""
         with self._lock:
             st = self._stats
-            for name in _POOL_STATS:
-                for s in st.pool[name]:
-                    s[2] = s[3] = 0
-            for s in (st.oversize_allocations, st.oversize_segments):
-                s[2] = s[3] = 0
+            for flat in (*st.pool.values(), st.oversize_allocations, st.oversize_segments):
+                for j in range(0, len(flat), 4):
+                    flat[j + 2] = flat[j + 3] = 0
             st.num_alloc_retries = st.num_ooms = st.num_sync_all_streams = 0
             st.num_device_alloc = st.num_device_free = 0
 
@@ -1425,13 +1449,13 @@ class CachingAllocator(EventSource):
         ``bytes_limit`` = :attr:`memory_limit`, ``num_allocs`` = allocations made."""
         with self._lock:
             st = self._stats.pool
-            in_use = st["allocated_bytes"][0][0]
+            in_use = st["allocated_bytes"][0]
             largest_free = self._largest_free_block()
             free = self._reserved - in_use
             frag = (free - largest_free) / free if free > 0 else 0.0
             return AllocatorStats(
-                num_allocs=st["allocation"][0][2], bytes_in_use=in_use,
-                peak_bytes_in_use=st["allocated_bytes"][0][1],
+                num_allocs=st["allocation"][2], bytes_in_use=in_use,
+                peak_bytes_in_use=st["allocated_bytes"][1],
                 largest_alloc_size=self._largest_alloc(), bytes_limit=self.memory_limit,
                 pool_bytes=self._reserved, peak_pool_bytes=self._peak_reserved,
                 largest_free_block_bytes=largest_free, fragmentation=frag)
@@ -1579,7 +1603,7 @@ class CachingAllocator(EventSource):
             return self._memory_summary()
 
     def _memory_summary(self) -> str:
-        stats = self.memory_stats()
+        stats = self._memory_stats()
 
         def fmt_size(sz: int, pref: float) -> str:
             prefixes = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
@@ -1751,19 +1775,18 @@ class CachingAllocator(EventSource):
         assert reserved[0] == self._reserved, f"reserved bytes {self._reserved} != sum of " \
                                               f"segments {reserved[0]}"
         for k in range(3):
-            assert st["reserved_bytes"][k][0] == reserved[k], f"reserved_bytes[{k}]"
-            assert st["allocated_bytes"][k][0] == alloc_bytes[k], f"allocated_bytes[{k}]"
-            assert st["allocation"][k][0] == alloc_count[k], f"allocation[{k}]"
-            assert st["active_bytes"][k][0] == alloc_bytes[k], f"active_bytes[{k}]"
-            assert st["requested_bytes"][k][0] == requested[k], f"requested_bytes[{k}]"
-            assert st["inactive_split_bytes"][k][0] == split_bytes[k], (
-                f"inactive_split_bytes[{k}] {st['inactive_split_bytes'][k][0]} != "
+            j = 4 * k
+            assert st["reserved_bytes"][j] == reserved[k], f"reserved_bytes[{k}]"
+            assert st["allocated_bytes"][j] == alloc_bytes[k], f"allocated_bytes[{k}]"
+            assert st["allocation"][j] == alloc_count[k], f"allocation[{k}]"
+            assert st["requested_bytes"][j] == requested[k], f"requested_bytes[{k}]"
+            assert st["inactive_split_bytes"][j] == split_bytes[k], (
+                f"inactive_split_bytes[{k}] {st['inactive_split_bytes'][j]} != "
                 f"{split_bytes[k]}")
-            assert st["inactive_split"][k][0] == split_count[k], f"inactive_split[{k}]"
-            assert st["segment"][k][0] == n_segments[k], f"segment[{k}]"
-            for name in _POOL_STATS:
-                cur, peak, alloc, freed = st[name][k]
-                assert peak >= cur, f"{name} peak below current"
+            assert st["inactive_split"][j] == split_count[k], f"inactive_split[{k}]"
+            assert st["segment"][j] == n_segments[k], f"segment[{k}]"
+            for name, flat in st.items():
+                assert flat[j + 1] >= flat[j], f"{name} peak below current"
         assert not self._set_fraction or self._allowed >= 0
 
     # ------------------------------------------------------------------ teardown

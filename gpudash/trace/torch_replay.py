@@ -50,6 +50,7 @@ from ..caching import (
     _Block,
     _ExpandableSegment,
     _inc,
+    _inc1,
     _key,
     round_size,
 )
@@ -842,11 +843,10 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
         pool = alloc._small if info["small"] else alloc._large
         alloc._segments[base] = info["size"]
         oracle._take(base, info["size"])
-        for k in (0, pool.index):
-            _inc(alloc._stats.pool["segment"][k], 1)
+        _inc(alloc._stats.pool["segment"], pool.index, 1)
         mss = conf.max_split_size
         if mss is not None and info["size"] >= mss:
-            _inc(alloc._stats.oversize_segments, 1)
+            _inc1(alloc._stats.oversize_segments, 1)
         link(chain_of(base, base + info["size"], info["stream"], pool, None))
         counts["segments"] += 1
     # expandable segments: one reservation per (stream, pool), based at its lowest mapped
@@ -883,9 +883,7 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
         counts["segments"] += 1
     # what existed before the trace is the baseline of the peaks
     alloc._peak_reserved = alloc._reserved
-    for stat in alloc._stats.pool.values():
-        for s in stat:
-            s[1] = s[0]
+    alloc.reset_peak_stats()
     return counts
 
 
@@ -897,25 +895,20 @@ def _install(alloc: CachingAllocator, b: _Block) -> None:
     t = pool.index
     if b.mapped:
         alloc._reserved += b.size
-        for k in (0, t):
-            _inc(st["reserved_bytes"][k], b.size)
+        _inc(st["reserved_bytes"], t, b.size)
     if b.allocated:
         b.aid = alloc._next_aid
         alloc._next_aid += 1
-        for k in (0, t):
-            _inc(st["allocation"][k], 1)
-            _inc(st["allocated_bytes"][k], b.size)
-            _inc(st["active"][k], 1)
-            _inc(st["active_bytes"][k], b.size)
-            _inc(st["requested_bytes"][k], b.requested)
+        _inc(st["allocation"], t, 1)
+        _inc(st["allocated_bytes"], t, b.size)
+        _inc(st["requested_bytes"], t, b.requested)
         mss = alloc._conf.max_split_size
         if mss is not None and b.size >= mss:
-            _inc(alloc._stats.oversize_allocations, 1)
+            _inc1(alloc._stats.oversize_allocations, 1)
     elif b.mapped:
         insort(pool.keys, _key(b))
         if b.es is None and (b.prev is not None or b.next is not None):
-            for k in (0, t):
-                _inc(st["inactive_split"][k], 1)
-                _inc(st["inactive_split_bytes"][k], b.size)
+            _inc(st["inactive_split"], t, 1)
+            _inc(st["inactive_split_bytes"], t, b.size)
     else:
         insort(pool.unmapped, (b.stream << 64) | b.ptr)
