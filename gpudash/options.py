@@ -965,6 +965,10 @@ JAX_MODELLED_KINDS = {"default": "BFC", "bfc": "BFC", "platform": "cuda_malloc",
                       "address": "cuda_malloc"}
 #: The first jaxlib that reads ``XLA_CLIENT_MEM_FRACTION`` (XLA change of 26 Aug 2024).
 JAX_CLIENT_MEM_FRACTION_SINCE = (0, 4, 32)
+#: XLA rounds the BFC's limit up to a multiple of this (``kGpuMemoryLimitGranularity``).
+JAX_LIMIT_GRANULARITY = 2 * _MIB
+#: The first jaxlib that rounds the limit up (XLA PR #43125 of 3 June 2026, in jaxlib 0.10.2).
+JAX_LIMIT_ROUNDED_SINCE = (0, 10, 2)
 
 _JAX_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
@@ -1007,8 +1011,17 @@ def float32(value: float) -> float:
 
 
 def jax_memory_limit(total: int, fraction: float = JAX_DEFAULT_MEMORY_FRACTION,
-                     unified_memory: bool = False) -> int:
-    """XLA's ``CreateBFCAllocator`` limit: ``size_t(total * fraction)``.
+                     unified_memory: bool = False, jaxlib_version: Any = None) -> int:
+    """XLA's ``CreateBFCAllocator`` limit (``bytes_limit`` in ``device.memory_stats()``).
+
+    ``size_t(total * fraction)``, rounded up to a multiple of 2 MiB from jaxlib 0.10.2 on:
+    ``RoundUpGpuMemoryLimit`` in XLA's ``xla/pjrt/gpu/gpu_helpers.cc`` (XLA PR #43125, 3 June
+    2026, which moved CUDA device memory to the VMM allocator; its allocations are whole
+    2 MiB granules, and the limit is rounded so that ``pool_bytes`` never exceeds it). The
+    rounding applies to the limit itself, so it holds whether the BFC preallocates
+    (``XLA_PYTHON_CLIENT_PREALLOCATE``, the default) or grows, with unified memory too, and
+    whichever variable gave the fraction (``XLA_CLIENT_MEM_FRACTION`` or the older
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``: jaxlib passes either as the same plugin option).
 
     Parameters
     ----------
@@ -1019,19 +1032,28 @@ def jax_memory_limit(total: int, fraction: float = JAX_DEFAULT_MEMORY_FRACTION,
         plugin option carries it.
     unified_memory : bool
         ``TF_FORCE_UNIFIED_MEMORY``: the limit is then ``total * max(1, fraction)``.
+    jaxlib_version : str or tuple, optional
+        The jaxlib whose rule to apply (default: the newest, which rounds); jaxlibs older
+        than 0.10.2 do not round.
 
     Examples
     --------
     >>> jax_memory_limit(16 << 30)          # 0.75 of 16 GiB
     12884901888
-    >>> jax_memory_limit(16 << 30, 0.41)    # float32(0.41) = 0.4099999964...
+    >>> jax_memory_limit(16 << 30, 0.41)    # float32(0.41) = 0.4099999964..., then 2 MiB up
+    7044333568
+    >>> jax_memory_limit(16 << 30, 0.41, jaxlib_version="0.10.1")
     7043746304
     """
     total = parse_bytes(total, name="total")
     f = float32(fraction)
     if unified_memory:
         f = max(1.0, f)
-    return int(total * f)
+    limit = int(total * f)
+    version = _version_tuple(jaxlib_version)
+    if version is None or version >= JAX_LIMIT_ROUNDED_SINCE:
+        limit = -(-limit // JAX_LIMIT_GRANULARITY) * JAX_LIMIT_GRANULARITY
+    return limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1088,8 +1110,10 @@ class JaxSettings:
         return False
 
     def memory_limit(self, total: int) -> int:
-        """The BFC limit on a device of ``total`` bytes (:func:`jax_memory_limit`)."""
-        return jax_memory_limit(total, self.memory_fraction, self.unified_memory)
+        """The BFC limit on a device of ``total`` bytes, by :attr:`jaxlib_version`'s rule
+        (:func:`jax_memory_limit`)."""
+        return jax_memory_limit(total, self.memory_fraction, self.unified_memory,
+                                self.jaxlib_version)
 
     def gpu_options(self) -> GPUOptions:
         """The TensorFlow-shaped options gpudash runs JAX's allocator with.
@@ -1365,13 +1389,20 @@ def paste_fraction(needed_bytes: int, total: int, framework: str = "tensorflow")
     """The shortest fraction (3 decimals, rounded up) whose limit reaches ``needed_bytes``.
 
     The limit is computed the framework's way: ``int(total * fraction)`` for TensorFlow,
-    in single precision for JAX (:func:`jax_memory_limit`).
+    in single precision for JAX (:func:`jax_memory_limit`), without the 2 MiB rounding of
+    jaxlib 0.10.2 and later, so that the fraction covers ``needed_bytes`` whichever jaxlib
+    takes it.
     """
     framework = check_framework(framework, ("tensorflow", "jax"))
     total = parse_bytes(total, name="total")
     fraction = math.ceil(needed_bytes / total * 1000 - 1e-9) / 1000 if total else 1.0
     fraction = max(fraction, 0.001)
-    limit = jax_memory_limit if framework == "jax" else (lambda t, f: int(t * f))
+    if framework == "jax":
+        def limit(t: int, f: float) -> int:
+            return jax_memory_limit(t, f, jaxlib_version=JAX_OLDEST_SUPPORTED)
+    else:
+        def limit(t: int, f: float) -> int:
+            return int(t * f)
     while limit(total, fraction) < needed_bytes:
         fraction = round(fraction + 0.001, 3)
     return fraction

@@ -47,6 +47,7 @@ from .options import (
     GPUOptions,
     allow_growth_from_env,
     garbage_collection_from_env,
+    jax_memory_limit,
     memory_limit,
     resolve_visible_devices,
     simulated_devices_from_env,
@@ -351,7 +352,8 @@ class Session:
             ``TF_ENABLE_GPU_GARBAGE_COLLECTION``, ``TF_DEVICE_MIN_SYS_MEMORY_IN_MB``...).
             ``"jax"``: JAX's GPU client, from ``XLA_PYTHON_CLIENT_MEM_FRACTION`` /
             ``XLA_CLIENT_MEM_FRACTION`` (a fraction of total memory, default 0.75, in single
-            precision as XLA uses it), ``XLA_PYTHON_CLIENT_PREALLOCATE`` (false = growth),
+            precision as XLA uses it; the limit rounded up to 2 MiB from jaxlib 0.10.2),
+            ``XLA_PYTHON_CLIENT_PREALLOCATE`` (false = growth),
             ``XLA_PYTHON_CLIENT_ALLOCATOR`` and ``TF_FORCE_UNIFIED_MEMORY``; garbage
             collection off; TensorFlow's variables are ignored, as JAX ignores them. Frees
             reach the allocator as soon as the device is done with them
@@ -386,10 +388,11 @@ class Session:
         # garbage collection (XLA leaves BFCAllocator's default, off).
         jax_env = {k: env[k] for k in ("GPUDASH_SIMULATE", "CUDA_VISIBLE_DEVICES") if k in env}
         jax_env["TF_ENABLE_GPU_GARBAGE_COLLECTION"] = "false"
-        sess = cls(ConfigProto(gpu_options=gpu, allow_soft_placement=True), simulate=simulate,
-                   environ=jax_env, poll=poll)
+        sess = cls.__new__(cls)
         sess.framework = "jax"
-        sess.jax_settings = settings
+        sess.jax_settings = settings  # read while the devices are built: XLA's limit
+        sess.__init__(ConfigProto(gpu_options=gpu, allow_soft_placement=True),
+                      simulate=simulate, environ=jax_env, poll=poll)
         return sess
 
     # ------------------------------------------------------------------ construction
@@ -455,8 +458,8 @@ class Session:
     def _add_device(self, index: int, vid: int, backend: Any, total: int, available: int,
                     cc_major: int) -> None:
         gpu = self._config.gpu_options
-        limit = memory_limit(total, available, gpu.per_process_gpu_memory_fraction, cc_major,
-                             environ=self._environ)
+        limit = self._memory_limit(total, available, gpu.per_process_gpu_memory_fraction,
+                                   cc_major)
         cls = CudaMallocAllocator if self._allocator_type == "cuda_malloc" else BFCAllocator
         alloc = cls(backend, limit, allow_growth=self._allow_growth,
                     garbage_collection=self._garbage_collection, name=f"GPU_{index}_bfc")
@@ -464,6 +467,15 @@ class Session:
         self.devices.append(Device(index, vid, backend, alloc, total, available, cc_major,
                                    gpu.copy(allow_growth=self._allow_growth),
                                    gpu.effective_deferred_deletion_bytes))
+
+    def _memory_limit(self, total: int, available: int, fraction: float, cc_major: int) -> int:
+        """A device's BFC limit: TensorFlow's rule, or XLA's for a JAX session (a fraction
+        of the total in single precision, rounded up to 2 MiB from jaxlib 0.10.2)."""
+        limit = memory_limit(total, available, fraction, cc_major, environ=self._environ)
+        if self.jax_settings is not None and fraction > 0:
+            limit = jax_memory_limit(total, fraction,
+                                     jaxlib_version=self.jax_settings.jaxlib_version)
+        return limit
 
     def _build_host_allocator(self) -> None:
         if self.devices and self.devices[0].kind == "cuda":
@@ -814,8 +826,8 @@ class Session:
                     f"per_process_gpu_memory_fraction={fraction} oversubscribes {dev.name}, "
                     "which needs unified memory; create the session with a fraction above 1 "
                     "to use unified memory, or choose a fraction <= 1")
-            limits[dev.index] = memory_limit(dev.total, dev.available, fraction, dev.cc_major,
-                                             environ=self._environ)
+            limits[dev.index] = self._memory_limit(dev.total, dev.available, fraction,
+                                                   dev.cc_major)
         with self._lock:
             for dev in targets:
                 opts = new_opts[dev.index]

@@ -32,15 +32,17 @@ __all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRI
 DEFAULT_HISTORY_ENTRIES = 100_000
 
 _lock = threading.Lock()
-_attached = False
+_attached: list[Any] = []  # the torch modules gpudash's observer is attached to
 _listeners: list[weakref.ref] = []
 
 
-def _require_cuda(what: str = "capture_oom") -> Any:
-    from .monitors._base import require_installed
+def _require_cuda(what: str = "capture_oom", torch: Any = None) -> Any:
+    """``torch`` (imported unless given: a stand-in with its API for tests), checked."""
+    if torch is None:
+        from .monitors._base import require_installed
 
-    require_installed("torch")
-    import torch
+        require_installed("torch")
+        import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
@@ -64,21 +66,23 @@ def _dispatch(device: int, alloc: int, device_allocated: int, device_free: int) 
                 pass
 
 
-def _listen(obj: Any, what: str = "capture_oom") -> None:
+def _listen(obj: Any, what: str = "capture_oom", torch: Any = None) -> None:
     """Call ``obj._on_oom(device, alloc, device_allocated, device_free)`` at each OOM."""
-    global _attached
-    torch = _require_cuda(what)
+    torch = _require_cuda(what, torch)
     with _lock:
         _listeners.append(weakref.ref(obj))
-        if not _attached:
+        if not any(m is torch for m in _attached):
             torch._C._cuda_attach_out_of_memory_observer(_dispatch)
-            _attached = True
+            _attached.append(torch)
 
 
 def record_history(max_entries: int = DEFAULT_HISTORY_ENTRIES, stacks: str = "python") -> None:
     """Turn on recording of the CUDA allocator's history, bounded to ``max_entries`` (a ring:
     older entries are overwritten). ``max_entries=0`` turns it off."""
-    torch = _require_cuda("record the allocator's history")
+    _record_history(_require_cuda("record the allocator's history"), max_entries, stacks)
+
+
+def _record_history(torch: Any, max_entries: int, stacks: str = "python") -> None:
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ConfigError(f"max_entries must be an integer >= 0 (0 = off); got {max_entries!r}")
     if max_entries == 0:

@@ -146,11 +146,67 @@ def test_preallocate_values_jaxlib_reads_as_true_warn():
 
 
 def test_limit_in_single_precision():
+    """Up to jaxlib 0.10.1 the limit is size_t(total * float32(fraction)), nothing more."""
     total = 16 * GiB
     for f in (0.75, 0.41, 0.1, 0.9, 1 / 3):
-        assert jax_memory_limit(total, f) == int(total * float(np.float32(f)))
+        assert jax_memory_limit(total, f, jaxlib_version="0.10.1") == int(
+            total * float(np.float32(f)))
         assert float32(f) == float(np.float32(f))
-    assert jax_memory_limit(total, 0.41) < int(total * 0.41)
+    assert jax_memory_limit(total, 0.41, jaxlib_version="0.4.35") < int(total * 0.41)
+
+
+# bytes_limit of device.memory_stats() on an H200 (total 150,109,880,320 B, as cudaMemGetInfo
+# gives it), with XLA_PYTHON_CLIENT_MEM_FRACTION set to each fraction
+H200_TOTAL = 150_109_880_320
+H200_LIMITS = {0.75: 112_583_507_968, 0.5: 75_054_972_928, 0.3: 45_034_242_048,
+               0.333: 49_987_715_072}
+
+
+@pytest.mark.parametrize("fraction", sorted(H200_LIMITS))
+def test_limit_rounded_up_to_2_mib_as_xla_does_on_an_h200(fraction):
+    """XLA (RoundUpGpuMemoryLimit, jaxlib >= 0.10.2) rounds size_t(total * float32(f)) up
+    to a multiple of 2 MiB: the limits measured on an H200, to the byte."""
+    xla = H200_LIMITS[fraction]
+    assert jax_memory_limit(H200_TOTAL, fraction) == xla
+    assert jax_memory_limit(H200_TOTAL, fraction, jaxlib_version="0.10.2") == xla
+    assert xla % (2 << 20) == 0 and 0 <= xla - int(H200_TOTAL * float32(fraction)) < 2 << 20
+    # older jaxlibs stop at the single-precision product
+    assert jax_memory_limit(H200_TOTAL, fraction, jaxlib_version="0.10.1") == int(
+        H200_TOTAL * float32(fraction))
+    # both variables, preallocating or growing: the same rounded limit
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        for pre in ("true", "false"):
+            settings = jax_settings_from_env({name: str(fraction),
+                                              "XLA_PYTHON_CLIENT_PREALLOCATE": pre})
+            assert settings.memory_limit(H200_TOTAL) == xla
+            old = jax_settings_from_env({name: str(fraction)}, jaxlib_version="0.10.1")
+            assert old.memory_limit(H200_TOTAL) == int(H200_TOTAL * float32(fraction))
+
+
+def test_limit_rounding_with_unified_memory_and_the_default():
+    assert jax_memory_limit(H200_TOTAL) == H200_LIMITS[0.75]  # 0.75 is the default
+    s = jax_settings_from_env({"XLA_PYTHON_CLIENT_MEM_FRACTION": "1.3",
+                               "TF_FORCE_UNIFIED_MEMORY": "1"})
+    product = int(H200_TOTAL * float32(1.3))
+    assert s.memory_limit(H200_TOTAL) == -(-product // (2 << 20)) * (2 << 20) > product
+
+
+@pytest.mark.parametrize("preallocate", ["true", "false"])
+def test_jax_session_runs_xlas_rounded_limit(preallocate):
+    """A JAX session's BFC gets XLA's limit, rounded, preallocated or grown to it; with an
+    older jaxlib's rules, the plain product."""
+    env = {"XLA_CLIENT_MEM_FRACTION": "0.3", "XLA_PYTHON_CLIENT_PREALLOCATE": preallocate}
+    with gpudash.Session.from_env("jax", environ=env, simulate=H200_TOTAL) as sess:
+        alloc = sess.devices[0].allocator
+        assert alloc.memory_limit == H200_LIMITS[0.3]
+        sess.allocate(256)
+        if preallocate == "true":
+            assert alloc.pool_bytes == H200_LIMITS[0.3]
+        sess.configure(per_process_gpu_memory_fraction=float32(0.5))
+        assert alloc.memory_limit == H200_LIMITS[0.5]
+    with gpudash.Session.from_env("jax", environ=env, simulate=H200_TOTAL,
+                                  jaxlib_version="0.10.1") as sess:
+        assert sess.devices[0].allocator.memory_limit == int(H200_TOTAL * float32(0.3))
 
 
 def test_session_from_env_jax():
@@ -230,7 +286,9 @@ def test_restart_lines():
 def test_paste_fraction_reaches_the_limit_the_framework_way():
     total = 16 * GiB
     for needed in (int(total * 0.195), 3 * GiB, 12345678901, 1):
-        for fw, limit in (("jax", jax_memory_limit), ("tensorflow", lambda t, f: int(t * f))):
+        # JAX: the limit every jaxlib gives (without the rounding of 0.10.2 and later)
+        for fw, limit in (("jax", lambda t, f: jax_memory_limit(t, f, jaxlib_version="0.4.30")),
+                          ("tensorflow", lambda t, f: int(t * f))):
             f = paste_fraction(needed, total, fw)
             assert limit(total, f) >= needed
             assert f == round(f, 3)

@@ -64,6 +64,42 @@ def test_torch_monitor_layout_and_stats():
         mon.stop()
 
 
+def test_torch_monitor_thread_follows_a_running_program():
+    """As users run it: the thread polls, a layout every 0.5 s with the history of 100,000
+    entries on, while the program allocates; latest is the newest poll, nothing is stuck,
+    the pool is counted, and stop() returns at once."""
+    torch = _torch_cuda()
+    mon = gpudash.watch("torch", interval=0.05, snapshot_interval=0.5)
+    feed = mon.feeds[0]
+    xs = []
+    try:
+        end = time.time() + 6
+        while time.time() < end:
+            xs.append(torch.empty(4 << 20, dtype=torch.uint8, device="cuda"))
+            if len(xs) > 64:
+                del xs[:32]
+            time.sleep(0.01)
+        torch.cuda.synchronize()
+        polls = mon.polls
+        assert _wait(lambda: mon.polls >= polls + 5), "the thread stopped polling"
+        assert feed.error is None, feed.error
+        assert _wait(lambda: (feed.latest.stats.bytes_in_use, feed.latest.stats.pool_bytes)
+                     == (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)))
+        assert mon._layout_wall is not None and time.time() - mon._layout_wall < 2
+        view = mon.driver_view()
+        if view["available"]:
+            assert view["devices"][0]["pool"] > 0
+    finally:
+        t0 = time.monotonic()
+        mon.stop()
+        stopped = time.monotonic() - t0
+    s = feed.latest.stats
+    assert (feed.latest.time_ms, s.bytes_in_use, s.pool_bytes, s.bytes_limit) == \
+        feed.history[-1]
+    assert stopped < 3, f"stop() took {stopped:.1f} s"
+    del xs
+
+
 def test_torch_capture_oom(tmp_path):
     torch = _torch_cuda()
     from gpudash.trace.torch_snapshot import load_torch_snapshot_dict

@@ -11,14 +11,17 @@ framework      polled                                          layout (chunk map
 tensorflow     ``tf.config.experimental.get_memory_info``       none (in use, peak only)
 jax            ``device.memory_stats()``                        none (BFC totals)
 torch          ``torch.cuda.memory_stats()``                    ``memory_snapshot()``, every
-                                                                ``snapshot_interval`` s
+                                                                ``snapshot_interval`` s, in
+                                                                a thread of its own
 =============  ==============================================  =========================
 
 Their controls are disabled (``feed.controls`` says why: a framework fixes its settings when
 it starts); ``feed.restart_lines()`` / :meth:`Monitor.restart_lines` give the settings to
 restart with, and :meth:`Monitor.driver_view` sets the framework's pool against what the
-driver (NVML) counts for the process. Nothing here imports a framework until a monitor is
-created.
+driver (NVML) counts for the process. A call into the framework that has not returned after
+``poll_timeout`` seconds is said on the feeds (``feed.error``, and the dashboard's status
+line), and :meth:`Monitor.stop` does not wait for it. Nothing here imports a framework until
+a monitor is created.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def monitor_class(framework: str) -> type:
 
 
 def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
-          **options: Any) -> Any:
+          poll_timeout: float = 5.0, **options: Any) -> Any:
     """Watch a framework's allocator live: create and start its monitor.
 
     Parameters
@@ -70,10 +73,13 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
         Seconds between polls (default 0.25: four a second).
     devices : optional
         Which devices (default: every GPU the framework sees); see each monitor.
+    poll_timeout : float
+        Seconds after which a call into the framework that has not returned is reported
+        on the feeds (``feed.error``, and the dashboard's status line); default 5.
     **options
-        PyTorch: ``snapshot_interval`` (seconds between layouts, default 2; 0 = none) and
+        PyTorch: ``snapshot_interval`` (seconds between layouts, default 2; 0 = none),
         ``history`` (the allocator-history ring turned on, default 100,000 entries; 0 =
-        leave it).
+        leave it) and ``module`` (the ``torch`` to watch; default ``import torch``).
 
     Returns
     -------
@@ -95,11 +101,12 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
         name = check_framework(framework)
     except ConfigError:
         raise ConfigError(f"watch accepts torch, jax or tensorflow; got {framework!r}") from None
-    require_installed(name)
+    if name != "torch" or options.get("module") is None:
+        require_installed(name)
     cls = monitor_class(name)
     if options and name != "torch":
-        raise ConfigError(f"watch({name!r}) takes interval and devices; got "
+        raise ConfigError(f"watch({name!r}) takes interval, devices and poll_timeout; got "
                           f"{', '.join(sorted(options))}")
-    monitor = cls(interval=interval, devices=devices, **options)
+    monitor = cls(interval=interval, devices=devices, poll_timeout=poll_timeout, **options)
     monitor.start()
     return monitor

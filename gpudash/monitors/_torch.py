@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import time
 from typing import Any
 
 from .._errors import ConfigError
 from ..options import restart_lines
-from ._base import FrameworkFeed, Monitor, Poll
+from ._base import FrameworkFeed, Monitor, Poll, _clock
 from ._parse import stats_from_table, stats_from_torch_memory_stats, torch_chunk_table
 
 __all__ = ["TorchMonitor"]
@@ -22,6 +23,26 @@ class TorchMonitor(Monitor):
     so the chunk map, bins and heatmap show PyTorch's real blocks. Turns on the
     allocator's history (a ring of ``history`` entries) and records OOMs through PyTorch's
     out-of-memory observer.
+
+    The layout is read in a thread of its own (``gpudash-torch-layout``): a snapshot is
+    slow with a long history, and may block; the figures keep coming meanwhile, a layout
+    is attached to the poll after it arrives, and a read that has not returned after
+    ``poll_timeout`` is reported on the feeds (:attr:`FrameworkFeed.error`).
+
+    Parameters
+    ----------
+    interval, devices, poll_timeout
+        As for :class:`~gpudash.monitors.Monitor`.
+    snapshot_interval : float
+        Seconds between layouts (default 2; 0 = no layout).
+    history : int
+        Entries of the allocator-history ring turned on (default 100,000; 0 = leave it).
+    module : optional
+        The ``torch`` module to watch (default: ``import torch``); anything with its API
+        (``cuda.memory_stats``, ``cuda.memory_snapshot``,
+        ``cuda.memory._record_memory_history``, ``cuda.get_device_properties``,
+        ``_C._cuda_attach_out_of_memory_observer``...) will do: the tests run the monitor
+        against such a stand-in where PyTorch has no GPU.
 
     Raises
     ------
@@ -35,19 +56,21 @@ class TorchMonitor(Monitor):
                        "PYTORCH_CUDA_ALLOC_CONF before the first CUDA call)")
 
     def __init__(self, interval: float = 0.25, devices: Any = None,
-                 snapshot_interval: float = 2.0, history: int = 100_000) -> None:
+                 snapshot_interval: float = 2.0, history: int = 100_000,
+                 poll_timeout: float = 5.0, module: Any = None) -> None:
         if isinstance(snapshot_interval, bool) or not isinstance(
                 snapshot_interval, (int, float)) or snapshot_interval < 0:
             raise ConfigError(f"snapshot_interval must be seconds >= 0 (0 = no layout); "
                               f"got {snapshot_interval!r}")
         self.snapshot_interval = float(snapshot_interval)
         self._history_entries = history
-        super().__init__(interval=interval, devices=devices)
+        self._module = module
+        super().__init__(interval=interval, devices=devices, poll_timeout=poll_timeout)
 
     def _open(self, devices: Any) -> None:
-        from ..torch import _listen, _require_cuda, record_history
+        from ..torch import _listen, _record_history, _require_cuda
 
-        torch = _require_cuda("watch torch")
+        torch = _require_cuda("watch torch", self._module)
         self._torch = torch
         count = torch.cuda.device_count()
         ids = list(range(count)) if devices is None else (
@@ -58,15 +81,23 @@ class TorchMonitor(Monitor):
         self._ids = ids
         self._history_on = False
         if self._history_entries:
-            record_history(self._history_entries)
+            _record_history(torch, self._history_entries)
             self._history_on = True
         try:
             params = inspect.signature(torch.cuda.memory_snapshot).parameters
         except (TypeError, ValueError):
             params = {}
         self._snap_kwargs = {"include_traces": False} if "include_traces" in params else {}
-        self._last_snapshot = 0.0
+        self._last_snapshot = -math.inf  # time.monotonic() when the last read started
         self._tables: dict[int, dict] = {}
+        # the layout thread: the read in progress (monotonic and wall start), the tables
+        # read and not attached yet, when the newest layout was read, why the last failed
+        self._layout_lock = threading.Lock()
+        self._layout_reading: tuple[float, float] | None = None
+        self._layout_done: dict[int, dict] | None = None
+        self._layout_wall: float | None = None
+        self._layout_failure: str | None = None
+        self._history_left_to_layout = False
         self._last_counts: dict[int, tuple[int, int, int]] = {}
         self._ooms: dict[int, list] = {i: [] for i in ids}
         self._oom_lock = threading.Lock()
@@ -75,7 +106,7 @@ class TorchMonitor(Monitor):
             props = torch.cuda.get_device_properties(i)
             self.feeds.append(FrameworkFeed(self, k, f"torch cuda:{i}", int(props.total_memory),
                                             self.controls_reason, has_layout=has_layout))
-        _listen(self, "watch torch")
+        _listen(self, "watch torch", torch)
 
     def _on_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         if not self._closed and device in self._ooms:
@@ -94,17 +125,86 @@ class TorchMonitor(Monitor):
         fraction = get(i) if get is not None else 1.0
         return int(fraction * total)
 
+    # ------------------------------------------------------------------ the layout
     def poll(self) -> None:
-        with self._poll_lock:
-            now = time.monotonic()
-            if self.snapshot_interval and now - self._last_snapshot >= self.snapshot_interval:
-                self._last_snapshot = now
-                segments = self._torch.cuda.memory_snapshot(**self._snap_kwargs)
-                self._tables = {i: torch_chunk_table(segments, device=i) for i in self._ids}
-            try:
-                super().poll()
-            finally:
-                self._tables = {}
+        """Poll every device once; when a layout is due, read it first (in the layout
+        thread, waiting for it at most ``poll_timeout``), so that this poll carries it."""
+        reader = self._read_layout_if_due()
+        if reader is not None:
+            reader.join(self.poll_timeout)
+        super().poll()
+
+    def _tick(self) -> None:
+        self._read_layout_if_due()  # the thread does not wait for it
+        super().poll()
+
+    def _poll_all(self) -> None:
+        with self._layout_lock:
+            tables, self._layout_done = self._layout_done, None
+        self._tables = tables or {}
+        try:
+            super()._poll_all()
+        finally:
+            self._tables = {}
+
+    def _read_layout_if_due(self) -> threading.Thread | None:
+        """Start a layout read when one is due and none is in progress; the reader."""
+        if not self.snapshot_interval or self._closed:
+            return None
+        now = time.monotonic()
+        with self._layout_lock:
+            if self._layout_reading is not None or (
+                    now - self._last_snapshot < self.snapshot_interval):
+                return None
+            self._last_snapshot = now
+            self._layout_reading = (now, time.time())
+        reader = threading.Thread(target=self._read_layout, daemon=True,
+                                  name="gpudash-torch-layout")
+        reader.start()
+        return reader
+
+    def _read_layout(self) -> None:
+        tables = failure = None
+        try:
+            segments = self._torch.cuda.memory_snapshot(**self._snap_kwargs)
+            tables = {i: torch_chunk_table(segments, device=i) for i in self._ids}
+        except Exception as exc:  # noqa: BLE001 - reported on the feeds, not fatal
+            failure = f"torch.cuda.memory_snapshot() failed: {exc!r}; the layout is not current"
+            self.errors.append((time.time(), "torch layout", repr(exc)))
+        with self._layout_lock:
+            started = self._layout_reading
+            self._layout_reading = None
+            if tables is not None:
+                self._layout_done = tables
+                self._layout_wall = started[1] if started is not None else time.time()
+            self._layout_failure = failure
+            give_back = self._history_left_to_layout
+        took = time.monotonic() - started[0] if started is not None else 0.0
+        if took > self.poll_timeout:
+            self.errors.append((time.time(), "torch layout",
+                                f"torch.cuda.memory_snapshot() took {took:.1f} s "
+                                f"(poll_timeout {self.poll_timeout:g} s)"))
+        for feed in self.feeds:  # an error cleared or set: a live model shows it
+            feed._wake_listener()
+        if give_back:  # stop() did not wait for this read
+            self._history_off()
+
+    def _feed_error(self, feed: FrameworkFeed) -> str | None:
+        error = super()._feed_error(feed)
+        if error is not None:
+            return error
+        with self._layout_lock:
+            reading, failure, wall = self._layout_reading, self._layout_failure, \
+                self._layout_wall
+        if reading is not None:
+            waited = time.monotonic() - reading[0]
+            if waited >= self.poll_timeout:
+                shown = (f"the layout shown is from {_clock(wall)}" if wall is not None
+                         else "no layout yet")
+                return (f"{feed.name}: torch.cuda.memory_snapshot() has not returned after "
+                        f"{waited:.1f} s (since {_clock(reading[1])}; poll_timeout "
+                        f"{self.poll_timeout:g} s): {shown}; the figures are current")
+        return failure
 
     def _poll_device(self, k: int) -> Poll:
         i = self._ids[k]
@@ -152,9 +252,16 @@ class TorchMonitor(Monitor):
         return restart_lines("torch", fraction=fraction, allow_growth=allow_growth, form=form)
 
     def _closing(self) -> None:
+        with self._layout_lock:  # a layout read stuck in PyTorch gives the history back
+            left = self._layout_reading is not None
+            self._history_left_to_layout = left
+        if not left:
+            self._history_off()
+
+    def _history_off(self) -> None:
         if self._history_on:
+            self._history_on = False
             try:
                 self._torch.cuda.memory._record_memory_history(enabled=None)
             except Exception:  # noqa: BLE001
                 pass
-            self._history_on = False

@@ -261,6 +261,9 @@ class Dashboard(anywidget.AnyWidget):
                      for o in state.ooms[-50:]],
             # stats the source does not report (a framework's totals): shown as unknown
             "missing": sorted(getattr(self.model.feed(state.device), "missing", ()) or ()),
+            # why a watched framework's figures are not current (a call that has not
+            # returned, a failed poll): shown in the status line
+            "error": getattr(self.model.feed(state.device), "error", None),
         }
 
     def _chunk_buffers(self, state: Any) -> tuple[dict, list]:

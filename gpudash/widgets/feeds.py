@@ -97,6 +97,10 @@ class DeviceFeed:
         ``None`` when :meth:`configure`, :meth:`release_free_regions` and
         :meth:`flush_deferred` act; otherwise the reason the controls are disabled
         ("TensorFlow fixes its allocator's settings at start: set them and restart").
+    error : str or None
+        Why the figures are not current, in words (a framework call that has not
+        returned, a failed poll), shown in the dashboard's status line; None when all is
+        well. A feed whose error changes hands over a sample, so that the change is shown.
     """
 
     name: str = "device"
@@ -104,6 +108,7 @@ class DeviceFeed:
     capacity: int = 0
     has_layout: bool = True
     controls: str | None = "this source cannot be controlled"
+    error: str | None = None
 
     def start(self, wake: Callable[[], None]) -> None:
         """Begin feeding; call ``wake()`` (from any thread) when new data is ready."""

@@ -415,6 +415,16 @@ class View {
       esc([...miss].map((k) => k.replace(/_/g, " ")).join(", "))}</span>`);
     if (over) items.push('<span class="gd-over">OVER LIMIT</span>');
     this.head.innerHTML = items.map((x) => `<span>${x}</span>`).join("");
+    // a watched framework that is not answering (or failed): said in the status line
+    if (h.error) {
+      this.status.textContent = h.error;
+      this.status.classList.add("err");
+      this.sourceError = true;
+    } else if (this.sourceError) {
+      this.status.textContent = "";
+      this.status.classList.remove("err");
+      this.sourceError = false;
+    }
     if (h.pending_release > 0) {
       this.banner.style.display = "";
       this.banner.textContent = `pool above limit: ${fmtBytes(h.pool)} held against a ` +
