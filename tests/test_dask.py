@@ -167,6 +167,16 @@ def _threads():
     return sorted(t.name for t in threading.enumerate())
 
 
+def _in_use_run():
+    """For client.run: the session found without being told the worker."""
+    return worker_session().devices[0].allocator.bytes_in_use
+
+
+def _in_use_run_of(dask_worker):
+    """For client.run: the session of the worker client.run passes."""
+    return worker_session(dask_worker).devices[0].allocator.bytes_in_use
+
+
 def _runtime_state():
     from distributed import get_worker
 
@@ -275,7 +285,7 @@ def test_plugin_arguments_are_checked_on_the_client():
 
 
 def test_worker_session_outside_a_worker_is_a_config_error():
-    with pytest.raises(ConfigError, match="inside a Dask task"):
+    with pytest.raises(ConfigError, match=r"client\.submit.*client\.run"):
         worker_session()
 
 
@@ -314,6 +324,36 @@ def test_plugin_sets_up_on_every_worker(client):
     assert metrics["gpudash_pool"] >= 3 * MIB and metrics["gpudash_peak"] == 3 * MIB
     assert metrics["gpudash_ooms"] == 0 and 0.0 <= metrics["gpudash_fragmentation"] <= 1.0
     assert metrics["gpudash"][0]["stats"]["bytes_in_use"] == 3 * MIB
+
+
+def test_worker_session_in_client_run(client):
+    """client.run, Dask's way to run a function on every worker, finds each worker's
+    session, with or without the dask_worker argument; a refusal reaches the client as the
+    ConfigError it is, and the workers log no pickling failure."""
+    a, b = addresses(client)
+    on(client, a, _allocate, [3 * MIB])
+    assert client.run(_in_use_run) == {a: 3 * MIB, b: 0}
+    assert client.run(_in_use_run_of) == {a: 3 * MIB, b: 0}
+    client.unregister_worker_plugin("gpudash")
+    try:
+        with pytest.raises(ConfigError, match="register the plugin"):
+            client.run(_in_use_run, workers=[a])
+        logs = client.get_worker_logs(workers=[a])[a]
+        assert not [m for _, m in logs if "pickle" in m], logs
+    finally:
+        client.register_plugin(GpudashPlugin(simulate="16GiB"))
+
+
+def test_worker_session_in_client_run_where_workers_share_a_loop():
+    """With processes=False every worker runs on one event loop: a client.run function must
+    name its worker, and the error says how."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.register_plugin(GpudashPlugin(simulate="1GiB"))
+        assert sorted(c.run(_in_use_run_of).values()) == [0, 0]
+        with pytest.raises(ConfigError, match=r"share this event loop.*worker_session\("
+                                              r"dask_worker\)"):
+            c.run(_in_use_run)
 
 
 def test_model_shows_both_workers_bytes_within_two_seconds(client, model):
