@@ -177,6 +177,31 @@ def _in_use_run_of(dask_worker):
     return worker_session(dask_worker).devices[0].allocator.bytes_in_use
 
 
+async def _thread_tick_then_sync(sizes, dask_worker):
+    """On the worker's event loop (client.run): allocations whose events go out in a message
+    numbered on another thread (its send waits for the loop), then a message sent from the
+    loop itself. Returns the stream id, the last number before, and the numbers after the
+    other thread's message and after the loop's."""
+    import asyncio
+
+    from gpudash.dask.plugin import _runtime_of
+
+    rt = _runtime_of(dask_worker)
+    while rt._blocked():  # let Dask write what gpudash queued before
+        await asyncio.sleep(0.01)
+    # from here to the return the loop is ours: what other threads post waits for it
+    before = rt._n
+    ptrs = [rt.session.allocate(n) for n in sizes]
+    helper = threading.Thread(target=rt.tick, kwargs={"force": True})
+    helper.start()
+    helper.join()  # it posted (or, when it found the stream thread's, that one did)
+    after_thread = rt._n
+    after_sync = rt.tick(sync=True)
+    for p in ptrs:
+        rt.session.free_now(p)
+    return {"rid": rt.rid, "before": before, "thread": after_thread, "sync": after_sync}
+
+
 def _runtime_state():
     from distributed import get_worker
 
@@ -677,6 +702,23 @@ def test_collect_traces_one_device_per_worker(client, model, tmp_path):
         {k: s[k] for k in ("setting", "old", "new")} for s in changes]
     with pytest.raises(ConfigError, match="exists"):
         collect_traces(client, path)
+
+
+def test_messages_leave_a_worker_in_the_order_they_are_numbered(client, model):
+    """A message the stream thread numbered goes out before one the worker's event loop
+    numbers after it (client.run: sync, lease), so the client never drops it as old and its
+    events reach the trace."""
+    a, _ = addresses(client)
+    sizes = [MIB, 2 * MIB, 5 * MIB]
+    out = client.run(_thread_tick_then_sync, sizes, workers=[a])[a]
+    assert out["before"] < out["thread"] and out["sync"] == out["thread"] + 1
+    numbers = [msg["n"] for _, msg in client.get_events(_wire.TOPIC)
+               if msg.get("worker") == a and msg.get("rid") == out["rid"]]
+    assert numbers == sorted(numbers), numbers
+    trace = collect_traces(client, model=model)
+    dev = [d["index"] for d in trace.meta["devices"] if d["worker"] == a]
+    allocs = trace.select(kinds="alloc", device=dev[0]).columns["requested"].tolist()
+    assert allocs == sizes
 
 
 def test_a_plugin_registered_again_is_a_new_device_of_the_trace(client, model):

@@ -559,7 +559,8 @@ class _Runtime:
         self._tick_lock = threading.Lock()
         self._leases: dict[str, tuple[float, bool, frozenset]] = {}
         self._force = True
-        self._queued = 0
+        # messages numbered but not yet handed to Dask, oldest first (see _post)
+        self._outbox: deque = deque()
         self._n = 0
         self._table_free_at = 0.0
         self.dropped = {"messages": 0}
@@ -709,7 +710,7 @@ class _Runtime:
 
     def _blocked(self) -> bool:
         """True while Dask has not yet written gpudash's previous message (slow comm)."""
-        if self._queued > 0:
+        if self._outbox:
             return True
         stream = getattr(self.worker, "batched_stream", None)
         buffer = getattr(stream, "buffer", None)
@@ -768,24 +769,34 @@ class _Runtime:
             return self._n
 
     def _post(self, msg: dict) -> None:
+        """Hand a message to Dask, after every message numbered before it.
+
+        Called with the tick lock held, so the outbox is in message order. Only the worker's
+        event loop sends: from the stream thread through a callback, from the loop itself
+        (``client.run``, teardown) at once -- and then the messages still waiting for their
+        callback go first, or the client would see message n + 1 before n and drop n."""
         with self._lock:
-            self._queued += 1
+            self._outbox.append(msg)
         if threading.get_ident() == getattr(self.worker, "thread_id", None):
-            self._send_on_loop(msg)  # on the worker's loop already (client.run, teardown)
+            self._send_on_loop()
             return
         try:
-            self.worker.loop.add_callback(self._send_on_loop, msg)
+            self.worker.loop.add_callback(self._send_on_loop)
         except Exception:  # noqa: BLE001 - the loop is closed: the worker is going away
             with self._lock:
-                self._queued -= 1
+                self._outbox.clear()
 
-    def _send_on_loop(self, msg: dict) -> None:
-        with self._lock:
-            self._queued -= 1
-        try:
-            self.worker.log_event(_wire.TOPIC, msg)
-        except Exception:  # noqa: BLE001 - the comm to the scheduler is closing
-            pass
+    def _send_on_loop(self) -> None:
+        """On the worker's event loop: send what the outbox holds, in order."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                msg = self._outbox.popleft()
+            try:
+                self.worker.log_event(_wire.TOPIC, msg)
+            except Exception:  # noqa: BLE001 - the comm to the scheduler is closing
+                pass
 
     # -------------------------------------------------------------- control
     def settings(self) -> list[dict]:
@@ -845,14 +856,10 @@ class _Runtime:
                 ds.set_journal(False)
             except Exception:  # noqa: BLE001
                 pass
-        try:
-            self.worker.log_event(_wire.TOPIC, {"v": _wire.WIRE_VERSION,
-                                                "worker": self.address, "rid": self.rid,
-                                                "n": self._n + 1,
-                                                "t": time.time_ns(), "devices": [],
-                                                "bye": True})
-        except Exception:  # noqa: BLE001 - the worker's comm may be closed already
-            pass
+        with self._tick_lock:
+            self._n += 1
+            self._post({"v": _wire.WIRE_VERSION, "worker": self.address, "rid": self.rid,
+                        "n": self._n, "t": time.time_ns(), "devices": [], "bye": True})
         for undo in reversed(self._undo):
             try:
                 undo()
