@@ -898,7 +898,58 @@ def test_cli_whatif_on_a_scheduler(client, tmp_path, capsys):
     assert len(err) == 1 and "cannot reach the Dask scheduler" in err[0]
 
 
-# ---------------------------------------------------------------------- the dashboard
+def test_cli_whatif_on_a_dask_scheduler_and_worker_of_its_own(tmp_path, capsys):
+    """As run by hand: `dask scheduler` and `dask worker` processes, and `gpudash whatif
+    --scheduler` in a process of its own, where no Dask client is the default one."""
+    from gpudash.cli import main
+    from gpudash.trace import save_trace
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    path = tmp_path / "t.gdtrace"
+    save_trace(training_loop(steps=2, layers=3, hidden=1024, seed=2), path)
+    args = ["whatif", str(path), "--device", "1GiB", "--fractions", "0.05,0.2,0.6"]
+    sched_file = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "dask"]
+    procs = [subprocess.Popen(dask + ["scheduler", "--scheduler-file", str(sched_file),
+                                      "--port", "0", "--dashboard-address", ":0"],
+                              env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)]
+    try:
+        assert wait_for(sched_file.exists, 60), "the scheduler did not start"
+        procs.append(subprocess.Popen(dask + ["worker", "--scheduler-file", str(sched_file),
+                                              "--nthreads", "2", "--no-nanny",
+                                              "--dashboard-address", ":0"],
+                                      env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        import json
+
+        address = json.loads(sched_file.read_text())["address"]
+        with Client(address, set_as_default=False) as c:
+            c.wait_for_workers(1, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "gpudash"] + args +
+                             ["--scheduler", address], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "internal error" not in out.stderr
+    assert f"Dask cluster at {address} (1 worker(s))" in out.stdout
+    assert "smallest fraction that fits" in out.stdout
+    assert main(args + ["--jobs", "1"]) == 0
+    local = capsys.readouterr().out
+    table = lambda text: text[text.index("fraction  growth"):]  # noqa: E731
+    assert table(out.stdout) == table(local)
+
+
 def test_cluster_dashboard_rows_controls_and_views(client):
     import ipywidgets as widgets
 
