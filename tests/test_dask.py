@@ -989,13 +989,55 @@ def test_cluster_dashboard_rows_controls_and_views(client):
         assert a in dash.error.value and b in dash.error.value
         assert {x: on(client, x, _settings) for x in (a, b)} == before
         assert dash.release_free_regions() is not None and dash.flush_deferred() is not None
-        # picking a worker opens its views from its feeds
+        # picking a worker opens its views from its feeds; views without controls of their
+        # own leave the cluster's shown, aimed at the picked worker
         view = dash.pick(a)
         assert isinstance(view, widgets.Label) and view.value == f"{a} GPU_0_bfc"
         assert dash.detail.children[-1] is view
+        assert dash.target.value == a and dash.controls.layout.display != "none"
     finally:
         dash.close()
     assert dash.model.closed
+
+
+def test_cluster_dashboard_controls_show_what_the_workers_run(client):
+    """The controls show the workers' settings, whoever set them, say "mixed" where the
+    target workers differ, and apply a fraction as the slider shows it."""
+    import ipywidgets as widgets
+
+    a, b = addresses(client)
+    configure_workers(client, per_process_gpu_memory_fraction=0.5)
+    dash = ClusterDashboard(client, views=lambda feeds: widgets.Label())
+    try:
+        assert wait_for(lambda: dash.fraction.value == 0.5)
+        assert dash.fraction_label.value == ""  # the slider says it all
+        configure_workers(client, workers=[b], per_process_gpu_memory_fraction=0.25,
+                          allow_growth=True)
+        assert wait_for(lambda: dash.fraction_label.value == "<b>mixed:</b> 0.25, 0.5")
+        assert dash.growth.description == "allow growth (mixed)"
+        dash.target.value = b  # one worker: its own settings, nothing mixed
+        assert (dash.fraction.value, dash.fraction_label.value) == (0.25, "")
+        assert dash.growth.value is True and dash.growth.description == "allow growth"
+        dash.target.value = a
+        assert (dash.fraction.value, dash.growth.value) == (0.5, False)
+        dash.fraction.value = 0.4  # moved, not applied: the label says what runs
+        assert dash.fraction_label.value == "now 0.5"
+        # a browser's slider sends 0.05 + 20 * 0.01 as it computes it; the readout says 0.25
+        dash.target.value = ""
+        assert "mixed" in dash.fraction_label.value
+        dash.fraction.value = 0.24999999999999994
+        assert dash.apply_touched() is not None
+        assert on(client, a, _settings)[0] == on(client, b, _settings)[0] == 0.25
+        assert "per_process_gpu_memory_fraction=0.25 on 2 worker(s)" in dash.status.value
+        assert dash.fraction_label.value == ""
+        # deferred deletion, as the workers run it
+        configure_workers(client, deferred_deletion_bytes=64 * MIB)
+        assert wait_for(lambda: dash.deferred_label.value == "64.00 MiB")
+        assert dash.deferred.value == 64 * MIB
+        dash.deferred.value = 16 * MIB
+        assert dash.deferred_label.value == "16.00 MiB &middot; now 64.00 MiB"
+    finally:
+        dash.close()
 
 
 def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
@@ -1007,12 +1049,26 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
     dash = ClusterDashboard(client)
     try:
         assert dash.model.wait(lambda w: a in w, 5)
-        on(client, a, _allocate, [40 * MIB])
+        on(client, a, _allocate, [10 * MIB])
+        assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 10 * MIB, 5)
+        on(client, a, _allocate, [30 * MIB])
+        assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 40 * MIB, 5)
+        history = dash.model.history(a, 0)
         view = dash.pick(a)
         assert isinstance(view, Dashboard) and dash.detail.children[-1] is view
         assert view.setup["devices"] == [f"{a} GPU_0_bfc"]
         assert wait_for(lambda: view.model.state(0) is not None and
                         view.model.state(0).stats.bytes_in_use == 40 * MIB)
+        # one set of controls, the views', acting on the picked worker
+        assert dash.controls.layout.display == "none" and dash.target.value == a
+        # the timeline starts with the worker's history, then goes on without a gap or dip
+        timeline = view.model.state(0).timeline
+        k = len(history["time_ms"]) - 1  # the last point is the views' first sample
+        assert k >= 2 and np.array_equal(timeline["time_ms"][:k], history["time_ms"][:k])
+        assert np.array_equal(timeline["in_use"][:k], history["bytes_in_use"][:k])
+        assert 10 * MIB in timeline["in_use"][:k].tolist()
+        assert set(timeline["in_use"][k:].tolist()) == {40 * MIB}
+        assert view.model.start_ms == history["time_ms"][0]
         # the worker's deferred deletion can be flushed and tuned from its dashboard
         assert view._controls_info(0)["session"] is True
         assert view._act({"name": "flush"})["ok"]
@@ -1021,7 +1077,10 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
         assert reply["ok"], reply
         assert on(client, a, _settings)[0] == 0.25 and on(client, b, _settings) == before_b
         dash.pick(b)  # the previous views close, and their model with them
-        assert view.model.closed
+        assert view.model.closed and dash.target.value == b
+        dash.unpick()  # the cluster's controls again, for all workers
+        assert dash.view is None and dash.detail.children == ()
+        assert dash.controls.layout.display != "none" and dash.target.value == ""
     finally:
         dash.close()
 
