@@ -167,6 +167,41 @@ def _threads():
     return sorted(t.name for t in threading.enumerate())
 
 
+def _in_use_run():
+    """For client.run: the session found without being told the worker."""
+    return worker_session().devices[0].allocator.bytes_in_use
+
+
+def _in_use_run_of(dask_worker):
+    """For client.run: the session of the worker client.run passes."""
+    return worker_session(dask_worker).devices[0].allocator.bytes_in_use
+
+
+async def _thread_tick_then_sync(sizes, dask_worker):
+    """On the worker's event loop (client.run): allocations whose events go out in a message
+    numbered on another thread (its send waits for the loop), then a message sent from the
+    loop itself. Returns the stream id, the last number before, and the numbers after the
+    other thread's message and after the loop's."""
+    import asyncio
+
+    from gpudash.dask.plugin import _runtime_of
+
+    rt = _runtime_of(dask_worker)
+    while rt._blocked():  # let Dask write what gpudash queued before
+        await asyncio.sleep(0.01)
+    # from here to the return the loop is ours: what other threads post waits for it
+    before = rt._n
+    ptrs = [rt.session.allocate(n) for n in sizes]
+    helper = threading.Thread(target=rt.tick, kwargs={"force": True})
+    helper.start()
+    helper.join()  # it posted (or, when it found the stream thread's, that one did)
+    after_thread = rt._n
+    after_sync = rt.tick(sync=True)
+    for p in ptrs:
+        rt.session.free_now(p)
+    return {"rid": rt.rid, "before": before, "thread": after_thread, "sync": after_sync}
+
+
 def _runtime_state():
     from distributed import get_worker
 
@@ -275,7 +310,7 @@ def test_plugin_arguments_are_checked_on_the_client():
 
 
 def test_worker_session_outside_a_worker_is_a_config_error():
-    with pytest.raises(ConfigError, match="inside a Dask task"):
+    with pytest.raises(ConfigError, match=r"client\.submit.*client\.run"):
         worker_session()
 
 
@@ -314,6 +349,36 @@ def test_plugin_sets_up_on_every_worker(client):
     assert metrics["gpudash_pool"] >= 3 * MIB and metrics["gpudash_peak"] == 3 * MIB
     assert metrics["gpudash_ooms"] == 0 and 0.0 <= metrics["gpudash_fragmentation"] <= 1.0
     assert metrics["gpudash"][0]["stats"]["bytes_in_use"] == 3 * MIB
+
+
+def test_worker_session_in_client_run(client):
+    """client.run, Dask's way to run a function on every worker, finds each worker's
+    session, with or without the dask_worker argument; a refusal reaches the client as the
+    ConfigError it is, and the workers log no pickling failure."""
+    a, b = addresses(client)
+    on(client, a, _allocate, [3 * MIB])
+    assert client.run(_in_use_run) == {a: 3 * MIB, b: 0}
+    assert client.run(_in_use_run_of) == {a: 3 * MIB, b: 0}
+    client.unregister_worker_plugin("gpudash")
+    try:
+        with pytest.raises(ConfigError, match="register the plugin"):
+            client.run(_in_use_run, workers=[a])
+        logs = client.get_worker_logs(workers=[a])[a]
+        assert not [m for _, m in logs if "pickle" in m], logs
+    finally:
+        client.register_plugin(GpudashPlugin(simulate="16GiB"))
+
+
+def test_worker_session_in_client_run_where_workers_share_a_loop():
+    """With processes=False every worker runs on one event loop: a client.run function must
+    name its worker, and the error says how."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.register_plugin(GpudashPlugin(simulate="1GiB"))
+        assert sorted(c.run(_in_use_run_of).values()) == [0, 0]
+        with pytest.raises(ConfigError, match=r"share this event loop.*worker_session\("
+                                              r"dask_worker\)"):
+            c.run(_in_use_run)
 
 
 def test_model_shows_both_workers_bytes_within_two_seconds(client, model):
@@ -639,6 +704,23 @@ def test_collect_traces_one_device_per_worker(client, model, tmp_path):
         collect_traces(client, path)
 
 
+def test_messages_leave_a_worker_in_the_order_they_are_numbered(client, model):
+    """A message the stream thread numbered goes out before one the worker's event loop
+    numbers after it (client.run: sync, lease), so the client never drops it as old and its
+    events reach the trace."""
+    a, _ = addresses(client)
+    sizes = [MIB, 2 * MIB, 5 * MIB]
+    out = client.run(_thread_tick_then_sync, sizes, workers=[a])[a]
+    assert out["before"] < out["thread"] and out["sync"] == out["thread"] + 1
+    numbers = [msg["n"] for _, msg in client.get_events(_wire.TOPIC)
+               if msg.get("worker") == a and msg.get("rid") == out["rid"]]
+    assert numbers == sorted(numbers), numbers
+    trace = collect_traces(client, model=model)
+    dev = [d["index"] for d in trace.meta["devices"] if d["worker"] == a]
+    allocs = trace.select(kinds="alloc", device=dev[0]).columns["requested"].tolist()
+    assert allocs == sizes
+
+
 def test_a_plugin_registered_again_is_a_new_device_of_the_trace(client, model):
     a, b = addresses(client)
     on(client, a, _allocate, [MIB])
@@ -816,7 +898,58 @@ def test_cli_whatif_on_a_scheduler(client, tmp_path, capsys):
     assert len(err) == 1 and "cannot reach the Dask scheduler" in err[0]
 
 
-# ---------------------------------------------------------------------- the dashboard
+def test_cli_whatif_on_a_dask_scheduler_and_worker_of_its_own(tmp_path, capsys):
+    """As run by hand: `dask scheduler` and `dask worker` processes, and `gpudash whatif
+    --scheduler` in a process of its own, where no Dask client is the default one."""
+    from gpudash.cli import main
+    from gpudash.trace import save_trace
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    path = tmp_path / "t.gdtrace"
+    save_trace(training_loop(steps=2, layers=3, hidden=1024, seed=2), path)
+    args = ["whatif", str(path), "--device", "1GiB", "--fractions", "0.05,0.2,0.6"]
+    sched_file = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "dask"]
+    procs = [subprocess.Popen(dask + ["scheduler", "--scheduler-file", str(sched_file),
+                                      "--port", "0", "--dashboard-address", ":0"],
+                              env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)]
+    try:
+        assert wait_for(sched_file.exists, 60), "the scheduler did not start"
+        procs.append(subprocess.Popen(dask + ["worker", "--scheduler-file", str(sched_file),
+                                              "--nthreads", "2", "--no-nanny",
+                                              "--dashboard-address", ":0"],
+                                      env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        import json
+
+        address = json.loads(sched_file.read_text())["address"]
+        with Client(address, set_as_default=False) as c:
+            c.wait_for_workers(1, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "gpudash"] + args +
+                             ["--scheduler", address], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "internal error" not in out.stderr
+    assert f"Dask cluster at {address} (1 worker(s))" in out.stdout
+    assert "smallest fraction that fits" in out.stdout
+    assert main(args + ["--jobs", "1"]) == 0
+    local = capsys.readouterr().out
+    table = lambda text: text[text.index("fraction  growth"):]  # noqa: E731
+    assert table(out.stdout) == table(local)
+
+
 def test_cluster_dashboard_rows_controls_and_views(client):
     import ipywidgets as widgets
 
@@ -856,13 +989,55 @@ def test_cluster_dashboard_rows_controls_and_views(client):
         assert a in dash.error.value and b in dash.error.value
         assert {x: on(client, x, _settings) for x in (a, b)} == before
         assert dash.release_free_regions() is not None and dash.flush_deferred() is not None
-        # picking a worker opens its views from its feeds
+        # picking a worker opens its views from its feeds; views without controls of their
+        # own leave the cluster's shown, aimed at the picked worker
         view = dash.pick(a)
         assert isinstance(view, widgets.Label) and view.value == f"{a} GPU_0_bfc"
         assert dash.detail.children[-1] is view
+        assert dash.target.value == a and dash.controls.layout.display != "none"
     finally:
         dash.close()
     assert dash.model.closed
+
+
+def test_cluster_dashboard_controls_show_what_the_workers_run(client):
+    """The controls show the workers' settings, whoever set them, say "mixed" where the
+    target workers differ, and apply a fraction as the slider shows it."""
+    import ipywidgets as widgets
+
+    a, b = addresses(client)
+    configure_workers(client, per_process_gpu_memory_fraction=0.5)
+    dash = ClusterDashboard(client, views=lambda feeds: widgets.Label())
+    try:
+        assert wait_for(lambda: dash.fraction.value == 0.5)
+        assert dash.fraction_label.value == ""  # the slider says it all
+        configure_workers(client, workers=[b], per_process_gpu_memory_fraction=0.25,
+                          allow_growth=True)
+        assert wait_for(lambda: dash.fraction_label.value == "<b>mixed:</b> 0.25, 0.5")
+        assert dash.growth.description == "allow growth (mixed)"
+        dash.target.value = b  # one worker: its own settings, nothing mixed
+        assert (dash.fraction.value, dash.fraction_label.value) == (0.25, "")
+        assert dash.growth.value is True and dash.growth.description == "allow growth"
+        dash.target.value = a
+        assert (dash.fraction.value, dash.growth.value) == (0.5, False)
+        dash.fraction.value = 0.4  # moved, not applied: the label says what runs
+        assert dash.fraction_label.value == "now 0.5"
+        # a browser's slider sends 0.05 + 20 * 0.01 as it computes it; the readout says 0.25
+        dash.target.value = ""
+        assert "mixed" in dash.fraction_label.value
+        dash.fraction.value = 0.24999999999999994
+        assert dash.apply_touched() is not None
+        assert on(client, a, _settings)[0] == on(client, b, _settings)[0] == 0.25
+        assert "per_process_gpu_memory_fraction=0.25 on 2 worker(s)" in dash.status.value
+        assert dash.fraction_label.value == ""
+        # deferred deletion, as the workers run it
+        configure_workers(client, deferred_deletion_bytes=64 * MIB)
+        assert wait_for(lambda: dash.deferred_label.value == "64.00 MiB")
+        assert dash.deferred.value == 64 * MIB
+        dash.deferred.value = 16 * MIB
+        assert dash.deferred_label.value == "16.00 MiB &middot; now 64.00 MiB"
+    finally:
+        dash.close()
 
 
 def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
@@ -874,12 +1049,26 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
     dash = ClusterDashboard(client)
     try:
         assert dash.model.wait(lambda w: a in w, 5)
-        on(client, a, _allocate, [40 * MIB])
+        on(client, a, _allocate, [10 * MIB])
+        assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 10 * MIB, 5)
+        on(client, a, _allocate, [30 * MIB])
+        assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 40 * MIB, 5)
+        history = dash.model.history(a, 0)
         view = dash.pick(a)
         assert isinstance(view, Dashboard) and dash.detail.children[-1] is view
         assert view.setup["devices"] == [f"{a} GPU_0_bfc"]
         assert wait_for(lambda: view.model.state(0) is not None and
                         view.model.state(0).stats.bytes_in_use == 40 * MIB)
+        # one set of controls, the views', acting on the picked worker
+        assert dash.controls.layout.display == "none" and dash.target.value == a
+        # the timeline starts with the worker's history, then goes on without a gap or dip
+        timeline = view.model.state(0).timeline
+        k = len(history["time_ms"]) - 1  # the last point is the views' first sample
+        assert k >= 2 and np.array_equal(timeline["time_ms"][:k], history["time_ms"][:k])
+        assert np.array_equal(timeline["in_use"][:k], history["bytes_in_use"][:k])
+        assert 10 * MIB in timeline["in_use"][:k].tolist()
+        assert set(timeline["in_use"][k:].tolist()) == {40 * MIB}
+        assert view.model.start_ms == history["time_ms"][0]
         # the worker's deferred deletion can be flushed and tuned from its dashboard
         assert view._controls_info(0)["session"] is True
         assert view._act({"name": "flush"})["ok"]
@@ -888,7 +1077,10 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
         assert reply["ok"], reply
         assert on(client, a, _settings)[0] == 0.25 and on(client, b, _settings) == before_b
         dash.pick(b)  # the previous views close, and their model with them
-        assert view.model.closed
+        assert view.model.closed and dash.target.value == b
+        dash.unpick()  # the cluster's controls again, for all workers
+        assert dash.view is None and dash.detail.children == ()
+        assert dash.controls.layout.display != "none" and dash.target.value == ""
     finally:
         dash.close()
 

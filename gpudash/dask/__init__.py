@@ -8,7 +8,8 @@
 
 - :class:`GpudashPlugin` (a ``distributed.WorkerPlugin``): a gpudash session on every worker,
   streaming summaries (and, on request, chunk tables and events) on the Dask topic
-  ``"gpudash"`` and in the workers' heartbeat metrics; :func:`worker_session` inside a task;
+  ``"gpudash"`` and in the workers' heartbeat metrics; :func:`worker_session` inside a task
+  or a ``client.run`` function;
 - :class:`ClusterModel`: every worker's figures, history, feeds and recorded events;
   :class:`WorkerFeed`: one worker device as a :class:`~gpudash.widgets.feeds.DeviceFeed`;
 - :class:`ClusterDashboard`: a row per worker, controls for all workers or one, the usual

@@ -85,7 +85,8 @@ def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarra
     rows: list[dict | None] = [None] * len(settings)
     done = 0
     try:
-        for fut in as_completed(futures):
+        # the client's loop: as_completed() would otherwise look for a default client
+        for fut in as_completed(futures, loop=client.loop):
             rows[index[fut.key]] = fut.result()
             done += 1
             if report is not None:
@@ -108,8 +109,6 @@ def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
     path the sequential bisection would take. The fractions tried, the history and the
     result are exactly those of the local run.
     """
-    from distributed import wait
-
     _check_client(client)
     calls = _scatter(client, op, key, nbytes, n_events)
     threads = max(1, sum(client.nthreads().values()))
@@ -124,11 +123,13 @@ def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
             futures.append(client.submit(_fits_task, make_settings(f), calls, max_ooms,
                                          key=f"gpudash-bisect-{token}-{count[0]}",
                                          pure=False))
-        wait(futures)
-        out = {f: fut.result() for f, fut in zip(fractions, futures)}
-        for fut in futures:
-            fut.release()
-        return out
+        try:
+            # this client's gather: distributed.wait() would look for a default client,
+            # and the CLI's client is not one
+            return dict(zip(fractions, client.gather(futures)))
+        finally:
+            for fut in futures:
+                fut.release()
 
     def note(frac: float, ooms: int) -> None:
         history.append((frac, ooms))

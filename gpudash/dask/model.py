@@ -44,7 +44,7 @@ MAX_QUEUED_OPS = 1_000_000
 class _DevRec:
     """What a model knows of one worker device."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, history: int) -> None:
         self.index = index
         self.name = f"GPU_{index}_bfc"
         self.kind = "simulated"
@@ -59,6 +59,7 @@ class _DevRec:
         self.n_setting = 0
         self.version = 0
         self.time_ns = 0
+        self.history: deque = deque(maxlen=history)  # (time_ms, in_use, pool, limit)
         # layout for feeds: what arrived since the last sample, then the replica
         self.layout_q: list[tuple[str, Any]] = []
         self.layout_q_ops = 0
@@ -179,7 +180,8 @@ class ClusterModel:
     rate_hz : float, default 2.0
         Most listener notifications a second.
     history : int, default 600
-        Points of history kept per worker (for sparklines).
+        Points of history kept per worker and per worker device (for sparklines, and the
+        timeline of a worker's views, which starts with them).
     lease_ttl : float, default 30.0
         Seconds a worker keeps streaming tables/events for this model without a renewal.
     record_bytes : int, default 256 MiB
@@ -294,7 +296,7 @@ class ClusterModel:
                 index = int(entry["index"])
                 dev = rec.devices.get(index)
                 if dev is None:
-                    dev = rec.devices[index] = _DevRec(index)
+                    dev = rec.devices[index] = _DevRec(index, self._history_len)
                 self._update_device(dev, entry, t_local, off,
                                     bool(self._feeds.get((address, index))), rid)
                 woken.append((address, index))
@@ -320,6 +322,9 @@ class ClusterModel:
         dev.kind = str(entry.get("kind", dev.kind))
         dev.capacity = int(entry.get("capacity", dev.capacity))
         dev.stats = dict(entry.get("stats") or {})
+        st = dev.stats
+        dev.history.append((t_local / 1e6, st.get("bytes_in_use", 0), st.get("pool_bytes", 0),
+                            st.get("bytes_limit", 0)))
         dev.options = dict(entry.get("options") or {})
         dev.deferred_bytes = int(entry.get("deferred_bytes", 0))
         dev.allocs = int(entry.get("allocs", 0))
@@ -495,12 +500,19 @@ class ClusterModel:
             "recording": rec.events_on, "devices": devs,
         }
 
-    def history(self, address: str) -> dict[str, np.ndarray]:
-        """A worker's history: ``time_ms``, ``bytes_in_use``, ``pool_bytes``,
-        ``bytes_limit`` (numpy arrays, oldest first; one point per message received)."""
+    def history(self, address: str, device: int | None = None) -> dict[str, np.ndarray]:
+        """A worker's history (its devices added up), or one of its devices': ``time_ms``,
+        ``bytes_in_use``, ``pool_bytes``, ``bytes_limit`` (numpy arrays, oldest first; one
+        point per message received)."""
         with self._lock:
             rec = self._need(address)
-            rows = list(rec.history)
+            if device is None:
+                rows = list(rec.history)
+            elif device in rec.devices:
+                rows = list(rec.devices[device].history)
+            else:
+                raise ConfigError(f"worker {address} has no device {device!r} (it has "
+                                  f"{sorted(rec.devices)})")
         arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
         return {"time_ms": arr[:, 0], "bytes_in_use": arr[:, 1].astype(np.int64),
                 "pool_bytes": arr[:, 2].astype(np.int64),
@@ -632,6 +644,30 @@ class ClusterModel:
         if not gone:
             self._lease([feed.address], force=True)
 
+    def _wait_first_layout(self, feed: WorkerFeed, timeout: float) -> None:
+        """Until the device's first chunk table arrived (a new lease brings one at once), the
+        worker left, or ``timeout`` s passed: the feed's first sample then has the layout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                rec = self._workers[feed.address]
+                dev = rec.devices[feed.device]
+                if self._closed or rec.state == "gone" or dev.replica is not None or \
+                        any(kind == "table" for kind, _ in dev.layout_q):
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def _feed_history(self, feed: WorkerFeed) -> dict[str, np.ndarray]:
+        with self._lock:
+            dev = self._workers[feed.address].devices[feed.device]
+            latest_ms = dev.time_ns / 1e6  # the feed's first sample has this point
+            rows = [r for r in dev.history if r[0] < latest_ms]
+        arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
+        return {"time_ms": arr[:, 0], "in_use": arr[:, 1].astype(np.int64),
+                "pool": arr[:, 2].astype(np.int64), "limit": arr[:, 3].astype(np.int64)}
+
     def _stop_feed(self, feed: WorkerFeed) -> None:
         with self._lock:
             lst = self._feeds.get((feed.address, feed.device), [])
@@ -714,11 +750,15 @@ class WorkerFeed(DeviceFeed):
     Its samples carry the worker's chunk table (sent by the worker while the feed is
     started, when the layout changed, within the worker's ``table_bytes_per_s``) with
     stats made consistent with it, and the allocation/free/OOM/setting counts since the
-    previous sample. Its controls act on that worker device through
+    previous sample; :meth:`start` waits for the first table, and :meth:`history` hands over
+    the points the model had before. Its controls act on that worker device through
     :func:`~gpudash.dask.configure_workers` (validated on the client first).
     """
 
     kind = "dask"
+    #: Seconds :meth:`start` waits for the worker's first chunk table (a live worker sends
+    #: it at once).
+    first_layout_timeout = 5.0
 
     def __init__(self, model: ClusterModel, address: str, device: int) -> None:
         self._model = model
@@ -758,9 +798,15 @@ class WorkerFeed(DeviceFeed):
             self._n_oom, self._n_setting = dev.n_oom, dev.n_setting
         self._wake = wake
         self._model._start_feed(self)
+        self._model._wait_first_layout(self, self.first_layout_timeout)
 
     def sample(self) -> FeedSample | None:
         return self._model._sample_feed(self)
+
+    def history(self) -> dict:
+        """The device's points the model holds from before the feed's first sample
+        (``time_ms``, ``in_use``, ``pool``, ``limit``): a worker's views start with them."""
+        return self._model._feed_history(self)
 
     def stop(self) -> None:
         self._wake = None

@@ -57,7 +57,8 @@ from typing import Any
 
 import numpy as np
 from distributed import WorkerPlugin
-from distributed.worker import get_worker
+from distributed.core import Status
+from distributed.worker import Worker, get_worker
 
 from .._errors import ConfigError, OutOfMemoryError
 from ..options import memory_limit, simulated_devices_from_env
@@ -186,28 +187,61 @@ class _WorkerSession(Session):
             raise
 
 
-def worker_session() -> Session:
-    """The gpudash session of the Dask worker running the current task.
+def worker_session(dask_worker: Any = None) -> Session:
+    """The gpudash session of a Dask worker: the worker running the current task
+    (``client.submit``), or the worker a ``client.run`` function runs on.
+
+    Parameters
+    ----------
+    dask_worker : distributed.Worker, optional
+        The worker, as ``client.run`` passes it to a function with a ``dask_worker``
+        argument. By default the worker running the current task, else the worker whose
+        event loop runs this call (a function run by ``client.run``).
 
     Raises
     ------
     ConfigError
-        Outside a Dask task, or on a worker without :class:`GpudashPlugin`.
+        Outside a Dask worker, on a worker without :class:`GpudashPlugin`, or inside
+        ``client.run`` in a process where several workers share one event loop (a
+        ``LocalCluster(processes=False)``: pass ``dask_worker`` there).
 
     Examples
     --------
     >>> client.submit(lambda: worker_session().allocate(1 << 20)).result()  # doctest: +SKIP
+    >>> client.run(lambda: worker_session().bytes_in_use())                 # doctest: +SKIP
+    >>> client.run(lambda dask_worker: worker_session(dask_worker).bytes_in_use())  # doctest: +SKIP
     """
-    try:
-        worker = get_worker()
-    except ValueError:
-        raise ConfigError("worker_session() works inside a Dask task (client.submit(fn)); "
-                          "there is no Dask worker here") from None
+    worker = dask_worker if dask_worker is not None else _current_worker()
     runtime = _runtime_of(worker)
     if runtime is None:
         raise ConfigError(f"worker {worker.address} has no gpudash session: register the "
                           "plugin first, client.register_plugin(gpudash.dask.GpudashPlugin())")
     return runtime.session
+
+
+def _current_worker() -> Any:
+    """The worker of the running task, else the one whose event loop runs this thread.
+
+    Errors are raised outside Dask's ``except``: an error chained to Dask's LookupError
+    would carry its ContextVar, which cannot be pickled back to the client."""
+    try:
+        return get_worker()
+    except ValueError:
+        pass
+    me = threading.get_ident()
+    here = [w for w in list(Worker._instances)
+            if getattr(w, "thread_id", None) == me and w.status != Status.closed]
+    if len(here) == 1:
+        return here[0]
+    if here:
+        raise ConfigError(
+            f"{len(here)} Dask workers share this event loop (a LocalCluster with "
+            "processes=False), so worker_session() cannot tell which one runs this "
+            "client.run call: take the worker as an argument and pass it, "
+            "client.run(lambda dask_worker: worker_session(dask_worker)...)")
+    raise ConfigError("worker_session() works in a Dask task (client.submit(fn)) or in a "
+                      "function client.run(fn) runs on the workers; there is no Dask worker "
+                      "here")
 
 
 def _runtime_of(worker: Any) -> _Runtime | None:
@@ -525,7 +559,8 @@ class _Runtime:
         self._tick_lock = threading.Lock()
         self._leases: dict[str, tuple[float, bool, frozenset]] = {}
         self._force = True
-        self._queued = 0
+        # messages numbered but not yet handed to Dask, oldest first (see _post)
+        self._outbox: deque = deque()
         self._n = 0
         self._table_free_at = 0.0
         self.dropped = {"messages": 0}
@@ -675,7 +710,7 @@ class _Runtime:
 
     def _blocked(self) -> bool:
         """True while Dask has not yet written gpudash's previous message (slow comm)."""
-        if self._queued > 0:
+        if self._outbox:
             return True
         stream = getattr(self.worker, "batched_stream", None)
         buffer = getattr(stream, "buffer", None)
@@ -734,24 +769,34 @@ class _Runtime:
             return self._n
 
     def _post(self, msg: dict) -> None:
+        """Hand a message to Dask, after every message numbered before it.
+
+        Called with the tick lock held, so the outbox is in message order. Only the worker's
+        event loop sends: from the stream thread through a callback, from the loop itself
+        (``client.run``, teardown) at once -- and then the messages still waiting for their
+        callback go first, or the client would see message n + 1 before n and drop n."""
         with self._lock:
-            self._queued += 1
+            self._outbox.append(msg)
         if threading.get_ident() == getattr(self.worker, "thread_id", None):
-            self._send_on_loop(msg)  # on the worker's loop already (client.run, teardown)
+            self._send_on_loop()
             return
         try:
-            self.worker.loop.add_callback(self._send_on_loop, msg)
+            self.worker.loop.add_callback(self._send_on_loop)
         except Exception:  # noqa: BLE001 - the loop is closed: the worker is going away
             with self._lock:
-                self._queued -= 1
+                self._outbox.clear()
 
-    def _send_on_loop(self, msg: dict) -> None:
-        with self._lock:
-            self._queued -= 1
-        try:
-            self.worker.log_event(_wire.TOPIC, msg)
-        except Exception:  # noqa: BLE001 - the comm to the scheduler is closing
-            pass
+    def _send_on_loop(self) -> None:
+        """On the worker's event loop: send what the outbox holds, in order."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                msg = self._outbox.popleft()
+            try:
+                self.worker.log_event(_wire.TOPIC, msg)
+            except Exception:  # noqa: BLE001 - the comm to the scheduler is closing
+                pass
 
     # -------------------------------------------------------------- control
     def settings(self) -> list[dict]:
@@ -811,14 +856,10 @@ class _Runtime:
                 ds.set_journal(False)
             except Exception:  # noqa: BLE001
                 pass
-        try:
-            self.worker.log_event(_wire.TOPIC, {"v": _wire.WIRE_VERSION,
-                                                "worker": self.address, "rid": self.rid,
-                                                "n": self._n + 1,
-                                                "t": time.time_ns(), "devices": [],
-                                                "bye": True})
-        except Exception:  # noqa: BLE001 - the worker's comm may be closed already
-            pass
+        with self._tick_lock:
+            self._n += 1
+            self._post({"v": _wire.WIRE_VERSION, "worker": self.address, "rid": self.rid,
+                        "n": self._n, "t": time.time_ns(), "devices": [], "bye": True})
         for undo in reversed(self._undo):
             try:
                 undo()

@@ -120,6 +120,12 @@ class DeviceFeed:
     def stop(self) -> None:
         """Stop feeding and release what :meth:`start` took. Called once."""
 
+    def history(self) -> dict | None:
+        """Optional: the device's timeline points from before the first sample (``time_ms``,
+        ``in_use``, ``pool``, ``limit`` arrays, oldest first), read once after :meth:`start`;
+        the model's timeline starts with them. ``None``: no history."""
+        return None
+
     # ----------------------------------------------------------- controls (optional)
     def settings(self) -> dict:
         """Settings in force: ``fraction``, ``allow_growth``, ``deferred_deletion_bytes``,

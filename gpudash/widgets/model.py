@@ -555,6 +555,7 @@ class LiveModel(traitlets.HasTraits):
             if dev.feed is not None:
                 dev.feed.start(wake.set)
                 removes.append(dev.feed.stop)
+                self._seed_timeline(dev)
         self._finalizer = weakref.finalize(self, _shutdown, removes, self._stop, self._wake)
         self.refresh_now(force=True)
         self._thread: threading.Thread | None = None
@@ -563,6 +564,18 @@ class LiveModel(traitlets.HasTraits):
                                                                         self._wake),
                                             name="gpudash-live-model", daemon=True)
             self._thread.start()
+
+    def _seed_timeline(self, dev: _Device) -> None:
+        """A feed's points from before its first sample (``feed.history()``): the timeline
+        starts with them, and its time axis at the first."""
+        history = getattr(dev.feed, "history", None)
+        points = history() if callable(history) else None
+        if not points or not len(points["time_ms"]):
+            return
+        for row in zip(*(np.asarray(points[k]).tolist()
+                         for k in ("time_ms", "in_use", "pool", "limit"))):
+            dev.timeline.append(*row)
+        self.start_ms = min(self.start_ms, float(points["time_ms"][0]))
 
     # ------------------------------------------------------------------ traits
     @traitlets.validate("rate_hz")
