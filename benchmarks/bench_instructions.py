@@ -1,7 +1,8 @@
 """Instructions per allocate+free pair under callgrind: a noise-free companion to
 ``bench_ratios.py`` (whose timings move with whatever else the machine runs).
 
-Each configuration of ``bench_ratios.py`` (bare, session, recorder, reference) runs under
+Each configuration of ``bench_ratios.py`` (bare, session, recorder, reference; and ``torch``,
+PyTorch's caching allocator on the same calls) runs under
 ``valgrind --tool=callgrind`` twice, with ``--pairs`` and with twice as many; the difference
 of the two instruction counts, divided by the extra pairs, is what one pair costs (start-up
 and imports cancel out). Needs valgrind; takes a few minutes.
@@ -19,14 +20,14 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("bare", "session", "recorder", "reference")
+CONFIGS = ("bare", "session", "recorder", "reference", "torch")
 
 ONE = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 from bench_ratios import LIMIT, make_workload, run
 import gpudash
-from gpudash import BFCAllocator, Recorder, SimulatedDevice
+from gpudash import BFCAllocator, CachingAllocator, Recorder, SimulatedDevice
 from reference_bfc import ReferenceBFC
 config, pairs = sys.argv[2], int(sys.argv[3])
 steps = make_workload(pairs)
@@ -41,6 +42,9 @@ elif config == "recorder":
     rec = Recorder(a, capacity=4 * pairs + 1000)
     run(a.allocate, a.deallocate, steps)
     rec.detach()
+elif config == "torch":
+    a = CachingAllocator(SimulatedDevice("16GiB"))
+    run(a.allocate, a.deallocate, steps)
 else:
     r = ReferenceBFC(LIMIT)
     run(r.allocate, r.deallocate, steps)
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"recorder cost               {per_pair['recorder'] / b:.2f}x")
         if "reference" in per_pair:
             print(f"bare / reference (speed)    {per_pair['reference'] / b:.2f}")
+        if "torch" in per_pair:
+            print(f"PyTorch's model / BFC       {per_pair['torch'] / b:.2f}x")
 
 
 if __name__ == "__main__":

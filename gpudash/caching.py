@@ -610,7 +610,7 @@ class CachingAllocator(EventSource):
                         raise exc
                     return 0
             ptr = self._alloc_found_block(block, pool, size, nbytes, stream)
-            if journal is not None and (start >= self._flush_at or self._callbacks):
+            if journal is not None and start >= self._flush_at:
                 self._after_op(start)
             return ptr
 
@@ -695,37 +695,45 @@ class CachingAllocator(EventSource):
 
     def _alloc_found_block(self, block: _Block, pool: _Pool, size: int, orig: int,
                            stream: int) -> int:
+        """``alloc_found_block``: split the block if it should be (the allocation takes the
+        front), mark it allocated, count it. The hot path: the statistics updates of
+        :func:`_inc`/:func:`_dec` are written out."""
         stats = self._stats.pool
         t = pool.index
-        already_split = block.prev is not None or block.next is not None
+        j = t << 2
+        prev = block.prev
+        already_split = prev is not None or block.next is not None
         remainder = 0
-        remaining_bytes = block.size - size
         if pool.is_small:
-            split = remaining_bytes >= K_MIN_BLOCK_SIZE
+            split = block.size - size >= K_MIN_BLOCK_SIZE
         else:
             split = self._should_split(block, size)
         if split:
             # the allocation takes the front; the old record becomes the free remainder
             remaining = block
             block = _Block(remaining.ptr, size, stream, pool, remaining.es)
-            prev = block.prev = remaining.prev
+            block.prev = prev
             if prev is not None:
                 prev.next = block
             block.next = remaining
             remaining.prev = block
-            remaining.ptr += size
-            remaining.size -= size
-            remainder = remaining.size
-            self._blocks[block.ptr] = block
-            self._blocks[remaining.ptr] = remaining
+            rptr = remaining.ptr = remaining.ptr + size
+            remainder = remaining.size = remaining.size - size
+            blocks = self._blocks
+            blocks[block.ptr] = block
+            blocks[rptr] = remaining
             remaining.gc_base = pool.calls
-            insort(pool.keys, (stream << 128) | (remainder << 64) | remaining.ptr)
+            insort(pool.keys, (stream << 128) | (remainder << 64) | rptr)
             if block.es is None:
+                sb = stats["inactive_split_bytes"]
                 if already_split:
                     # an already-split inactive block shrinks by `size` bytes
-                    _dec(stats["inactive_split_bytes"], t, size)
+                    sb[0] -= size
+                    sb[3] += size
+                    sb[j] -= size
+                    sb[j + 3] += size
                 else:
-                    _inc(stats["inactive_split_bytes"], t, remainder)
+                    _inc(sb, t, remainder)
                     _inc(stats["inactive_split"], t, 1)
         elif already_split and block.es is None:
             _dec(stats["inactive_split_bytes"], t, block.size)
@@ -735,9 +743,35 @@ class CachingAllocator(EventSource):
         aid = block.aid = self._next_aid
         self._next_aid = aid + 1
         bsize = block.size
-        _inc(stats["allocation"], t, 1)
-        _inc(stats["allocated_bytes"], t, bsize)
-        _inc(stats["requested_bytes"], t, orig)
+        # allocation += 1, allocated_bytes += bsize, requested_bytes += orig, for the
+        # aggregate ([0:4]) and the pool ([j:j+4]): [current, peak, allocated, freed]
+        st = stats["allocation"]
+        c = st[0] = st[0] + 1
+        if c > st[1]:
+            st[1] = c
+        st[2] += 1
+        c = st[j] = st[j] + 1
+        if c > st[j + 1]:
+            st[j + 1] = c
+        st[j + 2] += 1
+        st = stats["allocated_bytes"]
+        c = st[0] = st[0] + bsize
+        if c > st[1]:
+            st[1] = c
+        st[2] += bsize
+        c = st[j] = st[j] + bsize
+        if c > st[j + 1]:
+            st[j + 1] = c
+        st[j + 2] += bsize
+        st = stats["requested_bytes"]
+        c = st[0] = st[0] + orig
+        if c > st[1]:
+            st[1] = c
+        st[2] += orig
+        c = st[j] = st[j] + orig
+        if c > st[j + 1]:
+            st[j + 1] = c
+        st[j + 2] += orig
         mss = self._conf.max_split_size
         if mss is not None and bsize >= mss:
             _inc1(self._stats.oversize_allocations, 1)
@@ -1198,23 +1232,25 @@ class CachingAllocator(EventSource):
             An address never allocated here, or already freed (PyTorch: "invalid device
             pointer").
         """
-        if not ptr:
-            if not isinstance(ptr, bool) and isinstance(ptr, int):
-                return
-            import numbers
+        if type(ptr) is not int or not ptr:
+            if not ptr:
+                import numbers
 
-            if isinstance(ptr, numbers.Integral) and not isinstance(ptr, bool):
-                return
-            raise InvalidPointerError(f"{self._name}: deallocate() expects an int address; "
-                                      f"got {ptr!r}")
+                if isinstance(ptr, numbers.Integral) and not isinstance(ptr, bool):
+                    return  # nullptr: nothing to free, as in PyTorch
+                raise InvalidPointerError(f"{self._name}: deallocate() expects an int "
+                                          f"address; got {ptr!r}")
         with self._lock:
             b = self._blocks.get(ptr) if type(ptr) is int else self._lookup(ptr)
             if b is None or not b.allocated:
                 raise self._invalid_pointer(ptr, "deallocate")
             journal = self._journal
-            start = len(journal) if journal is not None else 0
+            if journal is None:
+                self._free(b)
+                return
+            start = len(journal)
             self._free(b)
-            if journal is not None and (start >= self._flush_at or self._callbacks):
+            if start >= self._flush_at:
                 self._after_op(start)
 
     def _lookup(self, ptr: Any) -> _Block | None:
@@ -1228,17 +1264,29 @@ class CachingAllocator(EventSource):
             return None
 
     def _free(self, block: _Block) -> None:
+        """``free`` then ``free_block``: uncount the block, merge it with free neighbours
+        (the previous one first), cache it. The hot path: statistics written out."""
         stats = self._stats.pool
         pool = block.pool
         t = pool.index
+        j = t << 2
         bsize = block.size
         ptr = block.ptr
         req = block.requested
         aid = block.aid
         block.allocated = False
         block.aid = -1
-        _dec(stats["allocation"], t, 1)
-        _dec(stats["allocated_bytes"], t, bsize)
+        # allocation -= 1, allocated_bytes -= bsize (free_requested)
+        st = stats["allocation"]
+        st[0] -= 1
+        st[3] += 1
+        st[j] -= 1
+        st[j + 3] += 1
+        st = stats["allocated_bytes"]
+        st[0] -= bsize
+        st[3] += bsize
+        st[j] -= bsize
+        st[j + 3] += bsize
         hist = self._history
         if hist is not None:
             self._trace("free_requested", ptr, req, block.stream)
@@ -1261,16 +1309,23 @@ class CachingAllocator(EventSource):
             if block.prev is not None or block.next is not None:
                 net_blocks += 1
                 net_bytes += block.size
-            split, split_bytes = stats["inactive_split"], stats["inactive_split_bytes"]
-            if net_blocks > 0:
-                _inc(split, t, net_blocks)
-            elif net_blocks < 0:
-                _dec(split, t, -net_blocks)
-            if net_bytes > 0:
-                _inc(split_bytes, t, net_bytes)
-            elif net_bytes < 0:
-                _dec(split_bytes, t, -net_bytes)
-        _dec(stats["requested_bytes"], t, req)
+            if net_blocks:
+                split = stats["inactive_split"]
+                if net_blocks > 0:
+                    _inc(split, t, net_blocks)
+                else:
+                    _dec(split, t, -net_blocks)
+            if net_bytes:
+                split_bytes = stats["inactive_split_bytes"]
+                if net_bytes > 0:
+                    _inc(split_bytes, t, net_bytes)
+                else:
+                    _dec(split_bytes, t, -net_bytes)
+        st = stats["requested_bytes"]  # requested_bytes -= req (free_completed)
+        st[0] -= req
+        st[3] += req
+        st[j] -= req
+        st[j + 3] += req
         journal = self._journal
         if journal is not None:
             journal.extend((now_ns(), _FREE, ptr, bsize, req, aid, next_size, prev_size))
