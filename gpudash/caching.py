@@ -358,6 +358,7 @@ class CachingAllocator(EventSource):
         self._small = _Pool(True)
         self._large = _Pool(False)
         self._blocks: dict[int, _Block] = {}
+        self._spare: list[_Block] = []                 # records of merged blocks, reused
         self._segments: dict[int, int] = {}            # cudaMalloc base -> size
         self._expandable: list[_ExpandableSegment] = []
         self._reserved = 0                             # total_allocated_memory
@@ -711,7 +712,17 @@ class CachingAllocator(EventSource):
         if split:
             # the allocation takes the front; the old record becomes the free remainder
             remaining = block
-            block = _Block(remaining.ptr, size, stream, pool, remaining.es)
+            spare = self._spare
+            if spare:
+                block = spare.pop()
+                block.ptr = remaining.ptr
+                block.size = size
+                block.stream = stream
+                block.pool = pool
+                block.es = remaining.es
+                block.mapped = True
+            else:
+                block = _Block(remaining.ptr, size, stream, pool, remaining.es)
             block.prev = prev
             if prev is not None:
                 prev.next = block
@@ -1217,8 +1228,11 @@ class CachingAllocator(EventSource):
             n = dst.next = src.next
             if n is not None:
                 n.prev = dst
-        dst.size += src.size
-        return src.size
+        size = src.size
+        dst.size += size
+        src.prev = src.next = src.es = None
+        self._spare.append(src)
+        return size
 
     # ------------------------------------------------------------------ free
     def deallocate(self, ptr: int) -> None:
@@ -1297,8 +1311,33 @@ class CachingAllocator(EventSource):
         if hist is not None:
             self._trace("free_completed", ptr, req, block.stream)
         p, n = block.prev, block.next
-        prev_size = self._try_merge(block, p) if p is not None and not p.allocated else 0
-        next_size = self._try_merge(block, n) if n is not None and not n.allocated else 0
+        prev_size = next_size = 0
+        if p is not None and not p.allocated and p.mapped:
+            # try_merge_blocks(block, prev), written out: block takes prev's start
+            keys = pool.keys
+            del keys[bisect_left(keys, (p.stream << 128) | (p.size << 64) | p.ptr)]
+            blocks = self._blocks
+            del blocks[ptr]
+            block.ptr = p.ptr
+            blocks[p.ptr] = block
+            pp = block.prev = p.prev
+            if pp is not None:
+                pp.next = block
+            prev_size = p.size
+            block.size += prev_size
+            p.prev = p.next = p.es = None
+            self._spare.append(p)
+        if n is not None and not n.allocated and n.mapped:
+            keys = pool.keys
+            del keys[bisect_left(keys, (n.stream << 128) | (n.size << 64) | n.ptr)]
+            del self._blocks[n.ptr]
+            nn = block.next = n.next
+            if nn is not None:
+                nn.prev = block
+            next_size = n.size
+            block.size += next_size
+            n.prev = n.next = n.es = None
+            self._spare.append(n)
         block.gc_base = pool.calls
         insort(pool.keys, (block.stream << 128) | (block.size << 64) | block.ptr)
         if block.es is None:
