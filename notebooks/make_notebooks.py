@@ -5,6 +5,7 @@ Run: ``python notebooks/make_notebooks.py``. The notebooks are stored without ou
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import nbformat
@@ -14,6 +15,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def write(name: str, cells: list) -> None:
+    # Cell ids from the cells' text (not random), so that regenerating changes only the
+    # notebooks, and the cells, whose text changed.
+    seen: set[str] = set()
+    for cell in cells:
+        base = hashlib.sha1(f"{cell.cell_type}\n{cell.source}".encode()).hexdigest()[:8]
+        cell.id, n = base, 1
+        while cell.id in seen:  # the same text twice in one notebook
+            n += 1
+            cell.id = f"{base}-{n}"
+        seen.add(cell.id)
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
         "language_info": {"name": "python"},
@@ -36,21 +47,6 @@ write("01_quickstart.ipynb", [
          "sess = gpudash.default_session()\n"
          "dev = sess.devices[0]\n"
          "print(dev, dev.allocator)"),
-    md("Run a workload **in the background**, so the dashboard's controls stay usable while "
-       "it runs (while a cell is executing the kernel handles no widget messages). Drag the "
-       "fraction slider while it runs: the limit changes on the live session."),
-    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
-         "\n"
-         "def workload(stop_event=None):\n"
-         "    calls = training_loop_calls(steps=30, layers=12, batch=64, hidden=4096)\n"
-         "    return run_workload(calls, sess.allocate, sess.free, sleep=0.002,\n"
-         "                        stop=stop_event.is_set if stop_event else None)\n"
-         "\n"
-         "task = gpudash.run_in_background(workload)\n"
-         "task"),
-    code("run = task.result(timeout=600)\n"
-         "print(run)\n"
-         "print(sess.stats(0))"),
     md("Settings can also change from code (or with `%gpudash_config`). Lowering the fraction "
        "returns wholly free regions; memory in use is never moved."),
     code("%gpudash_config fraction=0.3"),
@@ -62,8 +58,40 @@ write("01_quickstart.ipynb", [
          "for p in ptrs[::2]:\n"
          "    sess.free(p)      # deferred deletion, as TensorFlow's EventMgr\n"
          "sess.flush()          # hand the queued frees to the allocator now"),
-    md("TensorFlow's own memory log of the allocator, as it would print on an OOM:"),
-    code("print(dev.allocator.dump_memory_log()[:2000])"),
+    md("TensorFlow's own memory log of the allocator, as it would print on an out-of-memory "
+       "error: a line per bin, the chunks region by region, the chunks in use by size and the "
+       "statistics. The empty bins are left out here (`print(dev.allocator.dump_memory_log())` "
+       "prints every line):"),
+    code("log = dev.allocator.dump_memory_log().splitlines()\n"
+         "shown = [line for line in log if 'Total Chunks: 0,' not in line]  # not the empty bins\n"
+         "print('\\n'.join(shown[:40]))\n"
+         "if len(shown) > 40:\n"
+         "    print(f'... and {len(shown) - 40} more lines')"),
+    md("## A workload, live\n\n"
+       "A training loop runs **in the background** for about 15 s, and the dashboard at the top "
+       "draws it as it runs. Drag its fraction slider meanwhile: the limit changes on the live "
+       "session, and below what the loop holds its allocations fail (out-of-memory marks on the "
+       "timeline; the loop counts them and goes on).\n\n"
+       "Why in the background: while a cell runs, the kernel handles no widget messages, so a "
+       "cell that waited for the loop would freeze the dashboard until the loop ended (under "
+       "*Run All* the dashboard would not even draw). This cell returns at once; its status "
+       "line says when the loop is done, and **Cancel** stops it."),
+    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
+         "\n"
+         "def workload(stop_event=None):\n"
+         "    calls = training_loop_calls(steps=30, layers=12, batch=64, hidden=4096)\n"
+         "    return run_workload(calls, sess.allocate, sess.free, sleep=0.002,\n"
+         "                        stop=stop_event.is_set if stop_event else None)\n"
+         "\n"
+         "task = gpudash.run_in_background(workload)\n"
+         "task.widget()"),
+    md("What the loop did, once it is done. This cell does not wait for it (`task.result()` "
+       "would, and the dashboard with it): run it again when the status line says *done*."),
+    code("if task.done:\n"
+         "    print(task.result())\n"
+         "    print(sess.stats(0))\n"
+         "else:\n"
+         "    print(f'{task}: still running; run this cell again when it is done')"),
 ])
 
 write("02_tuning_fraction.ipynb", [
@@ -122,19 +150,29 @@ write("03_fragmentation.ipynb", [
     code("peak = chunk_map_at_peak(r_frag.recording)\n"
          "chunkmap_figure(peak, title='Chunk map at the peak')"),
     code("bins_figure(peak)"),
-    md("The same views live, on a session: run the stress workload in the background and "
-       "watch the chunk map and heatmap fill in."),
+    md("The same views live, on a session: the stress workload runs in the background, one "
+       "call every 2 ms (about 15 s), and the chunk map and heatmap fill in as it runs. "
+       "Nothing below waits for it, so the dashboard draws at once, also under *Run All*."),
     code("from gpudash.trace.workloads import fragmentation_stress_calls, run_workload\n"
          "from gpudash.widgets import Dashboard\n"
          "\n"
          "sess = gpudash.Session(gpudash.ConfigProto(allow_soft_placement=True), simulate='4GiB')\n"
          "dash = Dashboard(sess, views=('stats', 'heatmap', 'chunkmap'))\n"
-         "task = gpudash.run_in_background(\n"
-         "    run_workload, fragmentation_stress_calls(rounds=800, seed=2), sess.allocate, sess.free_now)\n"
+         "\n"
+         "def stress(stop_event):\n"
+         "    return run_workload(fragmentation_stress_calls(rounds=800, seed=2), sess.allocate,\n"
+         "                        sess.free_now, sleep=0.002, stop=stop_event.is_set)\n"
+         "\n"
+         "task = gpudash.run_in_background(stress)\n"
+         "display(task.widget())  # its status, and Cancel\n"
          "dash"),
-    code("print(task.result(timeout=600))\n"
-         "dash.refresh()\n"
-         "print(sess.stats(0))"),
+    md("What the workload did, once it is done (this cell does not wait: run it again when the "
+       "status line says *done*):"),
+    code("if task.done:\n"
+         "    print(task.result())\n"
+         "    print(sess.stats(0))\n"
+         "else:\n"
+         "    print(f'{task}: still running; run this cell again when it is done')"),
     md("The dashboard stays live: allocate on `sess` and it follows. When you are done, "
        "`dash.close()` stops its refresher (the figures stay as drawn) and `sess.close()` ends "
        "the session."),
@@ -143,22 +181,22 @@ write("06_postmortem.ipynb", [
     md("# After an out-of-memory error: explain it, and who held the memory\n\n"
        "What you have after a TensorFlow or JAX job failed is a log with the allocator's dump, "
        "a `TF_BFC_MEMORY_DUMP` file or a profile (`*.xplane.pb`). gpudash reads them without "
-       "TensorFlow. The files here are real ones, from `tests/data/real/`."),
-    code("from pathlib import Path\n"
-         "import gpudash\n"
+       "TensorFlow. The files here are real ones, made by TensorFlow 2.21, that ship with gpudash "
+       "(`gpudash.samples`)."),
+    code("import gpudash\n"
+         "from gpudash import samples\n"
          "from gpudash.trace import load_trace, replay, top_holders\n"
          "\n"
-         "REAL = Path(gpudash.__file__).resolve().parent.parent / 'tests' / 'data' / 'real'\n"
-         "e = gpudash.explain(REAL / 'tf_oom_mixed.log', device='16GiB')\n"
+         "e = gpudash.explain(samples.path('tf_oom_mixed.log'), device='16GiB')\n"
          "print(e)"),
     md("In a notebook the explanation also shows the chunk map and the bins at the failure."),
     code("e"),
     md("A fragmentation error: more bytes are free than were asked for, but in pieces."),
-    code("print(gpudash.explain(REAL / 'tf_oom_fragment.log'))"),
+    code("print(gpudash.explain(samples.path('tf_oom_fragment.log')))"),
     md("## A profile\n\n"
        "`load_trace` reads `*.xplane.pb` files and TensorBoard log directories. Memory in use "
        "before the profile began is part of the trace, so peaks equal TensorFlow's."),
-    code("t = load_trace(REAL / 'tf_mlp_training.xplane.pb')\n"
+    code("t = load_trace(samples.path('tf_mlp_training.xplane.pb'))\n"
          "s = t.summary()\n"
          "print(s['allocations'], 'allocations,', s['frees'], 'frees, peak', "
          "s['peak_allocated_bytes'], 'bytes')\n"
@@ -220,12 +258,17 @@ write("05_frameworks.ipynb", [
          "    return epochs\n"
          "\n"
          "task = gpudash.run_in_background(train)\n"
-         "task"),
-    code("print(task.result(timeout=600), \"epochs\")\n"
-         "dash.refresh()\n"
-         "state = dash.model.state(0)\n"
-         "print(f\"peak in use {state.stats.peak_bytes_in_use:,} bytes over \"\n"
-         "      f\"{len(state.timeline['time_ms'])} samples\")"),
+         "task.widget()"),
+    md("What the monitor saw, once the training is done (this cell does not wait for it: "
+       "run it again when the status line says *done*):"),
+    code("if task.done:\n"
+         "    print(task.result(), \"epochs\")\n"
+         "    dash.refresh()\n"
+         "    state = dash.model.state(0)\n"
+         "    print(f\"peak in use {state.stats.peak_bytes_in_use:,} bytes over \"\n"
+         "          f\"{len(state.timeline['time_ms'])} samples\")\n"
+         "else:\n"
+         "    print(f\"{task}: still running; run this cell again when it is done\")"),
     md("The settings to restart with (the dashboard's button prints the same):"),
     code("print(\"\\n\".join(mon.restart_lines(fraction=0.5, allow_growth=True)))"),
     md("Closing the dashboard stops the monitor: `dash.close()`."),
@@ -293,7 +336,11 @@ write("04_cluster.ipynb", [
          "    print('refused:', exc)"),
     md("One multi-device trace of the run, one device per worker (a worker that died keeps "
        "what it had sent), then what-if replays of one worker's trace as Dask tasks:"),
-    code("trace = collect_traces(client, 'cluster.gdtrace', overwrite=True)\n"
+    code("import tempfile\n"
+         "from pathlib import Path\n"
+         "\n"
+         "path = Path(tempfile.mkdtemp()) / 'cluster.gdtrace'  # not beside the notebook\n"
+         "trace = collect_traces(client, path)\n"
          "for d in trace.meta['devices']:\n"
          "    print(d['index'], d['name'], d['recorded_events'], 'events')"),
     code("from gpudash.trace.whatif import sweep\n"
@@ -314,10 +361,8 @@ write("04_cluster.ipynb", [
        "client.register_plugin(GpudashPlugin(config={'allow_growth': True}))\n"
        "```\n\n"
        "From a terminal, `gpudash whatif TRACE --scheduler tcp://scheduler:8786` runs the "
-       "what-if replays on the cluster."),
-    code("dash.close()\n"
-         "model.close()\n"
-         "client.close()\n"
-         "cluster.close()"),
+       "what-if replays on the cluster.\n\n"
+       "When you are done, `dash.close(); model.close(); client.close(); cluster.close()` "
+       "(this notebook leaves them open: a closed dashboard stops drawing)."),
 ])
 print("notebooks written")
