@@ -369,8 +369,8 @@ class CachingAllocator(EventSource):
         self._next_aid = 1
         self._peak_reserved = 0
         self._va_next = 0x600000000000 + (device << 42)
-        self._plain_round = not any(self._conf.roundup_power2_divisions)
         self._gc_on = False  # a fraction is set and garbage_collection_threshold > 0
+        self._settings_changed()
         self._history: deque | None = None
         self._history_max = 0
         self._init_events()
@@ -496,13 +496,23 @@ class CachingAllocator(EventSource):
             new.update(**parts)
             self._replace_conf(new, ",".join(f"{k}:{v}" for k, v in parts.items()))
 
+    def _settings_changed(self) -> None:
+        """The settings the hot paths read, as plain attributes: no roundup divisions
+        (512-byte rounding inline), max_split_size as an int (beyond any size when unset),
+        whether every block splits down to 512 bytes (expandable segments), GC on."""
+        conf = self._conf
+        self._plain_round = not any(conf.roundup_power2_divisions)
+        mss = conf.max_split_size
+        self._mss = (1 << 64) if mss is None else mss
+        self._split_any = conf.expandable_segments and conf.version >= (2, 1)
+        self._gc_on = self._set_fraction and conf.garbage_collection_threshold > 0.0
+
     def _replace_conf(self, new: CachingAllocatorConfig, said: str) -> None:
         old = self._conf
         journal = self._journal
         start = len(journal) if journal is not None else 0
         self._conf = new  # oversize counts follow the new threshold, as PyTorch's do
-        self._plain_round = not any(new.roundup_power2_divisions)
-        self._gc_on = self._set_fraction and new.garbage_collection_threshold > 0.0
+        self._settings_changed()
         for key, a, b in (("expandable_segments", old.expandable_segments,
                            new.expandable_segments),
                           ("max_split_size_mb", old.as_dict()["max_split_size_mb"],
@@ -658,8 +668,8 @@ class CachingAllocator(EventSource):
                     return None
                 i = j
                 b = blocks[keys[j] & _MASK64]
-        mss = conf.max_split_size
-        if mss is not None:
+        mss = self._mss
+        if b.size >= mss or size >= mss:   # never true while max_split_size is unset
             if size < mss and b.size >= mss:
                 return None
             if size >= mss and b.size >= size + self._non_split_tolerance():
@@ -687,12 +697,13 @@ class CachingAllocator(EventSource):
         return K_LARGE_BUFFER
 
     def _should_split(self, block: _Block, size: int) -> bool:
+        """``should_split``: small blocks (and every block while expandable segments are
+        on, 2.1+) split when 512 bytes remain; large ones when more than 1 MiB remains and
+        the request is below max_split_size."""
         remaining = block.size - size
-        if block.pool.is_small or (self._conf.expandable_segments and
-                                   self._conf.version >= (2, 1)):
+        if block.pool.is_small or self._split_any:
             return remaining >= K_MIN_BLOCK_SIZE
-        mss = self._conf.max_split_size
-        return (mss is None or size < mss) and remaining > K_SMALL_SIZE
+        return size < self._mss and remaining > K_SMALL_SIZE
 
     def _alloc_found_block(self, block: _Block, pool: _Pool, size: int, orig: int,
                            stream: int) -> int:
@@ -705,10 +716,11 @@ class CachingAllocator(EventSource):
         prev = block.prev
         already_split = prev is not None or block.next is not None
         remainder = 0
-        if pool.is_small:
-            split = block.size - size >= K_MIN_BLOCK_SIZE
+        rem = block.size - size
+        if pool.is_small or self._split_any:
+            split = rem >= K_MIN_BLOCK_SIZE
         else:
-            split = self._should_split(block, size)
+            split = size < self._mss and rem > K_SMALL_SIZE
         if split:
             # the allocation takes the front; the old record becomes the free remainder
             remaining = block
@@ -744,7 +756,15 @@ class CachingAllocator(EventSource):
                     sb[j] -= size
                     sb[j + 3] += size
                 else:
-                    _inc(sb, t, remainder)
+                    # a new split inactive block of `remainder` bytes
+                    c = sb[0] = sb[0] + remainder
+                    if c > sb[1]:
+                        sb[1] = c
+                    sb[2] += remainder
+                    c = sb[j] = sb[j] + remainder
+                    if c > sb[j + 1]:
+                        sb[j + 1] = c
+                    sb[j + 2] += remainder
                     _inc(stats["inactive_split"], t, 1)
         elif already_split and block.es is None:
             _dec(stats["inactive_split_bytes"], t, block.size)
@@ -783,8 +803,7 @@ class CachingAllocator(EventSource):
         if c > st[j + 1]:
             st[j + 1] = c
         st[j + 2] += orig
-        mss = self._conf.max_split_size
-        if mss is not None and bsize >= mss:
+        if bsize >= self._mss:
             _inc1(self._stats.oversize_allocations, 1)
         if self._history is not None:
             self._trace("alloc", block.ptr, orig, stream)
@@ -1304,8 +1323,7 @@ class CachingAllocator(EventSource):
         hist = self._history
         if hist is not None:
             self._trace("free_requested", ptr, req, block.stream)
-        mss = self._conf.max_split_size
-        if mss is not None and bsize >= mss:
+        if bsize >= self._mss:
             _dec1(self._stats.oversize_allocations, 1)
         # free_block
         if hist is not None:
@@ -1348,18 +1366,18 @@ class CachingAllocator(EventSource):
             if block.prev is not None or block.next is not None:
                 net_blocks += 1
                 net_bytes += block.size
-            if net_blocks:
-                split = stats["inactive_split"]
-                if net_blocks > 0:
-                    _inc(split, t, net_blocks)
-                else:
-                    _dec(split, t, -net_blocks)
-            if net_bytes:
-                split_bytes = stats["inactive_split_bytes"]
-                if net_bytes > 0:
-                    _inc(split_bytes, t, net_bytes)
-                else:
-                    _dec(split_bytes, t, -net_bytes)
+            if net_blocks > 0:
+                _inc(stats["inactive_split"], t, net_blocks)
+            elif net_blocks < 0:
+                _dec(stats["inactive_split"], t, -net_blocks)
+            if net_bytes > 0:
+                _inc(stats["inactive_split_bytes"], t, net_bytes)
+            elif net_bytes < 0:
+                sb = stats["inactive_split_bytes"]
+                sb[0] += net_bytes
+                sb[3] -= net_bytes
+                sb[j] += net_bytes
+                sb[j + 3] -= net_bytes
         st = stats["requested_bytes"]  # requested_bytes -= req (free_completed)
         st[0] -= req
         st[3] += req
