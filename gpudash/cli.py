@@ -200,11 +200,16 @@ def _parser() -> _Parser:
         "--allocator), or from the MemoryDump protobuf TF_BFC_MEMORY_DUMP writes: the "
         "request, bytes in use, pool and limit, free bytes and the largest free chunk, the "
         "cause (limit reached or fragmentation), the smallest limit that would have served "
-        "the request, and the holders when the dump names them.")
+        "the request, in the setting of the framework that printed the dump, and the "
+        "holders when the dump names them.")
     p.add_argument("path", type=Path, metavar="PATH", help="a log or a MemoryDump protobuf")
     p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
-                   help="device size, e.g. 16GiB: also give the smallest limit as a "
-                        "per_process_gpu_memory_fraction")
+                   help="device size, e.g. 16GiB: also give the smallest limit as a memory "
+                        "fraction (TensorFlow's per_process_gpu_memory_fraction, JAX's "
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
+                   help="who printed the dump, for the setting to answer in (default: read "
+                        "from the log; a protobuf is TensorFlow's)")
     p.add_argument("--allocator", default=None, metavar="NAME",
                    help="the dump of this allocator (e.g. GPU_1_bfc)")
     p.add_argument("--dump", type=int, default=None, metavar="N",
@@ -511,7 +516,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise _UserError("--dump counts from 1 (or -1 for the last)")
         index = args.dump - 1 if args.dump > 0 else args.dump
     result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
-                     request=args.request, limit=args.limit)
+                     request=args.request, limit=args.limit, framework=args.framework)
     _say(str(result))
     if args.html is not None:
         result.write_html(args.html, overwrite=args.overwrite)
