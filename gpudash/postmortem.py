@@ -36,6 +36,7 @@ bins.
 
 from __future__ import annotations
 
+import gzip
 import html
 import os
 from dataclasses import dataclass, field
@@ -304,10 +305,18 @@ class Explanation:
                 + (f"<ul class=\"warnings\">{warn}</ul>" if warn else "") + "</div>")
 
     def to_html(self, *, full: bool = True) -> str:
-        """The explanation as HTML with its figures (plotly inline: opens offline)."""
+        """The explanation as HTML with its figures (plotly.js inline: opens offline).
+
+        The script is plotly.js's cartesian bundle, the dashboard's (1.5 MB: bars, lines,
+        heatmaps), not the whole library (4.6 MB); a dump of many chunks is drawn
+        downsampled (:func:`gpudash.report.chunkmap_figure`), so the file stays a few MB.
+        """
+        script = _plotly_script()
         parts = [self._summary_html()]
+        if script:
+            parts.append(script)
         for i, fig in enumerate(self.figures()):
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0),
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0 and not script),
                                      config={"displaylogo": False}))
         body = "\n".join(parts)
         if not full:
@@ -471,6 +480,17 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
                        smallest_limit=smallest, device_bytes=dev_bytes, fraction=fraction,
                        framework=framework, setting=setting, host=host, limit_mib=limit_mib,
                        holders=ranked, warnings=warnings, index=pick, count=len(dumps))
+
+
+def _plotly_script() -> str:
+    """A ``<script>`` with plotly.js's cartesian bundle (shipped for the dashboard), or ""
+    where the package has no copy of it."""
+    bundle = Path(__file__).resolve().parent / "widgets" / "static" / "plotly-cartesian.min.js.gz"
+    try:
+        js = gzip.decompress(bundle.read_bytes()).decode("utf-8")
+    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError):
+        return ""
+    return f'<script type="text/javascript">{js}</script>'
 
 
 def _text_lines(path: str | os.PathLike):

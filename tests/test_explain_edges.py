@@ -1,6 +1,6 @@
-"""``gpudash explain`` at its edges: requests beyond any device, logs whose only "ran out of
-memory" lines are warnings, and the setting each framework answers in (TensorFlow's
-fraction, JAX's, none for a host allocator)."""
+"""``gpudash explain`` at its edges: requests beyond any device, dumps of a million chunks,
+logs whose only "ran out of memory" lines are warnings, and the setting each framework
+answers in (TensorFlow's fraction, JAX's, none for a host allocator)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import gpudash
-from gpudash import TraceFormatError
+from gpudash import TraceFormatError, style
 from gpudash.options import jax_memory_limit
+from gpudash.proto import bfc_memory_map_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "tests" / "data" / "real"
@@ -86,6 +87,54 @@ def test_figures_beyond_int64_are_a_one_line_error_naming_the_file(tmp_path, req
     assert len(lines) == 1 and str(bad) in lines[0] and "2**63" in lines[0]
     with pytest.raises(TraceFormatError, match="line 4: the request"):
         gpudash.explain(bad)
+
+
+# ---------------------------------------------------------------------------- a large dump
+def write_memory_dump(path: Path, n: int, regions: int = 4) -> int:
+    """An n-chunk MemoryDump protobuf, chunks alternating in use and free; returns the pool."""
+    rng = np.random.default_rng(3)
+    sizes = rng.choice([256, 4096, 65536], size=n).tolist()
+    md = bfc_memory_map_pb2.MemoryDump(allocator_name="GPU_0_bfc")
+    base, per = 0x7F0000000000, -(-n // regions)
+    for i, size in enumerate(sizes):
+        if i and i % per == 0:
+            base += 1 << 32                                   # a gap: the next region
+        md.chunk.add(address=base, size=size, requested_size=size - 1 if i % 2 else 0,
+                     in_use=bool(i % 2), op_name="MatMul" if i % 2 else "")
+        base += size
+    path.write_bytes(md.SerializeToString())
+    return sum(sizes)
+
+
+def test_the_chunk_map_of_a_large_dump_is_downsampled(tmp_path):
+    from gpudash.report import CHUNKMAP_COLUMNS
+
+    dump = tmp_path / "large.memdump"
+    pool = write_memory_dump(dump, 40_000)
+    e = gpudash.explain(dump, request="64MiB", limit=pool)
+    fig = e.figures()[0]
+    bars = sum(len(t.x) for t in fig.data)
+    assert bars <= 3 * CHUNKMAP_COLUMNS * len(e.dump.regions) < len(e.dump.chunks)
+    # every chunk begins in exactly one bar, and each region's bars cover it end to end
+    counts = [int(m) for t in fig.data for h in t.hovertext
+              for m in re.findall(r"([\d,]+) chunk\(s\) begin here", h.replace(",", ""))]
+    assert sum(counts) == len(e.dump.chunks) == 40_000
+    for r, region in enumerate(e.dump.regions):
+        name = f"region {r} @ {region.ptr:#x}"
+        widths = [x for t in fig.data for y, x in zip(t.y, t.x) if y == name]
+        _, scale = style.unit_for(max(g.size for g in e.dump.regions))
+        assert abs(sum(widths) * scale - region.size) <= len(widths)
+    out = tmp_path / "large.html"
+    r = gpudash_cli("explain", str(dump), "--request", "64MiB", "--limit", str(pool),
+                    "--html", str(out))
+    assert r.returncode == 0, r.stderr
+    html = out.read_text()
+    assert len(html) < 3_000_000                 # a bar per chunk made this 14 MB
+    assert "chunks drawn as" in html and re.search(r"<script[^>]*\bsrc=", html) is None
+    # a small dump still gets a bar, and a hover text, per chunk
+    small = gpudash.explain(REAL / "tf_oom_mixed.log").figures()[0]
+    assert sum(len(t.x) for t in small.data) >= len(gpudash.explain(REAL / "tf_oom_mixed.log")
+                                                    .dump.chunks)
 
 
 # ---------------------------------------------------------------------------- warnings only
