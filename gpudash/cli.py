@@ -374,6 +374,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _check_out(args.html, args.overwrite)
     trace = _load(args.trace, args.format)
     devices = _chosen_devices(trace, args)
+    _refuse_empty(trace, args, devices, "replay")
     out_of_memory = False
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
@@ -394,7 +395,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
              f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}, "
              f"allow_growth={result.options['allow_growth']}"
              + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
-        if result.fits:
+        for warning in result.warnings:
+            _say(f"warning: {warning}")
+        if result.fits and result.warnings:
+            _say("fits: no allocation ran out of memory, of the calls the trace holds (no "
+                 "answer for the job: see the warning)")
+        elif result.fits:
             _say("fits: no allocation ran out of memory")
         else:
             out_of_memory = True
@@ -420,6 +426,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _say(f"report: {args.html}" + (f" ({device_label(trace, devices[0])})"
                                        if len(devices) > 1 else ""))
     return EXIT_OOM if out_of_memory else EXIT_OK
+
+
+def _refuse_empty(trace: Any, args: argparse.Namespace, devices: list[int], what: str) -> None:
+    """A device without events has nothing to replay: one line naming the file and why."""
+    import numpy as np
+
+    from .trace.caveats import no_events_text
+
+    column = trace.columns["device"]
+    for dev in devices:
+        if not np.any(column == dev):
+            raise _UserError(f"{args.trace}: {no_events_text(trace, dev)}; nothing to {what}")
 
 
 def _dask_client(address: str) -> Any:
@@ -453,10 +471,12 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
+    from .trace.caveats import from_dump_note
     from .trace.replay import device_label
     from .trace.whatif import min_fraction, sweep
 
     devices = _chosen_devices(trace, args)
+    _refuse_empty(trace, args, devices, "replay")
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each on its own "
              f"{format_bytes(args.device)} device (--device-index N or --allocator NAME for "
@@ -468,14 +488,26 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         best = min_fraction(trace, args.device, allow_growth=growth,
                             garbage_collection=args.gc, device=dev, progress=True,
                             client=client)
+        for warning in best.warnings:
+            _say(f"warning: {warning}")
         if best.fraction is None:
             _say(f"{args.trace}:{label} does not fit on a {format_bytes(args.device)} device "
                  "even at fraction 1.0")
         else:
-            _say(f"{args.trace}:{label} smallest fraction that fits: {best.fraction:.3f} "
-                 f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
-                 f"allow_growth={growth}, {best.replays} replays")
-            if args.framework is not None:
+            step = format_bytes(int(args.device * best.tolerance))
+            held = " the calls the trace holds" if best.warnings else ""
+            _say(f"{args.trace}:{label} smallest fraction that fits{held}: "
+                 f"{best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
+                 f"{format_bytes(args.device)}; bisected to within {best.tolerance:g}, "
+                 f"{step}), allow_growth={growth}, {best.replays} replays"
+                 + (": a lower bound for the job (see the warning)" if best.warnings else ""))
+            note = from_dump_note(trace, dev)
+            if note is not None and not best.warnings:
+                _say(f"note: {note}")
+            if args.framework is not None and best.warnings:
+                _say("no lines to paste: the trace is less than the job (see the warning), "
+                     "and a setting from it would be too small")
+            elif args.framework is not None:
                 _say_paste_lines(args.framework, best.limit_bytes, args.device, growth)
         kwargs: dict = {"device_bytes": args.device, "progress": True,
                         "garbage_collection": args.gc, "device": dev}
@@ -487,7 +519,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             kwargs["fractions"] = args.fractions
         table = sweep(trace, **kwargs)
         _say("")
-        _say(table.to_text())
+        _say(table.to_text(warnings=False))
         if first is None:
             first = (dev, best, table)
     if args.html is not None and first is not None:
