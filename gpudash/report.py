@@ -297,24 +297,30 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
                  fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
     from .analysis import bin_occupancy, chunk_map_at_peak, heatmap
+    from .events import EventKind
     from .trace.replay import replay
     from .trace.whatif import sweep
 
     opts = {k: v for k, v in (replay_options or {}).items() if v is not None}
     result = replay(trace, device_bytes=device_bytes, record=True, per_call=True, **opts)
+    if result.calls == 0:
+        raise GpudashError("the trace has no events for this device: nothing to report")
     recording = result.recording
     sections: list[tuple[str, Any]] = []
     sections.append(("timeline", timeline_figure(
         result.per_call, limit=result.memory_limit, ooms=result.ooms,
         settings=_settings_marks(trace, result.calls))))
-    hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
-    edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
-    sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
-                                               x_title="call")))
-    peak = chunk_map_at_peak(recording)
-    sections.append(("bins", bins_figure(peak)))
-    sections.append(("chunkmap", chunkmap_figure(
-        peak, title=f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in use)")))
+    served = bool(np.any(np.asarray(recording.columns["kind"]) == int(EventKind.ALLOC)))
+    if served:   # the state views need memory that was allocated at some point
+        hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
+        edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
+        sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
+                                                   x_title="call")))
+        peak = chunk_map_at_peak(recording)
+        sections.append(("bins", bins_figure(peak)))
+        sections.append(("chunkmap", chunkmap_figure(
+            peak, title=f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in "
+                        "use)")))
     if sweep_table is None:
         sweep_table = sweep(trace, fractions=fractions,
                             allow_growth=(opts.get("allow_growth", True),),
@@ -339,6 +345,10 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
         ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
         ("result", verdict),
     ]
+    if not served:
+        summary.append(("state views", "none: no allocation was served in this replay, so "
+                                       "there is no heatmap, chunk map or bins to draw"))
+    summary.extend(("warning", w) for w in result.warnings)
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in summary)
     holders_html = _holders_section(trace, opts.get("device"))
