@@ -33,14 +33,27 @@ EXIT_ERROR = 1     # bad input or arguments: one line on stderr
 EXIT_OOM = 3       # replay: the trace ran out of memory under the settings given
 EXIT_BUG = 70      # an unexpected error inside gpudash (GPUDASH_DEBUG=1 shows the traceback)
 EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141    # the reader of the output went away (`gpudash ... | head`): 128 + SIGPIPE
 
 EXIT_CODES_TEXT = ("exit codes: 0 success; 1 bad input or arguments (one line on stderr); "
                    "3 replay ran out of memory; 70 an internal error (GPUDASH_DEBUG=1 for the "
-                   "traceback); 130 interrupted")
+                   "traceback); 130 interrupted; 141 the output's reader went away, quietly")
 
 #: Simulated device sizes the commands accept.
 MIN_DEVICE = 1 << 20
 MAX_DEVICE = 1 << 50
+#: Bounds of the other numeric arguments: what makes sense, so a typo is refused at once
+#: instead of running until killed (a demo of 10**20 steps).
+MAX_STEPS = 1000          # demo: the fragmentation workload takes about 0.05 s a step
+MAX_SEED = (1 << 63) - 1
+MAX_JOBS = 256
+MAX_DEVICE_INDEX = (1 << 15) - 1   # a trace's device column is int16
+MAX_DUMP = 1 << 20
+MAX_FRACTIONS = 100       # --fractions: each one is two replays
+#: The report ``gpudash demo`` writes when no --html is given, and the title it gives it: an
+#: existing file with that title is the demo's own, and is replaced without --overwrite.
+DEMO_REPORT = Path("gpudash-demo.html")
+DEMO_TITLE = "gpudash demo: "
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +80,21 @@ def _device_arg(text: str) -> int:
     return n
 
 
+def _int_arg(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi (refused in one line naming the bounds)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer; got {text[:40]!r}"
+                                             ) from None
+        if not lo <= value <= hi:
+            shown = text if len(text) <= 24 else text[:20] + "..."
+            raise argparse.ArgumentTypeError(f"must be {lo:,}..{hi:,}; got {shown}")
+        return value
+    return parse
+
+
 def _fraction_arg(text: str) -> float:
     try:
         value = float(text)
@@ -80,7 +108,11 @@ def _fraction_arg(text: str) -> float:
 
 
 def _fractions_arg(text: str) -> list[float]:
-    return [_fraction_arg(part) for part in text.split(",") if part.strip()]
+    parts = [part for part in text.split(",") if part.strip()]
+    if len(parts) > MAX_FRACTIONS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_FRACTIONS} fractions (each is two "
+                                         f"replays); got {len(parts)}")
+    return [_fraction_arg(part) for part in parts]
 
 
 def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
@@ -111,7 +143,8 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 
 def _add_device_choice(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--device-index", type=int, default=None, metavar="N",
+    g.add_argument("--device-index", type=_int_arg(0, MAX_DEVICE_INDEX), default=None,
+                   metavar="N",
                    help="only this device of a trace with several (default: every device)")
     g.add_argument("--allocator", default=None, metavar="NAME",
                    help="only the device of this allocator, e.g. GPU_1_bfc")
@@ -150,13 +183,15 @@ def _parser() -> _Parser:
                        "simulated device, print TensorFlow's memory log at the peak and "
                        "write the HTML report.")
     p.add_argument("--workload", choices=WORKLOADS, default="training")
-    p.add_argument("--steps", type=int, default=8, help="size of the workload (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_int_arg(1, MAX_STEPS), default=8,
+                   help=f"size of the workload, 1..{MAX_STEPS} (default 8)")
+    p.add_argument("--seed", type=_int_arg(0, MAX_SEED), default=0)
     _add_settings(p)
-    p.add_argument("--html", type=Path, default=Path("gpudash-demo.html"), metavar="OUT",
-                   help="report file (default gpudash-demo.html)")
+    p.add_argument("--html", type=Path, default=None, metavar="OUT",
+                   help=f"report file (default {DEMO_REPORT}, which a later demo replaces)")
     p.add_argument("--no-html", action="store_true", help="do not write the report")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing report named with --html")
 
     p = sub.add_parser("replay", help="replay a trace through gpudash's BFC allocator",
                        description="Replay an allocation trace (gpudash, TensorFlow log, "
@@ -184,8 +219,8 @@ def _parser() -> _Parser:
                    help="also print the answer as the lines to paste for this framework "
                         "(it must restart to take them); jax: replay with garbage "
                         "collection off, as XLA runs its BFC")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                   help="processes for the sweep (default: up to 2)")
+    p.add_argument("--jobs", type=_int_arg(1, MAX_JOBS), default=min(2, os.cpu_count() or 1),
+                   help=f"processes for the sweep, 1..{MAX_JOBS} (default: up to 2)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="run the replays as tasks on this Dask scheduler "
                         "(tcp://host:8786; needs gpudash[dask]; --jobs is then ignored; "
@@ -200,14 +235,19 @@ def _parser() -> _Parser:
         "--allocator), or from the MemoryDump protobuf TF_BFC_MEMORY_DUMP writes: the "
         "request, bytes in use, pool and limit, free bytes and the largest free chunk, the "
         "cause (limit reached or fragmentation), the smallest limit that would have served "
-        "the request, and the holders when the dump names them.")
+        "the request, in the setting of the framework that printed the dump, and the "
+        "holders when the dump names them.")
     p.add_argument("path", type=Path, metavar="PATH", help="a log or a MemoryDump protobuf")
     p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
-                   help="device size, e.g. 16GiB: also give the smallest limit as a "
-                        "per_process_gpu_memory_fraction")
+                   help="device size, e.g. 16GiB: also give the smallest limit as a memory "
+                        "fraction (TensorFlow's per_process_gpu_memory_fraction, JAX's "
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
+                   help="who printed the dump, for the setting to answer in (default: read "
+                        "from the log; a protobuf is TensorFlow's)")
     p.add_argument("--allocator", default=None, metavar="NAME",
                    help="the dump of this allocator (e.g. GPU_1_bfc)")
-    p.add_argument("--dump", type=int, default=None, metavar="N",
+    p.add_argument("--dump", type=_int_arg(-MAX_DUMP, MAX_DUMP), default=None, metavar="N",
                    help="the N-th dump of the log (1 = the first; -1 = the last)")
     p.add_argument("--request", type=_bytes_arg, default=None, metavar="SIZE",
                    help="the bytes asked for, when the dump does not say (a protobuf)")
@@ -236,7 +276,8 @@ def _parser() -> _Parser:
         "current directory when gpudash is installed from a wheel). Runs as root too, passing "
         "JupyterLab's --allow-root. Any further arguments (after --, or ones gpudash lab does "
         "not know, like --ServerApp.port_retries=0) go to JupyterLab unchanged.")
-    p.add_argument("--port", type=int, default=8888, help="port to listen on (default 8888)")
+    p.add_argument("--port", type=_int_arg(0, 65535), default=8888,
+                   help="port to listen on (default 8888)")
     p.add_argument("--ip", default=None, help="address to listen on (JupyterLab's default: "
                    "localhost; 0.0.0.0 for every interface)")
     p.add_argument("--token", default=None,
@@ -290,8 +331,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .session import Session
     from .trace.workloads import run_workload
 
+    html_out, overwrite = args.html, args.overwrite
+    if html_out is None:   # the demo's own report: a later demo replaces it
+        html_out = DEMO_REPORT
+        overwrite = overwrite or _is_demo_report(html_out)
     if not args.no_html:
-        _check_out(args.html, args.overwrite)
+        _check_out(html_out, overwrite)
     config = ConfigProto(allow_soft_placement=True)
     config.gpu_options.allow_growth = bool(args.growth)  # None: TensorFlow's default, off
     if args.fraction is not None:
@@ -335,12 +380,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_html:
         from .report import write_report
 
-        write_report(trace, args.html, title=f"gpudash demo: {args.workload}",
-                     device_bytes=args.device, overwrite=args.overwrite,
+        write_report(trace, html_out, title=f"{DEMO_TITLE}{args.workload}",
+                     device_bytes=args.device, overwrite=overwrite,
                      replay_options={"allow_growth": bool(args.growth),
                                      "fraction": args.fraction, "garbage_collection": args.gc})
-        _say(f"report: {args.html}")
+        _say(f"report: {html_out}")
     return 0
+
+
+def _is_demo_report(path: Path) -> bool:
+    """Whether ``path`` is a report an earlier ``gpudash demo`` wrote (its title says so)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2048)
+    except OSError:
+        return False
+    return head.startswith(b"<!DOCTYPE html>") and \
+        f"<title>{DEMO_TITLE}".encode() in head
 
 
 def _growth(given: bool | None, trace: Any, device: int) -> bool:
@@ -369,6 +425,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _check_out(args.html, args.overwrite)
     trace = _load(args.trace, args.format)
     devices = _chosen_devices(trace, args)
+    _refuse_empty(trace, args, devices, "replay")
     out_of_memory = False
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
@@ -389,7 +446,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
              f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}, "
              f"allow_growth={result.options['allow_growth']}"
              + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
-        if result.fits:
+        for warning in result.warnings:
+            _say(f"warning: {warning}")
+        if result.fits and result.warnings:
+            _say("fits: no allocation ran out of memory, of the calls the trace holds (no "
+                 "answer for the job: see the warning)")
+        elif result.fits:
             _say("fits: no allocation ran out of memory")
         else:
             out_of_memory = True
@@ -415,6 +477,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _say(f"report: {args.html}" + (f" ({device_label(trace, devices[0])})"
                                        if len(devices) > 1 else ""))
     return EXIT_OOM if out_of_memory else EXIT_OK
+
+
+def _refuse_empty(trace: Any, args: argparse.Namespace, devices: list[int], what: str) -> None:
+    """A device without events has nothing to replay: one line naming the file and why."""
+    import numpy as np
+
+    from .trace.caveats import no_events_text
+
+    column = trace.columns["device"]
+    for dev in devices:
+        if not np.any(column == dev):
+            raise _UserError(f"{args.trace}: {no_events_text(trace, dev)}; nothing to {what}")
 
 
 def _dask_client(address: str) -> Any:
@@ -448,10 +522,12 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
+    from .trace.caveats import from_dump_note
     from .trace.replay import device_label
     from .trace.whatif import min_fraction, sweep
 
     devices = _chosen_devices(trace, args)
+    _refuse_empty(trace, args, devices, "replay")
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each on its own "
              f"{format_bytes(args.device)} device (--device-index N or --allocator NAME for "
@@ -463,14 +539,26 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         best = min_fraction(trace, args.device, allow_growth=growth,
                             garbage_collection=args.gc, device=dev, progress=True,
                             client=client)
+        for warning in best.warnings:
+            _say(f"warning: {warning}")
         if best.fraction is None:
             _say(f"{args.trace}:{label} does not fit on a {format_bytes(args.device)} device "
                  "even at fraction 1.0")
         else:
-            _say(f"{args.trace}:{label} smallest fraction that fits: {best.fraction:.3f} "
-                 f"({format_bytes(best.limit_bytes)} of {format_bytes(args.device)}), "
-                 f"allow_growth={growth}, {best.replays} replays")
-            if args.framework is not None:
+            step = format_bytes(int(args.device * best.tolerance))
+            held = " the calls the trace holds" if best.warnings else ""
+            _say(f"{args.trace}:{label} smallest fraction that fits{held}: "
+                 f"{best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
+                 f"{format_bytes(args.device)}; bisected to within {best.tolerance:g}, "
+                 f"{step}), allow_growth={growth}, {best.replays} replays"
+                 + (": a lower bound for the job (see the warning)" if best.warnings else ""))
+            note = from_dump_note(trace, dev)
+            if note is not None and not best.warnings:
+                _say(f"note: {note}")
+            if args.framework is not None and best.warnings:
+                _say("no lines to paste: the trace is less than the job (see the warning), "
+                     "and a setting from it would be too small")
+            elif args.framework is not None:
                 _say_paste_lines(args.framework, best.limit_bytes, args.device, growth)
         kwargs: dict = {"device_bytes": args.device, "progress": True,
                         "garbage_collection": args.gc, "device": dev}
@@ -482,7 +570,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             kwargs["fractions"] = args.fractions
         table = sweep(trace, **kwargs)
         _say("")
-        _say(table.to_text())
+        _say(table.to_text(warnings=False))
         if first is None:
             first = (dev, best, table)
     if args.html is not None and first is not None:
@@ -511,7 +599,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise _UserError("--dump counts from 1 (or -1 for the last)")
         index = args.dump - 1 if args.dump > 0 else args.dump
     result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
-                     request=args.request, limit=args.limit)
+                     request=args.request, limit=args.limit, framework=args.framework)
     _say(str(result))
     if args.html is not None:
         result.write_html(args.html, overwrite=args.overwrite)
@@ -695,6 +783,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UserError as exc:
         print(f"gpudash: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        # the reader went away (`gpudash whatif X | head -1`): stop quietly, as Unix tools
+        # do; what is still buffered goes nowhere instead of failing again at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError, AttributeError):  # closed, or not a real file
+                pass
+        os.close(devnull)
+        return EXIT_PIPE
     except (GpudashError, OSError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"gpudash: error: {message}", file=sys.stderr)

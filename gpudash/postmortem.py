@@ -17,33 +17,95 @@ on one screen:
 - the smallest memory limit that would have served the request from this state: the BFC
   serves a request that no free chunk fits by adding a region of at least the rounded
   request, which it may do while ``limit - pool >= rounded``; so the answer is
-  ``pool + rounded``, and with a device size, the matching
-  ``per_process_gpu_memory_fraction`` (TensorFlow's limit is ``total x fraction``);
+  ``pool + rounded``. It keeps the pool as the dump shows it: a job restarted with that
+  limit lays its chunks out anew, and a replay of the dump from an empty allocator
+  (``gpudash whatif``) may need more;
+- that limit in the setting of the framework that printed the dump, given the device's
+  size: TensorFlow's ``per_process_gpu_memory_fraction`` (the limit is ``total x
+  fraction``), JAX's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the same in single precision) for
+  a dump printed by jaxlib's XLA; a host-memory allocator (TensorFlow's
+  ``bfc_cpu_allocator_for_gpu``, ``gpu_host_bfc``) takes no fraction: its limit is an
+  environment variable in MiB (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``TF_GPU_HOST_MEM_LIMIT_IN_MB``);
 - who holds the memory, largest first, when the dump names holders (MEM_DEBUG builds' "by
   op", the protobuf's ``op_name``), and the op that made the failing request.
 
-``gpudash explain PATH [--device SIZE] [--html OUT]`` prints the same; in a notebook the
-returned :class:`Explanation` displays the summary, the chunk map and the bins.
+``gpudash explain PATH [--device SIZE] [--framework NAME] [--html OUT]`` prints the same; in
+a notebook the returned :class:`Explanation` displays the summary, the chunk map and the
+bins.
 """
 
 from __future__ import annotations
 
+import gzip
 import html
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import GpudashError, TraceFormatError
+from ._errors import ConfigError, GpudashError, TraceFormatError
 from ._units import format_bytes, parse_bytes
 
-__all__ = ["explain", "Explanation", "smallest_limit"]
+__all__ = ["explain", "Explanation", "smallest_limit", "smallest_fraction"]
+
+#: Byte figures are ``int64_t`` in the allocator: a dump's figure of 2**63 or more is damaged.
+_MAX_BYTES = 1 << 63
+_MIB = 1 << 20
+
+#: Source paths that say which build printed a log line. jaxlib builds XLA as
+#: ``external/xla`` (``external/org_tensorflow`` before 2023); TensorFlow prints
+#: ``tensorflow/...``, or ``external/local_xla``/``external/local_tsl`` since 2.16.
+_JAX_PATHS = ("external/xla/", "external/org_tensorflow/")
+_TF_PATHS = ("tensorflow/", "external/local_xla/", "external/local_tsl/")
+#: Words elsewhere in a log that name the framework (a dump line may carry no path).
+_JAX_WORDS = ("jaxlib", "XlaRuntimeError", "pjrt_stream_executor_client", "xla_extension")
+_TF_WORDS = ("Created TensorFlow device", "Created device /job:", "ResourceExhaustedError",
+             "tensorflow.python")
+
+#: The setting that gives a GPU allocator its limit, by framework.
+FRACTION_SETTINGS = {"tensorflow": "per_process_gpu_memory_fraction",
+                     "jax": "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+#: TensorFlow's host-memory BFC allocators and the variable (MiB, default 64 GiB) that limits
+#: each: ``TF_CPU_ALLOCATOR_USE_BFC=true`` makes the CPU allocator one; pinned host memory
+#: for GPU copies is always one.
+HOST_LIMIT_VARIABLES = {"bfc_cpu_allocator_for_gpu": "TF_CPU_BFC_MEM_LIMIT_IN_MB",
+                        "gpu_host_bfc": "TF_GPU_HOST_MEM_LIMIT_IN_MB",
+                        "cuda_host_bfc": "TF_CUDA_HOST_MEM_LIMIT_IN_MB"}   # before TF 1.14
+_HOST_LIMIT_DEFAULT_MB = 1 << 16
+_NOT_A_FAILURE = "The caller indicates that this is not a failure"
 
 
 def _b(n: int) -> str:
     """``45.89 MiB (48,120,832 B)``."""
     return f"{format_bytes(n)} ({n:,} B)" if n >= 1024 else f"{n:,} B"
+
+
+def smallest_fraction(needed: int, total: int, framework: str = "tensorflow") -> float | None:
+    """The smallest fraction with 4 decimals whose limit on a ``total``-byte device reaches
+    ``needed`` bytes, computed the framework's way; None when ``needed > total``.
+
+    TensorFlow's limit is ``int(total * fraction)``; JAX's takes the fraction in single
+    precision first (:func:`gpudash.options.jax_memory_limit`). The first candidate is
+    ``ceil(needed * 10000 / total) / 10000``, exact in integers; the float product may fall
+    a byte short of it, and the next step (``total / 10000`` bytes more) never does.
+
+    Examples
+    --------
+    >>> smallest_fraction(53_477_376, 16 << 30)
+    0.0032
+    >>> smallest_fraction(17 << 30, 16 << 30) is None
+    True
+    """
+    from .options import jax_memory_limit
+
+    if total <= 0 or needed > total:
+        return None
+    limit = jax_memory_limit if framework == "jax" else (lambda t, f: int(t * f))
+    first = max(1, -(-needed * 10_000 // total))
+    for k in range(first, min(first + 2, 10_000) + 1):
+        if limit(total, k / 10_000) >= needed:
+            return k / 10_000
+    return None  # pragma: no cover - k = 10000 is the whole device, which is >= needed
 
 
 def smallest_limit(pool_bytes: int, rounded_request: int, largest_free: int = 0) -> int:
@@ -86,8 +148,22 @@ class Explanation:
     device_bytes : int or None
         The device size given, for :attr:`fraction`.
     fraction : float or None
-        The smallest ``per_process_gpu_memory_fraction`` giving :attr:`smallest_limit` on
-        that device (rounded up to 4 decimals).
+        The smallest value of :attr:`setting` giving :attr:`smallest_limit` on that device
+        (rounded up to 4 decimals, :func:`smallest_fraction`); None without a device, for a
+        host-memory allocator, or when the limit exceeds the device (no fraction of it
+        serves the request).
+    framework : str
+        Who printed the dump: ``"tensorflow"`` or ``"jax"`` (JAX or another XLA client).
+    setting : str or None
+        What sets this allocator's limit: ``per_process_gpu_memory_fraction`` (TensorFlow),
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX), or for TensorFlow's host-memory
+        allocators ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` / ``TF_GPU_HOST_MEM_LIMIT_IN_MB``; None for
+        another host-memory allocator.
+    host : bool
+        A host-memory (CPU) allocator: no GPU memory fraction applies to it.
+    limit_mib : int or None
+        For a host allocator limited by a MiB variable: the smallest value serving the
+        request (``ceil(smallest_limit / MiB)``).
     holders : list of (str, int, int)
         ``(holder, bytes, chunks)`` of the chunks in use, largest first, when named.
     warnings : list of str
@@ -109,6 +185,10 @@ class Explanation:
     smallest_limit: int | None
     device_bytes: int | None = None
     fraction: float | None = None
+    framework: str = "tensorflow"
+    setting: str | None = "per_process_gpu_memory_fraction"
+    host: bool = False
+    limit_mib: int | None = None
     holders: list[tuple[str, int, int]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     index: int = 0
@@ -132,22 +212,38 @@ class Explanation:
         limit = _b(self.limit) if self.limit else "unknown (pass --limit SIZE)"
         rows.append(("pool / limit", f"{_b(self.pool)} in {len(d.regions)} region(s) / "
                      f"{limit}"))
-        rows.append(("free in pool", f"{_b(self.free)} in {len(free_chunks)} chunk(s); "
+        rows.append(("free in pool", f"{_b(self.free)} in {len(free_chunks):,} chunk(s); "
                      f"largest {_b(self.largest_free)}"))
         if self.limit:
             rows.append(("room below limit", _b(self.headroom)))
         rows.append(("cause", self.cause_text()))
         if self.smallest_limit is not None:
-            text = _b(self.smallest_limit)
-            if self.fraction is not None:
-                text += (f" = per_process_gpu_memory_fraction {self.fraction:.4f} of a "
-                         f"{format_bytes(self.device_bytes)} device")
-            rows.append(("smallest limit that serves it", text))
+            rows.append(("smallest limit that serves it",
+                         _b(self.smallest_limit) + self.setting_text()))
         if self.holders:
             top = ", ".join(f"{h} {format_bytes(b)}" + (f" ({n})" if n > 1 else "")
                             for h, b, n in self.holders[:8])
             rows.append(("held by", top))
         return rows
+
+    def setting_text(self) -> str:
+        """The smallest limit in the allocator's own setting (empty when none applies)."""
+        if self.host:
+            if self.setting is None:
+                return (" (a host-memory allocator: no GPU memory fraction applies; whatever "
+                        "created it set its limit)")
+            return (f" = {self.setting}={self.limit_mib} (a host-memory allocator: this "
+                    f"variable, default {_HOST_LIMIT_DEFAULT_MB} MiB, limits it, not a GPU "
+                    "memory fraction; set it before TensorFlow starts)")
+        if self.device_bytes is None or self.smallest_limit is None:
+            return ""
+        device = format_bytes(self.device_bytes)
+        if self.fraction is None:
+            return f": more than the {device} device, no fraction of this device serves it"
+        value = f"{self.fraction:.4f}"
+        if self.framework == "jax":
+            return f" = {self.setting}={value} of a {device} device"
+        return f" = {self.setting} {value} of a {device} device"
 
     def cause_text(self) -> str:
         """The cause in plain words, with the numbers behind it."""
@@ -177,6 +273,12 @@ class Explanation:
         width = max(len(k) for k, _ in self.lines())
         body = [f"  {k:<{width}}  {v}" for k, v in self.lines()]
         tail = [f"  warning: {w}" for w in self.warnings]
+        if self.smallest_limit is not None and self.smallest_limit > self.pool \
+                and self.dump.chunks:
+            tail.append("  note: that limit keeps the pool as the dump shows it and adds one "
+                        "region of the rounded request; a job restarted with it lays its "
+                        "chunks out anew, and a replay of the dump from an empty allocator "
+                        "(gpudash whatif) may need more")
         checks = d.extra.get("checks") or []
         if checks:
             ok = sum(1 for c in checks if c["agrees"])
@@ -203,10 +305,18 @@ class Explanation:
                 + (f"<ul class=\"warnings\">{warn}</ul>" if warn else "") + "</div>")
 
     def to_html(self, *, full: bool = True) -> str:
-        """The explanation as HTML with its figures (plotly inline: opens offline)."""
+        """The explanation as HTML with its figures (plotly.js inline: opens offline).
+
+        The script is plotly.js's cartesian bundle, the dashboard's (1.5 MB: bars, lines,
+        heatmaps), not the whole library (4.6 MB); a dump of many chunks is drawn
+        downsampled (:func:`gpudash.report.chunkmap_figure`), so the file stays a few MB.
+        """
+        script = _plotly_script()
         parts = [self._summary_html()]
+        if script:
+            parts.append(script)
         for i, fig in enumerate(self.figures()):
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0),
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0 and not script),
                                      config={"displaylogo": False}))
         body = "\n".join(parts)
         if not full:
@@ -239,7 +349,8 @@ class Explanation:
 
 def explain(path: str | os.PathLike, *, device: int | str | None = None,
             index: int | None = None, allocator: str | None = None,
-            request: int | str | None = None, limit: int | str | None = None) -> Explanation:
+            request: int | str | None = None, limit: int | str | None = None,
+            framework: str | None = None) -> Explanation:
     """Explain an out-of-memory error from its allocator dump.
 
     Parameters
@@ -256,6 +367,10 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
     request, limit : int or str, optional
         What the dump does not record (a MemoryDump protobuf has neither): the bytes asked
         for and the allocator's limit.
+    framework : {"tensorflow", "jax"}, optional
+        Who printed the dump, for the setting the answer is given in. Default: read from the
+        log (jaxlib's ``external/xla/`` source paths, ``XlaRuntimeError``... mean JAX;
+        anything else, and a protobuf, TensorFlow).
 
     Returns
     -------
@@ -265,13 +380,30 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
     Raises
     ------
     TraceFormatError
-        No dump in the file (one line naming the file and what was expected), or no dump of
-        that allocator or index.
+        No dump in the file (one line naming the file and what was expected; a log whose
+        only "ran out of memory" lines are TensorFlow's non-fatal warnings says so), no dump
+        of that allocator or index, or a figure of 2**63 bytes or more.
     """
     from .trace.format import round_up_256
     from .trace.tf_dump import read_dumps
 
-    dumps = read_dumps(path)
+    if framework is not None and framework not in FRACTION_SETTINGS:
+        raise ConfigError(f"framework must be one of {', '.join(FRACTION_SETTINGS)}; got "
+                          f"{framework!r}")
+    try:
+        dumps = read_dumps(path)
+    except TraceFormatError:
+        declined = _declined_warnings(path)
+        if not declined:
+            raise
+        sizes = sorted(size for _, size in declined)
+        names = ", ".join(sorted({name for name, _ in declined}))
+        raise TraceFormatError(
+            f"{path}: the log holds no out-of-memory error: its {len(declined)} 'ran out of "
+            f"memory' line(s) ({names}, {format_bytes(sizes[0])} to "
+            f"{format_bytes(sizes[-1])}) are non-fatal warnings ('... {_NOT_A_FAILURE}'): "
+            "the caller went on without that memory, and the allocator prints its dump only "
+            "at a real failure") from None
     chosen = list(range(len(dumps)))
     if allocator is not None:
         chosen = [i for i in chosen if dumps[i].allocator_name == allocator]
@@ -304,6 +436,13 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
         warnings = [w for w in warnings if "limit" not in w]
     st = dump.stats
     in_use, pool = st.bytes_in_use, st.pool_bytes
+    where = f"{path}, line {dump.extra['line']}" if dump.extra.get("line") else f"{path}"
+    for what, value in (("the request", nbytes), ("the request rounded to 256 bytes", rounded),
+                        ("bytes in use", in_use), ("the pool", pool), ("the limit", lim)):
+        if value is not None and value >= _MAX_BYTES:
+            raise TraceFormatError(f"{where}: {what} is {value:,} bytes, 2**63 or more: no "
+                                   "allocator holds or is asked for that much (a damaged or "
+                                   "edited dump?)")
     free = max(pool - in_use, 0)
     largest = st.largest_free_block_bytes
     headroom = max(lim - pool, 0) // 256 * 256 if lim else 0
@@ -317,11 +456,17 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
         cause = "fragmentation"
     smallest = smallest_limit(pool, rounded, largest) if rounded is not None else None
     dev_bytes = parse_bytes(device, name="device") if device is not None else None
-    fraction = None
-    if smallest is not None and dev_bytes:
-        fraction = math.ceil(smallest / dev_bytes * 10_000) / 10_000
-        while int(dev_bytes * fraction) < smallest:   # float rounding: one more step
-            fraction += 0.0001
+    if framework is None:
+        framework = _framework_of(path, dump)
+    name = dump.allocator_name or ""
+    host = name in HOST_LIMIT_VARIABLES or "cpu" in name.lower() or "host" in name.lower()
+    setting = HOST_LIMIT_VARIABLES.get(name) if host else FRACTION_SETTINGS[framework]
+    fraction = limit_mib = None
+    if smallest is not None:
+        if host and setting is not None:
+            limit_mib = max(1, -(-smallest // _MIB))
+        elif not host and dev_bytes:
+            fraction = smallest_fraction(smallest, dev_bytes, framework)
     holders: dict[str, list[int]] = {}
     for c in dump.chunks:
         if c.in_use and getattr(c, "holder", ""):
@@ -333,4 +478,65 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
                        op=req.get("op", ""), in_use=in_use, pool=pool, limit=lim, free=free,
                        largest_free=largest, headroom=headroom, cause=cause,
                        smallest_limit=smallest, device_bytes=dev_bytes, fraction=fraction,
+                       framework=framework, setting=setting, host=host, limit_mib=limit_mib,
                        holders=ranked, warnings=warnings, index=pick, count=len(dumps))
+
+
+def _plotly_script() -> str:
+    """A ``<script>`` with plotly.js's cartesian bundle (shipped for the dashboard), or ""
+    where the package has no copy of it."""
+    bundle = Path(__file__).resolve().parent / "widgets" / "static" / "plotly-cartesian.min.js.gz"
+    try:
+        js = gzip.decompress(bundle.read_bytes()).decode("utf-8")
+    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError):
+        return ""
+    return f'<script type="text/javascript">{js}</script>'
+
+
+def _text_lines(path: str | os.PathLike):
+    """The lines of a text file, or none for a binary or unreadable one."""
+    try:
+        with open(path, "rb") as f:
+            if b"\x00" in f.read(4096):
+                return
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield from f
+    except OSError:
+        return
+
+
+def _declined_warnings(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """``(allocator, bytes)`` of each "ran out of memory ... The caller indicates that this
+    is not a failure" warning in a log (TensorFlow's, for an allocation that may fail)."""
+    from .trace.tf_dump import _OOM, _body, _request
+
+    out = []
+    for line in _text_lines(path):
+        if _NOT_A_FAILURE in line:
+            m = _OOM.search(_body(line))
+            if m is not None:
+                try:
+                    size = _request(m, str(path))["bytes"]
+                except TraceFormatError:
+                    size = 0
+                out.append((m.group("name"), size))
+    return out
+
+
+def _framework_of(path: str | os.PathLike, dump: Any) -> str:
+    """``"jax"`` when jaxlib's XLA printed the dump, else ``"tensorflow"``: the source path on
+    the dump's own line decides; without one, words elsewhere in the log (a JAX program may
+    also log TensorFlow's lines, so only a log without TensorFlow's is JAX's)."""
+    if dump.extra.get("source") != "tensorflow-log":
+        return "tensorflow"               # a MemoryDump protobuf: TF_BFC_MEMORY_DUMP
+    at = dump.extra.get("line") or 0
+    jax = tf = False
+    for n, line in enumerate(_text_lines(path), 1):
+        head = line[:512]
+        is_jax = any(p in head for p in _JAX_PATHS)
+        is_tf = not is_jax and any(p in head for p in _TF_PATHS)
+        if n == at and (is_jax or is_tf):
+            return "jax" if is_jax else "tensorflow"
+        jax = jax or is_jax or any(w in line for w in _JAX_WORDS)
+        tf = tf or is_tf or any(w in line for w in _TF_WORDS)
+    return "jax" if jax and not tf else "tensorflow"

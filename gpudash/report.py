@@ -138,9 +138,27 @@ def bins_figure(dump: Any) -> Any:
     return fig
 
 
-def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
-    """Every region as a bar of its chunks: in use, rounding waste, free."""
+#: Chunks a chunk map draws one bar each; a dump with more is drawn downsampled.
+CHUNKMAP_MAX_CHUNKS = 5000
+#: Columns (pixels) across all the rows of a downsampled chunk map, and per row at most.
+CHUNKMAP_COLUMNS_TOTAL = 60_000
+CHUNKMAP_COLUMNS = 1500
+
+
+def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
+                    max_chunks: int = CHUNKMAP_MAX_CHUNKS) -> Any:
+    """Every region as a bar of its chunks: in use, rounding waste, free.
+
+    Up to ``max_chunks`` chunks each chunk is a bar with its own hover text. A larger dump
+    is rasterised as the heatmap is (:func:`gpudash.analysis._coverage`, exact shares per
+    cell): each region is cut into up to :data:`CHUNKMAP_COLUMNS` columns, each column
+    takes the colour of what covers most of it, and runs of one colour are one bar whose
+    hover gives its shares and chunk count; the figure then holds at most a few thousand
+    bars however many chunks the dump has.
+    """
     go = _go()
+    if len(dump.chunks) > max_chunks:
+        return _chunkmap_downsampled(dump, title)
     regions = {r.ptr: i for i, r in enumerate(dump.regions)}
     names = [f"region {i} @ {r.ptr:#x}" for i, r in enumerate(dump.regions)]
     unit, scale = style.unit_for(max((r.size for r in dump.regions), default=1))
@@ -185,6 +203,77 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map") -> Any:
     return fig
 
 
+def _chunkmap_downsampled(dump: Any, title: str) -> Any:
+    """:func:`chunkmap_figure` for a dump of many chunks: runs of columns, not chunks."""
+    from .analysis import _coverage
+
+    go = _go()
+    chunks = dump.chunks
+    n = len(chunks)
+    starts = np.array([r.ptr for r in dump.regions], dtype=np.int64)
+    sizes = np.array([r.size for r in dump.regions], dtype=np.int64)
+    address = np.fromiter((c.address for c in chunks), dtype=np.int64, count=n)
+    size = np.fromiter((c.size for c in chunks), dtype=np.int64, count=n)
+    in_use = np.fromiter((c.in_use for c in chunks), dtype=bool, count=n)
+    req = np.fromiter((c.requested_size for c in chunks), dtype=np.int64, count=n)
+    row = np.searchsorted(starts, address, side="right") - 1
+    keep = (row >= 0) & (address < starts[np.maximum(row, 0)] + sizes[np.maximum(row, 0)])
+    row, address, size, in_use, req = row[keep], address[keep], size[keep], in_use[keep], \
+        req[keep]
+    n_rows = len(starts)
+    cols = max(16, min(CHUNKMAP_COLUMNS, CHUNKMAP_COLUMNS_TOTAL // max(n_rows, 1)))
+    col_bytes = sizes / cols                       # bytes per column, per region
+    # requested 0: not known (a dump read from a log): the whole chunk shows in use
+    used = np.where(in_use, np.where(req > 0, np.minimum(req, size), size), 0)
+    x0 = (address - starts[row]) / col_bytes[row]
+    y0 = row.astype(np.float64)
+    shares = {}
+    for key, lo, hi in (("in use", x0, x0 + used / col_bytes[row]),
+                        ("waste", x0 + used / col_bytes[row], x0 + size / col_bytes[row]),
+                        ("free", x0, x0 + size / col_bytes[row])):
+        pick = in_use if key != "free" else ~in_use
+        shares[key] = _coverage(y0[pick], y0[pick] + 1.0, lo[pick], hi[pick], n_rows, cols)
+    first_col = np.minimum(np.floor(x0), cols - 1).astype(np.int64)
+    starts_in = np.bincount(row * cols + first_col, minlength=n_rows * cols).reshape(n_rows,
+                                                                                     cols)
+    stack = np.stack([shares["in use"], shares["waste"], shares["free"]])   # 3 x rows x cols
+    colour = np.argmax(stack, axis=0)
+    colour[stack.sum(axis=0) == 0] = 2             # a column nothing covers: shown as free
+    keys = ("in use", "waste", "free")
+    unit, scale = style.unit_for(int(sizes.max()) if n_rows else 1)
+    names = [f"region {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
+    cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
+                                        for k in keys}
+    for r in range(n_rows):
+        c = colour[r]
+        edges = np.concatenate([[0], np.flatnonzero(np.diff(c)) + 1, [cols]])
+        counts = np.concatenate([[0], np.cumsum(starts_in[r])])
+        per = col_bytes[r]
+        for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            d = cats[keys[int(c[a])]]
+            u, w, f = (float(stack[k, r, a:b].sum()) / (b - a) for k in range(3))
+            lo, hi = int(round(a * per)), int(round(b * per))
+            d["y"].append(names[r])
+            d["base"].append(lo / scale)
+            d["x"].append((hi - lo) / scale)
+            d["text"].append(f"{starts[r] + lo:#x} to {starts[r] + hi:#x} "
+                             f"({format_bytes(hi - lo)})<br>{u:.0%} in use, {w:.0%} waste, "
+                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} chunk(s) begin "
+                             "here")
+    fig = go.Figure()
+    for key, d in cats.items():
+        fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
+                    marker={"color": _C[key], "line": {"width": 0}},
+                    hovertext=d["text"], hoverinfo="text")
+    title = (f"{title}<br><sup>{n:,} chunks drawn as {cols:,} columns per region: each "
+             "column in the colour of what covers most of it</sup>")
+    _layout(fig, title, max(220, min(60 + 40 * n_rows, 4000)), barmode="overlay",
+            xaxis={"title": {"text": "offset in region"}, "ticksuffix": " " + unit,
+                   "rangemode": "tozero"},
+            margin={"l": 160, "r": 20, "t": 72, "b": 40})
+    return fig
+
+
 def _settings_marks(trace: Any, n_calls: int) -> list[dict]:
     """Setting changes of the trace, placed at the call index they happened before."""
     settings = getattr(trace, "settings", None) or []
@@ -208,24 +297,30 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
                  fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
     from .analysis import bin_occupancy, chunk_map_at_peak, heatmap
+    from .events import EventKind
     from .trace.replay import replay
     from .trace.whatif import sweep
 
     opts = {k: v for k, v in (replay_options or {}).items() if v is not None}
     result = replay(trace, device_bytes=device_bytes, record=True, per_call=True, **opts)
+    if result.calls == 0:
+        raise GpudashError("the trace has no events for this device: nothing to report")
     recording = result.recording
     sections: list[tuple[str, Any]] = []
     sections.append(("timeline", timeline_figure(
         result.per_call, limit=result.memory_limit, ooms=result.ooms,
         settings=_settings_marks(trace, result.calls))))
-    hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
-    edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
-    sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
-                                               x_title="call")))
-    peak = chunk_map_at_peak(recording)
-    sections.append(("bins", bins_figure(peak)))
-    sections.append(("chunkmap", chunkmap_figure(
-        peak, title=f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in use)")))
+    served = bool(np.any(np.asarray(recording.columns["kind"]) == int(EventKind.ALLOC)))
+    if served:   # the state views need memory that was allocated at some point
+        hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
+        edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
+        sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
+                                                   x_title="call")))
+        peak = chunk_map_at_peak(recording)
+        sections.append(("bins", bins_figure(peak)))
+        sections.append(("chunkmap", chunkmap_figure(
+            peak, title=f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in "
+                        "use)")))
     if sweep_table is None:
         sweep_table = sweep(trace, fractions=fractions,
                             allow_growth=(opts.get("allow_growth", True),),
@@ -250,6 +345,10 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
         ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
         ("result", verdict),
     ]
+    if not served:
+        summary.append(("state views", "none: no allocation was served in this replay, so "
+                                       "there is no heatmap, chunk map or bins to draw"))
+    summary.extend(("warning", w) for w in result.warnings)
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in summary)
     holders_html = _holders_section(trace, opts.get("device"))

@@ -46,11 +46,13 @@ def test_worked_example_tf_oom_mixed_log():
     assert e.pool == e.limit == 48 << 20 == d.memory_limit == d.stats.pool_bytes
     assert e.cause == "limit reached"
     assert e.smallest_limit == (48 << 20) + 3_145_728
-    assert int((16 << 30) * e.fraction) >= e.smallest_limit
-    assert int((16 << 30) * (e.fraction - 0.0001)) < e.smallest_limit
+    # TensorFlow's CPU allocator (TF_CPU_ALLOCATOR_USE_BFC): limited in MiB, not by a fraction
+    assert e.host and e.fraction is None and e.limit_mib == 51
+    assert e.setting == "TF_CPU_BFC_MEM_LIMIT_IN_MB"
     assert all(c["agrees"] for c in d.extra["checks"]) and len(d.extra["checks"]) > 80
     text = str(e)
     assert "limit reached" in text and "48,120,832" in text and "53,477,376" in text
+    assert "TF_CPU_BFC_MEM_LIMIT_IN_MB=51" in text and "fraction 0." not in text
 
 
 def test_log_dump_equals_tensorflows_own_memorydump_protobuf():

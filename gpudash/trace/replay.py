@@ -600,6 +600,10 @@ class ReplayResult:
         Wall time of the replay loop.
     events_per_second : float
         ``events / elapsed_s``.
+    warnings : list of str
+        What the trace lacks to answer for the job that made it (an incomplete or missing
+        dump, no events): :func:`gpudash.trace.caveats.trace_warnings`. With any, ``fits``
+        and the peaks hold for the calls the trace has, not for the job.
     """
 
     oom_count: int
@@ -621,6 +625,7 @@ class ReplayResult:
     stopped_early: bool = False
     elapsed_s: float = 0.0
     events_per_second: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -639,6 +644,8 @@ class ReplayResult:
         else:
             first = self.first_oom[0] if self.first_oom else "?"
             verdict = f"{self.oom_count} OOMs (first at call {first})"
+        if self.warnings:
+            verdict += f" of an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
         return (f"ReplayResult({verdict}, limit={format_bytes(self.memory_limit)}, "
                 f"peak_pool={format_bytes(self.peak_pool_bytes)}, "
                 f"peak_in_use={format_bytes(self.peak_bytes_in_use)}, "
@@ -776,10 +783,14 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
         deferred_deletion_bytes=deferred_deletion_bytes, device=device)
     if max_ooms is not None and max_ooms < 1:
         raise ValueError(f"max_ooms must be >= 1 or None; got {max_ooms}")
+    from .caveats import trace_warnings
+
     ops, keys, nbytes, n_events = _calls_lists(trace, settings["device"])
-    return _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
-                         per_call=per_call, max_ooms=max_ooms,
-                         progress=_progress_fn(progress, "replay"))
+    result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
+                           per_call=per_call, max_ooms=max_ooms,
+                           progress=_progress_fn(progress, "replay"))
+    result.warnings = trace_warnings(trace, settings["device"])
+    return result
 
 
 def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:

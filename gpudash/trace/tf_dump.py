@@ -452,6 +452,7 @@ def _to_dump(r: _Raw, name: str) -> MemoryDump:
             warnings.append(f"{what}: the dump says {value}{'' if exact else ' (rounded)'}, "
                             f"its chunk lines give {computed}")
 
+    by_bin = _by_bin(chunks)
     if complete:
         check("InUse", r.stats.get("InUse"), in_use)
         check("Sum Total of in-use chunks", r.sum_total, in_use)
@@ -460,7 +461,7 @@ def _to_dump(r: _Raw, name: str) -> MemoryDump:
             check("free in pool", r.pool["free"], pool - in_use)
         for b, (n_bin, n_use, in_bin, used, _req) in sorted(r.bins.items()):
             idx = bin_for_size(b)
-            got = [c for c in chunks if bin_for_size(c.size) == idx]
+            got = by_bin[idx]
             check(f"Bin ({b}) chunks", (n_bin, True), len(got))
             check(f"Bin ({b}) chunks in use", (n_use, True), sum(c.in_use for c in got))
             check(f"Bin ({b}) bytes", in_bin, sum(c.size for c in got))
@@ -485,7 +486,7 @@ def _to_dump(r: _Raw, name: str) -> MemoryDump:
         largest_free_block_bytes=largest_free, fragmentation=frag)
     bins = []
     for b in range(21):
-        in_bin = [c for c in chunks if bin_for_size(c.size) == b]
+        in_bin = by_bin[b]
         reported = r.bins.get(256 << b)
         bins.append(BinSummary(
             bin=b, bin_size=256 << b,
@@ -511,6 +512,14 @@ def _to_dump(r: _Raw, name: str) -> MemoryDump:
         extra["curr_region_allocation_bytes"] = r.pool["curr_region"][0]
     return MemoryDump(allocator_name=r.name, stats=stats, bins=bins, chunks=chunks,
                       regions=regions, memory_limit=limit, seq=0, extra=extra)
+
+
+def _by_bin(chunks: list[MemChunk]) -> list[list[MemChunk]]:
+    """The chunks of each of the 21 bins (by size), in one pass."""
+    out: list[list[MemChunk]] = [[] for _ in range(21)]
+    for c in chunks:
+        out[bin_for_size(c.size)].append(c)
+    return out
 
 
 def _close(rounded: int, exact: int) -> bool:
@@ -602,8 +611,9 @@ def read_memory_dump_pb(path: str | os.PathLike) -> MemoryDump:
                            largest_free_block_bytes=largest,
                            fragmentation=1.0 - largest / free if free > 0 else 0.0)
     bins = []
+    by_bin = _by_bin(chunks)
     for b in range(21):
-        in_bin = [c for c in chunks if bin_for_size(c.size) == b]
+        in_bin = by_bin[b]
         bins.append(BinSummary(
             bin=b, bin_size=256 << b,
             total_bytes_in_use=sum(c.size for c in in_bin if c.in_use),

@@ -112,8 +112,9 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
         ``meta["source"] = "tensorflow-log"``; also ``allocator_name`` (the first
         allocator), ``allocator_names``, ``memory_limit`` (when known for a single
         allocator), ``approximate_oom_sizes``, ``unmatched_frees`` (frees of memory
-        allocated before the log starts), ``declined_allocations`` (see Notes) and
-        ``dump_states`` (allocators whose state came from a dump).
+        allocated before the log starts), ``declined_allocations`` (see Notes),
+        ``dump_states`` (allocators whose state came from a dump) and ``incomplete_states``
+        (allocators that failed with less than their whole state in the trace: see Notes).
 
     Raises
     ------
@@ -130,7 +131,12 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     error's time: one ``extend`` per region and one ``alloc`` per chunk in use (``requested``
     = the chunk's size, holder the chunk's op or "(in use before the profile)"), then the
     error's ``oom`` row (holder: the op that asked). Replaying such a trace at the log's limit
-    rebuilds that much memory in use and retries the request.
+    rebuilds that much memory in use and retries the request. When the dump lacks chunk lines
+    (elided, cut off, or absent: JAX prints only the error line), or there is no dump, the
+    allocator's first failure is listed in ``meta["incomplete_states"]`` as ``{"allocator",
+    "line", "warnings" (the dump's own, as ``gpudash explain`` prints them), "in_use" (bytes
+    in use the dump's summary or stats state, None when unknown), "rebuilt" (bytes in use the
+    trace holds)}``.
 
     *Declined allocations.* ``Allocator (X) ran out of memory trying to allocate N with
     freed_by_count=0. The caller indicates that this is not a failure...`` is a warning, not an
@@ -149,6 +155,14 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     except TraceFormatError as exc:
         raise TraceFormatError(str(exc).replace("<stream>", name, 1)) from None
     dump_at = {d.extra["line"]: d for d in dumps if d.chunks}
+
+    def dump_of_line(lineno: int, alloc: str) -> Any:
+        # the dump of an out-of-memory line: the one it opens, else (TF 0.8 prints the line
+        # after its dump) the last dump before it of that allocator or of none named
+        before = [d for d in dumps if d.extra["line"] <= lineno
+                  and d.allocator_name in ("", alloc)]
+        return before[-1] if before and (before[-1].extra["line"] == lineno
+                                         or before[-1].extra.get("request")) else None
     b = _EventBuilder()
     index: dict[str, int] = {}
     limits: dict[str, int] = {}
@@ -157,6 +171,8 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     has_events: set[str] = set()
     from_dump: list[str] = []
     declined: list[dict] = []
+    incomplete: list[dict] = []
+    noted: set[str] = set()          # allocators in incomplete
     extending: str | None = None     # allocator of the last "Extending allocation" line
     last_name: str | None = None     # allocator named most recently
     stats_owner: str | None = None   # allocator whose memory dump is being printed
@@ -191,6 +207,24 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
             if not c.in_use:
                 b.free(t, d, c.address)
         from_dump.append(alloc)
+        if not dump.extra.get("complete", True):
+            stateless(alloc, dump.extra.get("line", 0), dump)
+
+    def stateless(alloc: str, line: int, dump: Any) -> None:
+        # a failure replayed without its allocator's whole state: say what is missing
+        if alloc in noted:
+            return
+        noted.add(alloc)
+        if dump is None:
+            warnings, in_use = ["no allocator dump follows the out-of-memory line"], None
+        else:   # bytes in use are known from the in-use summary or the stats, not the chunks
+            warnings = list(dump.extra.get("warnings", []))
+            known = dump.extra.get("in_use_from") in ("in-use summary", "stats")
+            in_use = dump.stats.bytes_in_use if known else None
+        rebuilt = sum(c.size for c in dump.chunks if c.in_use) \
+            if dump is not None and alloc in from_dump else 0
+        incomplete.append({"allocator": alloc, "line": line, "warnings": warnings,
+                           "in_use": in_use, "rebuilt": rebuilt})
 
     for lineno, line in enumerate(io.StringIO(text), 1):
         where = f"{name}, line {lineno}"
@@ -297,6 +331,8 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
                 dump = dump_at.get(lineno)
                 if dump is not None and alloc not in has_events and alloc not in from_dump:
                     state_from_dump(t, alloc, dump)
+                elif alloc not in has_events and alloc not in from_dump and alloc not in noted:
+                    stateless(alloc, lineno, dump_of_line(lineno, alloc))
                 if rounded is None and unit is not None:
                     approx += 1
                 req_op = re.search(r"requested by op (\S+)", line)
@@ -339,7 +375,7 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     names = list(index)
     meta = {"source": "tensorflow-log", "allocator_name": names[0], "allocator_names": names,
             "approximate_oom_sizes": approx, "declined_allocations": declined,
-            "dump_states": from_dump}
+            "dump_states": from_dump, "incomplete_states": incomplete}
     if len(names) == 1 and b.devices[0]["options"]:
         meta["memory_limit"] = b.devices[0]["options"]["memory_limit"]
     return b.build(meta)

@@ -14,6 +14,11 @@ a slightly larger limit can produce a different region layout (and a worse one).
 fraction :func:`min_fraction` returns has been replayed and fits; smaller fractions that
 also fit may exist below a failing one (``MinFractionResult.non_monotone`` says when the
 bisection saw such an inversion).
+
+A trace that is less than the job (an out-of-memory log whose dump is elided, or missing,
+as JAX prints none) gives answers for the calls it holds: both results carry
+:func:`~gpudash.trace.caveats.trace_warnings` as ``warnings``, and the fraction is then a
+lower bound.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 from .._errors import ConfigError
 from .._units import format_bytes
 from ..bfc import _check_number
+from .caveats import trace_warnings
 from .format import Trace
 from .replay import _calls_lists, _progress_fn, _replay_lists, resolve_settings
 
@@ -61,6 +67,12 @@ class MinFractionResult:
         True when some replay failed at a larger fraction than one that fitted.
     device_bytes : int
         The simulated device size.
+    tolerance : float
+        The bisection's resolution: the boundary lies within this much below ``fraction``.
+    warnings : list of str
+        What the trace lacks to answer for the job that made it
+        (:func:`~gpudash.trace.caveats.trace_warnings`); with any, ``fraction`` is a lower
+        bound.
     """
 
     fraction: float | None
@@ -69,6 +81,8 @@ class MinFractionResult:
     history: list[tuple[float, int]] = field(default_factory=list)
     non_monotone: bool = False
     device_bytes: int = 0
+    tolerance: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -76,12 +90,14 @@ class MinFractionResult:
         return self.fraction is not None
 
     def __repr__(self) -> str:
+        note = (f", an incomplete trace: a lower bound ({len(self.warnings)} warning(s): "
+                ".warnings)" if self.warnings else "")
         if self.fraction is None:
             return (f"MinFractionResult(no fit up to the largest fraction tried, "
-                    f"replays={self.replays})")
+                    f"replays={self.replays}{note})")
         return (f"MinFractionResult(fraction={self.fraction:.4f}, "
                 f"limit={format_bytes(self.limit_bytes or 0)} of "
-                f"{format_bytes(self.device_bytes)}, replays={self.replays})")
+                f"{format_bytes(self.device_bytes)}, replays={self.replays}{note})")
 
 
 #: The finest ``min_fraction`` tolerance: below it a step changes no limit.
@@ -155,9 +171,12 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     report = _progress_fn(progress, "min_fraction")
     total = 1 + max(1, math.ceil(math.log2(max((hi - lo) / tolerance, 1.0))))
     history: list[tuple[float, int]] = []
+    warnings = trace_warnings(trace, base["device"])
     if client is not None:
-        return _min_fraction_dask(client, trace, base, lo, hi, tolerance, count_ooms, report,
-                                  total, history)
+        result = _min_fraction_dask(client, trace, base, lo, hi, tolerance, count_ooms, report,
+                                    total, history)
+        result.tolerance, result.warnings = tolerance, warnings
+        return result
 
     def fits(frac: float) -> bool:
         s = dict(base, fraction=frac,
@@ -172,7 +191,8 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     if not fits(hi):
         if report is not None:
             report(total, total)
-        return MinFractionResult(None, None, len(history), history, False, dev_bytes)
+        return MinFractionResult(None, None, len(history), history, False, dev_bytes,
+                                 tolerance, warnings)
     good, bad = hi, lo
     while good - bad > tolerance:
         mid = (good + bad) / 2.0
@@ -188,7 +208,7 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
     failed = [f for f, n in history if n > 0]
     non_monotone = bool(fitted and failed and max(failed) > min(fitted))
     return MinFractionResult(good, _limit_for(dev_bytes, good, int(base["cc_major"])),
-                             len(history), history, non_monotone, dev_bytes)
+                             len(history), history, non_monotone, dev_bytes, tolerance, warnings)
 
 
 def _min_fraction_dask(client: Any, trace: Trace, base: dict, lo: float, hi: float,
@@ -355,7 +375,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 if report is not None:
                     report(done, total)
     return SweepTable([r for r in rows if r is not None],
-                      device_bytes=settings[0]["device_bytes"])
+                      device_bytes=settings[0]["device_bytes"],
+                      warnings=trace_warnings(trace, settings[0]["device"]))
 
 
 def _mp_context() -> Any:
@@ -376,13 +397,18 @@ class SweepTable:
         ``worst_fragmentation`` and ``extensions``.
     device_bytes : int, optional
         The simulated device size (shown by :meth:`to_text`).
+    warnings : list of str, optional
+        What the trace lacks to answer for the job that made it
+        (:func:`~gpudash.trace.caveats.trace_warnings`), shown with the table.
     """
 
     COLUMNS = _ROW_KEYS
 
-    def __init__(self, rows: Sequence[dict], device_bytes: int | None = None) -> None:
+    def __init__(self, rows: Sequence[dict], device_bytes: int | None = None,
+                 warnings: Sequence[str] = ()) -> None:
         self.rows = [dict(r) for r in rows]
         self.device_bytes = device_bytes
+        self.warnings = list(warnings)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -449,8 +475,9 @@ class SweepTable:
             ])
         return head, body
 
-    def to_text(self) -> str:
-        """An aligned plain-text table with human-readable bytes."""
+    def to_text(self, *, warnings: bool = True) -> str:
+        """An aligned plain-text table with human-readable bytes (and the trace's warnings
+        after it, unless ``warnings=False``)."""
         head, body = self._cells()
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
@@ -459,6 +486,8 @@ class SweepTable:
             lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if self.device_bytes:
             lines.append(f"(device {format_bytes(self.device_bytes)})")
+        if warnings:
+            lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
     def to_html(self) -> str:
@@ -470,6 +499,7 @@ class SweepTable:
         for row in body:
             out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         out.append("</tbody></table>")
+        out.extend(f'<p class="warning">warning: {html.escape(w)}</p>' for w in self.warnings)
         return "\n".join(out)
 
     _repr_html_ = to_html
@@ -481,4 +511,6 @@ class SweepTable:
         best = self.best()
         b = "none fits" if best is None else (
             f"best fraction={best['fraction']}, allow_growth={best['allow_growth']}")
+        if self.warnings:
+            b += f", an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
         return f"SweepTable(rows={len(self.rows)}, {b})"
