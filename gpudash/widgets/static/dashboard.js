@@ -228,6 +228,8 @@ class View {
     this.status.textContent = (msg.ok ? "" : "refused: ") + msg.text + (msg.warning ? " - " + msg.warning : "");
     this.status.classList.toggle("err", !msg.ok);
     if (msg.controls) this.applyControls(msg.controls);
+    // the device shown (a refused device change puts the picker back)
+    if (this.ctl.device && msg.device != null) this.ctl.device.value = String(msg.device);
     if (msg.name in this.pending) {
       const v = this.pending[msg.name];
       delete this.pending[msg.name];
