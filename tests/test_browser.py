@@ -356,13 +356,30 @@ def test_whatif_view_replays_at_the_slider_fraction(page, lab, tmp_path):
     oom = view.locator(".widget-html", has_text=f"out of memory at {shown}")
     oom.wait_for(timeout=60_000)
     assert "first at call" in oom.inner_text()
-    wait_for_plots(view, 2)
+    drawn = wait_for_plots(view, 2)
     assert not page_problems(page), page_problems(page)
     assert not page.console_errors, page.console_errors
     shot = tmp_path / "whatif.png"
     screenshot(page, view, shot)
     assert shot.stat().st_size > 20_000
 
+    # save and reload the page: the figures draw again as they were, not empty axes
+    command(page, "docmanager:save")
+    page.wait_for_timeout(500)
+    page.reload()
+    wait_for_notebook(page)
+    view = widget_output(page, ".widget-hslider")
+    view.wait_for(state="attached", timeout=60_000)
+    view.scroll_into_view_if_needed()
+    again = wait_for_plots(view, 2)
+    assert [p["points"] for p in again] == [p["points"] for p in drawn], (drawn, again)
+    assert [p["traces"] for p in again] == [p["traces"] for p in drawn]
+    view.locator(".widget-html", has_text=f"out of memory at {shown}").wait_for()
+    names = view.evaluate("""(r) => Array.from(r.querySelectorAll(
+        '.legend .traces .legendtext')).map(e => e.textContent)""")
+    assert {"in use", "pool", "limit", "first OOM"} <= set(names), names
+    assert not page_problems(page), page_problems(page)
+    screenshot(page, view, tmp_path / "whatif-reloaded.png")
 
 
 def test_fragmentation_notebook_runs_all_with_a_live_dashboard(page, lab):

@@ -82,8 +82,25 @@ def plotly_bundle() -> tuple[str, bytes]:
     return _BUNDLE_CACHE["version"], _BUNDLE_CACHE["gz"]
 
 
+def lib_message(raw: bool = False) -> tuple[dict, list]:
+    """``(content, buffers)`` of the message that hands plotly.js to a page that asked for
+    it: the gzip bundle, or (``raw``, for a browser without ``DecompressionStream``) the
+    script itself."""
+    version, data = plotly_bundle()
+    if raw:
+        return ({"type": "lib", "version": version, "encoding": "none"},
+                [memoryview(gzip.decompress(data))])
+    return {"type": "lib", "version": version, "encoding": "gzip"}, [memoryview(data)]
+
+
+def esm(name: str) -> str:
+    """The front-end module ``static/<name>``, after the page-wide plotly.js loader that
+    every gpudash module shares (``static/loader.js``)."""
+    return "\n".join((_STATIC / f).read_text(encoding="utf-8") for f in ("loader.js", name))
+
+
 def _esm() -> str:
-    return (_STATIC / "dashboard.js").read_text(encoding="utf-8")
+    return esm("dashboard.js")
 
 
 def _f64(a: Any) -> memoryview:
@@ -403,14 +420,8 @@ class Dashboard(anywidget.AnyWidget):
             if kind == "hello":
                 self._hellos += 1
                 self._send_state(full=True)
-            elif kind == "lib":
-                version, data = plotly_bundle()
-                self._post("lib", {"type": "lib", "version": version, "encoding": "gzip"},
-                           [memoryview(data)])
-            elif kind == "lib-raw":
-                version, data = plotly_bundle()
-                self._post("lib", {"type": "lib", "version": version, "encoding": "none"},
-                           [memoryview(gzip.decompress(data))])
+            elif kind in ("lib", "lib-raw"):
+                self._post("lib", *lib_message(raw=kind == "lib-raw"))
             elif kind == "action":
                 self._reply(content, self._act(content))
         except GpudashError as exc:

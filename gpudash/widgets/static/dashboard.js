@@ -1,52 +1,13 @@
-// gpudash live dashboard (anywidget ES module). See gpudash/widgets/dashboard.py for the
-// protocol: plotly.js once per page (asked for only when missing), a snapshot per hello,
-// binary increments after it, one redraw per animation frame at most.
-
-const G = (globalThis.__gpudash = globalThis.__gpudash || { libs: {}, views: [] });
-
-function u8(buf) {
-  if (buf instanceof Uint8Array) return buf;
-  if (buf instanceof ArrayBuffer) return new Uint8Array(buf);
-  return new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength);
-}
+// gpudash live dashboard (anywidget ES module, after loader.js). See
+// gpudash/widgets/dashboard.py for the protocol: plotly.js once per page (asked for only when
+// missing), a snapshot per hello, binary increments after it, one redraw per animation frame
+// at most.
 
 function f64(buf) {
   const b = u8(buf);
   const copy = new Uint8Array(b.byteLength);
   copy.set(b);
   return new Float64Array(copy.buffer);
-}
-
-function loadPlotly(model) {
-  const version = model.get("lib_version");
-  if (G.libs[version]) return G.libs[version];
-  G.libs[version] = new Promise((resolve, reject) => {
-    const onMsg = async (msg, buffers) => {
-      if (!msg || msg.type !== "lib") return;
-      model.off("msg:custom", onMsg);
-      try {
-        const bytes = u8(buffers[0]);
-        let text;
-        if (msg.encoding === "gzip") {
-          const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-          text = await new Response(stream).text();
-        } else {
-          text = new TextDecoder().decode(bytes);
-        }
-        const module = { exports: {} };
-        new Function("module", "exports", "define", text)(module, module.exports, undefined);
-        G.libBytes = (G.libBytes || 0) + bytes.byteLength;
-        G.libLoads = (G.libLoads || 0) + 1;
-        resolve(module.exports);
-      } catch (err) {
-        delete G.libs[version];
-        reject(err);
-      }
-    };
-    model.on("msg:custom", onMsg);
-    model.send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
-  });
-  return G.libs[version];
 }
 
 // ---------------------------------------------------------------- units (gpudash.style)
