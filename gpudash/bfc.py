@@ -411,7 +411,7 @@ class _Outbox:
     threads held back while ``_OUTBOX_MAX`` batches wait; ``cond`` (on the allocator's lock)
     wakes them."""
 
-    __slots__ = ("batches", "thread", "waiting", "cond")
+    __slots__ = ("batches", "cond", "thread", "waiting")
 
     def __init__(self, lock: Any) -> None:
         self.batches: deque = deque()
