@@ -293,7 +293,7 @@ class GpudashMagics(Magics):
         rec = Recorder(sess)  # the allocator's own stats are left alone
         # the cell's allocations are held by "cell [N]" (Session.label): the chunk map's
         # hover and the summary name them
-        label = f"cell [{getattr(self.shell, 'execution_count', '?')}]"
+        label = f"cell [{self._prompt_number()}]"
         t0 = time.perf_counter()
         error = None
         try:
@@ -316,6 +316,19 @@ class GpudashMagics(Magics):
         if error is not None:
             raise error
         return None
+
+    def _prompt_number(self) -> Any:
+        """The prompt number (``In [N]``) of the cell running now.
+
+        IPython 9 counts the cell before running it, so ``shell.execution_count`` is the
+        next cell's number by then (IPython 8 counted after); the cell's own number is on
+        the result the display hook holds while the cell runs. Outside a cell (a direct
+        ``run_cell_magic``), the shell's count."""
+        result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        count = getattr(result, "execution_count", None)
+        if count is None:
+            count = getattr(self.shell, "execution_count", None)
+        return "?" if count is None else count
 
     @line_magic
     def gpudash_cells(self, line: str = "") -> None:

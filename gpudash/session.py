@@ -604,7 +604,14 @@ class Session:
         return {h: (b, n) for h, (b, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
     def free(self, ptr: int, device: Any = None) -> None:
-        """Free through deferred deletion (the block reaches the allocator later)."""
+        """Free through deferred deletion (the block reaches the allocator later).
+
+        Raises
+        ------
+        InvalidPointerError
+            For an address not allocated here, already freed or already queued.
+        ConfigError
+            After :meth:`close` (which returned every block), as :meth:`allocate` does."""
         if not ptr:
             _null_or_bug(ptr, "free")
             return
@@ -612,8 +619,11 @@ class Session:
         if device is None and len(devices) == 1 and type(ptr) is int:
             dev = devices[0]  # one device: the allocator's own table validates the pointer
             c = dev.allocator._by_ptr.get(ptr)
-            size = c.size if c is not None and c.aid >= 0 else dev.allocator.allocated_size(ptr)
+            # (after close() the table is empty: the slow path says the session is closed)
+            size = c.size if c is not None and c.aid >= 0 else self._allocated_size(dev, ptr)
         else:
+            if self._closed:
+                self._check_open()
             dev = self._device_of(ptr) if device is None else self.device(device)
             size = dev.allocator.allocated_size(ptr)  # validates the pointer now
         d = dev._deferred
@@ -638,10 +648,14 @@ class Session:
         InvalidPointerError
             For an address not allocated here, already freed, or already queued by
             :meth:`free` (it reaches the allocator at the next flush: freeing it again now
-            would be a double free)."""
+            would be a double free).
+        ConfigError
+            After :meth:`close`."""
         if not ptr:
             _null_or_bug(ptr, "free_now")
             return
+        if self._closed:
+            self._check_open()
         dev = self._device_of(ptr) if device is None else self.device(device)
         with self._lock:
             if ptr in dev._deferred.queued:
@@ -650,6 +664,13 @@ class Session:
                     "for deletion by free() (double free?); flush() returns it now")
             dev.allocator.deallocate(ptr)
             dev._holders.pop(ptr, None)
+
+    def _allocated_size(self, dev: Device, ptr: int) -> int:
+        """The size of a live block of ``dev``; a ConfigError once the session is closed
+        (its allocators are empty then), else the allocator's InvalidPointerError."""
+        if self._closed:
+            self._check_open()
+        return dev.allocator.allocated_size(ptr)
 
     def _device_of(self, ptr: int) -> Device:
         for dev in self.devices:

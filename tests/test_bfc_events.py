@@ -3,6 +3,7 @@ failing subscribers, unsubscribe."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -260,3 +261,129 @@ def test_late_subscriber_sees_consecutive_seq():
     a.allocate(100)
     seqs = [e.seq for e in late]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+# ----------------------------------------------------------------------------- threads
+def _run_with_timeout(fn, timeout=20.0):
+    """Run ``fn`` in a daemon thread; True if it returned within ``timeout`` (a deadlock
+    leaves the thread behind instead of hanging the test run)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
+
+
+def test_a_callback_may_join_a_thread_that_allocates():
+    """The callback waits for a thread that allocates on the same allocator: that thread
+    goes on (its events wait), and every event still arrives once, in seq order."""
+    a = gpudash.BFCAllocator(BumpSubAllocator(), 1 * MIB, name="ev")
+    seen, joined = [], []
+
+    def other():
+        a.deallocate(a.allocate(300))
+
+    def callback(event):
+        seen.append(event)
+        if event.kind == K.ALLOC and not joined:
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(timeout=3)
+            joined.append(not t.is_alive())
+
+    a.subscribe(callback)
+    assert _run_with_timeout(lambda: a.allocate(100))
+    assert joined == [True]
+    assert [e.seq for e in seen] == list(range(len(seen)))
+    # the first call's events, then the joined thread's, delivered after the callback
+    assert kinds(seen) == [K.EXTEND, K.SPLIT, K.ALLOC, K.SPLIT, K.ALLOC, K.FREE, K.MERGE]
+    a.check()
+
+
+def test_a_slow_callback_holds_up_no_other_thread():
+    """While a callback runs in one thread, another thread allocates, frees and reads the
+    statistics without waiting for it; its events follow once the callback returns."""
+    a = gpudash.BFCAllocator(BumpSubAllocator(), 1 * MIB, name="ev")
+    inside, gate = threading.Event(), threading.Event()
+    seen, waited = [], []
+    first = []
+
+    def callback(event):
+        seen.append((threading.current_thread().name, event))
+        if not first:
+            first.append(event)
+            inside.set()
+            waited.append(gate.wait(timeout=5))  # True only if the main thread went on
+
+    t = threading.Thread(target=lambda: a.allocate(100), name="slow", daemon=True)
+    a.subscribe(callback)
+    t.start()
+    assert inside.wait(5)
+    done = _run_with_timeout(lambda: (a.deallocate(a.allocate(5000)), a.stats()), timeout=3)
+    gate.set()
+    t.join(5)
+    assert done and waited == [True]
+    assert [e.seq for _, e in seen] == list(range(len(seen)))
+    assert {name for name, _ in seen} == {"slow"}  # the delivering thread delivered all
+    assert kinds([e for _, e in seen])[-2:] == [K.FREE, K.MERGE]
+
+
+def test_threads_racing_with_a_callback_get_every_event_in_order():
+    """Four threads allocate and free while callbacks run: every event is delivered once,
+    in seq order, and the allocator's state matches what the events say."""
+    a = gpudash.BFCAllocator(BumpSubAllocator(), 64 * MIB, name="ev")
+    seen = []
+    a.subscribe(lambda e: seen.append(e.seq))
+    a.subscribe(lambda e: None)
+
+    def work(seed):
+        for i in range(300):
+            a.deallocate(a.allocate(256 * (1 + (seed * 7 + i) % 50)))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert seen == list(range(a.seq))
+    assert not a._outbox.batches and a._outbox.thread is None
+    a.check()
+
+
+def test_a_thread_waits_when_too_many_operations_wait_for_delivery(monkeypatch):
+    """Past _OUTBOX_MAX queued operations, a thread waits for the callbacks to catch up
+    (memory stays bounded); the delivering thread then hands the rest over to it."""
+    from gpudash import bfc
+
+    monkeypatch.setattr(bfc, "_OUTBOX_MAX", 3)
+    a = gpudash.BFCAllocator(BumpSubAllocator(), 1 * MIB, name="ev")
+    inside, gate = threading.Event(), threading.Event()
+    delivered_by = []
+
+    def callback(event):
+        delivered_by.append((threading.current_thread().name, event.seq))
+        if not inside.is_set():
+            inside.set()
+            gate.wait(5)
+
+    a.subscribe(callback)
+    slow = threading.Thread(target=lambda: a.allocate(100), name="slow", daemon=True)
+    slow.start()
+    assert inside.wait(5)
+    queued = []
+
+    def busy():
+        for _ in range(6):
+            a.allocate(1000)
+            queued.append(len(a._outbox.batches))
+
+    busy_thread = threading.Thread(target=busy, name="busy", daemon=True)
+    busy_thread.start()
+    busy_thread.join(1)
+    assert busy_thread.is_alive() and max(queued) <= 4  # held back, not queueing on
+    gate.set()
+    slow.join(5)
+    busy_thread.join(5)
+    assert not slow.is_alive() and not busy_thread.is_alive()
+    assert [s for _, s in delivered_by] == list(range(a.seq))
+    assert {name for name, _ in delivered_by} == {"slow", "busy"}  # handed over

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from browser_helpers import (
+    JS_NOTEBOOK,
     LabServer,
     cell_errors,
     command,
@@ -217,6 +218,30 @@ def kernel_int(page: Any, code: str) -> int:
     return int(run_code_in_new_cell(page, code).strip().splitlines()[-1])
 
 
+def legend_names(root: Any, view: str) -> list[str]:
+    """The entries of a dashboard plot's legend, as drawn."""
+    return root.evaluate("""(r, view) => Array.from(r.querySelectorAll(
+        `[data-view=${view}] .legend .traces .legendtext`)).map(e => e.textContent)""", view)
+
+
+def region_labels(root: Any) -> list[str]:
+    """The chunk map's region labels (its y axis ticks), as drawn."""
+    return root.evaluate("""(r) => Array.from(r.querySelectorAll(
+        '[data-view=chunkmap] .yaxislayer-above .ytick text')).map(e => e.textContent)""")
+
+
+def cell_of(page: Any, prefix: str) -> dict:
+    """The prompt number and output text of the first code cell whose source starts with
+    ``prefix``."""
+    return page.evaluate(f"""(prefix) => {{
+        const cells = {JS_NOTEBOOK}.content.widgets;
+        const c = cells.find(c => c.model.type === 'code' &&
+                                  c.model.sharedModel.getSource().startsWith(prefix));
+        return {{count: c.model.executionCount,
+                 text: c.node.querySelector('.jp-Cell-outputArea').innerText}};
+    }}""", prefix)
+
+
 def test_dashboard_draws_acts_and_survives_a_rerun_and_a_reload(page, lab, tmp_path):
     frames: list[int] = []
     page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(len(p))))
@@ -236,6 +261,19 @@ def test_dashboard_draws_acts_and_survives_a_rerun_and_a_reload(page, lab, tmp_p
     limit_before = kernel_int(page, "import gpudash\nprint(gpudash.default_session()"
                                     ".devices[0].memory_limit)")
     assert limit_before == int(0.3 * TOTAL)
+    assert value.inner_text() == f"0.30 (limit {limit_before / GIB:.2f} GiB)"
+    # legends: the lines of the timeline, the colours of the chunk map and the bins
+    assert legend_names(dash, "timeline") == ["in use", "pool", "limit"]
+    names = legend_names(dash, "chunkmap")  # a colour with nothing to show has no entry
+    assert {"in use", "free"} <= set(names) <= {"in use", "waste", "free"}, names
+    assert legend_names(dash, "bins") == ["in use", "free"]
+    # every region named by its address and size: two regions of one size stay apart
+    labels = region_labels(dash)
+    assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+    assert all(re.fullmatch(r"0x[0-9a-f]+ \d+\.\d\d [KMG]iB", t) for t in labels), labels
+    # %%gpudash_track names the cell by its own prompt number
+    track = cell_of(page, "%%gpudash_track")
+    assert f"held now by: cell [{track['count']}] " in track["text"], track
 
     # the mouse on the slider: the kernel answers in words, the limit follows
     slider = dash.locator('input[data-ctl="fraction"]')
@@ -250,6 +288,8 @@ def test_dashboard_draws_acts_and_survives_a_rerun_and_a_reload(page, lab, tmp_p
     assert status.inner_text().startswith(f"fraction {shown:.3f}: limit ")
     limit_after = kernel_int(page, "print(gpudash.default_session().devices[0].memory_limit)")
     assert abs(limit_after - int(shown * TOTAL)) <= 1, (shown, limit_after)
+    # the readout as after %gpudash_config: one format, whatever set the fraction
+    assert value.inner_text() == f"{shown:.2f} (limit {limit_after / GIB:.2f} GiB)"
     head = dash.locator(".gd-head")
     page.wait_for_function("([e, t]) => e.innerText.includes(t)",
                            arg=[head.element_handle(), f"limit {limit_after / GIB:.2f} GiB"],
@@ -316,12 +356,30 @@ def test_whatif_view_replays_at_the_slider_fraction(page, lab, tmp_path):
     oom = view.locator(".widget-html", has_text=f"out of memory at {shown}")
     oom.wait_for(timeout=60_000)
     assert "first at call" in oom.inner_text()
-    wait_for_plots(view, 2)
+    drawn = wait_for_plots(view, 2)
     assert not page_problems(page), page_problems(page)
     assert not page.console_errors, page.console_errors
     shot = tmp_path / "whatif.png"
     screenshot(page, view, shot)
     assert shot.stat().st_size > 20_000
+
+    # save and reload the page: the figures draw again as they were, not empty axes
+    command(page, "docmanager:save")
+    page.wait_for_timeout(500)
+    page.reload()
+    wait_for_notebook(page)
+    view = widget_output(page, ".widget-hslider")
+    view.wait_for(state="attached", timeout=60_000)
+    view.scroll_into_view_if_needed()
+    again = wait_for_plots(view, 2)
+    assert [p["points"] for p in again] == [p["points"] for p in drawn], (drawn, again)
+    assert [p["traces"] for p in again] == [p["traces"] for p in drawn]
+    view.locator(".widget-html", has_text=f"out of memory at {shown}").wait_for()
+    names = view.evaluate("""(r) => Array.from(r.querySelectorAll(
+        '.legend .traces .legendtext')).map(e => e.textContent)""")
+    assert {"in use", "pool", "limit", "first OOM"} <= set(names), names
+    assert not page_problems(page), page_problems(page)
+    screenshot(page, view, tmp_path / "whatif-reloaded.png")
 
 
 def test_fragmentation_notebook_runs_all_with_a_live_dashboard(page, lab):

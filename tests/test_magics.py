@@ -169,6 +169,24 @@ def test_gpudash_track_summarises_the_cell(ip, capsys):
     assert "0 out of memory" in out
 
 
+def test_gpudash_track_names_the_cell_by_its_prompt(ip, capsys):
+    """Cells run as a notebook runs them (stored in history, so each has a prompt number):
+    the blocks a %%gpudash_track cell holds are "cell [N]", N its own prompt, not the next."""
+    ip.run_line_magic("gpudash", "--simulate 8GiB")
+    ip.user_ns.update(sess=_session(), MiB=MiB)
+    prompts = []
+    for size in (3, 5):
+        result = ip.run_cell(f"%%gpudash_track\nkeep{size} = sess.allocate({size} * MiB)\n",
+                             store_history=True)
+        assert result.success, result
+        n = result.execution_count  # the prompt the front end shows: In [n]
+        prompts.append(n)
+        out = capsys.readouterr().out
+        assert f"held now by: cell [{n}] {size}.00 MiB (1 block(s))" in out, out
+        assert _session().holder_of(ip.user_ns[f"keep{size}"]) == f"cell [{n}]"
+    assert prompts[1] == prompts[0] + 1
+
+
 def test_gpudash_track_counts_out_of_memory_and_re_raises(ip, capsys):
     ip.run_line_magic("gpudash", "--simulate 1GiB --fraction 0.5")
     ip.user_ns.update(sess=_session(), MiB=MiB)

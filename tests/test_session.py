@@ -783,6 +783,24 @@ def test_configure_nothing_and_closed(make):
         sess.allocate(256)
 
 
+@pytest.mark.parametrize("simulate", ["16GiB", "2x16GiB"])
+def test_free_after_close_says_the_session_is_closed(make, simulate):
+    """A block allocated before close() and freed after it: the session is closed (as for
+    allocate), not "this allocator never allocated that address"."""
+    sess = make(simulate=simulate)
+    p = sess.allocate(MiB)
+    q = sess.allocate(MiB, device=len(sess.devices) - 1)
+    sess.free(q)  # queued: close() drains it
+    sess.close()
+    for free in (sess.free, sess.free_now):
+        for ptr in (p, q):
+            with pytest.raises(ConfigError, match="this session is closed"):
+                free(ptr)
+            with pytest.raises(ConfigError, match="this session is closed"):
+                free(ptr, device=0)
+    sess.free(0)  # nullptr stays a no-op, as in TensorFlow
+
+
 # ============================================================================ 9. deferred deletion
 
 

@@ -377,3 +377,79 @@ def test_a_model_passed_in_stays_open(comms, sess):
     dash.close()
     assert not model.closed
     model.close()
+
+
+# ----------------------------------------------------------------------------- bad messages
+@pytest.mark.parametrize("bad", [2, -1, 1e308, 1.0, True, "1", None, [1]])
+def test_a_bad_device_message_is_refused_and_the_dashboard_keeps_working(comms, bad):
+    """A device the source does not have is answered with an error in the status line; the
+    device shown does not change and the next message acts."""
+    with gpudash.Session(simulate="2x1GiB", poll=False) as sess:
+        model = LiveModel(sess, start=False)
+        dash = Dashboard(model=model)
+        try:
+            say(dash, {"type": "hello"})
+            n_snapshots = len(sent(comms, dash, "snapshot"))
+            reply = act(comms, dash, "device", bad)
+            assert not reply["ok"]
+            assert reply["text"] == (f"device must be an index in 0..1 (the source has 2 "
+                                     f"device(s)); got {bad!r}")
+            assert dash.device == 0 and reply["device"] == 0
+            assert reply["controls"]["settings"]["total"] == GIB
+            assert len(sent(comms, dash, "snapshot")) == n_snapshots  # nothing redrawn
+            # the next message acts
+            sess.allocate(10 * MIB, device=1)
+            model.refresh_now()
+            reply = act(comms, dash, "device", 1)
+            assert reply["ok"] and reply["text"] == "showing /device:GPU:1" and dash.device == 1
+            content, _ = sent(comms, dash, "snapshot")[-1]
+            assert content["device"] == 1 and content["headline"]["in_use"] == 10 * MIB
+            reply = act(comms, dash, "fraction", 0.5)
+            assert reply["ok"] and sess.devices[1].memory_limit == GIB // 2
+            # from Python, too, a device out of range is refused before it is set
+            with pytest.raises(Exception, match=r"device must be an index in 0\.\.1"):
+                dash.device = 2
+            assert dash.device == 1
+        finally:
+            dash.close()
+            model.close()
+
+
+@pytest.mark.parametrize("name, value, field", [
+    ("growth", "false", "allow_growth"),
+    ("growth", 0, "allow_growth"),
+    ("growth", None, "allow_growth"),
+    ("fraction", True, "per_process_gpu_memory_fraction"),
+    ("fraction", "0.5", "per_process_gpu_memory_fraction"),
+    ("fraction", None, "per_process_gpu_memory_fraction"),
+    ("deferred", 1.5, "deferred_deletion_bytes"),
+    ("deferred", True, "deferred_deletion_bytes"),
+    ("deferred", "8MiB", "deferred_deletion_bytes"),
+    ("deferred", -1, "deferred_deletion_bytes"),
+    ("pause", "false", "pause"),
+    ("pause", 1, "pause"),
+    ("rate", True, "rate"),
+    ("rate", "4", "rate"),
+])
+def test_control_values_are_checked_as_configure_checks_them(comms, sess, manual, name,
+                                                             value, field):
+    """No coercion: growth "false" does not turn growth on, a fraction of true is not 1.0,
+    deferred 1.5 is not 1 B. The answer names the setting and the value; nothing changes."""
+    dev = sess.devices[0]
+    model = manual.model
+
+    def state():
+        return (dev.memory_limit, dev.options.per_process_gpu_memory_fraction,
+                dev.allocator.allow_growth, dev._deferred.threshold, model.paused,
+                model.rate_hz)
+
+    before = state()
+    reply = act(comms, manual, name, value)
+    assert not reply["ok"], reply
+    assert field in reply["text"] and repr(value) in reply["text"], reply["text"]
+    assert state() == before
+    # the same control with a good value acts
+    good = {"growth": True, "fraction": 0.5, "deferred": 2 * MIB, "pause": True,
+            "rate": 2}[name]
+    assert act(comms, manual, name, good)["ok"]
+    assert state() != before

@@ -326,11 +326,6 @@ def test_views_follow_the_device_trait(comms):
             view.device = 2
 
 
-def _is_width_watcher(widget) -> bool:
-    esm = str(getattr(widget, "_esm", ""))
-    return "ResizeObserver" in esm and "gpudashFitTimer" in esm
-
-
 def test_figures_fit_the_box_they_are_shown_in(comms, model):
     """No fixed width (plotly's default 700 px overflows a narrower dashboard cell): the
     figures autosize, refit on window resizes and on each view attached."""
@@ -391,7 +386,9 @@ def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small
         assert len(view.timeline.data[4].x) == 0  # no first-OOM marker
         for fig in (view.timeline, view.heatmap):  # as wide as the output area
             assert fig.layout.width is None and fig.layout.autosize is True
-        assert sum(_is_width_watcher(c) for c in view.children) == 1
+        # drawn by gpudash's plot widgets, which follow the width of their box
+        assert [p.figure for p in view.plots] == [view.timeline, view.heatmap]
+        assert all(p in view.children and "ResizeObserver" in p._esm for p in view.plots)
 
         view.slider.value = 0.1  # as the browser would, on release
         assert "replaying" in view.status.value
@@ -427,6 +424,82 @@ def test_whatif_slider_shows_oom_when_too_small_and_none_when_large(comms, small
         assert view.wait_min_fraction(60)
         assert "minimum fraction that fits" in view.min_fraction_text.value
         assert repr(view).startswith("WhatIfView(fraction=0.80")
+    finally:
+        view.close()
+
+
+def _figures_sent(log, plot) -> list[dict]:
+    """The figures a plot widget sent to the page, parsed."""
+    return [json.loads(m.data["content"]["json"]) for m in log.of(plot)
+            if m.msg_type == "comm_msg" and m.data.get("method") == "custom"
+            and m.data["content"].get("type") == "figure"]
+
+
+def _hello(widget) -> None:
+    """What a view sends when the page draws it (a first display, a reloaded page)."""
+    widget._handle_msg({"content": {"data": {"method": "custom",
+                                             "content": {"type": "hello"}}}, "buffers": []})
+
+
+def test_whatif_figures_are_drawn_whole_for_every_view_that_says_hello(comms, small_trace):
+    """Each view of the what-if figures gets the figure of the replay drawn last when it says
+    hello (a reloaded page draws it again, not empty axes), and every view that said hello
+    gets each new replay; plotly.js goes only to a page that asks for it."""
+    from gpudash.widgets import WhatIfView
+
+    view = WhatIfView(small_trace, device_bytes="1GiB", fraction=0.1, min_fraction=False,
+                      background=False)
+    try:
+        tl_plot, hm_plot = view.plots
+        assert _figures_sent(comms, tl_plot) == []  # nothing until a view says hello
+        r = view.result
+        for plot in view.plots:
+            _hello(plot)
+        (tl,) = _figures_sent(comms, tl_plot)
+        assert [t["name"] for t in tl["data"]] == ["in use", "pool", "limit", "OOM",
+                                                   "first OOM"]
+        in_use = decode_array(tl["data"][0]["y"])
+        assert len(in_use) > 10 and in_use.max() > 0
+        assert tl["data"][4]["x"] == [r.first_oom[0]]
+        assert tl["layout"]["title"]["text"].startswith("replay at fraction 0.10")
+        assert tl["layout"]["yaxis"]["ticksuffix"] == " MiB" and tl["layout"]["annotations"]
+        assert tl["layout"]["legend"]["orientation"] == "h" and tl["layout"]["autosize"] is True
+        (hm,) = _figures_sent(comms, hm_plot)
+        heat, line = hm["data"]
+        assert decode_array(heat["z"]).shape == view.heatmap_data["z"].shape
+        assert decode_array(heat["z"]).max() > 0 and line["x"] == [r.first_oom[0]] * 2
+        # a new replay reaches the views that said hello
+        view.slider.value = 0.9
+        tl = _figures_sent(comms, tl_plot)[-1]
+        assert len(_figures_sent(comms, tl_plot)) == 2 and tl["data"][4]["x"] == []
+        assert tl["layout"]["title"]["text"].startswith("replay at fraction 0.90")
+        # a page reloaded now: its view says hello and gets the same figure again
+        _hello(tl_plot)
+        assert _figures_sent(comms, tl_plot)[-1] == tl
+        assert "lib" not in tl_plot.sent and tl_plot.sent["figure"][0] == 3
+    finally:
+        view.close()
+
+
+def test_figure_widgets_answer_a_page_that_asks_for_their_state(comms, sess, model):
+    """A reloaded page asks each widget for its state: the views' FigureWidgets answer with
+    the traces and layout in force (plotly itself sends those only when a figure is made,
+    and every change after as a message a later page never sees)."""
+    view = TimelineView(model)
+    try:
+        sess.allocate(3 * MIB)
+        model.refresh_now()
+        view.redraw()
+        fig = view.figure
+        fig._handle_msg({"content": {"data": {"method": "request_state"}}, "buffers": []})
+        data = comms.updates(fig, "_widget_data")[-1]
+        layout = comms.updates(fig, "_widget_layout")[-1]
+        assert [t["name"] for t in data] == [t.name for t in fig.data] and len(data) >= 3
+        assert decode_array(data[0]["y"]).max() > 0
+        assert layout["title"]["text"] == fig.layout.title.text
+        assert layout["yaxis"] == fig.layout.yaxis.to_plotly_json()
+        # ipywidgets' request_states (every widget at once) reads the same state
+        assert len(fig.get_state(drop_defaults=True)["_widget_data"]) == len(data)
     finally:
         view.close()
 

@@ -321,7 +321,7 @@ class _Engine:
         "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
         "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
-        "_callbacks", "_sinks", "_raw_sinks", "_dispatch_lock", "device_index",
+        "_callbacks", "_sinks", "_raw_sinks", "_outbox", "device_index",
     })
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
@@ -504,7 +504,7 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     ``copy.deepcopy`` would recurse along the chunk list and cannot copy locks)."""
     import threading
 
-    from ..bfc import _Chunk, _Region
+    from ..bfc import _Chunk, _Outbox, _Region
 
     unknown = set(a.__dict__) - _Engine._KNOWN
     if unknown:
@@ -517,7 +517,7 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     d["_sub"] = sub
     d["_lock"] = lock = threading.Lock()
     d["_cond"] = threading.Condition(lock)
-    d["_dispatch_lock"] = threading.RLock()
+    d["_outbox"] = _Outbox(lock)
     d["_callbacks"] = []
     d["_sinks"] = []
     d["_raw_sinks"] = []

@@ -189,13 +189,49 @@ class _ModelView(_w.VBox):
 def _figure(height: int = 300, title: str = "", base: Any = None, **layout: Any) -> Any:
     """A ``FigureWidget`` (empty, or of ``base``, e.g. ``make_subplots(...)``) with gpudash's
     compact layout: the title at the top left, the legend in one row above the plot, at the
-    right (they never overlap); as wide as the box it is shown in (:func:`_fit_width`)."""
-    import plotly.graph_objects as go
-
-    fig = go.FigureWidget(base) if base is not None else go.FigureWidget()
+    right (they never overlap); as wide as the box it is shown in (:func:`_fit_width`); and
+    drawn whole again by a front end that (re)connects (:func:`_figure_class`)."""
+    cls = _figure_class()
+    fig = cls(base) if base is not None else cls()
     fig.update_layout(**_layout(height, title), **layout)
     _fit_width(fig)
     return fig
+
+
+_figure_cls: Any = None
+
+
+def _figure_class() -> Any:
+    """plotly's ``FigureWidget``, answering a front end that asks for its state (a reloaded
+    page, a notebook opened again while the kernel runs) with the figure as it is now.
+
+    plotly syncs the traces and the layout (``_widget_data``, ``_widget_layout``) once, when
+    the figure is made; every later change goes to the page as a message (restyle,
+    relayout, add traces) that a page loaded later never sees. So a reloaded page drew
+    the figure as it was made: empty axes, no traces. The page asks for the state of every
+    widget when it (re)connects, as the dashboard's views say hello and get a snapshot:
+    the answer here carries the traces and layout in force, and the figure draws again."""
+    global _figure_cls
+    if _figure_cls is None:
+        import plotly.graph_objects as go
+        from plotly.serializers import custom_serializers
+
+        to_json = custom_serializers["to_json"]
+
+        class _Figure(go.FigureWidget):
+            def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict:
+                state = super().get_state(key, drop_defaults=drop_defaults)
+                keys = (self.keys if key is None else [key] if isinstance(key, str)
+                        else list(key))
+                # (while the figure is being made, before plotly has its state: as is)
+                for name, value in (("_widget_data", getattr(self, "_data", None)),
+                                    ("_widget_layout", getattr(self, "_layout", None))):
+                    if name in keys and value is not None:
+                        state[name] = to_json(value, self)
+                return state
+
+        _figure_cls = _Figure
+    return _figure_cls
 
 
 def _layout(height: int, title: str) -> dict:
@@ -223,8 +259,8 @@ def _fit_width(fig: Any) -> Any:
       of a figure that is not updated again.
 
     A box whose width changes without a window resize (a JupyterLab side panel opened or
-    closed) is the job of the width watcher that :class:`Dashboard` and :class:`WhatIfView`
-    hold (:func:`_width_watcher`).
+    closed) is refitted at the figure's next layout update. (:class:`Dashboard` and the
+    what-if view's plots draw with gpudash's own front end, which follows its box.)
     """
     fig.layout.width = None
     fig.layout.autosize = True
@@ -239,55 +275,3 @@ def _fit_width(fig: Any) -> Any:
     fig.observe(on_view_count, "_view_count")
     fig._view_count = 0
     return fig
-
-
-#: The width watcher's front end: when the width of the box it is shown in changes (a
-#: JupyterLab side panel opened or closed: no window resize), it dispatches one window
-#: ``resize`` event (coalesced over 150 ms and over every watcher of the page), which refits
-#: the figures plotted with ``responsive``. Nothing goes to the kernel. (The first width it
-#: sees is the one the figures were fitted to when they were shown.)
-_WATCHER_ESM = """
-export default {
-  render({ el }) {
-    el.style.width = "100%";
-    el.style.height = "0px";
-    el.style.overflow = "hidden";
-    let last = 0;
-    const observer = new ResizeObserver((entries) => {
-      const width = Math.round(entries[entries.length - 1].contentRect.width);
-      if (!width || width === last) return;
-      const first = last === 0;
-      last = width;
-      if (first) return;
-      clearTimeout(window.__gpudashFitTimer);
-      window.__gpudashFitTimer = setTimeout(
-        () => window.dispatchEvent(new Event("resize")), 150);
-    });
-    observer.observe(el);
-    return () => observer.disconnect();
-  },
-};
-"""
-
-_watcher_class: Any = None
-
-
-def _width_watcher() -> Any:
-    """An invisible widget (0 px high, as wide as its box) that refits the figures of the
-    page when the box's width changes; None without anywidget.
-
-    Create it before the figures: an anywidget model must load its front end within 2 s of
-    its creation in the page, and the figures' (plotly.js, megabytes) load first otherwise.
-    """
-    global _watcher_class
-    if _watcher_class is None:
-        try:
-            import anywidget
-        except ImportError:  # pragma: no cover - a dependency; figures still fit on display
-            return None
-
-        class _WidthWatcher(anywidget.AnyWidget):
-            _esm = _WATCHER_ESM
-
-        _watcher_class = _WidthWatcher
-    return _watcher_class()

@@ -27,7 +27,10 @@ The browser redraws on animation frames, at most once per frame, whatever arrive
 
 Controls act through the :class:`~gpudash.widgets.LiveModel` (``configure``,
 ``release_free_regions``, ``flush_deferred``) at once, and answer in words ("released 0 B: no
-region is wholly free"). Sources that cannot be controlled (a framework watched read-only)
+region is wholly free"). A value is checked before anything is set, as ``Session.configure``
+checks it (a device the source does not have, growth ``"false"``, a fraction of ``true``):
+the answer, shown in the status line, names the setting and the value, nothing changes, and
+the dashboard goes on. Sources that cannot be controlled (a framework watched read-only)
 get disabled controls whose tooltip says why, and a button that prints the settings to
 restart with.
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import numbers
 import threading
 import time
 import weakref
@@ -50,6 +54,7 @@ import traitlets
 from .. import style
 from .._errors import ConfigError, GpudashError
 from .._units import format_bytes
+from ..options import GPUOptions
 from .model import LiveModel, bin_labels
 
 __all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
@@ -59,6 +64,10 @@ VIEWS = ("stats", "timeline", "heatmap", "chunkmap", "bins")
 
 #: A chunk table larger than this is sent at most once a second.
 LARGE_TABLE = 2000
+
+#: The controls that set a session option, and the option each sets.
+_SETTINGS = {"fraction": "per_process_gpu_memory_fraction", "growth": "allow_growth",
+             "deferred": "deferred_deletion_bytes"}
 
 _STATIC = resources.files("gpudash.widgets") / "static"
 _BUNDLE_CACHE: dict[str, Any] = {}
@@ -73,8 +82,25 @@ def plotly_bundle() -> tuple[str, bytes]:
     return _BUNDLE_CACHE["version"], _BUNDLE_CACHE["gz"]
 
 
+def lib_message(raw: bool = False) -> tuple[dict, list]:
+    """``(content, buffers)`` of the message that hands plotly.js to a page that asked for
+    it: the gzip bundle, or (``raw``, for a browser without ``DecompressionStream``) the
+    script itself."""
+    version, data = plotly_bundle()
+    if raw:
+        return ({"type": "lib", "version": version, "encoding": "none"},
+                [memoryview(gzip.decompress(data))])
+    return {"type": "lib", "version": version, "encoding": "gzip"}, [memoryview(data)]
+
+
+def esm(name: str) -> str:
+    """The front-end module ``static/<name>``, after the page-wide plotly.js loader that
+    every gpudash module shares (``static/loader.js``)."""
+    return "\n".join((_STATIC / f).read_text(encoding="utf-8") for f in ("loader.js", name))
+
+
 def _esm() -> str:
-    return (_STATIC / "dashboard.js").read_text(encoding="utf-8")
+    return esm("dashboard.js")
 
 
 def _f64(a: Any) -> memoryview:
@@ -154,12 +180,12 @@ class Dashboard(anywidget.AnyWidget):
         else:
             self._owns_model = True
             self.model = LiveModel(source, feeds=feeds, rate_hz=rate_hz, **model_options)
-        n = self.model.num_devices
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+        try:
+            self._check_device(device)
+        except ConfigError:
             if self._owns_model:
                 self.model.close()
-            raise ConfigError(f"device must be an index in 0..{n - 1} (the source has {n} "
-                              f"device(s)); got {device!r}")
+            raise
         self._send_lock = threading.RLock()
         self._cursor: dict = {}
         self._chunks_sent_ms = 0.0
@@ -181,6 +207,23 @@ class Dashboard(anywidget.AnyWidget):
         self._remove_tick = self.model.add_tick_listener(tick)
         self.on_msg(self._on_msg)
         self.observe(self._on_device, "device")
+
+    def _check_device(self, device: Any) -> int:
+        """``device`` if it is an index of the model's devices, else a ConfigError."""
+        n = self.model.num_devices
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+            raise ConfigError(f"device must be an index in 0..{n - 1} (the source has {n} "
+                              f"device(s)); got {device!r}")
+        return device
+
+    @traitlets.validate("device")
+    def _validate_device(self, proposal: Any) -> int:
+        # checked before it is set: a device the model does not have would break every
+        # later snapshot, reply and update
+        try:
+            return self._check_device(proposal["value"])
+        except ConfigError as exc:
+            raise traitlets.TraitError(str(exc)) from None
 
     # ------------------------------------------------------------------ what is drawn
     def _setup(self) -> dict:
@@ -380,14 +423,8 @@ class Dashboard(anywidget.AnyWidget):
             if kind == "hello":
                 self._hellos += 1
                 self._send_state(full=True)
-            elif kind == "lib":
-                version, data = plotly_bundle()
-                self._post("lib", {"type": "lib", "version": version, "encoding": "gzip"},
-                           [memoryview(data)])
-            elif kind == "lib-raw":
-                version, data = plotly_bundle()
-                self._post("lib", {"type": "lib", "version": version, "encoding": "none"},
-                           [memoryview(gzip.decompress(data))])
+            elif kind in ("lib", "lib-raw"):
+                self._post("lib", *lib_message(raw=kind == "lib-raw"))
             elif kind == "action":
                 self._reply(content, self._act(content))
         except GpudashError as exc:
@@ -396,25 +433,35 @@ class Dashboard(anywidget.AnyWidget):
             self._reply(content, {"ok": False, "text": f"{type(exc).__name__}: {exc}"})
 
     def _reply(self, content: dict, answer: dict) -> None:
-        answer = dict(answer, type="reply", id=content.get("id"), name=content.get("name"))
+        answer = dict(answer, type="reply", id=content.get("id"), name=content.get("name"),
+                      device=self.device)
         if "controls" not in answer:
             answer["controls"] = self._controls_info(self.device)
             self._controls_sent = answer["controls"]
         self._post("reply", answer)
 
     def _act(self, content: dict) -> dict:
-        """Run one control from the browser; the answer says what happened, in words."""
+        """Run one control from the browser; the answer says what happened, in words.
+
+        A value is checked before anything is set, as :meth:`gpudash.Session.configure`
+        checks it (no coercion: growth ``"false"`` is refused, not read as true); a bad
+        one is a :class:`~gpudash.ConfigError` naming the setting and the value, and
+        nothing changes."""
         name = content.get("name")
         m = self.model
         dev = self.device
         value = content.get("value")
         if name == "device":
-            self.device = int(value)
+            self.device = self._check_device(value)
             return {"ok": True, "text": f"showing {m.device_names[self.device]}"}
         if name == "pause":
+            if not isinstance(value, bool):
+                raise ConfigError(f"pause must be true or false; got {value!r}")
             m.paused = bool(value)
             return {"ok": True, "text": "paused" if m.paused else "live"}
         if name == "rate":
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"rate must be a number of refreshes a second; got {value!r}")
             try:
                 m.rate_hz = float(value)
             except traitlets.TraitError as exc:
@@ -426,19 +473,24 @@ class Dashboard(anywidget.AnyWidget):
             text = "\n".join(lines) if lines else "no settings to restart with"
             print(text)
             return {"ok": True, "text": text}
+        setting = _SETTINGS.get(name)
+        if setting is not None:
+            # the session's own checks, before anything changes (a None would otherwise
+            # read as "no change" and be answered as if it had acted)
+            GPUOptions().copy(**{setting: value})
         reason = m.controls_disabled(dev)
         if reason:
             raise ConfigError(reason)
         if name == "fraction":
-            m.configure(device=dev, per_process_gpu_memory_fraction=float(value))
+            m.configure(device=dev, per_process_gpu_memory_fraction=value)
             limit = m.device_settings(dev)["limit"]
             return {"ok": True, "text": f"fraction {float(value):.3f}: limit "
                                         f"{format_bytes(limit)}", **self._over_limit_text(dev)}
         if name == "growth":
-            m.configure(device=dev, allow_growth=bool(value))
+            m.configure(device=dev, allow_growth=value)
             return {"ok": True, "text": "growth: " + ("on" if value else "off")}
         if name == "deferred":
-            m.configure(device=dev, deferred_deletion_bytes=int(value))
+            m.configure(device=dev, deferred_deletion_bytes=value)
             eff = m.device_settings(dev)["deferred_deletion_bytes"]
             return {"ok": True, "text": f"deferred deletion: {format_bytes(eff or 0)}"}
         if name == "release":

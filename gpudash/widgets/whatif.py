@@ -10,6 +10,11 @@ simulated device (:func:`gpudash.trace.replay.replay`) in a background thread, w
   evenly spaced events, exact partial coverage);
 - the minimum fraction at which the trace fits (:func:`gpudash.trace.whatif.min_fraction`),
   found once in the background.
+
+The two figures are ``plotly.graph_objects.Figure`` objects the kernel keeps, each drawn in
+the page by a :class:`~gpudash.widgets.plot.PlotView` as the dashboard draws its views:
+plotly.js once per page, and the whole figure whenever a view says hello, so a reloaded page
+draws the last replay again, not empty axes.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import traitlets
 from .. import style
 from .._units import format_bytes
 from ..events import EventKind
-from . import _figure, _width_watcher
+from . import _layout
 from .model import typed_array
+from .plot import PlotView
 
 __all__ = ["WhatIfView", "replay_heatmap"]
 
@@ -197,7 +203,10 @@ class WhatIfView(widgets.VBox):
     ----------
     slider : FloatSlider
     status, min_fraction_text : ipywidgets.HTML
-    timeline, heatmap : FigureWidget
+    timeline, heatmap : plotly.graph_objects.Figure
+        The figures of the replay drawn last (change one, then ``plots[i].redraw()``).
+    plots : tuple of PlotView
+        The widgets that draw them in the page.
     result : ReplayResult or None
         The replay drawn last.
     heatmap_data : dict
@@ -239,8 +248,7 @@ class WhatIfView(widgets.VBox):
         self.status = widgets.HTML()
         self.min_fraction_text = widgets.HTML("<i>minimum fraction: …</i>")
 
-        watcher = _width_watcher()  # before the figures (see _width_watcher)
-        tl = _figure(320, "replay: memory over the trace")
+        tl = _new_figure(320, "replay: memory over the trace")
         C = style.COLORS
         tl.add_scatter(name="in use", mode="lines", line=dict(color=C["in use"]),
                        fill="tozeroy", fillcolor=style.FILLS["in use"])
@@ -254,7 +262,7 @@ class WhatIfView(widgets.VBox):
                        hovertemplate="%{text}<extra></extra>")
         tl.update_xaxes(title_text="call", rangemode="tozero")
         tl.update_yaxes(title_text="bytes", rangemode="tozero", gridcolor=C["grid"])
-        hm = _figure(340, "replay: address × time, fraction in use")
+        hm = _new_figure(340, "replay: address × time, fraction in use")
         hm.add_heatmap(zmin=0, zmax=100, colorscale=style.HEATMAP_SCALE,
                        colorbar=dict(title=dict(text="% in use")))
         hm.add_scatter(name="first OOM", mode="lines", line=dict(color=C["oom"], dash="dot"),
@@ -263,9 +271,9 @@ class WhatIfView(widgets.VBox):
         hm.update_yaxes(title_text="address offset")
         self.timeline = tl
         self.heatmap = hm
+        self.plots = (PlotView(tl), PlotView(hm))
         super().__init__(children=(
-            widgets.HBox([self.slider, self.status]), self.min_fraction_text, tl, hm,
-            *([watcher] if watcher is not None else [])))
+            widgets.HBox([self.slider, self.status]), self.min_fraction_text, *self.plots))
         self.slider.observe(self._on_slider_change, "value")
         self._min_timer: threading.Timer | None = None
         self.replay_now(fraction)
@@ -403,6 +411,8 @@ class WhatIfView(widgets.VBox):
                         f"first at call {first[0]} asking {format_bytes(first[1])}; "
                         f"{result.oom_count} allocation(s) refused; limit "
                         f"{format_bytes(limit)}")
+            for plot in self.plots:
+                plot.redraw()
             self.status.value = text
             self.replays += 1
 
@@ -439,14 +449,16 @@ class WhatIfView(widgets.VBox):
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        if self._min_timer is not None:
-            self._min_timer.cancel()
-        for task in (self._task, self._min_task):
+        timer = getattr(self, "_min_timer", None)  # (a view whose making failed, too)
+        if timer is not None:
+            timer.cancel()
+        for task in (getattr(self, "_task", None), getattr(self, "_min_task", None)):
             if task is not None:
                 task.cancel()
-        for w in (self.slider, self.status, self.min_fraction_text, self.timeline,
-                  self.heatmap):
-            w.close()
+        for w in (getattr(self, "slider", None), getattr(self, "status", None),
+                  getattr(self, "min_fraction_text", None), *getattr(self, "plots", ())):
+            if w is not None:
+                w.close()
         for child in self.children:
             child.close()
         super().close()
@@ -455,6 +467,15 @@ class WhatIfView(widgets.VBox):
         r = self.result
         verdict = "none yet" if r is None else ("fits" if r.fits else f"{r.oom_count} OOMs")
         return f"WhatIfView(fraction={self.slider.value:.2f}, last replay: {verdict})"
+
+
+def _new_figure(height: int, title: str) -> Any:
+    """An empty figure with the layout of gpudash's figure widgets, as wide as its box."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.update_layout(**_layout(height, title), autosize=True)
+    return fig
 
 
 def _describe_min_fraction(found: Any, device_bytes: Any) -> str:

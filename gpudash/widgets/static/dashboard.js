@@ -1,52 +1,13 @@
-// gpudash live dashboard (anywidget ES module). See gpudash/widgets/dashboard.py for the
-// protocol: plotly.js once per page (asked for only when missing), a snapshot per hello,
-// binary increments after it, one redraw per animation frame at most.
-
-const G = (globalThis.__gpudash = globalThis.__gpudash || { libs: {}, views: [] });
-
-function u8(buf) {
-  if (buf instanceof Uint8Array) return buf;
-  if (buf instanceof ArrayBuffer) return new Uint8Array(buf);
-  return new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength);
-}
+// gpudash live dashboard (anywidget ES module, after loader.js). See
+// gpudash/widgets/dashboard.py for the protocol: plotly.js once per page (asked for only when
+// missing), a snapshot per hello, binary increments after it, one redraw per animation frame
+// at most.
 
 function f64(buf) {
   const b = u8(buf);
   const copy = new Uint8Array(b.byteLength);
   copy.set(b);
   return new Float64Array(copy.buffer);
-}
-
-function loadPlotly(model) {
-  const version = model.get("lib_version");
-  if (G.libs[version]) return G.libs[version];
-  G.libs[version] = new Promise((resolve, reject) => {
-    const onMsg = async (msg, buffers) => {
-      if (!msg || msg.type !== "lib") return;
-      model.off("msg:custom", onMsg);
-      try {
-        const bytes = u8(buffers[0]);
-        let text;
-        if (msg.encoding === "gzip") {
-          const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-          text = await new Response(stream).text();
-        } else {
-          text = new TextDecoder().decode(bytes);
-        }
-        const module = { exports: {} };
-        new Function("module", "exports", "define", text)(module, module.exports, undefined);
-        G.libBytes = (G.libBytes || 0) + bytes.byteLength;
-        G.libLoads = (G.libLoads || 0) + 1;
-        resolve(module.exports);
-      } catch (err) {
-        delete G.libs[version];
-        reject(err);
-      }
-    };
-    model.on("msg:custom", onMsg);
-    model.send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
-  });
-  return G.libs[version];
 }
 
 // ---------------------------------------------------------------- units (gpudash.style)
@@ -62,12 +23,25 @@ function fmtBytes(n) {
   return sign + (i === 0 ? n.toFixed(0) : n.toFixed(2)) + " " + UNITS[i];
 }
 
+// A region of the chunk map: its start address and size ("0x7f0000000000 64.00 MiB").
+function regionLabel(r) {
+  return "0x" + Number(r[0]).toString(16) + " " + fmtBytes(r[1]);
+}
+
 // The binary unit an axis reads in: the largest with top >= 1 of it.
 function unitFor(top) {
   let i = 0;
   let u = 1;
   while (i < UNITS.length - 1 && top >= u * 1024) { u *= 1024; i++; }
   return { scale: u, name: UNITS[i] };
+}
+
+// The fraction slider's readout, whatever set the fraction (the slider, %gpudash_config,
+// code): "0.30 (limit 4.80 GiB)"; "auto" for fraction 0 (all the device allows); the limit
+// reads "..." until the kernel has answered.
+function fractionText(frac, auto, limit) {
+  return (auto ? "auto" : Number(frac).toFixed(2)) +
+    " (limit " + (limit == null ? "..." : fmtBytes(limit)) + ")";
 }
 
 function esc(s) {
@@ -175,7 +149,8 @@ class View {
       step: "0.01", value: "1", "data-ctl": "fraction" }));
     const fval = lab.appendChild(el("span", { "data-ctl": "fraction-value" }, ""));
     slider.addEventListener("input", () => {
-      fval.textContent = Number(slider.value).toFixed(2);
+      // the limit follows with the kernel's answer (applyControls)
+      fval.textContent = fractionText(Number(slider.value), false, null);
       this.act("fraction", Number(slider.value), true);
     });
     this.ctl.fraction = slider;
@@ -228,6 +203,8 @@ class View {
     this.status.textContent = (msg.ok ? "" : "refused: ") + msg.text + (msg.warning ? " - " + msg.warning : "");
     this.status.classList.toggle("err", !msg.ok);
     if (msg.controls) this.applyControls(msg.controls);
+    // the device shown (a refused device change puts the picker back)
+    if (this.ctl.device && msg.device != null) this.ctl.device.value = String(msg.device);
     if (msg.name in this.pending) {
       const v = this.pending[msg.name];
       delete this.pending[msg.name];
@@ -262,10 +239,12 @@ class View {
     // fraction 0 (or unset) means "all the device allows": show the limit's share as "auto"
     const auto = !s.fraction;
     const frac = !auto ? s.fraction : (total && s.limit ? s.limit / total : null);
-    if (frac != null && !this.inflight.fraction && document.activeElement !== ctl.fraction) {
-      ctl.fraction.value = String(frac);
-      ctl.fractionValue.textContent = (auto ? "auto" : Number(frac).toFixed(2)) +
-        (s.limit != null ? " (limit " + fmtBytes(s.limit) + ")" : "");
+    // the settings in force, unless a newer value from the slider is on its way (then its
+    // answer shows it); the handle is left alone while it has the focus (being dragged)
+    const sending = this.inflight.fraction || "fraction" in this.pending;
+    if (frac != null && !sending) {
+      if (document.activeElement !== ctl.fraction) ctl.fraction.value = String(frac);
+      ctl.fractionValue.textContent = fractionText(frac, auto, s.limit);
     }
     this.growthOn = !!s.allow_growth;
     ctl.growth.textContent = "growth: " + (s.allow_growth == null ? "?" : (s.allow_growth ? "on" : "off"));
@@ -378,6 +357,17 @@ class View {
     }, extra);
   }
 
+  // A layout with a legend: one row above the plot area, at the right (the colours of
+  // gpudash.style, named as in the report and the what-if view).
+  legendLayout(extra) {
+    return this.layout(Object.assign({
+      showlegend: true, margin: { l: 64, r: 10, t: 26, b: 36 },
+      legend: { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", traceorder: "normal",
+        font: { size: 10 }, itemclick: false, itemdoubleclick: false,
+        bgcolor: "rgba(255,255,255,0)" },
+    }, extra));
+  }
+
   plot(name, traces, layout) {
     const cell = this.cells[name];
     const config = { displaylogo: false, responsive: true, displayModeBar: "hover",
@@ -470,7 +460,7 @@ class View {
       marker: { color: C.oom, symbol: "x", size: 10 },
       customdata: ooms.map((o) => fmtBytes(o[1])),
       hovertemplate: "out of memory: %{customdata} at %{x:.1f} s<extra></extra>" });
-    this.plot("timeline", traces, this.layout({
+    this.plot("timeline", traces, this.legendLayout({
       xaxis: { title: { text: this.setup.time_title }, range: this.xRange(), gridcolor: C.grid },
       yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name, rangemode: "tozero", gridcolor: C.grid },
     }));
@@ -506,7 +496,7 @@ class View {
     this.layout({
       xaxis: { title: { text: this.setup.time_title }, range: this.xRange() },
       yaxis: { title: { text: "address offset" }, ticksuffix: " " + u.name, range: [0, top / u.scale] },
-      margin: { l: 64, r: 10, t: 8, b: 36 },
+      margin: { l: 64, r: 10, t: 26, b: 36 },  // level with the plots that have legends
     }));
   }
 
@@ -535,15 +525,17 @@ class View {
     }
     const C = this.C;
     const mk = (t, name, color) => ({ type: "bar", orientation: "h", name, y: t.y, base: t.b, x: t.x,
-      marker: { color, line: { width: 0.5, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8 });
+      marker: { color, line: { width: 0.5, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8,
+      showlegend: true });
     const regions = ch.meta.regions;
     const cell = this.cells.chunkmap;
     cell.title.textContent = `chunk map - ${n} chunks in ${ch.meta.n_regions} region(s)`;
+    // each region by its start address and size: two regions of one size stay apart
     this.plot("chunkmap", [mk(T.used, "in use", C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
-      this.layout({ barmode: "overlay", bargap: 0.1,
+      this.legendLayout({ barmode: "overlay", bargap: 0.1,
         xaxis: { title: { text: "offset in region" }, ticksuffix: " " + u.name, rangemode: "tozero" },
         yaxis: { title: { text: "region" }, automargin: true, tickmode: "array", tickvals: regions.map((_, i) => i),
-          ticktext: regions.map((r) => fmtBytes(r[1])), autorange: "reversed" } }));
+          ticktext: regions.map((r) => regionLabel(r)), autorange: "reversed" } }));
   }
 
   drawBins() {
@@ -562,7 +554,7 @@ class View {
         customdata: uc.map((n, i) => `${n} chunk(s), ${fmtBytes(used[i])}`), hovertemplate: "in use: %{customdata}<extra>%{x}</extra>" },
       { type: "bar", name: "free", x: labels, y: free.map((v) => v / u.scale), marker: { color: C.free },
         customdata: fc.map((n, i) => `${n} chunk(s), ${fmtBytes(free[i])}`), hovertemplate: "free: %{customdata}<extra>%{x}</extra>" },
-    ], this.layout({ barmode: "stack", xaxis: { title: { text: "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
+    ], this.legendLayout({ barmode: "stack", xaxis: { title: { text: "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
       yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name } }));
   }
 
