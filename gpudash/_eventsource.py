@@ -14,9 +14,9 @@ work), else a flat list of op records of 8 ints each::
 One record per operation keeps recording cheap; :meth:`EventSource._after_op` expands an
 op's records into :class:`~gpudash.events.Event` objects for per-event callbacks, and
 :meth:`EventSource._flush_locked` expands whole batches in numpy for sinks (the Recorder, the
-live views). Subclasses provide the lock, the journal fields (``_init_events``), the
-allocation-id counter ``_next_aid``, and two lookups: ``_region_table()`` (sorted region
-starts and ends now) and ``_region_at(ptr)``.
+live views). Subclasses provide the lock (a plain ``threading.Lock``; call ``_init_events`` after
+making it), the allocation-id counter ``_next_aid``, and two lookups: ``_region_table()``
+(sorted region starts and ends now) and ``_region_at(ptr)`` (0 outside every region).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import threading
 import time
 import warnings
 from array import array as _array
+from collections import deque
+from threading import get_ident as _get_ident
 from typing import Any, Callable
 
 import numpy as np
@@ -32,10 +34,13 @@ import numpy as np
 from ._errors import GpudashWarning
 from .events import COLUMN_DTYPES, Event, EventKind
 
-__all__ = ["EventSource", "count_events", "expand_records", "W", "JOURNAL_FLUSH"]
+__all__ = ["EventSource", "count_events", "expand_records", "W", "JOURNAL_FLUSH", "OUTBOX_MAX"]
 
 W = 8  # ints per journal record
 JOURNAL_FLUSH = 8192 * W  # journal ints buffered before batch sinks receive them
+#: Operations whose events may wait for ``subscribe`` callbacks before a thread that makes
+#: one more waits for the callbacks to catch up (see ``EventSource._deliver``).
+OUTBOX_MAX = 4096
 
 _ALLOC = int(EventKind.ALLOC)
 _FREE = int(EventKind.FREE)
@@ -160,6 +165,23 @@ def expand_records(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: Any,
     }
 
 
+class _Outbox:
+    """Events on their way to ``subscribe`` callbacks; guarded by the allocator's lock.
+
+    ``batches`` holds ``(events, callbacks)`` of each operation, in seq order; ``thread`` is
+    the ident of the thread delivering them now (None: nobody); ``waiting`` counts the
+    threads held back while ``OUTBOX_MAX`` batches wait; ``cond`` (on the allocator's lock)
+    wakes them."""
+
+    __slots__ = ("batches", "cond", "thread", "waiting")
+
+    def __init__(self, lock: Any) -> None:
+        self.batches: deque = deque()
+        self.thread: int | None = None
+        self.waiting = 0
+        self.cond = threading.Condition(lock)
+
+
 class EventSource:
     """Mixin: ``subscribe``, batch sinks, ``flush_events``, ``seq`` over ``_journal``."""
 
@@ -177,7 +199,7 @@ class EventSource:
         self._callbacks: list[Callable[[Event], Any]] = []
         self._sinks: list[Callable[[dict, dict], Any]] = []
         self._raw_sinks: list[Callable[[list, dict], Any]] = []
-        self._dispatch_lock = threading.RLock()
+        self._outbox = _Outbox(self._lock)
         self.device_index = 0
 
     # -- hooks ---------------------------------------------------------------------------
@@ -191,9 +213,21 @@ class EventSource:
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
         """Call ``callback(event)`` after every change of state; returns ``unsubscribe``.
 
-        Callbacks run in the thread that made the change, after the change, in ``seq``
-        order. A callback that raises is reported with a :class:`GpudashWarning` and never
-        breaks the allocator or the other subscribers.
+        Callbacks run after the change, outside the allocator's lock, one event at a time,
+        in ``seq`` order. One thread delivers at a time: the thread that made the change,
+        unless another thread is delivering already; then that thread delivers these
+        events too, after the ones before them, and the call that made the change returns
+        at once. So in one thread a call returns after its events were delivered; a slow
+        callback holds up no other thread's allocations (they take the lock and go on);
+        and a callback may wait for a thread that allocates (a ``join``): that thread's
+        events are delivered when the callback has returned. Only when 4,096 operations
+        (``OUTBOX_MAX``) wait for delivery does a thread that makes one more wait for the
+        callbacks to catch up (a callback that waits on a thread making that many never
+        returns). A callback that allocates or frees (on this allocator) sees its own
+        events after the event it is handling has reached every callback.
+
+        A callback that raises is reported with a :class:`GpudashWarning` and never breaks
+        the allocator or the other subscribers.
         """
         if not callable(callback):
             raise TypeError(f"callback must be callable; got {callback!r}")
@@ -337,37 +371,79 @@ class EventSource:
         return out
 
     def _after_op(self, start: int) -> None:
-        """Lock held: hand the op's events to callbacks, and full batches to sinks."""
+        """Lock held: queue the op's events for callbacks and deliver them
+        (:meth:`_deliver`), and hand full batches to sinks."""
         journal = self._journal
         if self._callbacks and len(journal) > start:
+            # seq of the op's first event: count the events of the records before it.
             pos, n = self._counted
             if pos < start:
                 n += count_events(journal, pos, start)
             seq = self._journal_seq + n
             events = self._expand_python(journal[start:], seq)
             self._counted = (len(journal), n + count_events(journal, start))
-            callbacks = list(self._callbacks)
-            # Hand over to the dispatch lock before the state lock is released, so events
-            # reach callbacks in seq order even when threads race.
-            self._dispatch_lock.acquire()
-            self._lock.release()
-            try:
-                for ev in events:
-                    for cb in callbacks:
-                        try:
-                            cb(ev)
-                        except Exception as exc:  # noqa: BLE001 - isolate subscribers
-                            warnings.warn(
-                                f"gpudash: event subscriber {cb!r} raised {exc!r} on {ev!r}; "
-                                "the allocator goes on", GpudashWarning, stacklevel=3)
-            finally:
-                self._dispatch_lock.release()
-                self._lock.acquire()
+            # queued under the lock, so the batches are in seq order
+            batch = (events, list(self._callbacks))
+            outbox = self._outbox
+            outbox.batches.append(batch)
+            self._deliver(outbox, batch)
             journal = self._journal
             if journal is None:
                 return
         if len(journal) >= JOURNAL_FLUSH:
             self._flush_locked()
+
+    def _deliver(self, outbox: _Outbox, own: tuple) -> None:
+        """Lock held on entry and on return: hand queued events to callbacks, with the
+        lock released while they run.
+
+        One thread delivers at a time (``outbox.thread``), batch by batch in seq order,
+        until none is left: its own batch ``own``, those queued before it and those other
+        threads queue meanwhile. A thread that finds a deliverer at work returns at once,
+        unless ``OUTBOX_MAX`` batches wait: then it waits (outside the lock) until they
+        are fewer, or until the deliverer, its own batch delivered, hands the role over
+        to a waiting thread (so no thread delivers for others for ever)."""
+        batches = outbox.batches
+        if outbox.thread is not None:
+            if outbox.thread == _get_ident() or len(batches) <= OUTBOX_MAX:
+                return  # the deliverer (this thread, in a callback, or another) takes it
+            outbox.waiting += 1
+            try:
+                while outbox.thread is not None and len(batches) > OUTBOX_MAX:
+                    outbox.cond.wait()
+            finally:
+                outbox.waiting -= 1
+            if outbox.thread is not None or not batches:
+                return
+        lock = self._lock
+        outbox.thread = _get_ident()
+        done = False
+        try:
+            while batches:
+                if outbox.waiting:
+                    if done:
+                        break  # a waiting thread delivers the rest
+                    outbox.cond.notify_all()
+                events, callbacks = batch = batches.popleft()
+                if batch is own:
+                    done = True
+                lock.release()
+                try:
+                    for ev in events:
+                        for cb in callbacks:
+                            try:
+                                cb(ev)
+                            except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                                warnings.warn(
+                                    f"gpudash: event subscriber {cb!r} raised {exc!r} on "
+                                    f"{ev!r}; the allocator goes on", GpudashWarning,
+                                    stacklevel=4)
+                finally:
+                    lock.acquire()
+        finally:
+            outbox.thread = None
+            if outbox.waiting:
+                outbox.cond.notify_all()
 
     def flush_events(self) -> None:
         """Hand buffered events to batch sinks (the Recorder, live views) now."""

@@ -26,20 +26,17 @@ import logging
 import math
 import threading
 import time
-import warnings
-from array import array as _array
 from bisect import bisect_left, bisect_right, insort
-from collections import deque
 from dataclasses import dataclass, field
 from operator import index as _as_index
-from threading import get_ident as _get_ident
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from ._errors import ConfigError, GpudashWarning, InvalidPointerError, OutOfMemoryError
+from ._errors import ConfigError, InvalidPointerError, OutOfMemoryError
+from ._eventsource import EventSource, bin_num_for_size
 from ._units import human_readable_num_bytes as _hr
-from .events import COLUMN_DTYPES, Event, EventKind
+from .events import EventKind
 
 __all__ = [
     "BFCAllocator",
@@ -69,11 +66,6 @@ K_INVALID_CHUNK_HANDLE = (1 << 64) - 1  # SIZE_MAX, as DumpMemoryLog prints it
 K_FIRST_GROWTH_REGION = 2 << 20
 
 _MASK64 = (1 << 64) - 1
-_W = 8  # ints per journal record
-_JOURNAL_FLUSH = 8192 * _W  # journal ints buffered before batch sinks receive them
-#: Operations whose events may wait for ``subscribe`` callbacks before a thread that makes
-#: one more waits for the callbacks to catch up (see ``BFCAllocator._deliver``).
-_OUTBOX_MAX = 4096
 
 # Event kinds as plain ints for the hot path.
 _ALLOC = int(EventKind.ALLOC)
@@ -101,120 +93,6 @@ def rounded_bytes(nbytes: int) -> int:
     """TensorFlow's ``RoundedBytes``: ``nbytes`` rounded up to a multiple of 256."""
     return (nbytes + 255) & ~255
 
-
-def bin_num_for_size(nbytes: int) -> int:
-    """TensorFlow's ``BinNumForSize``: bin ``b`` holds sizes in ``[256 << b, 512 << b)``.
-
-    Bin 20 is open-ended: it holds every size of 256 MiB and above.
-    """
-    b = (max(nbytes, 256) >> 8).bit_length() - 1
-    return b if b < 20 else 20
-
-
-
-def _count_events(journal: list[int], start: int, end: int | None = None) -> int:
-    """Events in the journal records between ``start`` and ``end`` (an alloc may carry a
-    split, a free up to two merges)."""
-    n = 0
-    for i in range(start, len(journal) if end is None else end, _W):
-        code = journal[i + 1]
-        if code == _ALLOC:
-            n += 2 if journal[i + 5] else 1
-        elif code == _FREE:
-            n += 1 + (journal[i + 6] > 0) + (journal[i + 7] > 0)
-        else:
-            n += 1
-    return n
-
-
-def _bins_of(sizes: np.ndarray) -> np.ndarray:
-    """BinNumForSize over an array (exact for sizes below 2**53)."""
-    v = np.maximum(sizes, 256) >> 8
-    return np.minimum(np.frexp(v.astype(np.float64))[1] - 1, 20)
-
-
-def _expand_numpy(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: list[int],
-                  region_ends: list[int], device: int) -> dict[str, np.ndarray]:
-    """Journal records (one row per op) -> event columns (one row per event), vectorised.
-
-    Allocation ids of alloc events are consecutive, so they follow from ``next_aid``;
-    regions follow from the region table now, corrected for regions released within the
-    batch (processed newest first, so an address range reused by a later region resolves
-    to the region that was live at each event).
-    """
-    t, code, ptr, size, req, a, b, c = (rec[:, i] for i in range(_W))
-    n_rec = len(code)
-    is_alloc = code == _ALLOC
-    is_free = code == _FREE
-    split = is_alloc & (a > 0)
-    m_next = is_free & (b > 0)
-    m_prev = is_free & (c > 0)
-    counts = 1 + split + m_next + m_prev
-    total = int(counts.sum())
-    rid = np.repeat(np.arange(n_rec), counts)
-    pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-
-    # region of each record
-    rptr = np.zeros(n_rec, dtype=np.int64)
-    chunky = is_alloc | is_free
-    if region_ptrs:
-        rp = np.asarray(region_ptrs, dtype=np.int64)
-        re = np.asarray(region_ends, dtype=np.int64)
-        idx = np.searchsorted(rp, ptr, side="right") - 1
-        ok = chunky & (idx >= 0)
-        ok[ok] &= ptr[ok] < re[idx[ok]]
-        rptr[ok] = rp[idx[ok]]
-    rel = np.flatnonzero(code == _RELEASE)
-    for j in rel[::-1]:
-        inside = chunky[:j] & (ptr[:j] >= ptr[j]) & (ptr[:j] < ptr[j] + size[j])
-        rptr[:j][inside] = ptr[j]
-    ext = (code == _EXTEND) | (code == _RELEASE)
-    rptr[ext] = ptr[ext]
-
-    aid = np.full(n_rec, -1, dtype=np.int64)
-    n_alloc = int(is_alloc.sum())
-    aid[is_alloc] = np.arange(next_aid - n_alloc, next_aid, dtype=np.int64)
-    aid[is_free] = a[is_free]
-
-    e_code = code[rid].copy()
-    e_ptr = ptr[rid].copy()
-    e_size = size[rid].copy()
-    e_req = req[rid].copy()
-    e_aid = aid[rid].copy()
-    e_b, e_c, e_a = b[rid], c[rid], a[rid]
-    rsize = size[rid]
-
-    ev_split = split[rid] & (pos == 0)
-    e_code[ev_split] = _SPLIT
-    e_ptr[ev_split] += rsize[ev_split]
-    e_size[ev_split] = e_a[ev_split]
-    e_req[ev_split] = rsize[ev_split]
-    e_aid[ev_split] = -1
-
-    ev_next = m_next[rid] & (pos == 1)
-    ev_prev = m_prev[rid] & (pos == 1 + (e_b > 0))
-    e_code[ev_next | ev_prev] = _MERGE
-    e_aid[ev_next | ev_prev] = -1
-    e_size[ev_next] = rsize[ev_next] + e_b[ev_next]
-    e_req[ev_next] = e_b[ev_next]
-    e_ptr[ev_prev] -= e_c[ev_prev]
-    e_size[ev_prev] = e_c[ev_prev] + rsize[ev_prev] + e_b[ev_prev]
-    e_req[ev_prev] = rsize[ev_prev] + e_b[ev_prev]
-
-    binned = (e_code == _ALLOC) | (e_code == _FREE) | (e_code == _SPLIT) | (e_code == _OOM)
-    e_bin = np.where(binned, _bins_of(e_size), -1)
-    return {
-        "seq": np.arange(seq0, seq0 + total, dtype=np.int64),
-        "time_ns": t[rid],
-        "kind": e_code.astype(COLUMN_DTYPES["kind"]),
-        "ptr": e_ptr,
-        "size": e_size,
-        "requested": e_req,
-        "bin": e_bin.astype(COLUMN_DTYPES["bin"]),
-        "region": rptr[rid],
-        "alloc_id": e_aid,
-        "device": np.full(total, device, dtype=COLUMN_DTYPES["device"]),
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -403,24 +281,7 @@ def _coerce_size(nbytes: Any) -> int:
 
 
 
-class _Outbox:
-    """Events on their way to ``subscribe`` callbacks; guarded by the allocator's lock.
-
-    ``batches`` holds ``(events, callbacks)`` of each operation, in seq order; ``thread`` is
-    the ident of the thread delivering them now (None: nobody); ``waiting`` counts the
-    threads held back while ``_OUTBOX_MAX`` batches wait; ``cond`` (on the allocator's lock)
-    wakes them."""
-
-    __slots__ = ("batches", "cond", "thread", "waiting")
-
-    def __init__(self, lock: Any) -> None:
-        self.batches: deque = deque()
-        self.thread: int | None = None
-        self.waiting = 0
-        self.cond = threading.Condition(lock)
-
-
-class BFCAllocator:
+class BFCAllocator(EventSource):
     """TensorFlow's best-fit-with-coalescing allocator over any sub-allocator.
 
     Parameters
@@ -522,25 +383,14 @@ class BFCAllocator:
         self._peak_pool = 0
         self._failure_logs = 0
 
-        # Events: ``_journal`` is None while nobody listens (the hot paths then skip all
-        # event work). Otherwise it is a flat list of op records of _W ints each:
+        # Events (gpudash._eventsource): ``_journal`` is None while nobody listens, and the
+        # hot paths then skip all event work; else one record of 8 ints per operation:
         #   (time_ns, code, ptr, size, requested, a, b, c)
         # alloc: a = bytes split off into a new free chunk (0: no split)
         # free:  a = allocation id, b = bytes of the next chunk merged, c = bytes of the
         #        previous chunk merged into
         # extend: requested = the rounded request; release/oom/limit: as the event table.
-        # One record per operation (not per event) keeps recording cheap; records are
-        # expanded into events for callbacks (per op) and for sinks (in numpy, per batch).
-        self._journal: list[int] | None = None
-        self._journal_seq = 0  # seq of the first event of _journal
-        self._journal_extra: dict[int, tuple] = {}  # seq -> (setting, old, new)
-        self._counted = (0, 0)  # (journal position, events in the records before it)
-        self._flush_at = _JOURNAL_FLUSH  # journal length at which _after_op must run
-        self._callbacks: list[Callable[[Event], Any]] = []
-        self._sinks: list[Callable[[dict, dict], Any]] = []
-        self._raw_sinks: list[Callable[[list, dict], Any]] = []
-        self._outbox = _Outbox(self._lock)
-        self.device_index = 0
+        self._init_events()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -1283,25 +1133,6 @@ class BFCAllocator:
             if journal is not None:
                 self._after_op(start)
 
-    def note_setting(self, setting: str, old: Any, new: Any) -> None:
-        """Record a ``limit`` event for a setting changed above the allocator (a session's
-        fraction or deferred-deletion bytes), so that views can mark it."""
-        with self._lock:
-            journal = self._journal
-            if journal is None:
-                return
-            start = len(journal)
-            as_int = [v if type(v) is int else 0 for v in (new, old)]
-            self._log_setting(setting, old, new, as_int[0], as_int[1])
-            self._after_op(start)
-
-    def _log_setting(self, setting: str, old: Any, new: Any, new_int: int, old_int: int) -> None:
-        journal = self._journal
-        if journal is None:
-            return
-        self._journal_extra[self._seq_now()] = (setting, old, new)
-        journal.extend((_now(), _LIMIT, 0, new_int, old_int, 0, 0, 0))
-
     # ------------------------------------------------------------------ stats
     def _largest_free_chunk(self) -> int:
         mask = self._mask
@@ -1579,260 +1410,13 @@ class BFCAllocator:
         assert self._mask >> K_NUM_BINS == 0, "bin mask has bits above bin 20"
 
     # ------------------------------------------------------------------ events
-    def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
-        """Call ``callback(event)`` after every change of state; returns ``unsubscribe``.
+    # ------------------------------------------------------------------ event hooks
+    def _region_table(self) -> tuple[list[int], list[int]]:
+        return self._region_ptrs, [r.end for r in self._regions]
 
-        Callbacks run after the change, outside the allocator's lock, one event at a time,
-        in ``seq`` order. One thread delivers at a time: the thread that made the change,
-        unless another thread is delivering already; then that thread delivers these
-        events too, after the ones before them, and the call that made the change returns
-        at once. So in one thread a call returns after its events were delivered; a slow
-        callback holds up no other thread's allocations (they take the lock and go on);
-        and a callback may wait for a thread that allocates (a ``join``): that thread's
-        events are delivered when the callback has returned. Only when 4,096 operations
-        (``_OUTBOX_MAX``) wait for delivery does a thread that makes one more wait for the
-        callbacks to catch up (a callback that waits on a thread making that many never
-        returns). A callback that allocates or frees (on this allocator) sees its own
-        events after the event it is handling has reached every callback.
-
-        A callback that raises is reported with a :class:`GpudashWarning` and never breaks
-        the allocator or the other subscribers.
-        """
-        if not callable(callback):
-            raise TypeError(f"callback must be callable; got {callback!r}")
-        with self._lock:
-            if self._journal:
-                self._flush_locked()
-            self._callbacks.append(callback)
-            self._update_journal()
-
-        def unsubscribe() -> None:
-            with self._lock:
-                try:
-                    self._callbacks.remove(callback)
-                except ValueError:
-                    return
-                self._update_journal()
-
-        return unsubscribe
-
-    def _add_sink(self, sink: Callable[[Any, dict], Any], *, raw: bool = False
-                  ) -> Callable[[], None]:
-        """Deliver events in batches, every few thousand events and on :meth:`flush_events`.
-
-        ``sink(columns, extra)``: numpy arrays keyed like :data:`gpudash.events.COLUMNS`
-        (one row per event) and ``extra`` = {seq: (setting, old, new)}. With ``raw=True``,
-        ``sink(records, extra)`` gets the journal itself instead: a flat list of ints, 8 per
-        operation (see ``BFCAllocator.__init__``), read-only, with no conversion at all --
-        for listeners that only count (the live views).
-        """
-        with self._lock:
-            if self._journal:
-                self._flush_locked()  # earlier events go to earlier listeners only
-            (self._raw_sinks if raw else self._sinks).append(sink)
-            self._update_journal()
-
-        def remove() -> None:
-            self.flush_events()
-            with self._lock:
-                try:
-                    (self._raw_sinks if raw else self._sinks).remove(sink)
-                except ValueError:
-                    return
-                self._update_journal()
-
-        return remove
-
-    def _update_journal(self) -> None:
-        if self._journal:
-            self._flush_locked()
-        listening = bool(self._callbacks or self._sinks or self._raw_sinks)
-        if listening and self._journal is None:
-            self._journal = []
-            self._counted = (0, 0)
-        elif not listening and self._journal is not None:
-            self._journal = None
-            self._journal_extra.clear()
-        # With per-event callbacks every op must dispatch; otherwise only a full journal
-        # needs attention.
-        self._flush_at = 0 if self._callbacks else _JOURNAL_FLUSH
-
-    def _seq_now(self) -> int:
-        """Lock held: the seq the next event will get."""
-        journal = self._journal
-        if journal is None:
-            return self._journal_seq
-        pos, n = self._counted
-        if pos < len(journal):
-            n += _count_events(journal, pos)
-            self._counted = (len(journal), n)
-        return self._journal_seq + n
-
-    @property
-    def seq(self) -> int:
-        """The seq the next event will get (events are counted while anyone listens)."""
-        with self._lock:
-            return self._seq_now()
-
-    def _expand_python(self, records: list[int], seq: int) -> list[Event]:
-        """Lock held, right after the op: a few journal records as Event objects."""
-        out: list[Event] = []
-        extra = self._journal_extra
-        dev = self.device_index
-        name = self._name
-        # Regions the op released (a free that emptied a region above a lowered limit):
-        # its events still belong to that region.
-        released = [(records[i + 2], records[i + 3]) for i in range(0, len(records), _W)
-                    if records[i + 1] == _RELEASE]
-        for i in range(0, len(records), _W):
-            t, code, ptr, size, req, a, b, c = records[i:i + _W]
-            region = self._region_for(ptr) if code in (_ALLOC, _FREE) else None
-            rptr = region.ptr if region is not None else 0
-            if region is None and code == _FREE:
-                rptr = next((rp for rp, rs in released if rp <= ptr < rp + rs), 0)
-            if code == _ALLOC:
-                if a:
-                    out.append(Event(seq, t, _SPLIT, ptr + size, a, size, bin_num_for_size(a),
-                                     rptr, -1, dev, name))
-                    seq += 1
-                aid = self._by_ptr[ptr].aid
-                out.append(Event(seq, t, _ALLOC, ptr, size, req, bin_num_for_size(size), rptr,
-                                 aid, dev, name))
-                seq += 1
-            elif code == _FREE:
-                out.append(Event(seq, t, _FREE, ptr, size, req, bin_num_for_size(size), rptr,
-                                 a, dev, name))
-                seq += 1
-                if b:
-                    out.append(Event(seq, t, _MERGE, ptr, size + b, b, -1, rptr, -1, dev, name))
-                    seq += 1
-                if c:
-                    out.append(Event(seq, t, _MERGE, ptr - c, c + size + b, size + b, -1, rptr,
-                                     -1, dev, name))
-                    seq += 1
-            else:
-                b_ = bin_num_for_size(size) if code == _OOM else -1
-                rptr = ptr if code in (_EXTEND, _RELEASE) else 0
-                ev = Event(seq, t, code, ptr, size, req, b_, rptr, -1, dev, name)
-                if code == _LIMIT and seq in extra:
-                    ev.setting, ev.old, ev.new = extra[seq]
-                out.append(ev)
-                seq += 1
-        return out
-
-    def _after_op(self, start: int) -> None:
-        """Lock held: queue the op's events for callbacks and deliver them
-        (:meth:`_deliver`), and hand full batches to sinks."""
-        journal = self._journal
-        if self._callbacks and len(journal) > start:
-            # seq of the op's first event: count the events of the records before it.
-            pos, n = self._counted
-            if pos < start:
-                n += _count_events(journal, pos, start)
-            seq = self._journal_seq + n
-            events = self._expand_python(journal[start:], seq)
-            self._counted = (len(journal), n + _count_events(journal, start))
-            # queued under the lock, so the batches are in seq order
-            batch = (events, list(self._callbacks))
-            outbox = self._outbox
-            outbox.batches.append(batch)
-            self._deliver(outbox, batch)
-            journal = self._journal
-            if journal is None:
-                return
-        if len(journal) >= _JOURNAL_FLUSH:
-            self._flush_locked()
-
-    def _deliver(self, outbox: _Outbox, own: tuple) -> None:
-        """Lock held on entry and on return: hand queued events to callbacks, with the
-        lock released while they run.
-
-        One thread delivers at a time (``outbox.thread``), batch by batch in seq order,
-        until none is left: its own batch ``own``, those queued before it and those other
-        threads queue meanwhile. A thread that finds a deliverer at work returns at once,
-        unless ``_OUTBOX_MAX`` batches wait: then it waits (outside the lock) until they
-        are fewer, or until the deliverer, its own batch delivered, hands the role over
-        to a waiting thread (so no thread delivers for others for ever)."""
-        batches = outbox.batches
-        if outbox.thread is not None:
-            if outbox.thread == _get_ident() or len(batches) <= _OUTBOX_MAX:
-                return  # the deliverer (this thread, in a callback, or another) takes it
-            outbox.waiting += 1
-            try:
-                while outbox.thread is not None and len(batches) > _OUTBOX_MAX:
-                    outbox.cond.wait()
-            finally:
-                outbox.waiting -= 1
-            if outbox.thread is not None or not batches:
-                return
-        lock = self._lock
-        outbox.thread = _get_ident()
-        done = False
-        try:
-            while batches:
-                if outbox.waiting:
-                    if done:
-                        break  # a waiting thread delivers the rest
-                    outbox.cond.notify_all()
-                events, callbacks = batch = batches.popleft()
-                if batch is own:
-                    done = True
-                lock.release()
-                try:
-                    for ev in events:
-                        for cb in callbacks:
-                            try:
-                                cb(ev)
-                            except Exception as exc:  # noqa: BLE001 - isolate subscribers
-                                warnings.warn(
-                                    f"gpudash: event subscriber {cb!r} raised {exc!r} on "
-                                    f"{ev!r}; the allocator goes on", GpudashWarning,
-                                    stacklevel=4)
-                finally:
-                    lock.acquire()
-        finally:
-            outbox.thread = None
-            if outbox.waiting:
-                outbox.cond.notify_all()
-
-    def flush_events(self) -> None:
-        """Hand buffered events to batch sinks (the Recorder, live views) now."""
-        with self._lock:
-            if self._journal is not None:
-                self._flush_locked()
-
-    def _flush_locked(self) -> None:
-        journal = self._journal
-        if not journal:
-            return
-        seq0 = self._journal_seq
-        extra = self._journal_extra
-        pos, counted = self._counted
-        self._journal = []
-        self._journal_extra = {}
-        self._counted = (0, 0)
-        for sink in list(self._raw_sinks):
-            try:
-                sink(journal, extra)
-            except Exception as exc:  # noqa: BLE001 - isolate subscribers
-                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
-                              GpudashWarning, stacklevel=3)
-        if not self._sinks:
-            self._journal_seq = seq0 + counted + _count_events(journal, pos)
-            return
-        # array('q') converts Python ints about a third faster than np.array (and raises
-        # the same OverflowError beyond int64); numpy then shares its buffer.
-        columns = _expand_numpy(np.frombuffer(_array("q", journal), dtype=np.int64)
-                                .reshape(-1, _W), seq0,
-                                self._next_aid, self._region_ptrs,
-                                [r.end for r in self._regions], self.device_index)
-        self._journal_seq = seq0 + len(columns["seq"])
-        for sink in list(self._sinks):
-            try:
-                sink(columns, extra)
-            except Exception as exc:  # noqa: BLE001 - isolate subscribers
-                warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
-                              GpudashWarning, stacklevel=3)
+    def _region_at(self, ptr: int) -> int:
+        region = self._region_for(ptr)
+        return region.ptr if region is not None else 0
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

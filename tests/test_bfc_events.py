@@ -351,11 +351,11 @@ def test_threads_racing_with_a_callback_get_every_event_in_order():
 
 
 def test_a_thread_waits_when_too_many_operations_wait_for_delivery(monkeypatch):
-    """Past _OUTBOX_MAX queued operations, a thread waits for the callbacks to catch up
+    """Past OUTBOX_MAX queued operations, a thread waits for the callbacks to catch up
     (memory stays bounded); the delivering thread then hands the rest over to it."""
-    from gpudash import bfc
+    from gpudash import _eventsource
 
-    monkeypatch.setattr(bfc, "_OUTBOX_MAX", 3)
+    monkeypatch.setattr(_eventsource, "OUTBOX_MAX", 3)
     a = gpudash.BFCAllocator(BumpSubAllocator(), 1 * MIB, name="ev")
     inside, gate = threading.Event(), threading.Event()
     delivered_by = []

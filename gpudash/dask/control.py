@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ConfigError
-from ..bfc import _expand_numpy
+from .._eventsource import expand_records as _expand_numpy
 from ..events import COLUMN_DTYPES, COLUMNS
 from ..options import GPUOptions
 from ..widgets.feeds import CONTROL_NAMES

@@ -29,7 +29,8 @@ from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
 from ..events import COLUMN_DTYPES, COLUMNS
-from ..options import GPUOptions, memory_limit as _tf_memory_limit
+from ..options import GPUOptions
+from ..options import memory_limit as _tf_memory_limit
 from .format import Trace
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
@@ -504,7 +505,8 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     ``copy.deepcopy`` would recurse along the chunk list and cannot copy locks)."""
     import threading
 
-    from ..bfc import _Chunk, _Outbox, _Region
+    from .._eventsource import _Outbox
+    from ..bfc import _Chunk, _Region
 
     unknown = set(a.__dict__) - _Engine._KNOWN
     if unknown:
