@@ -1,0 +1,250 @@
+"""Hostile inputs to every reader and to the commands that read them: special files, lines
+built to make a pattern backtrack, pickles that repeat objects by reference, odd metadata,
+device indices out of range, odd floats, and traces of thousands of devices.
+
+Every one is refused with one TraceFormatError naming the file (exit code 1 from the
+command line, one line on stderr), or read correctly; none blocks, none takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import gpudash.trace as gt
+from gpudash import TraceFormatError
+from gpudash.cli import main
+from gpudash.trace import io as trace_io
+from gpudash.trace import tf_dump, torch_snapshot
+from gpudash.trace.replay import trace_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data"
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``gpudash ARGS`` in a fresh interpreter (a hang is cut off by ``timeout``)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "gpudash", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, path: Path) -> None:
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("gpudash: error: ") and str(path) in proc.stderr
+
+
+# ------------------------------------------------------------------ 1. special files
+READERS = {
+    "read_dumps": tf_dump.read_dumps,
+    "read_log_dumps": tf_dump.read_log_dumps,
+    "read_memory_dump_pb": tf_dump.read_memory_dump_pb,
+    "read_trace": gt.read_trace,
+    "load_trace": gt.load_trace,
+    "sniff_format": trace_io.sniff_format,
+    "load_tf_log": gt.load_tf_log,
+    "load_tf_vectors": gt.load_tf_vectors,
+    "load_torch_snapshot": gt.load_torch_snapshot,
+    "load_rmm_csv": gt.load_rmm_csv,
+    "load_cupy_hook": gt.load_cupy_hook,
+    "load_xplane": gt.load_xplane,
+}
+
+
+def _call_unblocking(fn, path: Path):
+    """``fn(path)`` in a thread; if it is still waiting on the FIFO after 10 s, the test
+    opens and closes both ends (so the thread ends) and the call counts as blocked."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn(path)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(10)
+    blocked = t.is_alive()
+    while t.is_alive():
+        fds = []
+        for flags in (os.O_RDONLY, os.O_WRONLY):   # a waiting writer, a waiting reader
+            try:
+                fds.append(os.open(path, flags | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(0.1)
+        for fd in fds:
+            os.close(fd)
+    assert not blocked, f"{fn.__name__} blocked on a FIFO"
+    return out
+
+
+# ------------------------------------------------------------------ 2. hostile long lines
+def test_the_source_tag_is_the_last_one_of_the_first_run_that_has_one():
+    body = tf_dump._body
+    assert body("I0000 00:00:1796282022.689252   12639 bfc_allocator.cc:1049] Bin (256): x\n"
+                ) == "Bin (256): x"
+    assert body("I tensorflow/core/common_runtime/bfc_allocator.cc:685] InUse at 1") == \
+        "InUse at 1"
+    assert body("x.cc:1]y.cc:2] rest") == "rest"        # as a greedy \S+ reads it
+    assert body("x.cc:1] y.cc:2] rest") == "y.cc:2] rest"
+    assert body("  no tag here  \n") == "no tag here"
+    assert body("a.c" * 400) == "a.c" * 400
+
+
+_GLOG = "I0000 00:00:1796221057.331741   10338 bfc_allocator.cc:176] "
+
+
+@pytest.mark.parametrize("command,head,unit,tail", [
+    ("explain", "", "Allocator (", ""),                        # 440 KB took > 40 s
+    ("explain", "", "Allocator (", ") ran out of memory trying to allocate"),
+    ("replay", _GLOG, "Extending allocation by ", ""),         # 480 KB took > 40 s
+    ("replay", _GLOG, "Allocator (", ""),
+])
+def test_a_one_megabyte_hostile_line_is_read_in_linear_time(tmp_path, command, head, unit,
+                                                            tail):
+    """Lines made of one pattern's prefix, repeated: each failed attempt used to rescan the
+    rest of the line (a 1 MB line: minutes). The command now answers at once (the limit
+    below only cuts off a hang)."""
+    path = tmp_path / "hostile.log"
+    path.write_text(head + unit * (1_000_000 // len(unit)) + tail + "\n")
+    proc = _cli(command, str(path), timeout=120)
+    _one_line_error(proc, path)
+
+
+# ------------------------------------------------------------------ 3. pickles that repeat
+_ENTRY = {"action": "alloc", "addr": 1 << 32, "size": 512, "stream": 0, "time_us": 1,
+          "frames": []}
+
+
+def _pickle(tmp_path, obj, name="snap.pickle"):
+    import pickle
+
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(obj, protocol=4))
+    return path
+
+
+EXTERNAL = ROOT.parent / "shared" / "reference" / "external"
+
+
+# ------------------------------------------------------------------ 4. negative requested sizes
+
+
+def _trace_with(**changes):
+    from gpudash.trace.workloads import training_loop
+
+    t = training_loop(steps=1, layers=2, hidden=64)
+    for col, (row, value) in changes.items():
+        t.columns[col][row] = value
+    return t
+
+
+# ------------------------------------------------------------------ 6. damaged .npy headers
+def _rebuilt(tmp_path, trace, mutate):
+    """``trace`` written, its records changed by ``mutate`` and their CRCs made valid."""
+    from gpudash.trace import format as fmt
+
+    good = tmp_path / "good.gdtrace"
+    fmt.write_trace(trace, good, overwrite=True)
+    data = good.read_bytes()
+    off, records = len(fmt.MAGIC), []
+    while off < len(data):
+        (rtype, js, payload, off), _ = fmt._parse_record(data, off)
+        records.append([rtype, json.loads(js), bytes(payload)])
+    mutate(records)
+    out = tmp_path / "crafted.gdtrace"
+    out.write_bytes(fmt.MAGIC + b"".join(fmt._record(t, h, p) for t, h, p in records))
+    return out
+
+
+# ------------------------------------------------------------------ 7, 8. trace metadata
+def _with_meta(tmp_path, **meta):
+    from gpudash.trace.workloads import training_loop
+
+    t = training_loop(steps=1, layers=2, hidden=64)
+    t.meta.update(meta)
+    path = tmp_path / "t.gdtrace"
+    gt.write_trace(t, path, overwrite=True)
+    return path
+
+
+_DEV = {"index": 0, "name": "GPU_0_bfc", "capacity": 1 << 30, "memory_limit": 1 << 29,
+        "options": {"allow_growth": True, "garbage_collection": False}}
+
+
+# ------------------------------------------------------------------ 9. device indices
+def _profile(path: Path, allocators: int, double: float | None = None,
+             per_allocator: int = 2) -> Path:
+    """A profile with ``allocators`` allocators, each allocating and freeing a block
+    (``per_allocator`` events); with ``double``, the first event's allocation_bytes is that
+    double instead of an integer."""
+    from gpudash.proto import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    stats = ["allocator_name", "bytes_allocated", "requested_bytes", "allocation_bytes",
+             "addr"]
+    for i, name in enumerate(stats, 1):
+        plane.stat_metadata[i].id = i
+        plane.stat_metadata[i].name = name
+    first = len(stats) + 1
+    for d in range(allocators):
+        plane.stat_metadata[first + d].id = first + d
+        plane.stat_metadata[first + d].name = f"GPU_{d}_bfc"
+    plane.event_metadata[1].name = "MemoryAllocation"
+    plane.event_metadata[2].name = "MemoryDeallocation"
+    line = plane.lines.add(name="stream", timestamp_ns=1_700_000_000_000_000_000)
+    t = 0
+    for kind in (1, 2)[:per_allocator]:
+        for d in range(allocators):
+            ev = line.events.add(offset_ps=t * 1000, metadata_id=kind)
+            t += 1
+            ev.stats.add(metadata_id=1, ref_value=first + d)
+            ev.stats.add(metadata_id=2, int64_value=1024 if kind == 1 else 0)
+            ev.stats.add(metadata_id=3, int64_value=1000)
+            if double is not None and t == 1:
+                ev.stats.add(metadata_id=4, double_value=double)
+            else:
+                ev.stats.add(metadata_id=4, int64_value=1024)
+            ev.stats.add(metadata_id=5, int64_value=0x7F0000000000 + 4096 * (d % 7))
+    path.write_bytes(space.SerializeToString())
+    return path
+
+
+# ------------------------------------------------------------------ 11. many devices
+def _many_devices(n_dev: int = 5, seed: int = 0):
+    """A trace of ``n_dev`` devices with interleaved regions, allocations and frees (alloc
+    ids that collide across devices), built by gpudash's importer conventions."""
+    import numpy as np
+
+    from gpudash.trace.format import _EventBuilder
+
+    rng = np.random.default_rng(seed)
+    b = _EventBuilder()
+    live: dict[int, list[int]] = {d: [] for d in range(n_dev)}
+    for d in range(n_dev):
+        b.add_device(d, f"GPU_{d}_bfc", 1 << 30, {"allow_growth": bool(d % 2)})
+    t = 0
+    for _ in range(60 * n_dev):
+        d = int(rng.integers(n_dev))
+        t += 1
+        r = rng.random()
+        if r < 0.1:
+            b.extend(t, d, int(rng.integers(1, 64)) << 24, 1 << 22)
+        elif r < 0.6 or not live[d]:
+            p = (int(rng.integers(1, 64)) << 24) + int(rng.integers(0, 1 << 16)) * 256
+            if p not in live[d]:
+                b.alloc(t, d, p, int(rng.integers(1, 1 << 20)))
+                live[d].append(p)
+        else:
+            b.free(t, d, live[d].pop(int(rng.integers(len(live[d])))))
+    return b.build({"source": "test"})
