@@ -87,6 +87,63 @@ def _call_unblocking(fn, path: Path):
     return out
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_every_reader_refuses_a_fifo_at_once_naming_it(tmp_path, reader):
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    out = _call_unblocking(READERS[reader], fifo)
+    err = out.get("error")
+    assert isinstance(err, TraceFormatError), out
+    assert str(fifo) in str(err) and "FIFO" in str(err) and "\n" not in str(err)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+@pytest.mark.parametrize("command", ["explain", "replay", "convert"])
+def test_commands_refuse_a_fifo_with_exit_code_1(tmp_path, capsys, command):
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    args = [command, str(fifo)] + ([str(tmp_path / "out.gdtrace")] if command == "convert"
+                                   else [])
+    out = _call_unblocking(lambda _path: main(args), fifo)
+    assert out.get("value") == 1, out
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(fifo) in err and "FIFO" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+@pytest.mark.parametrize("reader", ["read_dumps", "read_trace", "load_tf_log", "load_rmm_csv",
+                                    "load_torch_snapshot"])
+def test_a_device_is_refused_not_read_forever(reader):
+    with pytest.raises(TraceFormatError, match="/dev/zero: is a device"):
+        READERS[reader](Path("/dev/zero"))
+
+
+@pytest.mark.parametrize("reader", ["read_trace", "load_tf_log", "load_torch_snapshot",
+                                    "read_dumps", "load_tf_vectors"])
+def test_a_directory_given_to_a_file_reader_is_refused(tmp_path, reader):
+    with pytest.raises(TraceFormatError, match="is a directory"):
+        READERS[reader](tmp_path)
+
+
+def test_a_profile_directory_still_reads_as_a_profile(tmp_path):
+    run = tmp_path / "plugins" / "profile" / "2025_01_01_00_00_00"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes((DATA / "real" / "tf_mlp_training.xplane.pb")
+                                         .read_bytes())
+    assert len(gt.load_trace(tmp_path)) == len(gt.load_xplane(run / "host.xplane.pb"))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_writing_over_a_fifo_is_refused(tmp_path):
+    fifo = tmp_path / "out.gdtrace"
+    os.mkfifo(fifo)
+    trace = gt.read_trace(DATA / "traces" / "golden_v1.gdtrace")
+    out = _call_unblocking(lambda p: gt.write_trace(trace, p, overwrite=True), fifo)
+    assert isinstance(out.get("error"), TraceFormatError), out
+    assert "FIFO" in str(out["error"])
+
+
 # ------------------------------------------------------------------ 2. hostile long lines
 def test_the_source_tag_is_the_last_one_of_the_first_run_that_has_one():
     body = tf_dump._body

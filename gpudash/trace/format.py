@@ -43,6 +43,7 @@ import dataclasses
 import io
 import json
 import os
+import stat
 import struct
 import time
 import warnings
@@ -800,12 +801,43 @@ def _source_name(src: Any) -> str:
         src, "name", "<stream>")
 
 
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages: ``"a FIFO (named pipe)"``."""
+    return ("a directory" if stat.S_ISDIR(mode) else
+            "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only.
+
+    A FIFO, a device, a socket or a directory is refused with a
+    :class:`~gpudash.TraceFormatError` naming the path, without blocking: the path is opened
+    non-blocking and checked with ``fstat`` before anything is read (reading a FIFO would
+    wait for a writer forever, a device such as ``/dev/zero`` never ends). Other errors
+    (a missing file, no permission) are the ``OSError`` of ``open``.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(mode)}, not a trace "
+                                   "file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 @contextlib.contextmanager
 def _text_source(src: Any, newline: str | None = None) -> Iterator[IO[str]]:
-    """A text stream over a path, a binary file object or a text file object (undecodable
-    bytes replaced; a caller's file object is left open)."""
+    """A text stream over a path (a regular file: see :func:`_open_regular`), a binary file
+    object or a text file object (undecodable bytes replaced; a caller's file object is left
+    open)."""
     if isinstance(src, (str, os.PathLike)):
-        with open(src, encoding="utf-8", errors="replace", newline=newline) as f:
+        with _open_regular(src) as raw, io.TextIOWrapper(
+                raw, encoding="utf-8", errors="replace", newline=newline) as f:
             yield f
     elif isinstance(src, io.TextIOBase):
         yield src
@@ -850,6 +882,14 @@ def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata
 
 
 def _open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and overwrite and not stat.S_ISREG(st.st_mode):
+        # opening a FIFO to write would wait for a reader; a device is no trace file
+        raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(st.st_mode)}; a trace is "
+                               "written to a regular file")
     try:
         return open(path, ("w" if overwrite else "x") + mode)
     except FileExistsError:
@@ -1069,7 +1109,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
         # one writable buffer; the columns of the batches are numpy views into it (no copy)
         # (a numpy buffer, not a bytearray: a bytearray freed by the garbage collector while
         # a view of it is alive reports a SystemError)
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             buf = np.empty(size, dtype=np.uint8)
             got = f.readinto(memoryview(buf))

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
-from .format import MAGICS, Trace, read_trace, write_trace
+from .format import MAGICS, Trace, _file_kind, _open_regular, read_trace, write_trace
 from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
@@ -82,7 +82,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         return "xplane" if _is_profile_dir(path) else None
     if os.fspath(path).endswith(".xplane.pb"):
         return "xplane"
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         head = f.read(_HEAD)
     if head.startswith(MAGICS):
         return "gdtrace"
@@ -187,10 +187,7 @@ def _check_input(path: Any) -> Any:
     if stat.S_ISDIR(st.st_mode):
         return path  # a TensorBoard log directory; the xplane reader says if it is not one
     if not stat.S_ISREG(st.st_mode):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
-                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-        raise TraceFormatError(f"{name}: is {kind}, not a trace file")
+        raise TraceFormatError(f"{name}: is {_file_kind(st.st_mode)}, not a trace file")
     if st.st_size == 0:
         raise TraceFormatError(f"{name}: the file is empty")
     return path

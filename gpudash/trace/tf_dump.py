@@ -53,7 +53,7 @@ from typing import IO
 
 from .._errors import TraceFormatError
 from ..bfc import AllocatorStats, BinSummary, MemChunk, MemoryDump, RegionInfo
-from .format import _source_name, _text_source, bin_for_size, round_up_256
+from .format import _open_regular, _source_name, _text_source, bin_for_size, round_up_256
 
 __all__ = ["read_dumps", "read_log_dumps", "read_memory_dump_pb", "parse_human_bytes",
            "is_memory_dump_pb"]
@@ -573,7 +573,8 @@ def read_memory_dump_pb(path: str | os.PathLike) -> MemoryDump:
     from ..proto import bfc_memory_map_pb2
 
     p = Path(path)
-    data = p.read_bytes()
+    with _open_regular(p) as f:
+        data = f.read()
     try:
         md = bfc_memory_map_pb2.MemoryDump.FromString(data)
     except DecodeError as exc:
@@ -667,7 +668,7 @@ def read_dumps(path: str | os.PathLike) -> list[MemoryDump]:
     """
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with _open_regular(p) as f:
             head = f.read(4096)
     except OSError as exc:
         raise TraceFormatError(f"{p}: cannot read it ({exc.strerror or exc})") from None

@@ -20,7 +20,7 @@ import os
 from typing import IO, Any
 
 from .._errors import TraceFormatError
-from .format import Trace, _EventBuilder, _source_name
+from .format import Trace, _EventBuilder, _open_regular, _source_name
 
 __all__ = ["load_tf_vectors", "load_vector_json"]
 
@@ -41,10 +41,12 @@ def load_vector_json(path_or_file: str | os.PathLike | IO) -> dict:
     name = _source_name(path_or_file)
     try:
         if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file, "rb") as f:
+            with _open_regular(path_or_file) as f:
                 data = json.load(f)
         else:
             data = json.load(path_or_file)
+    except TraceFormatError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"{name}: not a JSON vector file ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):

@@ -38,7 +38,7 @@ from typing import IO, Any
 
 from .._errors import TraceFormatError
 from ..events import EventKind
-from .format import Trace, _EventBuilder, _open_new, _source_name
+from .format import Trace, _EventBuilder, _open_new, _open_regular, _source_name
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -76,7 +76,7 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     """
     name = _source_name(path_or_file)
     if isinstance(path_or_file, (str, os.PathLike)):
-        with open(path_or_file, "rb") as f:
+        with _open_regular(path_or_file) as f:
             data = f.read()
     else:
         data = path_or_file.read()

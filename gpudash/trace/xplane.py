@@ -49,6 +49,7 @@ protobuf runtime's own parse of every event.
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import GpudashWarning, TraceFormatError
-from .format import HOLDER_DTYPE, PRE_EXISTING_HOLDER, Trace, _bins, _regions
+from .format import (HOLDER_DTYPE, PRE_EXISTING_HOLDER, Trace, _bins, _file_kind,
+                     _open_regular, _regions)
 
 __all__ = ["load_xplane", "find_profile", "PRE_EXISTING_HOLDER"]
 
@@ -97,10 +99,15 @@ def find_profile(path: str | os.PathLike, run: str | None = None) -> list[Path]:
         No profile there (the message says what was looked for), or no run named ``run``.
     """
     p = Path(path)
-    if p.is_file():
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        raise TraceFormatError(f"{p}: no such file or directory") from None
+    if stat.S_ISREG(mode):
         return [p]
-    if not p.is_dir():
-        raise TraceFormatError(f"{p}: no such file or directory")
+    if not stat.S_ISDIR(mode):
+        raise TraceFormatError(f"{p}: is {_file_kind(mode)}, not a profile (an "
+                               f"*{_SUFFIX} file or a directory holding some)")
     files = sorted(p.glob("*" + _SUFFIX))
     if files and run is None:
         return files
@@ -503,7 +510,8 @@ def load_xplane(path: str | os.PathLike, run: str | None = None) -> Trace:
     seen_planes: list[str] = []
     for i, f in enumerate(files):
         try:
-            data = f.read_bytes()
+            with _open_regular(f) as fh:
+                data = fh.read()
         except OSError as exc:
             raise TraceFormatError(f"{f}: cannot read it ({exc.strerror or exc})") from None
         try:
