@@ -190,10 +190,88 @@ def _pickle(tmp_path, obj, name="snap.pickle"):
     return path
 
 
+def test_a_pickle_whose_entries_repeat_by_reference_is_refused_by_its_size(tmp_path):
+    """600,000 trace entries in 200 KB (one entry repeated by reference, one list repeated
+    for six devices): under the old bound of 20,000,000 it was imported entry by entry (a 2
+    MB file: 6,000,000 entries, minutes and 2 GB); now it is refused at once, before any
+    entry is read, as more than one entry per 8 bytes of the file."""
+    path = _pickle(tmp_path, {"segments": [], "device_traces": [[_ENTRY] * 100_000] * 6})
+    assert path.stat().st_size < 250_000
+    with pytest.raises(TraceFormatError) as info:
+        gt.load_trace(path)
+    msg = str(info.value)
+    assert str(path) in msg and "one per 8 bytes" in msg and "\n" not in msg
+    with pytest.raises(TraceFormatError, match="one per 8 bytes"):
+        gt.load_torch_snapshot(path)
+
+
+def test_allocator_settings_that_repeat_by_reference_are_refused(tmp_path):
+    """A million values by reference in the settings, which the metadata would copy."""
+    row = list(range(1000))
+    path = _pickle(tmp_path, {"segments": [], "device_traces": [[_ENTRY]],
+                              "allocator_settings": {"x": [row] * 1000}})
+    with pytest.raises(TraceFormatError, match=r"allocator_settings hold more than 10,000"):
+        gt.load_trace(path)
+
+
+def test_an_action_that_is_not_a_string_is_refused_not_printed(tmp_path):
+    huge = [[0] * 1000] * 1000        # str() of it: 3 MB, once per entry
+    path = _pickle(tmp_path, {"segments": [], "device_traces": [
+        [dict(_ENTRY, action=huge)] * 100]})
+    with pytest.raises(TraceFormatError, match=r"device_traces\[0\]\[0\]: expected a dict "
+                                               "with an 'action' string"):
+        gt.load_torch_snapshot(path)
+
+
+def test_expandable_segment_maps_are_read_in_n_log_n(tmp_path):
+    """Thousands of maps, then unmaps of what was mapped and of what was not: the ranges
+    mapped before the trace are exactly the unmapped ones never mapped."""
+    from gpudash.trace.torch_snapshot import _premapped
+
+    n = 20_000
+    entries = [{"action": "segment_map", "addr": i << 21, "size": 1 << 21} for i in range(n)]
+    entries += [{"action": "segment_unmap", "addr": i << 21, "size": 1 << 21}
+                for i in range(2 * n)]
+    entries.append({"action": "segment_unmap", "addr": (1 << 21) + 5, "size": 3 << 21})
+    got = _premapped(entries)
+    assert got[:n] == [(i << 21, 1 << 21) for i in range(n, 2 * n)]
+    assert got[n:] == [((1 << 21) + 5, 3 << 21)]      # all unmapped by then
+    assert _premapped([{"action": "segment_map", "addr": 0, "size": 100},
+                       {"action": "segment_unmap", "addr": 50, "size": 100}]) == [(100, 50)]
+
+
 EXTERNAL = ROOT.parent / "shared" / "reference" / "external"
 
 
+@pytest.mark.skipif(not EXTERNAL.is_dir(), reason="needs ../shared/reference/external")
+def test_every_real_snapshot_is_within_the_bound_per_byte():
+    files = sorted(p for p in EXTERNAL.iterdir() if p.suffix in (".pickle", ".pkl"))
+    assert files
+    for path in files:
+        snap = torch_snapshot.load_torch_snapshot_dict(path)
+        items = len(snap.get("segments") or []) + sum(
+            len(s.get("blocks") or []) for s in snap.get("segments") or []) + sum(
+            len(t) for t in snap.get("device_traces") or [])
+        assert items * torch_snapshot.BYTES_PER_ITEM * 4 < path.stat().st_size, path
+        assert len(gt.load_trace(path)) > 0
+
+
 # ------------------------------------------------------------------ 4. negative requested sizes
+
+
+@pytest.mark.parametrize("where", ["entry", "free", "block"])
+def test_a_negative_pytorch_requested_size_is_refused(tmp_path, where):
+    seg = {"device": 0, "address": 1 << 40, "total_size": 2 << 20, "blocks": [
+        {"address": 1 << 40, "size": 2 << 20, "state": "active_allocated",
+         "requested_size": -1 if where == "block" else 100}]}
+    entries = [dict(_ENTRY, requested_size=-1 if where == "entry" else 100)]
+    if where == "free":
+        entries.append(dict(_ENTRY, action="free_completed", requested_size=-1))
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps({"segments": [seg], "device_traces": [entries]}))
+    with pytest.raises(TraceFormatError, match=r"a negative requested_size \(-1\)") as info:
+        gt.load_trace(path)
+    assert str(path) in str(info.value)
 
 
 def _trace_with(**changes):
@@ -275,6 +353,14 @@ def _profile(path: Path, allocators: int, double: float | None = None,
             ev.stats.add(metadata_id=5, int64_value=0x7F0000000000 + 4096 * (d % 7))
     path.write_bytes(space.SerializeToString())
     return path
+
+
+def test_pytorch_traces_beyond_device_32767_are_refused(tmp_path):
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps({"segments": [], "device_traces": [[]] * 32768 + [[_ENTRY]]}))
+    with pytest.raises(TraceFormatError, match=r"device_traces\[32768\] has entries; device "
+                                               r"indices go up to 32,767"):
+        gt.load_trace(path)
 
 
 # ------------------------------------------------------------------ 11. many devices
