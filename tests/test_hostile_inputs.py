@@ -257,6 +257,14 @@ def test_every_real_snapshot_is_within_the_bound_per_byte():
 
 
 # ------------------------------------------------------------------ 4. negative requested sizes
+def test_a_negative_cupy_size_is_refused(tmp_path):
+    path = tmp_path / "hook.jsonl"
+    path.write_text('{"hook":"malloc","device_id":0,"size":-1,"mem_size":512,"mem_ptr":4096}\n')
+    with pytest.raises(TraceFormatError, match=r"hook.jsonl, line 1: 'malloc' record with size "
+                                               r"-1; expected 0 \.\."):
+        gt.load_trace(path)
+    t = gt.load_cupy_hook(path, strict=False)            # skipped when asked to skip
+    assert len(t) == 0 and t.meta["skipped_lines"] == 1
 
 
 @pytest.mark.parametrize("where", ["entry", "free", "block"])
@@ -283,6 +291,56 @@ def _trace_with(**changes):
     return t
 
 
+@pytest.mark.parametrize("col,value,message", [
+    ("requested", -1, r"event 3 has a negative requested size \(-1 B\)"),
+    ("size", -256, r"event 3 has a negative size \(-256 B\)"),
+    ("device", -1, r"event 3 has device -1; devices are 0 \.\. 32767"),
+])
+def test_a_gdtrace_with_negative_values_is_refused(tmp_path, col, value, message):
+    t = _trace_with(**{col: (3, value)})
+    path = tmp_path / "t.gdtrace"
+    gt.write_trace(t, path)
+    for reader in (gt.read_trace, gt.load_trace):
+        with pytest.raises(TraceFormatError, match=message) as info:
+            reader(path)
+        assert str(path) in str(info.value)
+
+
+def test_a_limit_row_keeps_its_old_value_in_requested(tmp_path):
+    from gpudash import BFCAllocator, Recorder
+    from gpudash.devices import SimulatedDevice
+
+    alloc = BFCAllocator(SimulatedDevice(1 << 30), 1 << 29)
+    with Recorder(alloc) as rec:
+        p = alloc.allocate(1000)
+        alloc.set_memory_limit(1 << 28)
+        alloc.deallocate(p)
+    path = tmp_path / "t.gdtrace"
+    gt.write_trace(rec.to_trace(), path)
+    t = gt.load_trace(path)
+    assert (t.select("limit").requested == 1 << 29).all()
+
+
+# ------------------------------------------------------------------ 5. tf-vectors metadata
+@pytest.mark.parametrize("field,text,message", [
+    ("memory_limit", '"x"', r"'memory_limit' is 'x'; expected a whole number of bytes"),
+    ("memory_limit", "NaN", r"'memory_limit' is nan; expected a whole number"),
+    ("memory_limit", "Infinity", r"'memory_limit' is inf; expected a whole number"),
+    ("memory_limit", "1.5", r"'memory_limit' is 1.5; expected a whole number"),
+    ("memory_limit", "-1", r"'memory_limit' is -1; expected a whole number"),
+    ("memory_limit", "true", r"'memory_limit' is True; expected a whole number"),
+    ("allow_growth", '"yes"', r"'allow_growth' is 'yes'; expected true or false"),
+    ("garbage_collection", "1", r"'garbage_collection' is 1; expected true or false"),
+])
+def test_tf_vectors_metadata_is_checked(tmp_path, field, text, message):
+    path = tmp_path / "vectors.json"
+    path.write_text('{"%s": %s, "steps": [["region", 4096, 1048576]]}' % (field, text))
+    with pytest.raises(TraceFormatError, match=message) as info:
+        gt.load_trace(path)
+    assert str(path) in str(info.value)
+    _one_line_error(_cli("replay", str(path)), path)
+
+
 # ------------------------------------------------------------------ 6. damaged .npy headers
 def _rebuilt(tmp_path, trace, mutate):
     """``trace`` written, its records changed by ``mutate`` and their CRCs made valid."""
@@ -301,6 +359,30 @@ def _rebuilt(tmp_path, trace, mutate):
     return out
 
 
+@pytest.mark.parametrize("header", [
+    b"{'descr': \"\"\"<i8', 'fortran_order': False, 'shape': (3,), }",   # TokenError
+    b"{'descr': '<i8', 'fortran_order': False, 'shape': (3,, }",          # TokenError
+    b"{'descr': '<i8', 'fortran_order': False, 'shape': (3,), '",         # SyntaxError
+    b"{'descr': '<i8', 'fortran_order': False, 'shape': (1e999,), }",
+])
+def test_a_batch_whose_npy_header_numpy_cannot_parse_is_a_damaged_batch(tmp_path, header):
+    from gpudash.trace.workloads import training_loop
+
+    def spoil(records):
+        rtype, head, payload = records[1]
+        name, start, _nbytes = head["columns"][0]
+        hlen = int.from_bytes(payload[start + 8:start + 10], "little")
+        body = header.ljust(hlen - 1) + b"\n"
+        records[1][2] = payload[:start + 10] + body + payload[start + 10 + hlen:]
+
+    path = _rebuilt(tmp_path, training_loop(steps=1, layers=2, hidden=64), spoil)
+    for reader in (gt.read_trace, gt.load_trace):
+        with pytest.raises(TraceFormatError, match=r"record 1 \(event batch\).*column 'seq' "
+                                                   "is not valid .npy data") as info:
+            reader(path)
+        assert "\n" not in str(info.value)
+
+
 # ------------------------------------------------------------------ 7, 8. trace metadata
 def _with_meta(tmp_path, **meta):
     from gpudash.trace.workloads import training_loop
@@ -314,6 +396,33 @@ def _with_meta(tmp_path, **meta):
 
 _DEV = {"index": 0, "name": "GPU_0_bfc", "capacity": 1 << 30, "memory_limit": 1 << 29,
         "options": {"allow_growth": True, "garbage_collection": False}}
+
+
+@pytest.mark.parametrize("devices,message", [
+    (5, r"metadata 'devices' is 5; expected a list of objects"),
+    (True, r"metadata 'devices' is True; expected a list"),
+    (["x"], r"metadata devices\[0\] is 'x'; expected an object with an 'index'"),
+    ([{"index": "0"}], r"devices\[0\]: 'index' is '0'; expected an integer 0 \.\. 32767"),
+    ([{"index": 40000}], r"devices\[0\]: 'index' is 40000; expected an integer"),
+    ([{"index": -1}], r"devices\[0\]: 'index' is -1"),
+    ([{"index": True}], r"devices\[0\]: 'index' is True"),
+    ([dict(_DEV, name=7)], r"devices\[0\]: 'name' is 7; expected a string"),
+    ([dict(_DEV, capacity="x")], r"'capacity' is 'x'; expected a whole number of bytes"),
+    ([dict(_DEV, options=[])], r"'options' is list; expected an object"),
+    ([dict(_DEV, options={"allow_growth": "yes"})],
+     r"'options.allow_growth' is 'yes'; expected true or false"),
+    ([dict(_DEV, options={"memory_limit": 1e30})], r"'options.memory_limit' is 1e\+30"),
+])
+def test_trace_metadata_devices_are_checked_when_read(tmp_path, devices, message):
+    path = _with_meta(tmp_path, devices=devices)
+    for reader in (gt.read_trace, gt.load_trace):
+        with pytest.raises(TraceFormatError, match=message) as info:
+            reader(path)
+        assert str(path) in str(info.value)
+    for command in ("replay", "convert"):
+        args = [command, str(path)] + ([str(tmp_path / "out.json")] if command == "convert"
+                                       else [])
+        _one_line_error(_cli(*args), path)
 
 
 # ------------------------------------------------------------------ 9. device indices
@@ -355,12 +464,60 @@ def _profile(path: Path, allocators: int, double: float | None = None,
     return path
 
 
+@pytest.mark.parametrize("text,message", [
+    ("-1", r"line 2: Device ID '-1' is not a device index 0 \.\. 32767"),
+    ("32768", r"line 2: Device ID '32768' is not a device index"),
+    ("1e3", r"line 2: Device ID '1e3' is not a device index"),
+])
+def test_an_rmm_012_device_id_outside_the_range_is_refused(tmp_path, text, message):
+    path = tmp_path / "rmm.csv"
+    path.write_text("Event Type,Device ID,Address,Stream,Size (bytes),Free Memory,Total Memory,"
+                    f"Current Allocs,Start,End,Elapsed,Location\nAlloc,{text},0x7f00,0x0,1024,"
+                    "0,0,0,0.000001,0.000001,0,x.py:1\n")
+    with pytest.raises(TraceFormatError, match=message) as info:
+        gt.load_trace(path)
+    assert str(path) in str(info.value)
+
+
+def test_an_rmm_device_outside_the_range_is_refused(tmp_path):
+    from gpudash import ConfigError
+
+    good = DATA / "traces" / "rmm_log.dev1.csv"
+    with pytest.raises(ConfigError, match=r"device must be an integer 0 \.\. 32767; got -1"):
+        gt.load_rmm_csv(good, device=-1)
+    path = tmp_path / "rmm_log.dev40000.csv"
+    path.write_bytes(good.read_bytes())
+    with pytest.raises(TraceFormatError, match=r"rmm_log.dev40000.csv: the file name's "
+                                               r"\.dev40000 is above device 32767"):
+        gt.load_trace(path)
+
+
+@pytest.mark.parametrize("device", [-1, 32768])
+def test_a_cupy_device_id_outside_the_range_is_refused(tmp_path, device):
+    path = tmp_path / "hook.jsonl"
+    path.write_text('{"hook":"alloc","device_id":%d,"mem_size":512,"mem_ptr":4096}\n' % device)
+    with pytest.raises(TraceFormatError, match=rf"line 1: 'alloc' record with device_id "
+                                               rf"{device}; expected 0 \.\. 32,767") as info:
+        gt.load_trace(path)
+    assert str(path) in str(info.value)
+
+
 def test_pytorch_traces_beyond_device_32767_are_refused(tmp_path):
     path = tmp_path / "snap.json"
     path.write_text(json.dumps({"segments": [], "device_traces": [[]] * 32768 + [[_ENTRY]]}))
     with pytest.raises(TraceFormatError, match=r"device_traces\[32768\] has entries; device "
                                                r"indices go up to 32,767"):
         gt.load_trace(path)
+
+
+def test_ranks_that_add_up_to_more_than_32768_devices_are_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    one = _profile(tmp_path / "a" / "rank0.xplane.pb", 20_000, per_allocator=1)
+    other = tmp_path / "a" / "rank1.xplane.pb"
+    other.write_bytes(one.read_bytes())
+    with pytest.raises(TraceFormatError, match=r"rank1.xplane.pb: the ranks up to this file "
+                                               r"hold 40,000 devices"):
+        gt.load_ranks([one, other])
 
 
 # ------------------------------------------------------------------ 11. many devices

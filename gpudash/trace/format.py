@@ -110,6 +110,29 @@ def _bins(size: np.ndarray) -> np.ndarray:
     return np.minimum(20, np.floor(np.log2(s))).astype(np.int8)
 
 
+def _device_entries(meta: Mapping) -> dict[int, dict]:
+    """``meta["devices"]`` by index (the first entry of each index). Entries that are not
+    objects with an integer ``index`` are left out, and so is a ``devices`` that is not a
+    list: a trace read from a file had them refused (:func:`read_trace`), and one built in
+    memory with odd ones is still usable."""
+    devs = meta.get("devices")
+    out: dict[int, dict] = {}
+    if not isinstance(devs, list):
+        return out
+    for d in devs:
+        if _has_index(d):
+            out.setdefault(int(d["index"]), d)
+    return out
+
+
+def _has_index(entry: Any) -> bool:
+    """Whether a ``meta["devices"]`` entry is an object with an integer ``index``."""
+    if not isinstance(entry, dict):
+        return False
+    idx = entry.get("index")
+    return isinstance(idx, (int, np.integer)) and not isinstance(idx, (bool, np.bool_))
+
+
 def _default_meta(meta: Mapping | None) -> dict:
     out = dict(meta) if meta is not None else {}
     out.setdefault("gpudash_version", __version__)
@@ -251,8 +274,8 @@ class Trace:
         meta = dict(traces[0].meta)
         devices: dict[int, dict] = {}
         for t in traces:
-            for d in t.meta.get("devices", []):
-                devices.setdefault(int(d["index"]), d)
+            for i, d in _device_entries(t.meta).items():
+                devices.setdefault(i, d)
         meta["devices"] = [devices[i] for i in sorted(devices)]
         settings = []
         offset = 0
@@ -319,7 +342,7 @@ class Trace:
         c = self.columns
         kind = int(c["kind"][i])
         device = int(c["device"][i])
-        names = {int(d["index"]): d.get("name", "") for d in self.meta.get("devices", [])}
+        names = {i: d.get("name") or "" for i, d in _device_entries(self.meta).items()}
         setting = old = new = None
         seq = int(c["seq"][i])
         if kind == _LIMIT:
@@ -385,10 +408,12 @@ class Trace:
     # ---------------------------------------------------------------- queries
     @property
     def devices(self) -> list[dict]:
-        """The devices of ``meta``; derived from the ``device`` column when meta has none."""
-        devs = self.meta.get("devices") or []
-        if devs:
-            return list(devs)
+        """The devices of ``meta`` (entries that are objects with an integer ``index``);
+        derived from the ``device`` column when meta has none."""
+        devs = self.meta.get("devices")
+        good = [d for d in devs if _has_index(d)] if isinstance(devs, list) else []
+        if good:
+            return good
         return [{"index": int(i), "name": f"device{int(i)}", "capacity": None, "options": None}
                 for i in np.unique(self.columns["device"])]
 
@@ -643,6 +668,109 @@ def _check_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
     if len(set(lengths.values())) > 1:
         raise TraceFormatError(f"trace columns must all have the same length; got {lengths}")
     return out
+
+
+# ============================================================================ checks
+#: The largest device index a trace holds (its ``device`` column is int16).
+MAX_DEVICE = (1 << 15) - 1
+_MAX_BYTES = (1 << 63) - 1
+
+
+def _short(value: Any) -> str:
+    """A value for a message: its repr, cut to 40 characters."""
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _flag(value: Any) -> bool | None:
+    """A recorded on/off setting (``allow_growth``, ``garbage_collection``): a JSON
+    boolean, or the string ``"true"`` or ``"false"`` (any case: a hand-edited file may
+    quote it) read as that boolean; None when absent.
+
+    Raises
+    ------
+    ValueError
+        Anything else (``1``, ``"yes"``, ``"0"``): not guessed at.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{_short(value)}; expected true or false")
+
+
+def _byte_count(value: Any) -> int | None:
+    """A recorded byte count (``capacity``, ``memory_limit``): an integer 0 .. 2**63-1, or
+    None. ValueError for anything else (a string, NaN, infinity, a fraction, a negative)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value <= _MAX_BYTES:
+        raise ValueError(f"{_short(value)}; expected a whole number of bytes 0 .. 2**63-1")
+    return int(value)
+
+
+def _check_meta(meta: Mapping, name: str) -> None:
+    """Refuse metadata whose ``devices`` a reader of the trace could not use: not a list of
+    objects, an ``index`` that is not an integer 0 .. 32767, a ``name`` that is not a
+    string, a ``capacity`` or ``memory_limit`` that is not a byte count, ``options`` that
+    are not an object, or an ``allow_growth``/``garbage_collection`` that is not a
+    boolean (see :func:`_flag`). The message names the file, the entry and the field."""
+    devs = meta.get("devices")
+    if devs is None:
+        return
+    if not isinstance(devs, list):
+        raise TraceFormatError(f"{name}: metadata 'devices' is {_short(devs)}; expected a "
+                               "list of objects with an 'index'")
+    for i, d in enumerate(devs):
+        where = f"{name}: metadata devices[{i}]"
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"{where} is {_short(d)}; expected an object with an "
+                                   "'index'")
+        idx = d.get("index")
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx <= MAX_DEVICE:
+            raise TraceFormatError(f"{where}: 'index' is {_short(idx)}; expected an integer "
+                                   f"0 .. {MAX_DEVICE}")
+        if d.get("name") is not None and not isinstance(d["name"], str):
+            raise TraceFormatError(f"{where}: 'name' is {_short(d['name'])}; expected a "
+                                   "string")
+        opts = d.get("options")
+        if opts is not None and not isinstance(opts, dict):
+            raise TraceFormatError(f"{where}: 'options' is {_short(opts)}; expected an "
+                                   "object")
+        checks = [(d, "capacity", _byte_count), (d, "memory_limit", _byte_count)]
+        if opts:
+            checks += [(opts, "memory_limit", _byte_count), (opts, "allow_growth", _flag),
+                       (opts, "garbage_collection", _flag)]
+        for holder, key, check in checks:
+            try:
+                check(holder.get(key))
+            except ValueError as exc:
+                field = key if holder is d else f"options.{key}"
+                raise TraceFormatError(f"{where}: '{field}' is {exc}") from None
+
+
+def _check_values(trace: Trace, name: str) -> None:
+    """Refuse events whose numbers cannot be right: a negative ``size``, a negative
+    ``requested`` (but in ``limit`` rows, where it is a setting's old value) or a negative
+    ``device``. The message names the file, the event and the value."""
+    c = trace.columns
+    if not len(c["size"]):
+        return
+    kind = c["kind"]
+    for col, bad, what in (
+            ("size", c["size"] < 0, "a negative size ({} B); sizes are bytes >= 0"),
+            ("requested", (c["requested"] < 0) & (kind != _LIMIT),
+             "a negative requested size ({} B); requested sizes are bytes >= 0"),
+            ("device", c["device"] < 0,
+             f"device {{}}; devices are 0 .. {MAX_DEVICE}")):
+        rows = np.flatnonzero(bad)
+        if len(rows):
+            raise TraceFormatError(f"{name}: event {int(rows[0])} has "
+                                   + what.format(int(c[col][rows[0]])))
 
 
 # ============================================================================ builder
@@ -1102,7 +1230,10 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     Raises
     ------
     TraceFormatError
-        Not a gpudash trace, or the metadata record (the first) is damaged or cut short.
+        Not a gpudash trace, the metadata record (the first) is damaged or cut short, the
+        metadata's ``devices`` cannot be used (an index that is not an integer 0 .. 32767,
+        an ``allow_growth`` that is not true or false...), or an event has a negative size,
+        requested size or device.
     """
     name = _source_name(path)
     if isinstance(path, (str, os.PathLike)):
@@ -1141,8 +1272,8 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
         rtype, js, payload, off = rec
         try:
             header = json.loads(js)
-        except ValueError as exc:
-            problem = f"its JSON header does not parse ({exc})"
+        except (ValueError, RecursionError) as exc:
+            problem = f"its JSON header does not parse ({type(exc).__name__}: {exc})"
             if recno == 0:
                 raise TraceFormatError(f"{name}: record 0 (metadata) at byte offset {rec_off}"
                                        f" is damaged: {problem}") from None
@@ -1196,6 +1327,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             f"{name}: no end record after {recno} records (the writer was not closed); "
             f"read {n_events} events in {len(batches)} batches", GpudashWarning,
             stacklevel=2)
+    _check_meta(meta, name)
     if not batches:
         return Trace(None, meta, settings, holders=holders)
     if len(batches) == 1:
@@ -1203,7 +1335,9 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     else:
         cols = {n: np.concatenate([b[n] for b in batches]) for n in (*COLUMNS, "holder")}
     holder = cols.pop("holder")
-    return Trace(cols, meta, settings, holder=holder, holders=holders)
+    trace = Trace(cols, meta, settings, holder=holder, holders=holders)
+    _check_values(trace, name)
+    return trace
 
 
 def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
@@ -1228,7 +1362,9 @@ def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
 
 def _read_npy(chunk: memoryview) -> np.ndarray:
     """The 1-D array stored as ``.npy`` bytes in ``chunk``: a view into it, not a copy
-    (writable when ``chunk`` is). Raises ValueError for anything but plain numbers."""
+    (writable when ``chunk`` is). Raises ValueError for anything but plain numbers, and
+    whatever numpy's header parser raises for a damaged header (``tokenize.TokenError``,
+    ``SyntaxError``...)."""
     head = io.BytesIO(bytes(chunk[:min(len(chunk), 1 << 17)]))
     version = npformat.read_magic(head)
     if version == (1, 0):
@@ -1240,6 +1376,20 @@ def _read_npy(chunk: memoryview) -> np.ndarray:
     if dtype.hasobject or len(shape) != 1:
         raise ValueError(f"expected a 1-D array of numbers, found shape {shape} of {dtype}")
     return np.frombuffer(chunk, dtype=dtype, count=shape[0], offset=head.tell())
+
+
+def _column(payload: memoryview, span: tuple[int, int], col: str, where: str) -> np.ndarray:
+    """One column of a batch. However its ``.npy`` bytes are damaged (a header numpy's
+    parser chokes on raises ``tokenize.TokenError``, ``SyntaxError``, ``ValueError``...),
+    the batch is refused with the one error of a damaged batch."""
+    start, nbytes = span
+    try:
+        return _read_npy(payload[start:start + nbytes])
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is a damaged batch
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data "
+                               f"({type(exc).__name__}{': ' + detail if detail else ''})"
+                               ) from None
 
 
 def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
@@ -1256,26 +1406,14 @@ def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
     for col in COLUMNS:
         if col not in layout:
             raise TraceFormatError(f"{where}: column {col!r} is missing")
-        start, nbytes = layout[col]
-        try:
-            arr = _read_npy(payload[start:start + nbytes])
-        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
-                MemoryError, EOFError) as exc:
-            raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data "
-                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        arr = _column(payload, layout[col], col, where)
         if arr.dtype != np.dtype(COLUMN_DTYPES[col]) or arr.shape != (n,):
             raise TraceFormatError(
                 f"{where}: column {col!r} should be {n} values of "
                 f"{np.dtype(COLUMN_DTYPES[col])}, found shape {arr.shape} of {arr.dtype}")
         cols[col] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     if "holder" in layout:
-        start, nbytes = layout["holder"]
-        try:
-            arr = _read_npy(payload[start:start + nbytes])
-        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
-                MemoryError, EOFError) as exc:
-            raise TraceFormatError(f"{where}: column 'holder' is not valid .npy data "
-                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        arr = _column(payload, layout["holder"], "holder", where)
         if arr.dtype != np.dtype(HOLDER_DTYPE) or arr.shape != (n,):
             raise TraceFormatError(f"{where}: column 'holder' should be {n} values of int32, "
                                    f"found shape {arr.shape} of {arr.dtype}")

@@ -39,7 +39,8 @@ from typing import IO, Any
 
 from .._errors import TraceFormatError
 from ..events import EventKind
-from .format import Trace, _EventBuilder, _open_new, _open_regular, _source_name
+from .format import (Trace, _device_entries, _EventBuilder, _open_new, _open_regular,
+                     _source_name)
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -488,7 +489,7 @@ def _snapshot_dict(trace: Trace) -> dict:
     kind = c["kind"].tolist()
     ptr, size, req = c["ptr"].tolist(), c["size"].tolist(), c["requested"].tolist()
     dev_col, t_col = c["device"].tolist(), (c["time_ns"] // 1000).tolist()
-    devices = set(dev_col) | {int(d["index"]) for d in trace.meta.get("devices", [])}
+    devices = set(dev_col) | set(_device_entries(trace.meta))
     n_dev = max(devices) + 1 if devices else 0
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
     allocs: dict[tuple[int, int], tuple[int, int]] = {}
