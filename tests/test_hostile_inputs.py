@@ -341,6 +341,16 @@ def test_tf_vectors_metadata_is_checked(tmp_path, field, text, message):
     _one_line_error(_cli("replay", str(path)), path)
 
 
+def test_tf_vectors_growth_given_as_a_string_is_read_as_that_boolean(tmp_path):
+    path = tmp_path / "vectors.json"
+    path.write_text('{"memory_limit": 1048576, "allow_growth": "false", '
+                    '"steps": [["region", 4096, 1048576], ["alloc", 100, 4096]]}')
+    t = gt.load_trace(path)
+    assert t.meta["allow_growth"] is False
+    assert t.devices[0]["options"]["allow_growth"] is False
+    assert trace_settings(t)["allow_growth"] is False
+
+
 # ------------------------------------------------------------------ 6. damaged .npy headers
 def _rebuilt(tmp_path, trace, mutate):
     """``trace`` written, its records changed by ``mutate`` and their CRCs made valid."""
@@ -423,6 +433,44 @@ def test_trace_metadata_devices_are_checked_when_read(tmp_path, devices, message
         args = [command, str(path)] + ([str(tmp_path / "out.json")] if command == "convert"
                                        else [])
         _one_line_error(_cli(*args), path)
+
+
+@pytest.mark.parametrize("devices", [5, ["x"], True, [{"index": "x"}, None], {"index": 0}])
+def test_odd_metadata_devices_in_memory_do_not_break_replay(devices):
+    from gpudash.trace.replay import device_label, replay
+
+    t = _trace_with()
+    t.meta["devices"] = devices
+    assert trace_settings(t) == {"device": 0}
+    assert device_label(t, 0) == "device 0"
+    assert replay(t).calls == len(t.calls())
+    assert gt.replay_devices(t)[0].calls == len(t.calls())
+    assert len(gt.Trace.concat([t, t])) == 2 * len(t)
+    assert t[0].allocator == "" and [d["index"] for d in t.devices] == [0]
+
+
+@pytest.mark.parametrize("given,expected", [("false", False), ("FALSE", False),
+                                            ("true", True), (False, False), (True, True)])
+def test_recorded_growth_as_a_string_is_read_as_that_boolean(tmp_path, given, expected):
+    path = _with_meta(tmp_path, devices=[dict(_DEV, options={"allow_growth": given})])
+    t = gt.load_trace(path)
+    assert trace_settings(t)["allow_growth"] is expected
+    assert gt.replay(t, options="trace").options["allow_growth"] is expected
+    proc = _cli("replay", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"allow_growth={expected}" in proc.stdout
+
+
+def test_recorded_growth_that_is_not_a_boolean_is_refused_in_memory_too():
+    from gpudash import ConfigError
+
+    t = _trace_with()
+    t.meta["devices"] = [dict(_DEV, options={"allow_growth": "no"})]
+    with pytest.raises(ConfigError, match=r"device 0: the trace records options.allow_growth "
+                                          r"= 'no'; expected true or false"):
+        trace_settings(t)
+    with pytest.raises(ConfigError, match="allow_growth is 'maybe'"):
+        gt.replay(t, allow_growth="maybe")
 
 
 # ------------------------------------------------------------------ 9. device indices
@@ -548,3 +596,43 @@ def _many_devices(n_dev: int = 5, seed: int = 0):
         else:
             b.free(t, d, live[d].pop(int(rng.integers(len(live[d])))))
     return b.build({"source": "test"})
+
+
+def test_replay_devices_scans_the_trace_once_and_matches_replay(monkeypatch):
+    """Replaying each device used to scan every row once per device (devices x events);
+    the calls are now found once and split by device."""
+    from gpudash.trace.replay import replay
+
+    t = _many_devices(6)
+    one_by_one = {d: replay(t, device=d, record=False) for d in range(6)}
+    scans = []
+    real = gt.Trace.calls
+    monkeypatch.setattr(gt.Trace, "calls", lambda self, device=None: (
+        scans.append(device), real(self, device))[1])
+    together = gt.replay_devices(t, record=False)
+    assert scans == [None]
+    assert sorted(together) == list(range(6))
+    for d, r in together.items():
+        mine = one_by_one[d]
+        assert (r.calls, r.events, r.oom_count, r.peak_bytes_in_use, r.peak_pool_bytes,
+                r.options) == (mine.calls, mine.events, mine.oom_count,
+                               mine.peak_bytes_in_use, mine.peak_pool_bytes, mine.options)
+        for k, v in r.per_call.items():
+            assert v.tolist() == mine.per_call[k].tolist()
+
+
+def test_the_replay_command_scans_a_trace_of_many_devices_once(tmp_path, monkeypatch,
+                                                                capsys):
+    t = _many_devices(4)
+    path = tmp_path / "four.gdtrace"
+    gt.write_trace(t, path)
+    scans = []
+    real = gt.Trace.calls
+    monkeypatch.setattr(gt.Trace, "calls", lambda self, device=None: (
+        scans.append(device), real(self, device))[1])
+    assert main(["replay", str(path)]) in (0, 2)
+    out = capsys.readouterr().out
+    assert scans == [None]
+    for d in range(4):   # each device replayed with the growth it recorded
+        assert f"device {d} (GPU_{d}_bfc):" in out
+    assert out.count("allow_growth=True") == 2 and out.count("allow_growth=False") == 2
