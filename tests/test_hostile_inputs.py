@@ -512,6 +512,20 @@ def _profile(path: Path, allocators: int, double: float | None = None,
     return path
 
 
+def test_a_profile_with_more_allocators_than_device_indices_is_refused(tmp_path):
+    path = _profile(tmp_path / "many.xplane.pb", 32_769, per_allocator=1)
+    with pytest.raises(TraceFormatError, match=r"32,769 allocators; a trace holds at most "
+                                               r"32,768 devices") as info:
+        gt.load_trace(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_profile_with_32768_allocators_loads_with_every_index(tmp_path):
+    t = gt.load_trace(_profile(tmp_path / "full.xplane.pb", 32_768, per_allocator=1))
+    assert int(t.device.min()) == 0 and int(t.device.max()) == 32_767
+    assert t.devices[-1]["name"] == "GPU_32767_bfc"
+
+
 @pytest.mark.parametrize("text,message", [
     ("-1", r"line 2: Device ID '-1' is not a device index 0 \.\. 32767"),
     ("32768", r"line 2: Device ID '32768' is not a device index"),
@@ -566,6 +580,28 @@ def test_ranks_that_add_up_to_more_than_32768_devices_are_refused(tmp_path):
     with pytest.raises(TraceFormatError, match=r"rank1.xplane.pb: the ranks up to this file "
                                                r"hold 40,000 devices"):
         gt.load_ranks([one, other])
+
+
+# ------------------------------------------------------------------ 10. odd doubles
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_a_profile_double_that_is_no_byte_count_is_refused_without_a_warning(tmp_path,
+                                                                               value):
+    import warnings
+
+    path = _profile(tmp_path / "odd.xplane.pb", 2, double=value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # numpy's RuntimeWarning would raise here
+        with pytest.raises(TraceFormatError, match=r"event data damaged \(a stat holds the "
+                                                   r"double .*; expected a finite number"):
+            gt.load_trace(path)
+    proc = _cli("replay", str(path))
+    _one_line_error(proc, path)
+    assert "RuntimeWarning" not in proc.stderr
+
+
+def test_a_profile_double_that_is_a_byte_count_is_read(tmp_path):
+    t = gt.load_trace(_profile(tmp_path / "ok.xplane.pb", 2, double=1024.0))
+    assert t.select("alloc").size.tolist() == [1024, 1024]
 
 
 # ------------------------------------------------------------------ 11. many devices
@@ -636,3 +672,36 @@ def test_the_replay_command_scans_a_trace_of_many_devices_once(tmp_path, monkeyp
     for d in range(4):   # each device replayed with the growth it recorded
         assert f"device {d} (GPU_{d}_bfc):" in out
     assert out.count("allow_growth=True") == 2 and out.count("allow_growth=False") == 2
+
+
+def test_regions_and_peaks_of_many_devices_match_a_device_by_device_count():
+    import numpy as np
+
+    from gpudash.events import EventKind
+    from gpudash.trace.format import _regions
+
+    for seed in range(5):
+        t = _many_devices(7, seed)
+        c = t.columns
+        want = np.zeros(len(t), dtype=np.int64)
+        for i in range(len(t)):          # the containing region, row by row
+            k, d, p = int(c["kind"][i]), int(c["device"][i]), int(c["ptr"][i])
+            if k in (EventKind.EXTEND, EventKind.RELEASE):
+                want[i] = p
+            elif k in (EventKind.ALLOC, EventKind.FREE):
+                ext = [(int(c["ptr"][j]), j) for j in range(len(t))
+                       if c["kind"][j] == EventKind.EXTEND and c["device"][j] == d
+                       and c["ptr"][j] <= p]
+                if ext:
+                    start, j = max(ext)
+                    if p < start + int(c["size"][j]):
+                        want[i] = start
+        assert _regions(c).tolist() == want.tolist()
+        s = t.summary()
+        for d in range(7):
+            mine = t.select(device=d)
+            running = np.cumsum(np.where(mine.kind == EventKind.ALLOC, mine.requested, 0)
+                                - np.where(mine.kind == EventKind.FREE, mine.requested, 0))
+            assert s["peak_requested_bytes_by_device"][d] == max(0, int(running.max()))
+            assert s["peak_allocated_bytes_by_device"][d] == \
+                mine.summary()["peak_allocated_bytes"]
