@@ -401,12 +401,13 @@ def _is_demo_report(path: Path) -> bool:
 
 def _growth(given: bool | None, trace: Any, device: int) -> bool:
     """``--growth``/``--no-growth``, else the trace's recorded setting, else TensorFlow's
-    default (off)."""
+    default (off). ``trace`` may be a :class:`~gpudash.trace.replay.DeviceIndex`."""
     if given is not None:
         return given
-    from .trace.replay import trace_settings
+    from .trace.replay import DeviceIndex
 
-    return bool(trace_settings(trace, device).get("allow_growth", False))
+    index = trace if isinstance(trace, DeviceIndex) else DeviceIndex(trace)
+    return bool(index.settings(device).get("allow_growth", False))
 
 
 def _deferred_bytes(given: int | None) -> int:
@@ -420,12 +421,13 @@ def _deferred_bytes(given: int | None) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .trace.replay import device_label, replay, source_limit
+    from .trace.replay import DeviceIndex
 
     _check_out(args.html, args.overwrite)
     trace = _load(args.trace, args.format)
     devices = _chosen_devices(trace, args)
     _refuse_empty(trace, args, devices, "replay")
+    index = DeviceIndex(trace)   # looked up once: linear in devices + events
     out_of_memory = False
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
@@ -433,14 +435,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     deferred = _deferred_bytes(args.deferred)
     for dev in devices:
         kwargs: dict[str, Any] = {"device_bytes": args.device,
-                                  "allow_growth": _growth(args.growth, trace, dev),
+                                  "allow_growth": _growth(args.growth, index, dev),
                                   "garbage_collection": args.gc,
-                                  "deferred_deletion_bytes": deferred, "device": dev}
+                                  "deferred_deletion_bytes": deferred}
         if args.fraction is not None:
             kwargs["fraction"] = args.fraction
-        result = replay(trace, progress=True, **kwargs)
-        from_log = args.fraction is None and source_limit(trace, dev) is not None
-        label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
+        result = index.replay(dev, progress=True, record=False, **kwargs)
+        from_log = args.fraction is None and index.source_limit(dev) is not None
+        label = f" {index.label(dev)}:" if len(devices) > 1 or dev else ""
         _say(f"{args.trace}:{label} {result.calls} calls replayed on a "
              f"{format_bytes(result.options['device_bytes'])} device, limit "
              f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}, "
@@ -465,16 +467,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.html is not None:
         from .report import write_report
 
-        opts = {"allow_growth": _growth(args.growth, trace, devices[0]),
+        opts = {"allow_growth": _growth(args.growth, index, devices[0]),
                 "fraction": args.fraction,
                 "garbage_collection": args.gc, "deferred_deletion_bytes": deferred,
                 "device": devices[0]}
-        if args.fraction is None and source_limit(trace, devices[0]) is not None:
-            opts["memory_limit"] = source_limit(trace, devices[0])
+        if args.fraction is None and index.source_limit(devices[0]) is not None:
+            opts["memory_limit"] = index.source_limit(devices[0])
         write_report(trace, args.html, title=f"gpudash replay: {args.trace.name}",
                      device_bytes=max(args.device, opts.get("memory_limit") or 0),
                      overwrite=args.overwrite, replay_options=opts)
-        _say(f"report: {args.html}" + (f" ({device_label(trace, devices[0])})"
+        _say(f"report: {args.html}" + (f" ({index.label(devices[0])})"
                                        if len(devices) > 1 else ""))
     return EXIT_OOM if out_of_memory else EXIT_OK
 
@@ -523,19 +525,20 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
     from .trace.caveats import from_dump_note
-    from .trace.replay import device_label
+    from .trace.replay import DeviceIndex
     from .trace.whatif import min_fraction, sweep
 
     devices = _chosen_devices(trace, args)
     _refuse_empty(trace, args, devices, "replay")
+    index = DeviceIndex(trace)
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each on its own "
              f"{format_bytes(args.device)} device (--device-index N or --allocator NAME for "
              "one)")
     first = None
     for dev in devices:
-        label = f" {device_label(trace, dev)}:" if len(devices) > 1 or dev else ""
-        growth = _growth(args.growth, trace, dev)
+        label = f" {index.label(dev)}:" if len(devices) > 1 or dev else ""
+        growth = _growth(args.growth, index, dev)
         best = min_fraction(trace, args.device, allow_growth=growth,
                             garbage_collection=args.gc, device=dev, progress=True,
                             client=client)
@@ -579,10 +582,10 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         dev, best, table = first
         write_report(trace, args.html, title=f"gpudash what-if: {args.trace.name}",
                      device_bytes=args.device, overwrite=args.overwrite, sweep_table=table,
-                     replay_options={"allow_growth": _growth(args.growth, trace, dev),
+                     replay_options={"allow_growth": _growth(args.growth, index, dev),
                                      "fraction": best.fraction,
                                      "garbage_collection": args.gc, "device": dev})
-        _say(f"report: {args.html}" + (f" ({device_label(trace, dev)})"
+        _say(f"report: {args.html}" + (f" ({index.label(dev)})"
                                        if len(devices) > 1 else ""))
     return 0
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import gzip
 import html
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -494,8 +495,11 @@ def _plotly_script() -> str:
 
 
 def _text_lines(path: str | os.PathLike):
-    """The lines of a text file, or none for a binary or unreadable one."""
+    """The lines of a text file, or none for a binary or unreadable one, or anything but a
+    regular file (a FIFO would block)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return
         with open(path, "rb") as f:
             if b"\x00" in f.read(4096):
                 return

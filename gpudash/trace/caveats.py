@@ -17,7 +17,7 @@ import numpy as np
 
 from .._units import format_bytes
 from ..events import EventKind
-from .format import Trace
+from .format import Trace, _device_entries
 
 __all__ = ["trace_warnings", "no_events_text", "from_dump_note"]
 
@@ -27,13 +27,15 @@ _CONSEQUENCE = ("a fit here does not mean the job fits, and what-if's smallest f
 
 
 def _name(trace: Trace, device: int) -> str:
-    for d in trace.meta.get("devices") or []:
-        try:
-            if int(d.get("index", -1)) == device and d.get("name"):
-                return str(d["name"])
-        except (TypeError, ValueError):
-            continue
-    return ""
+    d = _device_entries(trace.meta).get(device)
+    return str(d["name"]) if d is not None and d.get("name") else ""
+
+
+def _records(meta: dict, key: str) -> list[dict]:
+    """``meta[key]``'s dict entries (a hand-edited or damaged list is read as far as it
+    holds dicts)."""
+    value = meta.get(key)
+    return [r for r in value if isinstance(r, dict)] if isinstance(value, list) else []
 
 
 def no_events_text(trace: Trace, device: int) -> str:
@@ -42,7 +44,7 @@ def no_events_text(trace: Trace, device: int) -> str:
     name = _name(trace, device)
     text = f"the trace has no events for this device (device {device}" \
         + (f", {name})" if name else ")")
-    declined = [d for d in trace.meta.get("declined_allocations") or []
+    declined = [d for d in _records(trace.meta, "declined_allocations")
                 if not name or d.get("allocator") == name]
     if declined:
         text += (f": its {len(declined)} 'ran out of memory' line(s) are non-fatal warnings "
@@ -71,8 +73,8 @@ def trace_warnings(trace: Trace, device: int) -> list[str]:
         return [no_events_text(trace, device)]
     name = _name(trace, device)
     out = []
-    recorded = trace.meta.get("incomplete_states")
-    for rec in recorded or []:
+    recorded = _records(trace.meta, "incomplete_states")
+    for rec in recorded:
         if rec.get("allocator") != name:
             continue
         what = "; ".join(rec.get("warnings") or []) or "its dump is incomplete"

@@ -27,6 +27,21 @@ _NEEDS = {"alloc": ("mem_size", "mem_ptr"), "malloc": ("size", "mem_size", "mem_
           "free": ("mem_size", "mem_ptr")}
 
 
+_MAX_DEVICE = (1 << 15) - 1   # the trace's device column is int16
+
+
+def _out_of_range(rec: dict, fields: tuple[str, ...]) -> str | None:
+    """What is wrong with a record's numbers (None when nothing): sizes and pointers are
+    0 .. 2**63-1, ``device_id`` 0 .. 32767."""
+    for k in fields:
+        top = _MAX_DEVICE if k == "device_id" else (1 << 63) - 1
+        v = rec[k]
+        if not 0 <= v <= top:
+            shown = v if v.bit_length() < 100 else f"a {v.bit_length()}-bit number"
+            return f"{rec['hook']!r} record with {k} {shown}; expected 0 .. {top:,}"
+    return None
+
+
 def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True) -> Trace:
     """Load a ``DebugPrintHook`` log as a :class:`Trace`.
 
@@ -34,9 +49,9 @@ def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True)
     ----------
     path_or_file : str, os.PathLike or file object (text or binary)
     strict : bool, default True
-        Raise on a line that is not a hook record. With False such lines (a program's own
-        prints mixed into the same stream) are skipped and counted in
-        ``meta["skipped_lines"]``.
+        Raise on a line that is not a hook record (or one whose numbers cannot be right).
+        With False such lines (a program's own prints mixed into the same stream) are
+        skipped and counted in ``meta["skipped_lines"]``.
 
     Returns
     -------
@@ -46,7 +61,8 @@ def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True)
     Raises
     ------
     TraceFormatError
-        A line that is not JSON or not a hook record (names the file and line number).
+        A line that is not JSON or not a hook record, or a record with a negative size or
+        pointer or a device_id outside 0 .. 32767 (names the file and line number).
     """
     name = _source_name(path_or_file)
     b = _EventBuilder()
@@ -64,10 +80,13 @@ def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True)
                 if not isinstance(rec, dict) or rec.get("hook") not in _NEEDS:
                     problem = "not a hook record (expected \"hook\": alloc, malloc or free)"
                 else:
-                    missing = [k for k in (*_NEEDS[rec["hook"]], "device_id")
-                               if not isinstance(rec.get(k), int)]
+                    fields = (*_NEEDS[rec["hook"]], "device_id")
+                    missing = [k for k in fields if isinstance(rec.get(k), bool)
+                               or not isinstance(rec.get(k), int)]
                     if missing:
                         problem = f"{rec['hook']!r} record without integer {missing}"
+                    else:
+                        problem = _out_of_range(rec, fields)
             if problem is not None:
                 if strict:
                     raise TraceFormatError(

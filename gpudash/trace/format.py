@@ -43,6 +43,7 @@ import dataclasses
 import io
 import json
 import os
+import stat
 import struct
 import time
 import warnings
@@ -107,6 +108,29 @@ def _bins(size: np.ndarray) -> np.ndarray:
     """Vectorised :func:`bin_for_size` (exact: values are clipped below 2**21 first)."""
     s = np.minimum(np.maximum(size, 256) >> 8, 1 << 21).astype(np.float64)
     return np.minimum(20, np.floor(np.log2(s))).astype(np.int8)
+
+
+def _device_entries(meta: Mapping) -> dict[int, dict]:
+    """``meta["devices"]`` by index (the first entry of each index). Entries that are not
+    objects with an integer ``index`` are left out, and so is a ``devices`` that is not a
+    list: a trace read from a file had them refused (:func:`read_trace`), and one built in
+    memory with odd ones is still usable."""
+    devs = meta.get("devices")
+    out: dict[int, dict] = {}
+    if not isinstance(devs, list):
+        return out
+    for d in devs:
+        if _has_index(d):
+            out.setdefault(int(d["index"]), d)
+    return out
+
+
+def _has_index(entry: Any) -> bool:
+    """Whether a ``meta["devices"]`` entry is an object with an integer ``index``."""
+    if not isinstance(entry, dict):
+        return False
+    idx = entry.get("index")
+    return isinstance(idx, (int, np.integer)) and not isinstance(idx, (bool, np.bool_))
 
 
 def _default_meta(meta: Mapping | None) -> dict:
@@ -250,8 +274,8 @@ class Trace:
         meta = dict(traces[0].meta)
         devices: dict[int, dict] = {}
         for t in traces:
-            for d in t.meta.get("devices", []):
-                devices.setdefault(int(d["index"]), d)
+            for i, d in _device_entries(t.meta).items():
+                devices.setdefault(i, d)
         meta["devices"] = [devices[i] for i in sorted(devices)]
         settings = []
         offset = 0
@@ -318,7 +342,7 @@ class Trace:
         c = self.columns
         kind = int(c["kind"][i])
         device = int(c["device"][i])
-        names = {int(d["index"]): d.get("name", "") for d in self.meta.get("devices", [])}
+        names = {i: d.get("name") or "" for i, d in _device_entries(self.meta).items()}
         setting = old = new = None
         seq = int(c["seq"][i])
         if kind == _LIMIT:
@@ -384,10 +408,12 @@ class Trace:
     # ---------------------------------------------------------------- queries
     @property
     def devices(self) -> list[dict]:
-        """The devices of ``meta``; derived from the ``device`` column when meta has none."""
-        devs = self.meta.get("devices") or []
-        if devs:
-            return list(devs)
+        """The devices of ``meta`` (entries that are objects with an integer ``index``);
+        derived from the ``device`` column when meta has none."""
+        devs = self.meta.get("devices")
+        good = [d for d in devs if _has_index(d)] if isinstance(devs, list) else []
+        if good:
+            return good
         return [{"index": int(i), "name": f"device{int(i)}", "capacity": None, "options": None}
                 for i in np.unique(self.columns["device"])]
 
@@ -435,14 +461,12 @@ class Trace:
         counts = np.bincount(kind.astype(np.int64), minlength=9) if len(kind) else np.zeros(9)
         is_a, is_f = kind == _ALLOC, kind == _FREE
 
-        def peak(col: np.ndarray, mask: np.ndarray | None = None) -> int:
-            a, f = is_a, is_f
-            if mask is not None:
-                a, f = a & mask, f & mask
-            delta = np.where(a, col, 0) - np.where(f, col, 0)
+        def peak(col: np.ndarray) -> int:
+            delta = np.where(is_a, col, 0) - np.where(is_f, col, 0)
             return max(0, int(np.cumsum(delta).max())) if len(delta) else 0
 
-        devs = np.unique(c["device"]).tolist()
+        devs, peaks_by_device = _peaks_by_device(c["device"], is_a, is_f,
+                                                 (c["requested"], c["size"]))
         pre = 0
         if PRE_EXISTING_HOLDER in self.holders:
             pre = int(np.count_nonzero(
@@ -458,10 +482,8 @@ class Trace:
             "duration_ns": self.duration_ns,
             "peak_requested_bytes": peak(c["requested"]),
             "peak_allocated_bytes": peak(c["size"]),
-            "peak_requested_bytes_by_device": {
-                d: peak(c["requested"], c["device"] == d) for d in devs},
-            "peak_allocated_bytes_by_device": {
-                d: peak(c["size"], c["device"] == d) for d in devs},
+            "peak_requested_bytes_by_device": peaks_by_device[0],
+            "peak_allocated_bytes_by_device": peaks_by_device[1],
         }
 
     def calls(self, device: int | None = None) -> Calls:
@@ -549,6 +571,29 @@ class Trace:
                 op[i] = 7
                 nbytes[i] = req[i]
         return op, key, nbytes, keep, unmatched
+
+
+def _peaks_by_device(device: np.ndarray, is_a: np.ndarray, is_f: np.ndarray,
+                     cols: tuple[np.ndarray, ...]) -> tuple[list[int], list[dict[int, int]]]:
+    """The device indices and, for each column, ``{device: peak}``: the highest running sum
+    of +value on alloc / -value on free over each device's rows (0 at least). One stable
+    sort by device for all of them: time linear in events + devices (a mask per device
+    took devices x events)."""
+    if not len(device):
+        return [], [{} for _ in cols]
+    order = np.argsort(device, kind="stable")
+    d_sorted = device[order]
+    starts = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
+    counts = np.diff(np.append(starts, len(order)))
+    devs = d_sorted[starts].tolist()
+    out = []
+    for col in cols:
+        delta = (np.where(is_a, col, 0) - np.where(is_f, col, 0))[order]
+        cum = np.cumsum(delta)
+        run = cum - np.repeat(cum[starts] - delta[starts], counts)
+        peaks = np.maximum(np.maximum.reduceat(run, starts), 0)
+        out.append(dict(zip(devs, peaks.tolist())))
+    return devs, out
 
 
 def _has_duplicates(values: np.ndarray, presorted: bool = False) -> bool:
@@ -642,6 +687,109 @@ def _check_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
     if len(set(lengths.values())) > 1:
         raise TraceFormatError(f"trace columns must all have the same length; got {lengths}")
     return out
+
+
+# ============================================================================ checks
+#: The largest device index a trace holds (its ``device`` column is int16).
+MAX_DEVICE = (1 << 15) - 1
+_MAX_BYTES = (1 << 63) - 1
+
+
+def _short(value: Any) -> str:
+    """A value for a message: its repr, cut to 40 characters."""
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _flag(value: Any) -> bool | None:
+    """A recorded on/off setting (``allow_growth``, ``garbage_collection``): a JSON
+    boolean, or the string ``"true"`` or ``"false"`` (any case: a hand-edited file may
+    quote it) read as that boolean; None when absent.
+
+    Raises
+    ------
+    ValueError
+        Anything else (``1``, ``"yes"``, ``"0"``): not guessed at.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{_short(value)}; expected true or false")
+
+
+def _byte_count(value: Any) -> int | None:
+    """A recorded byte count (``capacity``, ``memory_limit``): an integer 0 .. 2**63-1, or
+    None. ValueError for anything else (a string, NaN, infinity, a fraction, a negative)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value <= _MAX_BYTES:
+        raise ValueError(f"{_short(value)}; expected a whole number of bytes 0 .. 2**63-1")
+    return int(value)
+
+
+def _check_meta(meta: Mapping, name: str) -> None:
+    """Refuse metadata whose ``devices`` a reader of the trace could not use: not a list of
+    objects, an ``index`` that is not an integer 0 .. 32767, a ``name`` that is not a
+    string, a ``capacity`` or ``memory_limit`` that is not a byte count, ``options`` that
+    are not an object, or an ``allow_growth``/``garbage_collection`` that is not a
+    boolean (see :func:`_flag`). The message names the file, the entry and the field."""
+    devs = meta.get("devices")
+    if devs is None:
+        return
+    if not isinstance(devs, list):
+        raise TraceFormatError(f"{name}: metadata 'devices' is {_short(devs)}; expected a "
+                               "list of objects with an 'index'")
+    for i, d in enumerate(devs):
+        where = f"{name}: metadata devices[{i}]"
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"{where} is {_short(d)}; expected an object with an "
+                                   "'index'")
+        idx = d.get("index")
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx <= MAX_DEVICE:
+            raise TraceFormatError(f"{where}: 'index' is {_short(idx)}; expected an integer "
+                                   f"0 .. {MAX_DEVICE}")
+        if d.get("name") is not None and not isinstance(d["name"], str):
+            raise TraceFormatError(f"{where}: 'name' is {_short(d['name'])}; expected a "
+                                   "string")
+        opts = d.get("options")
+        if opts is not None and not isinstance(opts, dict):
+            raise TraceFormatError(f"{where}: 'options' is {_short(opts)}; expected an "
+                                   "object")
+        checks = [(d, "capacity", _byte_count), (d, "memory_limit", _byte_count)]
+        if opts:
+            checks += [(opts, "memory_limit", _byte_count), (opts, "allow_growth", _flag),
+                       (opts, "garbage_collection", _flag)]
+        for holder, key, check in checks:
+            try:
+                check(holder.get(key))
+            except ValueError as exc:
+                field = key if holder is d else f"options.{key}"
+                raise TraceFormatError(f"{where}: '{field}' is {exc}") from None
+
+
+def _check_values(trace: Trace, name: str) -> None:
+    """Refuse events whose numbers cannot be right: a negative ``size``, a negative
+    ``requested`` (but in ``limit`` rows, where it is a setting's old value) or a negative
+    ``device``. The message names the file, the event and the value."""
+    c = trace.columns
+    if not len(c["size"]):
+        return
+    kind = c["kind"]
+    for col, bad, what in (
+            ("size", c["size"] < 0, "a negative size ({} B); sizes are bytes >= 0"),
+            ("requested", (c["requested"] < 0) & (kind != _LIMIT),
+             "a negative requested size ({} B); requested sizes are bytes >= 0"),
+            ("device", c["device"] < 0,
+             f"device {{}}; devices are 0 .. {MAX_DEVICE}")):
+        rows = np.flatnonzero(bad)
+        if len(rows):
+            raise TraceFormatError(f"{name}: event {int(rows[0])} has "
+                                   + what.format(int(c[col][rows[0]])))
 
 
 # ============================================================================ builder
@@ -781,16 +929,27 @@ def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
     ext = kind == _EXTEND
     if not ext.any():
         return region
-    for d in np.unique(device[ext]):
-        e = ext & (device == d)
-        order = np.argsort(ptr[e], kind="stable")
-        starts, ends = ptr[e][order], (ptr[e] + size[e])[order]
-        rows = np.flatnonzero(np.isin(kind, (_ALLOC, _FREE)) & (device == d))
-        p = ptr[rows]
-        idx = np.searchsorted(starts, p, side="right") - 1
-        ok = idx >= 0
-        ok[ok] = p[ok] < ends[idx[ok]]
-        region[rows[ok]] = starts[idx[ok]]
+    # all devices at once (a pass per device over every row took devices x events): the
+    # regions sorted by (device, start) as one key, device * K + the start's rank among
+    # all addresses, and each alloc/free looked up by the same key of its address
+    e_rows = np.flatnonzero(ext)
+    e_rows = e_rows[np.lexsort((ptr[e_rows], device[e_rows]))]
+    rows = np.flatnonzero(np.isin(kind, (_ALLOC, _FREE)))
+    starts = ptr[e_rows]
+    ends = starts + size[e_rows]
+    p = ptr[rows]
+    uniq, rank = np.unique(np.concatenate([starts, p]), return_inverse=True)
+    rank = rank.reshape(-1)
+    k = len(uniq)
+    e_dev = device[e_rows].astype(np.int64)
+    r_dev = device[rows].astype(np.int64)
+    e_key = e_dev * k + rank[:len(e_rows)]
+    r_key = r_dev * k + rank[len(e_rows):]
+    # the last region of the same device starting at or below the address
+    idx = np.searchsorted(e_key, r_key, side="right") - 1
+    ok = idx >= 0
+    ok[ok] = (e_dev[idx[ok]] == r_dev[ok]) & (p[ok] < ends[idx[ok]])
+    region[rows[ok]] = starts[idx[ok]]
     return region
 
 
@@ -800,12 +959,43 @@ def _source_name(src: Any) -> str:
         src, "name", "<stream>")
 
 
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages: ``"a FIFO (named pipe)"``."""
+    return ("a directory" if stat.S_ISDIR(mode) else
+            "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only.
+
+    A FIFO, a device, a socket or a directory is refused with a
+    :class:`~gpudash.TraceFormatError` naming the path, without blocking: the path is opened
+    non-blocking and checked with ``fstat`` before anything is read (reading a FIFO would
+    wait for a writer forever, a device such as ``/dev/zero`` never ends). Other errors
+    (a missing file, no permission) are the ``OSError`` of ``open``.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(mode)}, not a trace "
+                                   "file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 @contextlib.contextmanager
 def _text_source(src: Any, newline: str | None = None) -> Iterator[IO[str]]:
-    """A text stream over a path, a binary file object or a text file object (undecodable
-    bytes replaced; a caller's file object is left open)."""
+    """A text stream over a path (a regular file: see :func:`_open_regular`), a binary file
+    object or a text file object (undecodable bytes replaced; a caller's file object is left
+    open)."""
     if isinstance(src, (str, os.PathLike)):
-        with open(src, encoding="utf-8", errors="replace", newline=newline) as f:
+        with _open_regular(src) as raw, io.TextIOWrapper(
+                raw, encoding="utf-8", errors="replace", newline=newline) as f:
             yield f
     elif isinstance(src, io.TextIOBase):
         yield src
@@ -850,6 +1040,14 @@ def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata
 
 
 def _open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and overwrite and not stat.S_ISREG(st.st_mode):
+        # opening a FIFO to write would wait for a reader; a device is no trace file
+        raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(st.st_mode)}; a trace is "
+                               "written to a regular file")
     try:
         return open(path, ("w" if overwrite else "x") + mode)
     except FileExistsError:
@@ -1062,14 +1260,17 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     Raises
     ------
     TraceFormatError
-        Not a gpudash trace, or the metadata record (the first) is damaged or cut short.
+        Not a gpudash trace, the metadata record (the first) is damaged or cut short, the
+        metadata's ``devices`` cannot be used (an index that is not an integer 0 .. 32767,
+        an ``allow_growth`` that is not true or false...), or an event has a negative size,
+        requested size or device.
     """
     name = _source_name(path)
     if isinstance(path, (str, os.PathLike)):
         # one writable buffer; the columns of the batches are numpy views into it (no copy)
         # (a numpy buffer, not a bytearray: a bytearray freed by the garbage collector while
         # a view of it is alive reports a SystemError)
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             buf = np.empty(size, dtype=np.uint8)
             got = f.readinto(memoryview(buf))
@@ -1101,8 +1302,8 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
         rtype, js, payload, off = rec
         try:
             header = json.loads(js)
-        except ValueError as exc:
-            problem = f"its JSON header does not parse ({exc})"
+        except (ValueError, RecursionError) as exc:
+            problem = f"its JSON header does not parse ({type(exc).__name__}: {exc})"
             if recno == 0:
                 raise TraceFormatError(f"{name}: record 0 (metadata) at byte offset {rec_off}"
                                        f" is damaged: {problem}") from None
@@ -1156,6 +1357,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             f"{name}: no end record after {recno} records (the writer was not closed); "
             f"read {n_events} events in {len(batches)} batches", GpudashWarning,
             stacklevel=2)
+    _check_meta(meta, name)
     if not batches:
         return Trace(None, meta, settings, holders=holders)
     if len(batches) == 1:
@@ -1163,7 +1365,9 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     else:
         cols = {n: np.concatenate([b[n] for b in batches]) for n in (*COLUMNS, "holder")}
     holder = cols.pop("holder")
-    return Trace(cols, meta, settings, holder=holder, holders=holders)
+    trace = Trace(cols, meta, settings, holder=holder, holders=holders)
+    _check_values(trace, name)
+    return trace
 
 
 def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
@@ -1188,7 +1392,9 @@ def _parse_record(data: bytes, off: int) -> tuple[tuple | None, str | None]:
 
 def _read_npy(chunk: memoryview) -> np.ndarray:
     """The 1-D array stored as ``.npy`` bytes in ``chunk``: a view into it, not a copy
-    (writable when ``chunk`` is). Raises ValueError for anything but plain numbers."""
+    (writable when ``chunk`` is). Raises ValueError for anything but plain numbers, and
+    whatever numpy's header parser raises for a damaged header (``tokenize.TokenError``,
+    ``SyntaxError``...)."""
     head = io.BytesIO(bytes(chunk[:min(len(chunk), 1 << 17)]))
     version = npformat.read_magic(head)
     if version == (1, 0):
@@ -1200,6 +1406,20 @@ def _read_npy(chunk: memoryview) -> np.ndarray:
     if dtype.hasobject or len(shape) != 1:
         raise ValueError(f"expected a 1-D array of numbers, found shape {shape} of {dtype}")
     return np.frombuffer(chunk, dtype=dtype, count=shape[0], offset=head.tell())
+
+
+def _column(payload: memoryview, span: tuple[int, int], col: str, where: str) -> np.ndarray:
+    """One column of a batch. However its ``.npy`` bytes are damaged (a header numpy's
+    parser chokes on raises ``tokenize.TokenError``, ``SyntaxError``, ``ValueError``...),
+    the batch is refused with the one error of a damaged batch."""
+    start, nbytes = span
+    try:
+        return _read_npy(payload[start:start + nbytes])
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is a damaged batch
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data "
+                               f"({type(exc).__name__}{': ' + detail if detail else ''})"
+                               ) from None
 
 
 def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
@@ -1216,26 +1436,14 @@ def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
     for col in COLUMNS:
         if col not in layout:
             raise TraceFormatError(f"{where}: column {col!r} is missing")
-        start, nbytes = layout[col]
-        try:
-            arr = _read_npy(payload[start:start + nbytes])
-        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
-                MemoryError, EOFError) as exc:
-            raise TraceFormatError(f"{where}: column {col!r} is not valid .npy data "
-                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        arr = _column(payload, layout[col], col, where)
         if arr.dtype != np.dtype(COLUMN_DTYPES[col]) or arr.shape != (n,):
             raise TraceFormatError(
                 f"{where}: column {col!r} should be {n} values of "
                 f"{np.dtype(COLUMN_DTYPES[col])}, found shape {arr.shape} of {arr.dtype}")
         cols[col] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     if "holder" in layout:
-        start, nbytes = layout["holder"]
-        try:
-            arr = _read_npy(payload[start:start + nbytes])
-        except (ValueError, OSError, SyntaxError, TypeError, OverflowError, KeyError,
-                MemoryError, EOFError) as exc:
-            raise TraceFormatError(f"{where}: column 'holder' is not valid .npy data "
-                                   f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        arr = _column(payload, layout["holder"], "holder", where)
         if arr.dtype != np.dtype(HOLDER_DTYPE) or arr.shape != (n,):
             raise TraceFormatError(f"{where}: column 'holder' should be {n} values of int32, "
                                    f"found shape {arr.shape} of {arr.dtype}")

@@ -36,7 +36,8 @@ import numpy as np
 
 from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
-from .format import MAGICS, Trace, read_trace, write_trace
+from .format import (MAGICS, MAX_DEVICE, Trace, _check_meta, _check_values, _device_entries,
+                     _file_kind, _open_regular, read_trace, write_trace)
 from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
@@ -82,7 +83,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         return "xplane" if _is_profile_dir(path) else None
     if os.fspath(path).endswith(".xplane.pb"):
         return "xplane"
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         head = f.read(_HEAD)
     if head.startswith(MAGICS):
         return "gdtrace"
@@ -125,7 +126,9 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
     Raises
     ------
     TraceFormatError
-        An unknown format (the message lists the known ones), or the loader's own errors.
+        An unknown format (the message lists the known ones), the loader's own errors, an
+        event with a negative size, requested size or device, or metadata ``devices`` that
+        cannot be used (all naming the file).
     """
     if isinstance(path, (str, os.PathLike)) and not isinstance(path, bool):
         name = os.fspath(path)
@@ -161,13 +164,9 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
         raise TraceFormatError(
             f"{os.fspath(path)}: not a readable {format} trace ({type(exc).__name__}"
             f"{': ' + detail[:300] if detail else ''})") from exc
-    cols = getattr(trace, "columns", None)
-    if cols is not None and "size" in cols and len(cols["size"]):
-        bad = np.flatnonzero(cols["size"] < 0)
-        if len(bad):
-            raise TraceFormatError(
-                f"{os.fspath(path)}: event {int(bad[0])} has a negative size "
-                f"({int(cols['size'][bad[0]])} B); sizes are bytes >= 0")
+    if isinstance(trace, Trace):
+        _check_meta(trace.meta, os.fspath(path))
+        _check_values(trace, os.fspath(path))
     return trace
 
 
@@ -187,10 +186,7 @@ def _check_input(path: Any) -> Any:
     if stat.S_ISDIR(st.st_mode):
         return path  # a TensorBoard log directory; the xplane reader says if it is not one
     if not stat.S_ISREG(st.st_mode):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
-                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-        raise TraceFormatError(f"{name}: is {kind}, not a trace file")
+        raise TraceFormatError(f"{name}: is {_file_kind(st.st_mode)}, not a trace file")
     if st.st_size == 0:
         raise TraceFormatError(f"{name}: the file is empty")
     return path
@@ -279,8 +275,12 @@ def load_ranks(files: Any, format: str | None = None, **options) -> Trace:
         t = load_trace(path, format, **options)
         rank = _rank_name(path, taken)
         ranks.append({"name": rank, "file": path})
-        known = {int(d["index"]): d for d in t.meta.get("devices") or []}
+        known = _device_entries(t.meta)
         devs = sorted(set(np.unique(t.columns["device"]).tolist()) | set(known)) or [0]
+        if next_dev + len(devs) > MAX_DEVICE + 1:
+            raise TraceFormatError(f"{path}: the ranks up to this file hold "
+                                   f"{next_dev + len(devs):,} devices; a trace holds at most "
+                                   f"{MAX_DEVICE + 1:,} (0 .. {MAX_DEVICE})")
         lut = np.zeros(max(devs) + 1, dtype=np.int64)
         for i, d in enumerate(devs):
             lut[d] = next_dev + i

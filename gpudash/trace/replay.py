@@ -31,10 +31,10 @@ from ..devices import SimulatedDevice
 from ..events import COLUMN_DTYPES, COLUMNS
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
-from .format import Trace
+from .format import Trace, _byte_count, _device_entries, _flag
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
-           "source_limit", "device_label", "DEFAULT_DEVICE_BYTES"]
+           "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
 
 #: Device size replay assumes when none is given: 16 GiB.
 DEFAULT_DEVICE_BYTES = 16 << 30
@@ -62,6 +62,42 @@ _FROM_GPU_OPTIONS = {
 
 
 # ---------------------------------------------------------------------------------- settings
+def _meta_devices(trace: Trace) -> dict[int, dict]:
+    """``meta["devices"]`` by index; odd entries left out (see ``_device_entries``)."""
+    return _device_entries(trace.meta)
+
+
+def _recorded(entry: dict | None, dev: int) -> dict[str, Any]:
+    """The settings one ``meta["devices"]`` entry records (see :func:`trace_settings`)."""
+    out: dict[str, Any] = {"device": dev}
+    if entry is None:
+        return out
+    opts = entry.get("options")
+    opts = opts if isinstance(opts, dict) else {}
+    field = ""
+    try:
+        field = "capacity"
+        if entry.get("capacity"):
+            out["device_bytes"] = _byte_count(entry["capacity"])
+        field = "memory_limit"
+        if entry.get("memory_limit"):
+            out["memory_limit"] = _byte_count(entry["memory_limit"])
+        elif opts.get("memory_limit"):
+            field = "options.memory_limit"
+            out["memory_limit"] = _byte_count(opts["memory_limit"])
+        for key in ("allow_growth", "garbage_collection"):
+            field = f"options.{key}"
+            flag = _flag(opts.get(key))
+            if flag is not None:
+                out[key] = flag
+    except ValueError as exc:
+        raise ConfigError(f"device {dev}: the trace records {field} = {exc}") from None
+    name = entry.get("name")
+    if name:
+        out["name"] = str(name)
+    return out
+
+
 def trace_settings(trace: Trace, device: int | None = None) -> dict[str, Any]:
     """The settings a trace says it was recorded with (from ``meta["devices"]``).
 
@@ -77,30 +113,17 @@ def trace_settings(trace: Trace, device: int | None = None) -> dict[str, Any]:
         Some of ``device``, ``device_bytes`` (the device's ``capacity``),
         ``memory_limit``, ``allow_growth`` and ``garbage_collection``: only what the
         metadata holds (a trace recorded by gpudash holds them all; an imported one may hold
-        none).
+        none). ``allow_growth`` and ``garbage_collection`` are JSON booleans; the strings
+        ``"true"`` and ``"false"`` (any case) are read as those booleans.
+
+    Raises
+    ------
+    ConfigError
+        A recorded value that is none of these (``allow_growth: "yes"``, a ``capacity``
+        of ``"x"``): the message names the device and the field.
     """
     dev = _pick_device(trace, device)
-    out: dict[str, Any] = {"device": dev}
-    for d in trace.meta.get("devices") or []:
-        try:
-            if int(d.get("index", -1)) != dev:
-                continue
-        except (TypeError, ValueError):
-            continue
-        if d.get("capacity"):
-            out["device_bytes"] = int(d["capacity"])
-        opts = d.get("options") or {}
-        if d.get("memory_limit"):
-            out["memory_limit"] = int(d["memory_limit"])
-        elif opts.get("memory_limit"):
-            out["memory_limit"] = int(opts["memory_limit"])
-        for key in ("allow_growth", "garbage_collection"):
-            if key in opts and opts[key] is not None:
-                out[key] = bool(opts[key])
-        if d.get("name"):
-            out["name"] = str(d["name"])
-        break
-    return out
+    return _recorded(_meta_devices(trace).get(dev), dev)
 
 
 def source_limit(trace: Trace, device: int) -> int | None:
@@ -111,36 +134,108 @@ def source_limit(trace: Trace, device: int) -> int | None:
     return trace_settings(trace, device).get("memory_limit")
 
 
+def _label(device: int, entry: dict | None) -> str:
+    name = entry.get("name") if entry is not None else None
+    return f"device {device} ({name})" if name else f"device {device}"
+
+
 def device_label(trace: Trace, device: int) -> str:
     """``"device 1 (GPU_1_bfc)"``."""
-    for d in trace.meta.get("devices") or []:
-        if int(d.get("index", -1)) == device and d.get("name"):
-            return f"device {device} ({d['name']})"
-    return f"device {device}"
+    return _label(device, _meta_devices(trace).get(int(device)))
 
 
-def _pick_device(trace: Trace, device: int | None) -> int:
-    devs = np.unique(trace.columns["device"])
-    if device is None:
-        if len(devs) > 1:
-            import warnings
+def _pick_device(trace: Trace, device: int | None, devices: DeviceIndex | None = None) -> int:
+    index = devices if devices is not None else DeviceIndex(trace)
+    return index.pick(device)
 
-            from .._errors import GpudashWarning
 
-            others = ", ".join(device_label(trace, int(d)) for d in devs[1:])
-            warnings.warn(f"the trace has {len(devs)} devices; using "
-                          f"{device_label(trace, int(devs[0]))}, not {others}: pass device= "
-                          "to choose (or replay_devices() for all)", GpudashWarning,
-                          stacklevel=4)
-        if len(devs):
-            return int(devs[0])
-        meta_devs = trace.meta.get("devices") or []
-        return int(meta_devs[0]["index"]) if meta_devs else 0
-    device = int(device)
-    if len(devs) and device not in devs.tolist():
-        raise ValueError(f"the trace has no events of device {device}; its devices are "
-                         f"{devs.tolist()}")
-    return device
+class DeviceIndex:
+    """The devices of one trace, looked up once, for work on many of them.
+
+    :func:`replay` of one device scans the whole trace (its devices, its calls); replaying
+    each of thousands of devices that way takes time devices x events. A ``DeviceIndex``
+    finds the devices with events and the metadata of each once, and, on the first
+    :meth:`replay`, every device's calls with one pass (a stable sort of the trace's call
+    list by device): all devices then take time linear in devices + events.
+    :func:`replay_devices` and ``gpudash replay`` use it.
+
+    Parameters
+    ----------
+    trace : Trace
+
+    Attributes
+    ----------
+    devices : list of int
+        The device indices with events, in order (``[]`` for a trace without events).
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        if not isinstance(trace, Trace):
+            raise TypeError(f"DeviceIndex needs a gpudash.trace.Trace; got "
+                            f"{type(trace).__name__}")
+        self.trace = trace
+        col = trace.columns["device"]
+        uniq, counts = np.unique(col, return_counts=True)
+        self.devices: list[int] = uniq.tolist()
+        self._events = dict(zip(self.devices, counts.tolist()))
+        self._meta = _meta_devices(trace)
+        self._calls: tuple | None = None
+
+    def pick(self, device: int | None) -> int:
+        """The device a replay of ``device`` uses (see :func:`replay`'s ``device``)."""
+        devs = self.devices
+        if device is None:
+            if len(devs) > 1:
+                import warnings
+
+                from .._errors import GpudashWarning
+
+                others = ", ".join(self.label(d) for d in devs[1:])
+                warnings.warn(f"the trace has {len(devs)} devices; using "
+                              f"{self.label(devs[0])}, not {others}: pass device= "
+                              "to choose (or replay_devices() for all)", GpudashWarning,
+                              stacklevel=5)
+            if devs:
+                return devs[0]
+            return next(iter(self._meta), 0)
+        device = int(device)
+        if devs and device not in self._events:
+            raise ValueError(f"the trace has no events of device {device}; its devices are "
+                             f"{devs}")
+        return device
+
+    def label(self, device: int) -> str:
+        """``"device 1 (GPU_1_bfc)"`` (:func:`device_label`)."""
+        return _label(device, self._meta.get(int(device)))
+
+    def settings(self, device: int | None = None) -> dict[str, Any]:
+        """:func:`trace_settings` of ``device``."""
+        dev = self.pick(device)
+        return _recorded(self._meta.get(dev), dev)
+
+    def source_limit(self, device: int) -> int | None:
+        """:func:`source_limit` of ``device``."""
+        if self.trace.meta.get("source") != "tensorflow-log":
+            return None
+        return self.settings(device).get("memory_limit")
+
+    def calls(self, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The calls of ``device`` (op, key, nbytes as numpy columns) and its event count."""
+        if self._calls is None:
+            calls = self.trace.calls()
+            order = np.argsort(calls.device, kind="stable")
+            sorted_dev = calls.device[order]
+            self._calls = (calls, order, sorted_dev)
+        calls, order, sorted_dev = self._calls
+        lo = np.searchsorted(sorted_dev, device, side="left")
+        hi = np.searchsorted(sorted_dev, device, side="right")
+        rows = order[lo:hi]
+        return calls.op[rows], calls.key[rows], calls.nbytes[rows], self._events.get(device, 0)
+
+    def replay(self, device: int, **kwargs: Any) -> ReplayResult:
+        """:func:`replay` of ``device`` (``kwargs``: replay's other arguments)."""
+        _check_replay_args(kwargs)
+        return _replay(self.trace, self, device=device, **kwargs)
 
 
 def resolve_settings(trace: Trace | None = None, options: Any = None,
@@ -171,6 +266,13 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
     ConfigError
         An unknown setting (the message lists the known ones) or an invalid value.
     """
+    index = DeviceIndex(trace) if trace is not None else None
+    return _resolve(trace, index, options, explicit)
+
+
+def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
+             explicit: dict[str, Any]) -> dict[str, Any]:
+    """:func:`resolve_settings` with the trace's devices already looked up."""
     s = dict(_DEFAULTS)
     if isinstance(options, str):
         if options != "trace":
@@ -178,7 +280,7 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
         if trace is None:
             raise ConfigError("options='trace' needs a trace")
         dev = explicit.get("device", _UNSET)
-        s.update(trace_settings(trace, None if dev is _UNSET else dev))
+        s.update(index.settings(None if dev is _UNSET else dev))
     elif isinstance(options, GPUOptions):
         for f, key in _FROM_GPU_OPTIONS.items():
             s[key] = getattr(options, f)
@@ -209,8 +311,8 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
           and explicit.get("memory_limit", _UNSET) is _UNSET):
         # a TensorFlow log says what limit its allocator had: replay with it
         dev = explicit.get("device", _UNSET)
-        picked = _pick_device(trace, None if dev is _UNSET else dev)
-        limit = source_limit(trace, picked)
+        picked = index.pick(None if dev is _UNSET else dev)
+        limit = index.source_limit(picked)
         if limit is not None:
             s["memory_limit"] = limit
             s["device"] = picked
@@ -233,12 +335,15 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
         s["memory_limit"] = _tf_memory_limit(s["device_bytes"], s["device_bytes"], frac or 0.0,
                                              int(s["cc_major"]), environ={})
     for key in ("allow_growth", "garbage_collection"):
-        s[key] = bool(s[key])
+        try:
+            s[key] = bool(_flag(s[key]))
+        except ValueError as exc:
+            raise ConfigError(f"{key} is {exc}") from None
     s["fragmentation_fraction"] = float(s["fragmentation_fraction"])
     ddb = s["deferred_deletion_bytes"]
     s["deferred_deletion_bytes"] = parse_bytes(ddb or 0, name="deferred_deletion_bytes")
     if trace is not None:
-        s["device"] = _pick_device(trace, s["device"])
+        s["device"] = index.pick(s["device"])
     elif s["device"] is None:
         s["device"] = 0
     return s
@@ -778,16 +883,44 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"replay needs a gpudash.trace.Trace; got {type(trace).__name__}")
-    settings = resolve_settings(
-        trace, options, device_bytes=device_bytes, fraction=fraction, memory_limit=memory_limit,
-        allow_growth=allow_growth, garbage_collection=garbage_collection,
-        fragmentation_fraction=fragmentation_fraction,
-        deferred_deletion_bytes=deferred_deletion_bytes, device=device)
+    return _replay(trace, None, device_bytes=device_bytes, fraction=fraction,
+                   memory_limit=memory_limit, allow_growth=allow_growth,
+                   garbage_collection=garbage_collection,
+                   fragmentation_fraction=fragmentation_fraction,
+                   deferred_deletion_bytes=deferred_deletion_bytes, device=device,
+                   options=options, record=record, per_call=per_call, max_ooms=max_ooms,
+                   progress=progress)
+
+
+#: The arguments of :func:`replay` but ``trace`` (and ``device``, which replay_devices and
+#: DeviceIndex.replay choose).
+_REPLAY_ARGS = frozenset({"device_bytes", "fraction", "memory_limit", "allow_growth",
+                          "garbage_collection", "fragmentation_fraction",
+                          "deferred_deletion_bytes", "options", "record", "per_call",
+                          "max_ooms", "progress"})
+
+
+def _check_replay_args(kwargs: Mapping[str, Any]) -> None:
+    for k in kwargs:
+        if k not in _REPLAY_ARGS:
+            raise TypeError(f"replay() got an unexpected keyword argument {k!r}")
+
+
+def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
+            record: bool = True, per_call: bool = True, max_ooms: int | None = None,
+            progress: Any = None, **explicit: Any) -> ReplayResult:
+    """:func:`replay`; with ``index``, the trace's devices and calls come from it (looked up
+    once for all the devices replayed), else from the trace (one device's calls)."""
+    settings = _resolve(trace, index if index is not None else DeviceIndex(trace), options,
+                        explicit)
     if max_ooms is not None and max_ooms < 1:
         raise ValueError(f"max_ooms must be >= 1 or None; got {max_ooms}")
     from .caveats import trace_warnings
 
-    ops, keys, nbytes, n_events = _calls_lists(trace, settings["device"])
+    if index is None:
+        ops, keys, nbytes, n_events = _calls_lists(trace, settings["device"])
+    else:
+        ops, keys, nbytes, n_events = index.calls(settings["device"])
     result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
                            per_call=per_call, max_ooms=max_ooms,
                            progress=_progress_fn(progress, "replay"))
@@ -812,8 +945,11 @@ def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:
     """
     if "device" in kwargs:
         raise TypeError("replay_devices replays every device; use replay(device=...) for one")
-    devs = np.unique(trace.columns["device"]).tolist() or [0]
-    return {int(d): replay(trace, device=int(d), **kwargs) for d in devs}
+    _check_replay_args(kwargs)
+    if not isinstance(trace, Trace):
+        raise TypeError(f"replay needs a gpudash.trace.Trace; got {type(trace).__name__}")
+    index = DeviceIndex(trace)
+    return {d: _replay(trace, index, device=d, **kwargs) for d in index.devices or [0]}
 
 
 def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[int],

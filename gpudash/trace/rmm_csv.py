@@ -29,8 +29,8 @@ import os
 import re
 from typing import IO
 
-from .._errors import TraceFormatError
-from .format import Trace, _EventBuilder, _source_name, _text_source
+from .._errors import ConfigError, TraceFormatError
+from .format import MAX_DEVICE, Trace, _EventBuilder, _source_name, _text_source
 
 __all__ = ["load_rmm_csv", "device_from_filename"]
 
@@ -70,18 +70,33 @@ def _pointer(text: str) -> int:
     if text in ("(nil)", "0", "nullptr"):
         return 0
     try:
-        return int(text, 16)
+        value = int(text, 16)
     except ValueError:
-        raise ValueError(f"Pointer {text!r} is neither 0x... nor (nil)") from None
+        raise ValueError(f"Pointer {text[:40]!r} is neither 0x... nor (nil)") from None
+    if not 0 <= value < 1 << 63:
+        raise ValueError(f"Pointer {text[:40]!r} is outside 0 .. 2**63-1")
+    return value
+
+
+def _device(text: str) -> int:
+    text = text.strip()
+    if len(text) > 6 or not text.lstrip("-").isdigit() or not 0 <= int(text) <= MAX_DEVICE:
+        raise ValueError(f"Device ID {text[:24]!r} is not a device index 0 .. {MAX_DEVICE}")
+    return int(text)
 
 
 def _size(text: str) -> int:
+    text = text.strip()
     try:
-        value = int(text.strip())
+        value = int(text) if len(text) <= 20 else None
     except ValueError:
-        raise ValueError(f"Size {text!r} is not a byte count") from None
+        value = None
+    if value is None:
+        raise ValueError(f"Size {text[:40]!r} is not a byte count")
     if value < 0:
         raise ValueError(f"Size {text!r} is negative")
+    if value >= 1 << 63:
+        raise ValueError(f"Size {text!r} is 2**63 bytes or more")
     return value
 
 
@@ -92,7 +107,8 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
     ----------
     path_or_file : str, os.PathLike or file object
     device : int, optional
-        Device index; by default from a ``.dev{N}`` file-name suffix, else 0.
+        Device index (0 .. 32767); by default from a ``.dev{N}`` file-name suffix, else 0
+        (RMM 0.12 logs: each row's ``Device ID``).
 
     Returns
     -------
@@ -105,12 +121,23 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
     ------
     TraceFormatError
         No ``Time``/``Action``/``Pointer``/``Size`` column, or a row whose values do not parse
-        (names the file, line and column).
+        or cannot be right (a negative size, a device outside 0 .. 32767; names the file,
+        line and column).
+    ConfigError
+        ``device`` is not an integer 0 .. 32767.
     """
     name = _source_name(path_or_file)
-    given = device if device is not None else device_from_filename(name)
-    if device is None:
-        device = device_from_filename(name) or 0
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, int) \
+                or not 0 <= device <= MAX_DEVICE:
+            raise ConfigError(f"device must be an integer 0 .. {MAX_DEVICE}; got {device!r}")
+    else:
+        device = device_from_filename(name)
+        if device is not None and device > MAX_DEVICE:
+            raise TraceFormatError(f"{name}: the file name's .dev{device} is above device "
+                                   f"{MAX_DEVICE}")
+    given = device
+    device = device or 0
     b = _EventBuilder()
     b.add_device(device, f"cuda:{device}")
     threads: set[str] = set()
@@ -191,7 +218,7 @@ def _load_rmm012(f: IO, name: str, device: int | None) -> Trace:
         line = reader.line_num
         try:
             kind = (row["Event Type"] or "").strip().lower()
-            dev = device if device is not None else int((row.get("Device ID") or "0").strip())
+            dev = device if device is not None else _device(row.get("Device ID") or "0")
             t = round(float(row["Start"]) * 1e9)
             if not (0 <= t < 1 << 62):
                 raise ValueError(f"Start {row['Start']!r} is not a time in seconds")

@@ -53,7 +53,7 @@ from typing import IO
 
 from .._errors import TraceFormatError
 from ..bfc import AllocatorStats, BinSummary, MemChunk, MemoryDump, RegionInfo
-from .format import _source_name, _text_source, bin_for_size, round_up_256
+from .format import _open_regular, _source_name, _text_source, bin_for_size, round_up_256
 
 __all__ = ["read_dumps", "read_log_dumps", "read_memory_dump_pb", "parse_human_bytes",
            "is_memory_dump_pb"]
@@ -84,13 +84,18 @@ def parse_human_bytes(text: str) -> tuple[int, bool]:
 
 
 # ---------------------------------------------------------------------------- line patterns
+# Every pattern below is linear in the length of the line it is tried on, however hostile
+# the line: no unbounded repetition that a failed attempt could rescan from each of many
+# starting points (a name stops at the next parenthesis and has at most 256 characters).
 # glog/absl prefixes: "I0000 00:00:1796282022.689252   12639 bfc_allocator.cc:1049] ",
 # "2017-11-06 08:55:24.919712: I tensorflow/core/.../bfc_allocator.cc:627] ",
 # "I tensorflow/core/common_runtime/bfc_allocator.cc:685] " (TF 0.8, no time)
-_SOURCE_TAG = re.compile(r"\S+\.(?:cc|h|cpp|py):\d+\]\s?")
+_SOURCE_TAG = re.compile(r"(?<=\S)\.(?:cc|h|cpp|py):\d+\]")
+_SPACE = re.compile(r"\s")
 _TAG_SPAN = 512
+_OOM_TEXT = "out of memory trying to allocate"
 _OOM = re.compile(
-    r"Allocator \((?P<name>[^)]*)\) ran out of memory trying to allocate "
+    r"Allocator \((?P<name>[^()]{0,256})\) ran out of memory trying to allocate "
     r"(?P<num>\d+(?:\.\d+)?)(?P<unit>[KMGTPE]i)?B"
     r"(?: \(rounded to (?P<rounded>\d+)\))?"
     r"(?: from the \w+ end)?"
@@ -141,10 +146,24 @@ class _Raw:
 
 
 def _body(line: str) -> str:
-    # the tag is near the start of a log line; searching a whole long line (a run of
-    # characters without spaces) would take time quadratic in its length
-    m = _SOURCE_TAG.search(line[:_TAG_SPAN])
-    return line[m.end():].rstrip("\r\n") if m is not None else line.strip()
+    """The line after its glog/absl source tag (``bfc_allocator.cc:1049] ``), if any.
+
+    The tag is the last ``.cc:N]`` (``.h``, ``.cpp``, ``.py``) of the first run of
+    non-space characters that holds one, among the line's first 512 characters; it is
+    found with one linear scan (a pattern starting with ``\\S+`` would rescan the run from
+    each of its characters: time quadratic in its length).
+    """
+    head = line[:_TAG_SPAN]
+    m = _SOURCE_TAG.search(head)
+    if m is None:
+        return line.strip()
+    space = _SPACE.search(head, m.end())
+    end = m.end()
+    for later in _SOURCE_TAG.finditer(head, end, space.start() if space else len(head)):
+        end = later.end()
+    if end < len(head) and head[end].isspace():
+        end += 1
+    return line[end:].rstrip("\r\n")
 
 
 def _int(text: str, where: str, what: str) -> int:
@@ -210,7 +229,7 @@ def read_log_dumps(path_or_file: str | os.PathLike | IO) -> list[MemoryDump]:
                 continue
             if _NOT_A_FAILURE in body:
                 continue
-            m = _OOM.search(body)
+            m = _OOM.search(body) if _OOM_TEXT in body else None
             if m is not None:
                 cur = _Raw(lineno, name=m.group("name"))
                 raws.append(cur)
@@ -220,7 +239,7 @@ def read_log_dumps(path_or_file: str | os.PathLike | IO) -> list[MemoryDump]:
                 if op is not None:
                     cur.request["op"] = op.group(1)
                 continue
-            m = _OOM_OLD.search(body)
+            m = _OOM_OLD.search(body) if _OOM_TEXT in body else None
             if m is not None:
                 req = _request(m, where)
                 if cur is not None and cur.request is None and cur.content:
@@ -563,7 +582,8 @@ def read_memory_dump_pb(path: str | os.PathLike) -> MemoryDump:
     from ..proto import bfc_memory_map_pb2
 
     p = Path(path)
-    data = p.read_bytes()
+    with _open_regular(p) as f:
+        data = f.read()
     try:
         md = bfc_memory_map_pb2.MemoryDump.FromString(data)
     except DecodeError as exc:
@@ -658,7 +678,7 @@ def read_dumps(path: str | os.PathLike) -> list[MemoryDump]:
     """
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with _open_regular(p) as f:
             head = f.read(4096)
     except OSError as exc:
         raise TraceFormatError(f"{p}: cannot read it ({exc.strerror or exc})") from None

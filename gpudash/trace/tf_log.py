@@ -42,12 +42,12 @@ _PREFIX = re.compile(r"([IWEF])(\d\d)(\d\d) (\d\d):(\d\d):(\d+)\.(\d{1,9})\s")
 # TensorFlow's own format before absl logging: "2021-03-04 12:34:56.789012: I tensorflow/..."
 _PREFIX_DATED = re.compile(r"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{1,9}): [IWEF] ")
 _CREATE = re.compile(r"Creating new BFCAllocator named: (\S+)")
-_EXTENDING = re.compile(r"Extending allocation by .*? bytes for (\S+?)\.?\s*$")
+# Linear on any line (see tf_dump): the amount ("2.00MiB") is one bounded word, an
+# allocator's name stops at the next parenthesis and has at most 256 characters.
+_EXTENDING = re.compile(r"Extending allocation by \S{1,64} bytes for (\S+?)\.?\s*$")
 _ALLOCATED = re.compile(r"Allocated memory at (0x[0-9a-fA-F]+) to (0x[0-9a-fA-F]+)")
 _MEMDEBUG = re.compile(r"\[mem-debug\] (AllocateRaw|DeallocateRaw),([^,]*),(\d+),([^,]*)")
 _REQUEST = re.compile(r"\] AllocateRaw (\S+)\s+(\d+)\s*$")
-_OOM = re.compile(r"Allocator \(([^)]*)\) ran out of memory trying to allocate "
-                  r"([\d.]+)([KMGTPE]i)?B(?: \(rounded to (\d+)\))?")
 _CREATED_DEVICE = re.compile(r"Created device \S*?device:GPU:(\d+) with (\d+) MB memory")
 _LIMIT = re.compile(r"^\s*Limit:\s+(\d+)\s*$")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
@@ -77,7 +77,7 @@ def _dated_time(m: re.Match) -> int:
 
 _CREATED_TF_DEVICE = re.compile(r"Created TensorFlow device \(\S*?device:GPU:(\d+) with "
                                 r"(\d+) MB memory\)")
-_OOM_ANY = re.compile(r"(?:Allocator \(([^)]*)\) ran|Ran) out of memory trying to allocate "
+_OOM_ANY = re.compile(r"(?:Allocator \(([^()]{0,256})\) ran|Ran) out of memory trying to allocate "
                       r"(\d+(?:\.\d+)?)([KMGTPE]i)?B(?: \(rounded to (\d+)\))?")
 _NOT_A_FAILURE = "The caller indicates that this is not a failure"
 _MAX = 1 << 63

@@ -20,7 +20,7 @@ import os
 from typing import IO, Any
 
 from .._errors import TraceFormatError
-from .format import Trace, _EventBuilder, _source_name
+from .format import Trace, _EventBuilder, _byte_count, _flag, _open_regular, _source_name
 
 __all__ = ["load_tf_vectors", "load_vector_json"]
 
@@ -41,10 +41,12 @@ def load_vector_json(path_or_file: str | os.PathLike | IO) -> dict:
     name = _source_name(path_or_file)
     try:
         if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file, "rb") as f:
+            with _open_regular(path_or_file) as f:
                 data = json.load(f)
         else:
             data = json.load(path_or_file)
+    except TraceFormatError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"{name}: not a JSON vector file ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
@@ -71,7 +73,8 @@ def load_tf_vectors(path_or_file: str | os.PathLike | IO | dict) -> Trace:
     ------
     TraceFormatError
         A step that is not one of the five forms (names the step index and what was
-        expected).
+        expected), a ``memory_limit`` that is not a whole number of bytes, or an
+        ``allow_growth``/``garbage_collection`` that is not true or false.
     """
     if isinstance(path_or_file, dict):
         name, data = "<dict>", path_or_file
@@ -79,11 +82,10 @@ def load_tf_vectors(path_or_file: str | os.PathLike | IO | dict) -> Trace:
             raise TraceFormatError(f"{name}: expected a JSON object with a 'steps' list")
     else:
         name, data = _source_name(path_or_file), load_vector_json(path_or_file)
+    settings = _settings(data, name)
     b = _EventBuilder()
-    limit = data.get("memory_limit")
-    options = {k: data[k] for k in ("memory_limit", "allow_growth", "garbage_collection")
-               if k in data}
-    b.add_device(0, data.get("allocator_name", ALLOCATOR_NAME), limit, options or None)
+    limit = settings.get("memory_limit")
+    b.add_device(0, data.get("allocator_name", ALLOCATOR_NAME), limit, settings or None)
     stats: list[list[int]] = []
     for i, step in enumerate(data["steps"]):
         if (not isinstance(step, list) or not step or step[0] not in _ARITY
@@ -107,11 +109,31 @@ def load_tf_vectors(path_or_file: str | os.PathLike | IO | dict) -> Trace:
     meta: dict[str, Any] = {"source": "tf-vectors", "allocator_name": ALLOCATOR_NAME}
     if "source" in data:
         meta["source_detail"] = data["source"]
-    for k in ("workload", "seed", "memory_limit", "allow_growth", "garbage_collection"):
+    for k in ("workload", "seed"):
         if k in data:
             meta[k] = data[k]
+    meta.update(settings)
     meta["stats"] = stats
     return b.build(meta)
+
+
+def _settings(data: dict, name: str) -> dict[str, Any]:
+    """The file's ``memory_limit`` (bytes, an integer >= 0), ``allow_growth`` and
+    ``garbage_collection`` (true or false; the strings "true" and "false" are read as
+    those), those it has; a TraceFormatError naming the file and field for other values."""
+    out: dict[str, Any] = {}
+    for key, check in (("memory_limit", _byte_count), ("allow_growth", _flag),
+                       ("garbage_collection", _flag)):
+        if key in data:
+            try:
+                out[key] = check(data[key])
+            except ValueError as exc:
+                raise TraceFormatError(f"{name}: '{key}' is {exc}") from None
+    allocator = data.get("allocator_name", ALLOCATOR_NAME)
+    if not isinstance(allocator, str):
+        raise TraceFormatError(f"{name}: 'allocator_name' is {_short(allocator)}; expected a "
+                               "string")
+    return out
 
 
 def _short(value: Any) -> str:

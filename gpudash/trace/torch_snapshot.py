@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import math
 import os
 import pickle
 from collections import Counter
@@ -38,7 +39,8 @@ from typing import IO, Any
 
 from .._errors import TraceFormatError
 from ..events import EventKind
-from .format import Trace, _EventBuilder, _open_new, _source_name
+from .format import (Trace, _device_entries, _EventBuilder, _open_new, _open_regular,
+                     _source_name)
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -74,9 +76,14 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     TraceFormatError
         Neither a builtin-only pickle nor JSON, a pickle naming a global, or not a snapshot.
     """
+    return _load_snapshot_dict(path_or_file)[0]
+
+
+def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int]:
+    """:func:`load_torch_snapshot_dict` and the size of the file in bytes."""
     name = _source_name(path_or_file)
     if isinstance(path_or_file, (str, os.PathLike)):
-        with open(path_or_file, "rb") as f:
+        with _open_regular(path_or_file) as f:
             data = f.read()
     else:
         data = path_or_file.read()
@@ -88,44 +95,69 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     else:
         try:
             obj = json.loads(data)
+        except RecursionError:
+            raise TraceFormatError(f"{name}: JSON nested too deeply to be a PyTorch memory "
+                                   "snapshot") from None
         except (ValueError, UnicodeDecodeError):
             obj = _unpickle(data, name)   # protocol 0/1 pickles have no PROTO opcode
     if isinstance(obj, list):
         obj = {"segments": obj}
     if not isinstance(obj, dict) or not ({"segments", "device_traces"} & set(obj)):
+        keys = [k[:40] for k in obj if isinstance(k, str)][:8] if isinstance(obj, dict) else []
         raise TraceFormatError(
             f"{name}: expected a PyTorch memory snapshot, a dict with 'segments' and/or "
             f"'device_traces'; found {type(obj).__name__}"
-            + (f" with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) else ""))
-    return obj
+            + (f" with keys {sorted(keys)}" if isinstance(obj, dict) else ""))
+    return obj, len(data)
 
 
-#: The most segments + blocks + trace entries a snapshot may hold. A pickle can repeat one
-#: object by reference (its memo) so that a few kilobytes expand to 10^8 blocks, minutes of
-#: work; real snapshots hold far fewer (the largest PyTorch keeps by default: ~10^6).
+#: The most segments + blocks + trace entries a snapshot may hold. Real snapshots hold far
+#: fewer (the largest PyTorch keeps by default: ~10^6).
 MAX_SNAPSHOT_ITEMS = 20_000_000
+#: A file may hold at most one segment, block or trace entry per this many bytes (with a
+#: floor of :data:`_MIN_ITEMS`). The smallest entry PyTorch or gpudash writes takes several
+#: times more (a pickled trace entry: ~45 bytes; in JSON: ~100; the least a block or entry
+#: that means anything can take, its keys memoised: 12), but a pickle can repeat one object
+#: by reference (its memo) for 2 bytes, so that 2 MB expand to millions of entries: minutes
+#: of work and gigabytes for nothing. Counting every reference against the file's size
+#: bounds the work of an import by the size of what was read.
+BYTES_PER_ITEM = 8
+_MIN_ITEMS = 10_000
+#: The most values (at any depth) of the ``allocator_settings`` kept in the metadata.
+_MAX_SETTINGS_VALUES = 10_000
 
 
-def _check_size(name: str, segments: list, traces: list) -> None:
-    """Refuse a snapshot larger than :data:`MAX_SNAPSHOT_ITEMS` before walking it (len()
-    of each list only: nothing is expanded)."""
-    total = len(segments) + len(traces)
-    if total <= MAX_SNAPSHOT_ITEMS:
+def _check_size(name: str, segments: list, traces: list, nbytes: int | None = None) -> None:
+    """Refuse a snapshot whose segments, blocks and trace entries, counted with every
+    repeated reference, exceed :data:`MAX_SNAPSHOT_ITEMS` or (for a file of ``nbytes``)
+    one per :data:`BYTES_PER_ITEM` bytes, before walking them (len() of each list only:
+    nothing is expanded)."""
+    cap = MAX_SNAPSHOT_ITEMS
+    if nbytes is not None:
+        cap = min(cap, max(_MIN_ITEMS, nbytes // BYTES_PER_ITEM))
+    total = len(segments)   # a device's trace list is no item: only its entries are
+    if total <= cap:
         for seg in segments:
             blocks = seg.get("blocks") if isinstance(seg, dict) else None
             total += len(blocks) if isinstance(blocks, list) else 0
-            if total > MAX_SNAPSHOT_ITEMS:
+            if total > cap:
                 break
-    if total <= MAX_SNAPSHOT_ITEMS:
+    if total <= cap:
         for t in traces:
             total += len(t) if isinstance(t, list) else 0
-            if total > MAX_SNAPSHOT_ITEMS:
+            if total > cap:
                 break
-    if total > MAX_SNAPSHOT_ITEMS:
+    if total <= cap:
+        return
+    if cap == MAX_SNAPSHOT_ITEMS:
         raise TraceFormatError(
             f"{name}: more than {MAX_SNAPSHOT_ITEMS:,} segments, blocks and trace entries "
             "(gpudash's bound on what one import may expand to; a pickle's shared references "
             "can make a small file this large)")
+    raise TraceFormatError(
+        f"{name}: more than {cap:,} segments, blocks and trace entries in {nbytes:,} bytes "
+        f"(gpudash's bound on what one import may expand to: one per {BYTES_PER_ITEM} bytes "
+        "of the file; a pickle that repeats objects by reference holds more)")
 
 
 def _unpickle(data: bytes, name: str) -> Any:
@@ -138,10 +170,34 @@ def _unpickle(data: bytes, name: str) -> Any:
             f"{name}: neither JSON nor a readable pickle ({type(exc).__name__}: {exc})") from None
 
 
-def _int(value: Any, where: str, what: str) -> int:
+_MAX_DEVICE = (1 << 15) - 1   # the trace's device column is int16
+
+
+def _int(value: Any, where: str, what: str, top: int = (1 << 63) - 1) -> int:
+    """``value``, an int in ``0 .. top`` (addresses, sizes and devices are never negative)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{where}: expected an integer {what}, found {value!r}")
+        text = repr(value) if isinstance(value, (str, float, type(None))) else \
+            type(value).__name__
+        raise TraceFormatError(f"{where}: expected an integer {what}, found {text[:60]}")
+    if value < 0:
+        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
+                               f">= 0")
+    if value > top:
+        shown = value if value.bit_length() < 100 else f"a {value.bit_length()}-bit number"
+        raise TraceFormatError(f"{where}: {what} {shown} is above {top:,}")
     return value
+
+
+def _time_ns(tu: Any, where: str, i: int) -> int:
+    """An entry's ``time_us`` in ns (its index * 1000 when it has none)."""
+    if tu is None:
+        return i * 1000
+    if isinstance(tu, bool) or not isinstance(tu, (int, float)) \
+            or not (math.isfinite(tu) and -(1 << 53) < tu < 1 << 53):
+        text = repr(tu) if isinstance(tu, (int, float, str)) else type(tu).__name__
+        raise TraceFormatError(f"{where}: time_us {text[:40]} is not a time in microseconds "
+                               f"(a finite number below 2**53)")
+    return int(tu) * 1000
 
 
 def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
@@ -169,15 +225,17 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         Unreadable file, a refused pickle global, or an entry without the fields its action
         needs (names ``device_traces[d][i]`` or ``segments[i]``).
     """
+    nbytes = None
     if isinstance(path_or_file, dict):
         name, snap = "<dict>", path_or_file
     else:
-        name, snap = _source_name(path_or_file), load_torch_snapshot_dict(path_or_file)
+        name = _source_name(path_or_file)
+        snap, nbytes = _load_snapshot_dict(path_or_file)
     segments = snap.get("segments") or []
     traces = snap.get("device_traces") or []
     if not isinstance(segments, list) or not isinstance(traces, list):
         raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
-    _check_size(name, segments, traces)
+    _check_size(name, segments, traces, nbytes)
 
     # ---- final state from segments
     final_segs: dict[int, dict[int, int]] = {}
@@ -187,7 +245,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         where = f"{name}: segments[{si}]"
         if not isinstance(seg, dict):
             raise TraceFormatError(f"{where}: expected a dict, found {type(seg).__name__}")
-        dev = _int(seg.get("device", 0), where, "device")
+        dev = _int(seg.get("device", 0), where, "device", _MAX_DEVICE)
         base = _int(seg.get("address"), where, "address")
         total = _int(seg.get("total_size"), where, "total_size")
         if not seg.get("is_expandable", False):
@@ -203,6 +261,10 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             state = blk.get("state")
             if state is None and "allocated" in blk:  # very old snapshots
                 state = "active_allocated" if blk["allocated"] else "inactive"
+            if not isinstance(state, (str, type(None))):
+                raise TraceFormatError(f"{bwhere}: expected a string state "
+                                       "(active_allocated, inactive...), found "
+                                       f"{type(state).__name__}")
             if state not in _ALLOCATED_STATES:
                 continue
             pending += state in _PENDING_STATES
@@ -222,12 +284,14 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             continue
         if not isinstance(lst, list):
             raise TraceFormatError(f"{name}: device_traces[{dev}] must be a list")
+        if dev > _MAX_DEVICE:
+            raise TraceFormatError(f"{name}: device_traces[{dev}] has entries; device indices "
+                                   f"go up to {_MAX_DEVICE:,}")
         for i, e in enumerate(lst):
-            if not isinstance(e, dict) or "action" not in e:
-                raise TraceFormatError(f"{name}: device_traces[{dev}][{i}]: expected a dict "
-                                       "with an 'action'")
-            tu = e.get("time_us")
-            t = int(tu) * 1000 if isinstance(tu, (int, float)) else i * 1000
+            where = f"{name}: device_traces[{dev}][{i}]"
+            if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+                raise TraceFormatError(f"{where}: expected a dict with an 'action' string")
+            t = _time_ns(e.get("time_us"), where, i)
             first_time.setdefault(dev, t)
             entries.append((t, 1, dev, i, e))
 
@@ -287,7 +351,8 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         elif a == "oom":
             size = _int(e.get("size"), where, "size")
             b.oom(t, dev, size)
-            oom_free.append([len(b) - 1, int(e.get("device_free") or 0)])
+            oom_free.append([len(b) - 1, _int(e.get("device_free") or 0, where,
+                                              "device_free")])
         elif a in ("alloc", "free_completed", "segment_alloc", "segment_map", "segment_free",
                    "segment_unmap"):
             addr = _int(e.get("addr"), where, "addr")
@@ -296,7 +361,8 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 b.alloc(t, dev, addr, _int(e.get("requested_size", size), where,
                                            "requested_size"), size)
             elif a == "free_completed":
-                b.free(t, dev, addr, e.get("requested_size", size), size)
+                b.free(t, dev, addr, _int(e.get("requested_size", size), where,
+                                          "requested_size"), size)
             elif a in ("segment_alloc", "segment_map"):
                 b.extend(t, dev, addr, size)
             else:
@@ -312,41 +378,53 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 b.set_requested(dev, addr, req)
     meta = {
         "source": "pytorch-snapshot",
-        "allocator_settings": snap.get("allocator_settings") or {},
+        "allocator_settings": _jsonable(snap.get("allocator_settings") or {}, name),
         "free_requested": free_requested,
         "pending_free_blocks": pending,
         "reconstructed": {"segments": n_rec_segs, "allocations": n_rec_blocks},
         "skipped_actions": dict(skipped),
         "oom_device_free": oom_free,
     }
-    return b.build(_jsonable(meta))
+    return b.build(meta)
 
 
 def _premapped(entries: list) -> list[tuple[int, int]]:
     """``(address, size)`` of the ranges that ``segment_unmap`` entries give back without a
-    ``segment_map`` of them earlier in the trace (mapped before the trace began)."""
-    mapped: list[list[int]] = []   # disjoint [start, end), sorted
+    ``segment_map`` of them earlier in the trace (mapped before the trace began).
+
+    The mapped ranges are kept disjoint and sorted (starts and ends in two lists), so each
+    entry finds the ranges it touches by bisection: time O(n log n) for n entries, not the
+    O(n^2) of scanning every mapped range for each entry.
+    """
+    starts: list[int] = []   # disjoint [start, end) ranges, sorted; ends are sorted too
+    ends: list[int] = []
     before: list[tuple[int, int]] = []
 
     def subtract(lo: int, hi: int) -> list[tuple[int, int]]:
-        """Remove [lo, hi) from ``mapped``; return the parts of it that were not there."""
+        """Remove [lo, hi) from the mapped ranges; return the parts of it that were not
+        mapped."""
+        i = bisect.bisect_right(ends, lo)      # the first range that ends after lo
+        j = i
         missing = []
         cur = lo
-        keep = []
-        for a, b in mapped:
-            if b <= lo or a >= hi:
-                keep.append([a, b])
-                continue
+        keep_s: list[int] = []
+        keep_e: list[int] = []
+        while j < len(starts) and starts[j] < hi:
+            a, b = starts[j], ends[j]
             if a > cur:
                 missing.append((cur, a))
             cur = max(cur, b)
             if a < lo:
-                keep.append([a, lo])
+                keep_s.append(a)
+                keep_e.append(lo)
             if b > hi:
-                keep.append([hi, b])
+                keep_s.append(hi)
+                keep_e.append(b)
+            j += 1
         if cur < hi:
             missing.append((cur, hi))
-        mapped[:] = sorted(keep)
+        starts[i:j] = keep_s
+        ends[i:j] = keep_e
         return missing
 
     for e in entries:
@@ -356,20 +434,54 @@ def _premapped(entries: list) -> list[tuple[int, int]]:
             continue
         if a == "segment_map":
             subtract(addr, addr + size)
-            mapped.append([addr, addr + size])
-            mapped.sort()
+            k = bisect.bisect_left(starts, addr)
+            starts.insert(k, addr)
+            ends.insert(k, addr + size)
         else:
             before.extend(subtract(addr, addr + size))
     return [(lo, hi - lo) for lo, hi in before]
 
 
-def _jsonable(obj: Any) -> Any:
-    """Tuples (pickled pool ids...) as lists, so meta equals its JSON round trip."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
+def _jsonable(obj: Any, name: str = "<dict>") -> Any:
+    """Tuples (pickled pool ids...) as lists, so meta equals its JSON round trip.
+
+    At most :data:`_MAX_SETTINGS_VALUES` values (every reference counted: a pickle can
+    repeat one list by reference until it expands to billions) and strings of a million
+    characters in all, 32 levels deep; values that are not JSON (bytes, sets) become their
+    type's name.
+    """
+    budget = [_MAX_SETTINGS_VALUES, 1 << 20]
+
+    def too_big() -> TraceFormatError:
+        return TraceFormatError(
+            f"{name}: allocator_settings hold more than {_MAX_SETTINGS_VALUES:,} values or "
+            "1,000,000 characters, or nest deeper than 32 levels (PyTorch writes a few "
+            "dozen values)")
+
+    def conv(o: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 32:
+            raise too_big()
+        if isinstance(o, dict):
+            out = {}
+            for k, v in o.items():
+                key = conv(k, depth + 1) if isinstance(k, str) else (
+                    str(k) if isinstance(k, (int, float, bool, type(None))) else
+                    f"<{type(k).__name__}>")
+                out[key] = conv(v, depth + 1)
+            return out
+        if isinstance(o, (list, tuple)):
+            return [conv(v, depth + 1) for v in o]
+        if isinstance(o, str):
+            budget[1] -= len(o)
+            if budget[1] < 0:
+                raise too_big()
+            return o
+        if o is None or isinstance(o, (bool, int, float)):
+            return o
+        return f"<{type(o).__name__}>"
+
+    return conv(obj, 0)
 
 
 def _snapshot_dict(trace: Trace) -> dict:
@@ -377,7 +489,7 @@ def _snapshot_dict(trace: Trace) -> dict:
     kind = c["kind"].tolist()
     ptr, size, req = c["ptr"].tolist(), c["size"].tolist(), c["requested"].tolist()
     dev_col, t_col = c["device"].tolist(), (c["time_ns"] // 1000).tolist()
-    devices = set(dev_col) | {int(d["index"]) for d in trace.meta.get("devices", [])}
+    devices = set(dev_col) | set(_device_entries(trace.meta))
     n_dev = max(devices) + 1 if devices else 0
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
     allocs: dict[tuple[int, int], tuple[int, int]] = {}

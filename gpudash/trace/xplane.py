@@ -49,6 +49,7 @@ protobuf runtime's own parse of every event.
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import GpudashWarning, TraceFormatError
-from .format import HOLDER_DTYPE, PRE_EXISTING_HOLDER, Trace, _bins, _regions
+from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, _bins,
+                     _file_kind, _open_regular, _regions)
 
 __all__ = ["load_xplane", "find_profile", "PRE_EXISTING_HOLDER"]
 
@@ -97,10 +99,15 @@ def find_profile(path: str | os.PathLike, run: str | None = None) -> list[Path]:
         No profile there (the message says what was looked for), or no run named ``run``.
     """
     p = Path(path)
-    if p.is_file():
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        raise TraceFormatError(f"{p}: no such file or directory") from None
+    if stat.S_ISREG(mode):
         return [p]
-    if not p.is_dir():
-        raise TraceFormatError(f"{p}: no such file or directory")
+    if not stat.S_ISDIR(mode):
+        raise TraceFormatError(f"{p}: is {_file_kind(mode)}, not a profile (an "
+                               f"*{_SUFFIX} file or a directory holding some)")
     files = sorted(p.glob("*" + _SUFFIX))
     if files and run is None:
         return files
@@ -445,7 +452,12 @@ def _decode_block(buf: np.ndarray, blob: bytes, starts: np.ndarray, ends: np.nda
         rows = st[f]
         s_int[rows[0]] = rows[1].view(np.int64)
     rows = st[2]
-    s_int[rows[0]] = rows[1].view(np.float64).astype(np.int64)
+    doubles = rows[1].view(np.float64)
+    good = np.isfinite(doubles) & (np.abs(doubles) < 2.0 ** 63)
+    if not good.all():   # checked before the cast, which would warn and wrap
+        raise _Damaged(f"a stat holds the double {float(doubles[~good][0])!r}; expected a "
+                       "finite number below 2**63")
+    s_int[rows[0]] = doubles.astype(np.int64)
     s_str = np.zeros(ns, dtype=np.int64)
     ref_rows = st[7]
     if len(ref_rows[0]):
@@ -503,7 +515,8 @@ def load_xplane(path: str | os.PathLike, run: str | None = None) -> Trace:
     seen_planes: list[str] = []
     for i, f in enumerate(files):
         try:
-            data = f.read_bytes()
+            with _open_regular(f) as fh:
+                data = fh.read()
         except OSError as exc:
             raise TraceFormatError(f"{f}: cannot read it ({exc.strerror or exc})") from None
         try:
@@ -569,6 +582,10 @@ def _build(c: dict[str, np.ndarray], table: list[str], files: list[Path], path: 
     # devices: one per allocator name, in order of first event
     names, first = np.unique(c["allocator_name"], return_index=True)
     names = names[np.argsort(first)]
+    if len(names) > MAX_DEVICE + 1:
+        raise TraceFormatError(f"{files[0]}: {len(names):,} allocators; a trace holds at most "
+                               f"{MAX_DEVICE + 1:,} devices (0 .. {MAX_DEVICE}), one per "
+                               "allocator")
     dev_of = {int(s): i for i, s in enumerate(names.tolist())}
     device = np.array([dev_of[int(s)] for s in c["allocator_name"].tolist()], dtype=np.int16) \
         if n < 64 else _dense(c["allocator_name"], names)
@@ -603,38 +620,46 @@ def _build(c: dict[str, np.ndarray], table: list[str], files: list[Path], path: 
     f_g = np.flatnonzero(matched_free_g)
     alloc_id[grp[f_g]] = alloc_id[grp[f_g - 1]]
     holder[grp[f_g]] = holder[grp[f_g - 1]]
-    # starting bytes per device
+    # starting bytes per device, for all devices at once: each device's rows (in time
+    # order) are one run of a stable sort by device, so that the work is linear in events +
+    # devices (a mask over all rows per device took devices x events: minutes for 30,000)
+    n_dev = len(names)
     delta = np.where(is_a, size, np.where(is_f, -size, 0))
-    meta_devs = []
-    pre_dev, pre_ptr, pre_size, pre_req = [], [], [], []
-    remainder = []
-    inconsistent = 0
-    t0 = int(c["time_ns"][0]) if n else 0
+    by_dev = np.argsort(device, kind="stable")
+    d_sorted = device[by_dev].astype(np.int64)
+    starts = np.searchsorted(d_sorted, np.arange(n_dev))
+    counts = np.diff(np.append(starts, n))         # >= 1: every name has an event
+    cum = np.cumsum(delta[by_dev])
+    run_sum = cum - np.repeat(cum[starts] - delta[by_dev][starts], counts)
+    reported = c["bytes_allocated"][by_dev]
+    has_rep = reported >= 0
+    base = np.zeros(n_dev, dtype=np.int64)
+    rep_pos = np.flatnonzero(has_rep)
+    rep_dev, first_rep = np.unique(d_sorted[rep_pos], return_index=True)
+    first_rep = rep_pos[first_rep]
+    base[rep_dev] = reported[first_rep] - run_sum[first_rep]
+    inconsistent = int(np.count_nonzero(reported[rep_pos]
+                                        != base[d_sorted[rep_pos]] + run_sum[rep_pos]))
+    peak = np.maximum.reduceat(reported, starts) if n else np.zeros(0, dtype=np.int64)
+    # pre-existing blocks, by device, then address (then time)
     pre_set = np.zeros(n, dtype=bool)
     pre_set[pre_rows] = True
-    for d in range(len(names)):
-        rows = np.flatnonzero(device == d)
-        run_sum = np.cumsum(delta[rows])
-        reported = c["bytes_allocated"][rows]
-        has_rep = reported >= 0
-        base = int(reported[has_rep][0] - run_sum[has_rep][0]) if has_rep.any() else 0
-        if has_rep.any():
-            inconsistent += int(np.count_nonzero(reported[has_rep] != base + run_sum[has_rep]))
-        pr = rows[pre_set[rows]]
-        pr = pr[np.argsort(c["addr"][pr], kind="stable")]
-        pieces = int(size[pr].sum())
-        rest = base - pieces
-        if rest < 0:
-            inconsistent += 1
-            rest = 0
-        pre_dev.extend([d] * len(pr))
-        pre_ptr.extend(c["addr"][pr].tolist())
-        pre_size.extend(size[pr].tolist())
-        pre_req.extend(req[pr].tolist())
-        remainder.append(rest)
-        meta_devs.append({"index": d, "name": table[int(names[d])], "capacity": None,
-                          "options": None, "pre_existing_bytes": max(base, 0),
-                          "peak_bytes_in_use": int(reported.max()) if len(rows) else 0})
+    pr = np.flatnonzero(pre_set)
+    pr = pr[np.lexsort((c["addr"][pr], device[pr]))]
+    pieces = np.zeros(n_dev, dtype=np.int64)
+    np.add.at(pieces, device[pr].astype(np.int64), size[pr])
+    rest = base - pieces
+    inconsistent += int(np.count_nonzero(rest < 0))
+    remainder = np.maximum(rest, 0).tolist()
+    pre_dev = device[pr].tolist()
+    pre_ptr = c["addr"][pr].tolist()
+    pre_size = size[pr].tolist()
+    pre_req = req[pr].tolist()
+    t0 = int(c["time_ns"][0]) if n else 0
+    meta_devs = [{"index": d, "name": table[nm], "capacity": None, "options": None,
+                  "pre_existing_bytes": max(b, 0), "peak_bytes_in_use": pk}
+                 for d, (nm, b, pk) in enumerate(zip(names.tolist(), base.tolist(),
+                                                     peak.tolist()))]
     # the synthesized allocations: pre-existing blocks (their frees pair with them), then the
     # remainder of each device at address 0
     pre_id = np.arange(1, n_pre + 1, dtype=np.int64)   # listed by device, then address
