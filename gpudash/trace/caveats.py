@@ -91,7 +91,7 @@ def trace_warnings(trace: Trace, device: int) -> list[str]:
                     "with less than the job held")
         out.append(f"{name}'s out-of-memory error (line {rec.get('line')}): {what}; {held}: "
                    f"{_CONSEQUENCE}")
-    if recorded is None and trace.meta.get("source") == "tensorflow-log":
+    if "incomplete_states" not in trace.meta and trace.meta.get("source") == "tensorflow-log":
         # a log read before incomplete_states was kept: no allocation before the first OOM
         kind = np.asarray(cols["kind"])[on]
         ooms = np.flatnonzero(kind == int(EventKind.OOM))
