@@ -11,6 +11,7 @@ import random
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpudash import CachingAllocator, SimulatedDevice
@@ -149,3 +150,52 @@ def test_mid_run_windows_that_cannot_be_exact_say_where_they_diverge(scenario, s
     assert 0 < res.segment_events_matched < res.segment_events
     assert res.allocs_matched <= res.allocs
     res.allocator.check()
+
+
+@pytest.mark.skipif(not SNAPSHOTS, reason="../shared/reference/external is not here")
+@pytest.mark.parametrize("name", ["DeComFL.memory.pickle", "code_location.memory_snapshot.pickle",
+                                  "cs336_kkaitlyn111.ctx512_fullstep.pickle",
+                                  "ftcourse.memory_snapshot.pickle"])
+def test_an_imported_trace_replays_as_exactly_as_its_snapshot(name, tmp_path):
+    """The importer keeps what exact replay needs (entries after the rebuilt start, streams,
+    final segments), also through a .gdtrace file."""
+    from gpudash.trace import load_trace
+    from gpudash.trace.format import read_trace, write_trace
+    from gpudash.trace.torch_replay import from_trace
+
+    trace = load_trace(EXTERNAL / name)
+    write_trace(trace, tmp_path / "t.gdtrace")
+    again = read_trace(tmp_path / "t.gdtrace")
+    snap = load_torch_snapshot_dict(EXTERNAL / name)
+    for dev, tt in from_snapshot(snap, name).items():
+        raw = replay_exact(tt)
+        for t in (trace, again):
+            res = replay_exact(from_trace(t, dev))
+            assert res.exact and res.final_layout_equal, res.summary()
+            assert (res.segment_events, res.allocs, res.ooms, res.start) == \
+                (raw.segment_events, raw.allocs, raw.ooms, raw.start)
+
+
+def test_streams_travel_through_import_and_files(tmp_path):
+    from gpudash.trace import load_trace
+    from gpudash.trace.format import read_trace, write_trace
+    from gpudash.trace.torch_replay import from_trace
+    from gpudash.trace.torch_snapshot import save_torch_snapshot  # noqa: F401
+
+    a = CachingAllocator(SimulatedDevice(80 * GiB))
+    a.record_history(True)
+    _workload(a, 3, 1500, streams=(0, 0x55D0C0DE), empty_every=300)
+    import pickle
+
+    path = tmp_path / "two_streams.pickle"
+    path.write_bytes(pickle.dumps(a.snapshot(), protocol=4))
+    trace = load_trace(path)
+    assert trace.stream is not None and set(trace.streams().tolist()) == {0, 0x55D0C0DE}
+    write_trace(trace, tmp_path / "t.gdtrace")
+    again = read_trace(tmp_path / "t.gdtrace")
+    assert np.array_equal(again.streams(), trace.streams())
+    res = replay_exact(from_trace(again, 0))
+    assert res.exact, res.summary()
+    # without the streams the same trace cannot be exact: blocks are cached per stream
+    again.stream = None
+    assert not replay_exact(from_trace(again, 0)).exact

@@ -20,8 +20,8 @@ it had not written yet::
 Record types: ``1`` metadata (JSON = ``meta``; always the first record), ``2`` an event batch
 (JSON = ``{"n", "columns": [[name, offset, nbytes], ...], "settings", "holders"}``; payload =
 each column as ``.npy`` bytes, in :data:`~gpudash.events.COLUMNS` order, then the ``holder``
-column when the batch has holders), ``3`` a metadata update (JSON merged into ``meta``), ``4``
-end (written by :meth:`TraceWriter.close`).
+column when the batch has holders and the ``stream`` column when it has streams), ``3`` a
+metadata update (JSON merged into ``meta``), ``4`` end (written by :meth:`TraceWriter.close`).
 
 Holders (version 2). An event may carry a *holder*: who asked for the memory (an op name with
 its dtype and shape from a profile, "requested by op" in a log, a label). A trace keeps them as
@@ -30,6 +30,11 @@ an ``int32`` column, :attr:`Trace.holder` (``-1`` = none), indexing a string tab
 batch's JSON lists the strings first used in that batch (``"holders": [...]``, appended to the
 table in order), so a file written in batches needs no rewrite of its metadata. Version 1
 files (no holders) read with every holder ``-1``.
+
+Streams. An event may carry the stream its block belongs to (PyTorch's allocator caches
+blocks per ``cudaStream_t``): :attr:`Trace.stream`, an ``int64`` column, or None when every
+row is on the default stream 0 (no bytes spent). A batch writes it only when it has one; a
+reader that does not know the column ignores it, and a file without it reads as stream 0.
 
 A reader keeps every complete, crc-valid record after the metadata and warns about the bytes
 it ignored; it raises :class:`~gpudash.TraceFormatError` only when the file is not a gpudash
@@ -76,6 +81,8 @@ __all__ = [
 MAGIC = b"GPUDASH-TRACE 2\n"
 #: First lines gpudash reads: versions 1 (no holders) and 2.
 MAGICS = (b"GPUDASH-TRACE 1\n", MAGIC)
+#: dtype of the stream column (:meth:`Trace.streams`).
+STREAM_DTYPE = np.int64
 #: dtype of the holder column (an index into :attr:`Trace.holders`, -1 = none).
 HOLDER_DTYPE = np.int32
 #: Holder of the allocations an importer adds for memory in use before its source began
@@ -240,11 +247,11 @@ class Trace:
     traced back to its source; :meth:`concat` renumbers ``seq`` from 0.
     """
 
-    __slots__ = ("columns", "meta", "settings", "holder", "holders")
+    __slots__ = ("columns", "meta", "settings", "holder", "holders", "stream")
 
     def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping | None = None,
                  settings: Iterable[Mapping] | None = None, *, holder: Any = None,
-                 holders: Iterable[str] | None = None) -> None:
+                 holders: Iterable[str] | None = None, stream: Any = None) -> None:
         if columns is None:
             columns = {name: np.empty(0, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
         self.columns = _check_columns(columns)
@@ -252,6 +259,7 @@ class Trace:
         self.settings = [dict(s) for s in settings] if settings is not None else []
         self.holders = holders if isinstance(holders, list) else list(holders or ())
         self.holder = _check_holder(holder, len(self.columns["seq"]), len(self.holders))
+        self.stream = _check_stream(stream, len(self.columns["seq"]))
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -292,7 +300,10 @@ class Trace:
             parts.append(remap[t.holder])          # -1 indexes the trailing -1
         holders = list(index)
         holder = np.concatenate(parts) if parts else None
-        return cls(cols, meta, settings, holder=holder, holders=holders)
+        stream = None
+        if any(t.stream is not None for t in traces):
+            stream = np.concatenate([t.streams() for t in traces])
+        return cls(cols, meta, settings, holder=holder, holders=holders, stream=stream)
 
     # ---------------------------------------------------------------- container protocol
     def __len__(self) -> int:
@@ -311,7 +322,8 @@ class Trace:
                 raise IndexError(f"event index {index} out of range for a trace of {n} events")
             return self._event(i)
         cols = {name: col[index] for name, col in self.columns.items()}
-        kept = Trace(cols, self.meta, holder=self.holder[index], holders=self.holders)
+        kept = Trace(cols, self.meta, holder=self.holder[index], holders=self.holders,
+                     stream=None if self.stream is None else self.stream[index])
         if self.settings:
             rows = set(np.arange(len(self))[index].tolist())
             kept.settings = [s for s, row in self._settings_rows() if row in rows]
@@ -326,7 +338,8 @@ class Trace:
             return NotImplemented
         if not (len(self) == len(other)
                 and all(np.array_equal(self.columns[n], other.columns[n]) for n in COLUMNS)
-                and self.meta == other.meta and self.settings == other.settings):
+                and self.meta == other.meta and self.settings == other.settings
+                and np.array_equal(self.streams(), other.streams())):
             return False
         if self.holders == other.holders:
             return bool(np.array_equal(self.holder, other.holder))
@@ -370,6 +383,14 @@ class Trace:
                     out.append((s, r))
                     break
         return out
+
+    def streams(self) -> np.ndarray:
+        """The stream of every row (int64; 0, the default stream, where the source names
+        none). A stream is what PyTorch keeps per block (a ``cudaStream_t`` value): its
+        allocator caches blocks per stream."""
+        if self.stream is None:
+            return np.zeros(len(self), dtype=STREAM_DTYPE)
+        return self.stream
 
     # ---------------------------------------------------------------- holders
     def intern_holder(self, name: str) -> int:
@@ -634,6 +655,24 @@ def _calls_by_id(kind: np.ndarray, alloc_id: np.ndarray, device: np.ndarray,
     return op, key, nbytes
 
 
+def _check_stream(stream: Any, n: int) -> np.ndarray | None:
+    """None (every row on stream 0) or an int64 array of ``n`` streams."""
+    if stream is None:
+        return None
+    try:
+        arr = np.asarray(stream)
+        if arr.dtype != np.dtype(STREAM_DTYPE):
+            if arr.size and arr.dtype.kind not in "iu":
+                raise ValueError(f"streams must be integers; got {arr.dtype}")
+            arr = arr.astype(STREAM_DTYPE)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TraceFormatError(f"trace stream column: {exc}") from None
+    if arr.shape != (n,):
+        raise TraceFormatError(f"trace stream column must have {n} values (one per row); got "
+                               f"shape {arr.shape}")
+    return arr if arr.any() else None
+
+
 def _check_holder(holder: Any, n: int, n_holders: int) -> np.ndarray:
     if holder is None:
         return np.full(n, -1, dtype=HOLDER_DTYPE)
@@ -800,7 +839,8 @@ class _EventBuilder:
     the whole trace), frees paired with the live allocation at their pointer (taking its
     size, requested bytes, id and holder), sizes rounded up to 256 when unknown, ``bin`` and
     ``region`` filled in, ``seq`` = row number. ``holder=`` names who asked for the memory
-    (allocs and OOMs; "" for none).
+    (allocs and OOMs; "" for none); ``stream=`` the stream an allocation is on (frees and
+    segments take theirs).
     """
 
     def __init__(self) -> None:
@@ -812,6 +852,7 @@ class _EventBuilder:
         self.alloc_id: list[int] = []
         self.device: list[int] = []
         self.holder: list[int] = []
+        self.stream: list[int] = []
         self._holders: dict[str, int] = {}
         self._live: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._next_id = 1
@@ -838,8 +879,9 @@ class _EventBuilder:
         return h
 
     def _row(self, t: int, kind: int, device: int, ptr: int, size: int, requested: int,
-             alloc_id: int, holder: int = -1) -> None:
+             alloc_id: int, holder: int = -1, stream: int = 0) -> None:
         self.holder.append(holder)
+        self.stream.append(stream)
         self.time.append(t)
         self.kind.append(kind)
         self.device.append(device)
@@ -849,13 +891,14 @@ class _EventBuilder:
         self.alloc_id.append(alloc_id)
 
     def alloc(self, t: int, device: int, ptr: int, requested: int,
-              size: int | None = None, holder: str | None = None) -> int:
+              size: int | None = None, holder: str | None = None, stream: int = 0) -> int:
         if size is None:
             size = round_up_256(requested)
         aid = self._next_id
         self._next_id += 1
         self._live[(device, ptr)] = (aid, size, requested, len(self.kind))
-        self._row(t, _ALLOC, device, ptr, size, requested, aid, self.holder_index(holder))
+        self._row(t, _ALLOC, device, ptr, size, requested, aid, self.holder_index(holder),
+                  stream)
         return aid
 
     def free(self, t: int, device: int, ptr: int, requested: int | None = None,
@@ -864,7 +907,7 @@ class _EventBuilder:
         hit = self._live.pop((device, ptr), None)
         if hit is not None:
             aid, sz, req, row = hit
-            self._row(t, _FREE, device, ptr, sz, req, aid, self.holder[row])
+            self._row(t, _FREE, device, ptr, sz, req, aid, self.holder[row], self.stream[row])
             return True
         self.unmatched_frees += 1
         req = int(requested or 0)
@@ -873,16 +916,17 @@ class _EventBuilder:
         return False
 
     def oom(self, t: int, device: int, requested: int, size: int | None = None,
-            holder: str | None = None) -> None:
+            holder: str | None = None, stream: int = 0) -> None:
         self._row(t, _OOM, device, 0, size if size is not None else round_up_256(requested),
-                  requested, -1, self.holder_index(holder))
+                  requested, -1, self.holder_index(holder), stream)
 
     def extend(self, t: int, device: int, ptr: int, size: int,
-               requested: int | None = None) -> None:
-        self._row(t, _EXTEND, device, ptr, size, size if requested is None else requested, -1)
+               requested: int | None = None, stream: int = 0) -> None:
+        self._row(t, _EXTEND, device, ptr, size, size if requested is None else requested, -1,
+                  -1, stream)
 
-    def release(self, t: int, device: int, ptr: int, size: int) -> None:
-        self._row(t, _RELEASE, device, ptr, size, 0, -1)
+    def release(self, t: int, device: int, ptr: int, size: int, stream: int = 0) -> None:
+        self._row(t, _RELEASE, device, ptr, size, 0, -1, -1, stream)
 
     def live(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
         """(device, ptr) -> (alloc_id, size, requested, row) of allocations not yet freed."""
@@ -915,7 +959,9 @@ class _EventBuilder:
             meta["devices"] = [self.devices[i] for i in sorted(self.devices)]
         meta.setdefault("unmatched_frees", self.unmatched_frees)
         return Trace(cols, meta, holder=np.array(self.holder, dtype=HOLDER_DTYPE),
-                     holders=list(self._holders))
+                     holders=list(self._holders),
+                     stream=np.array(self.stream, dtype=STREAM_DTYPE) if any(self.stream)
+                     else None)
 
 
 def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
@@ -1132,6 +1178,8 @@ class TraceWriter:
         if isinstance(events, Trace):
             cols, sets = events.columns, events.settings
             holder, holders = events.holder, events.holders
+            if events.stream is not None:
+                cols = {**cols, "stream": events.stream}
         else:
             cols, sets = _check_columns(events), [dict(s) for s in settings]
             holders = list(holders)
@@ -1175,6 +1223,11 @@ class TraceWriter:
             names = (*COLUMNS, "holder")
             self._buffer = [b if "holder" in b else
                             {**b, "holder": np.full(len(b["seq"]), -1, dtype=HOLDER_DTYPE)}
+                            for b in self._buffer]
+        if any("stream" in b for b in self._buffer):
+            names = (*names, "stream")
+            self._buffer = [b if "stream" in b else
+                            {**b, "stream": np.zeros(len(b["seq"]), dtype=STREAM_DTYPE)}
                             for b in self._buffer]
         if len(self._buffer) == 1:
             cols = self._buffer[0]
@@ -1360,12 +1413,17 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     _check_meta(meta, name)
     if not batches:
         return Trace(None, meta, settings, holders=holders)
+    stream = None
+    if any("stream" in b for b in batches):
+        stream = np.concatenate([b.get("stream", np.zeros(len(b["seq"]), dtype=STREAM_DTYPE))
+                                 for b in batches])
     if len(batches) == 1:
-        cols = batches[0]
+        cols = dict(batches[0])
+        cols.pop("stream", None)
     else:
         cols = {n: np.concatenate([b[n] for b in batches]) for n in (*COLUMNS, "holder")}
     holder = cols.pop("holder")
-    trace = Trace(cols, meta, settings, holder=holder, holders=holders)
+    trace = Trace(cols, meta, settings, holder=holder, holders=holders, stream=stream)
     _check_values(trace, name)
     return trace
 
@@ -1453,4 +1511,10 @@ def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
         cols["holder"] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     else:
         cols["holder"] = np.full(n, -1, dtype=HOLDER_DTYPE)
+    if "stream" in layout:
+        arr = _column(payload, layout["stream"], "stream", where)
+        if arr.dtype != np.dtype(STREAM_DTYPE) or arr.shape != (n,):
+            raise TraceFormatError(f"{where}: column 'stream' should be {n} values of int64, "
+                                   f"found shape {arr.shape} of {arr.dtype}")
+        cols["stream"] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     return cols

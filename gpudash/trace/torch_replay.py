@@ -35,7 +35,7 @@ what could not be exact.
 from __future__ import annotations
 
 import dataclasses
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from typing import Any
 
@@ -55,8 +55,9 @@ from ..caching import (
     round_size,
 )
 
-__all__ = ["TorchTrace", "ExactReplay", "from_snapshot", "replay_exact", "ACTIONS",
-           "ACTION_NAMES", "guess_version"]
+__all__ = ["TorchTrace", "ExactReplay", "StartSegment", "from_snapshot", "from_trace",
+           "replay_exact",
+           "start_state", "ACTIONS", "ACTION_NAMES", "guess_version"]
 
 ACTION_NAMES = ("", "alloc", "free_requested", "free_completed", "segment_alloc",
                 "segment_free", "segment_map", "segment_unmap", "oom", "snapshot",
@@ -168,6 +169,64 @@ def from_snapshot(snap: dict, name: str = "<snapshot>") -> dict[int, TorchTrace]
             stream[i] = s - (1 << 64) if s >= 1 << 63 else s
         out[d] = TorchTrace(d, action, addr, size, stream, final.get(d), settings, version)
     return out
+
+
+def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
+    """One device of a :class:`~gpudash.trace.Trace` as a :class:`TorchTrace`.
+
+    A trace imported from a PyTorch snapshot keeps what an exact replay needs: its entries
+    (the rows after the rebuilt starting state, ``meta["torch"]["prefix"]``), their streams
+    and the final segments (``meta["torch"]["final"]``). Any other trace is read from its
+    events: ``extend``/``release`` become ``segment_alloc``/``segment_free`` (or
+    ``segment_map``/``segment_unmap`` under ``expandable_segments:True``), with no final
+    layout to compare.
+    """
+    from ..events import EventKind
+    from .torch_snapshot import expand_segments
+
+    c = trace.columns
+    devs = np.unique(c["device"]).tolist()
+    if device is None:
+        device = int(devs[0]) if devs else 0
+    torch_meta = trace.meta.get("torch") if isinstance(trace.meta.get("torch"), dict) else {}
+    rows = np.flatnonzero(c["device"] == device)
+    prefix = torch_meta.get("prefix", {}).get(str(device), 0) if isinstance(
+        torch_meta.get("prefix"), dict) else 0
+    if isinstance(prefix, int) and 0 < prefix <= len(rows):
+        rows = rows[prefix:]
+    kind = c["kind"][rows]
+    settings = trace.meta.get("allocator_settings") if isinstance(
+        trace.meta.get("allocator_settings"), dict) else None
+    expandable = bool(settings and settings.get("expandable_segments") is True)
+    action = np.zeros(len(rows), dtype=np.int8)
+    action[kind == int(EventKind.ALLOC)] = A_ALLOC
+    action[kind == int(EventKind.FREE)] = A_FREE
+    action[kind == int(EventKind.EXTEND)] = A_MAP if expandable else A_SEG_ALLOC
+    action[kind == int(EventKind.RELEASE)] = A_UNMAP if expandable else A_SEG_FREE
+    action[kind == int(EventKind.OOM)] = A_OOM
+    addr = c["ptr"][rows].copy()
+    size = c["size"][rows].copy()
+    req = c["requested"][rows]
+    asks = (action == A_ALLOC) | (action == A_FREE) | (action == A_OOM)
+    size[asks] = req[asks]              # PyTorch's entries carry the request
+    oom_free = trace.meta.get("oom_device_free")
+    if isinstance(oom_free, list):
+        where = {int(r): int(b) for r, b in (x for x in oom_free
+                                             if isinstance(x, list) and len(x) == 2)}
+        for k in np.flatnonzero(action == A_OOM).tolist():
+            addr[k] = where.get(int(rows[k]), 0)
+    keep = action != 0
+    final = None
+    compact = torch_meta.get("final", {}).get(str(device)) if isinstance(
+        torch_meta.get("final"), dict) else None
+    if isinstance(compact, list):
+        final = expand_segments(compact, device)
+    try:
+        version = parse_torch_version(torch_meta.get("version") or None)
+    except Exception:  # noqa: BLE001 - an odd version string: the default rules
+        version = parse_torch_version(None)
+    return TorchTrace(device, action[keep], addr[keep], size[keep],
+                      trace.streams()[rows][keep], final, settings, version)
 
 
 def _as_int(value: Any, where: str, signed: bool = False) -> int:
@@ -500,7 +559,7 @@ def _starts_empty(tt: TorchTrace) -> bool:
     allocated block and segment was made in the trace (the validation plan's step 2)."""
     live: set[int] = set()
     segs: set[int] = set()
-    mapped: list[tuple[int, int]] = []
+    mapped = _Ranges()
     for a, addr, size in zip(tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()):
         if a == A_ALLOC:
             live.add(addr)
@@ -515,15 +574,15 @@ def _starts_empty(tt: TorchTrace) -> bool:
                 return False
             segs.discard(addr)
         elif a == A_MAP:
-            mapped = _add_range(mapped, addr, addr + size)
+            mapped.add(addr, addr + size)
         elif a == A_UNMAP:
-            if not _covered(mapped, addr, addr + size):
+            if not mapped.covers(addr, addr + size):
                 return False
-            mapped = _sub_range(mapped, addr, addr + size)
+            mapped.sub(addr, addr + size)
     for seg in tt.final or ():
         base = seg["address"]
         if seg.get("is_expandable"):
-            if not _covered(mapped, base, base + seg["total_size"]):
+            if not mapped.covers(base, base + seg["total_size"]):
                 return False
         elif base not in segs:
             return False
@@ -533,32 +592,53 @@ def _starts_empty(tt: TorchTrace) -> bool:
     return True
 
 
-def _add_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    out = []
-    for a, b in ranges:
-        if b < lo or a > hi:
-            out.append((a, b))
-        else:
-            lo, hi = min(lo, a), max(hi, b)
-    out.append((lo, hi))
-    return sorted(out)
+class _Ranges:
+    """Disjoint address ranges ``[lo, hi)``, sorted, with adjacent ones joined: what an
+    expandable segment has mapped. Adding or removing a range costs a bisect plus the
+    ranges it touches, so a trace of many maps and unmaps is read in n log n."""
 
+    __slots__ = ("lo", "hi")
 
-def _sub_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    out = []
-    for a, b in ranges:
-        if b <= lo or a >= hi:
-            out.append((a, b))
-            continue
-        if a < lo:
-            out.append((a, lo))
-        if b > hi:
-            out.append((hi, b))
-    return out
+    def __init__(self, ranges: Any = ()) -> None:
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        for lo, hi in sorted(ranges):
+            self.add(lo, hi)
 
+    def add(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        i = bisect_left(self.hi, lo)           # first range ending at or after lo
+        j = bisect_right(self.lo, hi)          # ranges starting at or before hi
+        if i < j:
+            lo = min(lo, self.lo[i])
+            hi = max(hi, self.hi[j - 1])
+        self.lo[i:j] = [lo]
+        self.hi[i:j] = [hi]
 
-def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
-    return any(a <= lo and hi <= b for a, b in ranges)
+    def sub(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        i = bisect_right(self.hi, lo)          # first range ending after lo
+        j = bisect_left(self.lo, hi)           # ranges starting before hi
+        if i >= j:
+            return
+        keep_lo, keep_hi = [], []
+        if self.lo[i] < lo:
+            keep_lo.append(self.lo[i])
+            keep_hi.append(lo)
+        if self.hi[j - 1] > hi:
+            keep_lo.append(hi)
+            keep_hi.append(self.hi[j - 1])
+        self.lo[i:j] = keep_lo
+        self.hi[i:j] = keep_hi
+
+    def covers(self, lo: int, hi: int) -> bool:
+        i = bisect_right(self.lo, lo) - 1
+        return i >= 0 and self.hi[i] >= hi
+
+    def items(self) -> list[tuple[int, int]]:
+        return list(zip(self.lo, self.hi))
 
 
 def _blocks_of(seg: dict):
@@ -729,17 +809,36 @@ def _compare_final(alloc: CachingAllocator, final: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------- rebuild
-def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
-    """Put the state the trace started from into ``alloc`` (see the module docstring);
-    returns what was rebuilt: ``segments``, ``blocks`` (allocated before the trace) and
-    ``guessed`` (of those, sized from their request because the trace freed them)."""
+@dataclasses.dataclass
+class StartSegment:
+    """A segment that existed when a trace began: a cudaMalloc segment, or a mapped range
+    of an expandable segment (``expandable``; ``base`` is its reservation's start).
+    ``blocks`` are ``(address, size, requested)`` of the blocks allocated then, by address;
+    the rest is free."""
+
+    address: int
+    size: int
+    small: bool
+    stream: int
+    expandable: bool = False
+    base: int = 0
+    blocks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+
+
+def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
+                ) -> tuple[list[StartSegment], dict]:
+    """What existed when ``tt`` began, rebuilt from its final segments by walking the trace
+    backwards (see the module docstring): the segments (mapped ranges for expandable ones)
+    with the blocks allocated in them, and counts ``segments``, ``blocks`` (allocated before
+    the trace) and ``guessed`` (of those, sized from their request because the trace freed
+    them). Empty for a trace that starts from an empty allocator."""
+    conf = conf if conf is not None else (
+        CachingAllocatorConfig.from_snapshot_settings(tt.settings, version=tt.version))
     act, addr, size = tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()
     stream = [_u64(s) for s in tt.stream.tolist()]
-    conf = alloc._conf
-    # segments and live blocks at the end, walked back over the trace
     segs: dict[int, dict] = {}
     exp_ranges: list[tuple[int, int, int, bool]] = []   # (lo, hi, stream, small)
-    blocks: dict[int, list] = {}   # addr -> [size or None, requested]
+    blocks: dict[int, list] = {}   # addr -> [size or None, requested, trace index of free]
     for seg in tt.final or ():
         strm = _u64(seg.get("stream", 0) or 0)
         small = seg.get("segment_type") == "small"
@@ -753,8 +852,8 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
                 if req is None:
                     hist = blk.get("history") or []
                     req = hist[-1].get("real_size") if hist else None
-                blocks[baddr] = [blk["size"], int(req or blk["size"])]
-    mapped: list[tuple[int, int]] = [(lo, hi) for lo, hi, _, _ in exp_ranges]
+                blocks[baddr] = [blk["size"], int(req or blk["size"]), -1]
+    mapped = _Ranges((lo, hi) for lo, hi, _, _ in exp_ranges)
     for k in range(len(act) - 1, -1, -1):
         a = act[k]
         if a == A_ALLOC:
@@ -768,9 +867,9 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
             segs[addr[k]] = {"size": size[k], "small": size[k] == (2 << 20),
                              "stream": stream[k]}
         elif a == A_MAP:
-            mapped = _sub_range(mapped, addr[k], addr[k] + size[k])
+            mapped.sub(addr[k], addr[k] + size[k])
         elif a == A_UNMAP:
-            mapped = _add_range(mapped, addr[k], addr[k] + size[k])
+            mapped.add(addr[k], addr[k] + size[k])
     starts = sorted(blocks)
     counts = {"segments": 0, "blocks": 0, "guessed": 0}
     # allocations by address, with their trace index: evidence of where free blocks began
@@ -787,17 +886,16 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
                 best = (alloc_addrs[j], k)
         return None if best is None else best[0]
 
-    def chain_of(lo: int, hi: int, strm: int, pool: Any, es: Any) -> list[_Block]:
-        """The blocks of [lo, hi): live blocks at their addresses, free gaps between."""
-        out: list[_Block] = []
+    def blocks_in(lo: int, hi: int, small: bool, expandable: bool) -> list[tuple[int, int, int]]:
+        """The allocated blocks of [lo, hi), with their sizes."""
+        out = []
         k = bisect_left(starts, lo)
         inside = []
         while k < len(starts) and starts[k] < hi:
             inside.append(starts[k])
             k += 1
-        cursor = lo
         for j, b0 in enumerate(inside):
-            sz, req = blocks[b0][:2]
+            sz, req, freed_at = blocks[b0]
             nxt = inside[j + 1] if j + 1 < len(inside) else hi
             if sz is None:
                 # freed in the trace: its size is the request rounded, unless the allocator
@@ -806,83 +904,116 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
                 # next boundary decides (too little to split: the block owns it)
                 counts["guessed"] += 1
                 sz = round_size(req, conf)
-                keep = K_MIN_BLOCK_SIZE if (pool.is_small or es is not None) \
-                    else K_SMALL_SIZE + 1
+                keep = K_MIN_BLOCK_SIZE if (small or expandable) else K_SMALL_SIZE + 1
                 mss = conf.max_split_size
-                start = first_alloc_in(b0 + sz, nxt, blocks[b0][2])
+                start = first_alloc_in(b0 + sz, nxt, freed_at)
                 if start is not None and start - (b0 + sz) < keep:
                     sz = start - b0
                 elif start is None and (nxt - (b0 + sz) < keep or
-                                        (mss is not None and sz >= mss and es is None)):
+                                        (mss is not None and sz >= mss and not expandable)):
                     sz = nxt - b0
             sz = min(sz, nxt - b0)
-            if b0 > cursor:
-                out.append(_Block(cursor, b0 - cursor, strm, pool, es))
-            blk = _Block(b0, sz, strm, pool, es)
-            blk.allocated = True
-            blk.requested = min(req, sz) or sz
-            out.append(blk)
+            out.append((b0, sz, min(req, sz) or sz))
             counts["blocks"] += 1
-            cursor = b0 + sz
-        if cursor < hi:
-            out.append(_Block(cursor, hi - cursor, strm, pool, es))
         return out
 
-    def link(chain: list[_Block]) -> None:
-        prev = None
-        for b in chain:
-            b.prev = prev
-            if prev is not None:
-                prev.next = b
-            prev = b
-        for b in chain:
-            _install(alloc, b)
-
+    out: list[StartSegment] = []
     for base in sorted(segs):
         info = segs[base]
-        pool = alloc._small if info["small"] else alloc._large
-        alloc._segments[base] = info["size"]
-        oracle._take(base, info["size"])
-        _inc(alloc._stats.pool["segment"], pool.index, 1)
-        mss = conf.max_split_size
-        if mss is not None and info["size"] >= mss:
-            _inc1(alloc._stats.oversize_segments, 1)
-        link(chain_of(base, base + info["size"], info["stream"], pool, None))
+        out.append(StartSegment(base, info["size"], info["small"], info["stream"],
+                                blocks=blocks_in(base, base + info["size"], info["small"],
+                                                 False)))
         counts["segments"] += 1
     # expandable segments: one reservation per (stream, pool), based at its lowest mapped
     # range (the allocator maps a reservation from its start upward)
     groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}
-    for lo, hi in mapped:
-        owner = next(((s, sm) for l2, h2, s, sm in exp_ranges if l2 <= lo < h2), (0, False))
+    final_lo = sorted((lo, hi, st, sm) for lo, hi, st, sm in exp_ranges)
+    final_starts = [x[0] for x in final_lo]
+    for lo, hi in mapped.items():
+        k = bisect_right(final_starts, lo) - 1
+        owner = (final_lo[k][2], final_lo[k][3]) if k >= 0 and lo < final_lo[k][1] \
+            else (0, False)
         groups.setdefault(owner, []).append((lo, hi))
-    total = alloc.device_total
     for (strm, small), ranges in sorted(groups.items()):
         ranges.sort()
-        page = (2 << 20) if small else (20 << 20)
-        pool = alloc._small if small else alloc._large
-        es = _ExpandableSegment(ranges[0][0], page, (total + total // 8 + page - 1) // page,
-                                strm, pool)
-        alloc._expandable.append(es)
-        oracle.reserved.append((es.base, ranges[-1][1]))
-        pieces: list[_Block] = []
-        cursor = es.base
         for lo, hi in ranges:
-            if lo > cursor:
-                pieces.append(_Block(cursor, lo - cursor, strm, pool, es, mapped=False))
-            last = (hi - es.base) // page
-            es.handles.extend([None] * (last - len(es.handles)))
-            for p in range((lo - es.base) // page, last):
-                es.handles[p] = 1
-            oracle.used += hi - lo
-            pieces.extend(chain_of(lo, hi, strm, pool, es))
-            cursor = hi
-        if cursor < es.base + es.size:
-            pieces.append(_Block(cursor, es.base + es.size - cursor, strm, pool, es,
+            out.append(StartSegment(lo, hi - lo, small, strm, True, ranges[0][0],
+                                    blocks_in(lo, hi, small, True)))
+        counts["segments"] += 1
+    return out, counts
+
+
+def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
+    """Put the state the trace started from (:func:`start_state`) into ``alloc``."""
+    state, counts = start_state(tt, alloc._conf)
+    conf = alloc._conf
+
+    def chain(lo: int, hi: int, seg: StartSegment, pool: Any, es: Any) -> list[_Block]:
+        out: list[_Block] = []
+        cursor = lo
+        for b0, sz, req in seg.blocks:
+            if b0 > cursor:
+                out.append(_Block(cursor, b0 - cursor, seg.stream, pool, es))
+            blk = _Block(b0, sz, seg.stream, pool, es)
+            blk.allocated = True
+            blk.requested = req
+            out.append(blk)
+            cursor = b0 + sz
+        if cursor < hi:
+            out.append(_Block(cursor, hi - cursor, seg.stream, pool, es))
+        return out
+
+    def link(blocks: list[_Block]) -> None:
+        prev = None
+        for b in blocks:
+            b.prev = prev
+            if prev is not None:
+                prev.next = b
+            prev = b
+        for b in blocks:
+            _install(alloc, b)
+
+    total = alloc.device_total
+    reservations: dict[int, tuple[Any, list[_Block]]] = {}
+    for seg in state:
+        pool = alloc._small if seg.small else alloc._large
+        if not seg.expandable:
+            alloc._segments[seg.address] = seg.size
+            oracle._take(seg.address, seg.size)
+            _inc(alloc._stats.pool["segment"], pool.index, 1)
+            mss = conf.max_split_size
+            if mss is not None and seg.size >= mss:
+                _inc1(alloc._stats.oversize_segments, 1)
+            link(chain(seg.address, seg.address + seg.size, seg, pool, None))
+            continue
+        held = reservations.get(seg.base)
+        if held is None:
+            page = (2 << 20) if seg.small else (20 << 20)
+            es = _ExpandableSegment(seg.base, page, (total + total // 8 + page - 1) // page,
+                                    seg.stream, pool)
+            alloc._expandable.append(es)
+            oracle.reserved.append((es.base, es.base))
+            held = reservations[seg.base] = (es, [])
+        es, pieces = held
+        cursor = pieces[-1].ptr + pieces[-1].size if pieces else es.base
+        if seg.address > cursor:
+            pieces.append(_Block(cursor, seg.address - cursor, seg.stream, pool, es,
+                                 mapped=False))
+        hi = seg.address + seg.size
+        last = (hi - es.base) // es.page
+        es.handles.extend([None] * (last - len(es.handles)))
+        for p in range((seg.address - es.base) // es.page, last):
+            es.handles[p] = 1
+        oracle.used += seg.size
+        oracle.mapped(seg.address, seg.size)
+        pieces.extend(chain(seg.address, hi, seg, pool, es))
+    for es, pieces in reservations.values():
+        end = pieces[-1].ptr + pieces[-1].size
+        if end < es.base + es.size:
+            pieces.append(_Block(end, es.base + es.size - end, es.stream, es.pool, es,
                                  mapped=False))
         link(pieces)
-        counts["segments"] += 1
     # what existed before the trace is the baseline of the peaks
-    alloc._peak_reserved = alloc._reserved
     alloc.reset_peak_stats()
     return counts
 

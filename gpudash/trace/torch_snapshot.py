@@ -39,8 +39,7 @@ from typing import IO, Any
 
 from .._errors import TraceFormatError
 from ..events import EventKind
-from .format import (Trace, _device_entries, _EventBuilder, _open_new, _open_regular,
-                     _source_name)
+from .format import Trace, _device_entries, _EventBuilder, _open_new, _open_regular, _source_name
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -295,44 +294,31 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             first_time.setdefault(dev, t)
             entries.append((t, 1, dev, i, e))
 
-    # ---- what existed before the first entry
-    init_segs = {d: dict(s) for d, s in final_segs.items()}
-    init_blocks = {d: dict(s) for d, s in final_blocks.items()}
-    if entries and not reconstruct:
-        init_segs, init_blocks = {}, {}
-    for dev, lst in enumerate(traces):
-        if not lst or not reconstruct:
-            continue
-        segs, blocks = init_segs.setdefault(dev, {}), init_blocks.setdefault(dev, {})
-        for e in reversed(lst):
-            a, addr, size = e.get("action"), e.get("addr"), e.get("size")
-            if not isinstance(addr, int) or not isinstance(size, int):
-                continue
-            if a == "alloc":
-                blocks.pop(addr, None)
-            elif a == "free_completed":
-                blocks[addr] = (size, e.get("requested_size", size))
-            elif a == "segment_alloc":
-                segs.pop(addr, None)
-            elif a == "segment_free":
-                segs[addr] = size
-        # expandable segments map and unmap parts of one address range, at any address
-        # inside it: what is unmapped without having been mapped in the trace was mapped
-        # before it began (by interval, not by address: no phantom segments)
-        for addr, size in _premapped(lst):
-            segs[addr] = size
+    # ---- what existed before the first entry: rebuilt as exact replay rebuilds it
+    from .torch_replay import from_snapshot, start_state
+
+    per_device = from_snapshot(snap, name)
     initial: list[tuple[int, int, int, int, dict]] = []
     n_rec_segs = n_rec_blocks = 0
-    for dev in sorted(set(init_segs) | set(init_blocks)):
+    for dev, tt in per_device.items():
+        if entries and not reconstruct:
+            break
         t0 = first_time.get(dev, 0)
-        for addr, size in sorted(init_segs.get(dev, {}).items()):
-            initial.append((t0, 0, dev, len(initial),
-                            {"action": "segment_alloc", "addr": addr, "size": size}))
+        state, _ = start_state(tt)
+        for seg in state:     # the segments first, then what was allocated in them
+            initial.append((t0, 0, dev, len(initial), {
+                "action": "segment_map" if seg.expandable else "segment_alloc",
+                "addr": seg.address, "size": seg.size, "stream": seg.stream}))
             n_rec_segs += 1
-        for addr, (size, req) in sorted(init_blocks.get(dev, {}).items()):
-            initial.append((t0, 0, dev, len(initial), {"action": "alloc", "addr": addr,
-                                                       "size": size, "requested_size": req}))
-            n_rec_blocks += 1
+        for seg in state:
+            for addr, size, req in seg.blocks:
+                initial.append((t0, 0, dev, len(initial), {
+                    "action": "alloc", "addr": addr, "size": size, "requested_size": req,
+                    "stream": seg.stream}))
+                n_rec_blocks += 1
+    prefix: dict[str, int] = {}
+    for _, _, dev, _, _ in initial:
+        prefix[str(dev)] = prefix.get(str(dev), 0) + 1
 
     b = _EventBuilder()
     free_requested = 0
@@ -350,7 +336,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             free_requested += 1
         elif a == "oom":
             size = _int(e.get("size"), where, "size")
-            b.oom(t, dev, size)
+            b.oom(t, dev, size, stream=_stream(e, where))
             oom_free.append([len(b) - 1, _int(e.get("device_free") or 0, where,
                                               "device_free")])
         elif a in ("alloc", "free_completed", "segment_alloc", "segment_map", "segment_free",
@@ -359,14 +345,14 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             size = _int(e.get("size"), where, "size")
             if a == "alloc":
                 b.alloc(t, dev, addr, _int(e.get("requested_size", size), where,
-                                           "requested_size"), size)
+                                           "requested_size"), size, stream=_stream(e, where))
             elif a == "free_completed":
                 b.free(t, dev, addr, _int(e.get("requested_size", size), where,
                                           "requested_size"), size)
             elif a in ("segment_alloc", "segment_map"):
-                b.extend(t, dev, addr, size)
+                b.extend(t, dev, addr, size, stream=_stream(e, where))
             else:
-                b.release(t, dev, addr, size)
+                b.release(t, dev, addr, size, stream=_stream(e, where))
         else:
             skipped[str(a)] += 1
     # trace entries carry no requested size: take it from the final blocks still live
@@ -384,62 +370,69 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         "reconstructed": {"segments": n_rec_segs, "allocations": n_rec_blocks},
         "skipped_actions": dict(skipped),
         "oom_device_free": oom_free,
+        "torch": {
+            "version": ".".join(map(str, next(iter(per_device.values())).version))
+            if per_device else "",
+            "prefix": prefix,
+            "final": {str(dev): _compact_segments(tt.final)
+                      for dev, tt in per_device.items() if tt.final is not None},
+        },
     }
     return b.build(meta)
 
 
-def _premapped(entries: list) -> list[tuple[int, int]]:
-    """``(address, size)`` of the ranges that ``segment_unmap`` entries give back without a
-    ``segment_map`` of them earlier in the trace (mapped before the trace began).
+_STATE_CODES = {"inactive": 0, "active_allocated": 1, "active_pending_free": 2,
+                "active_awaiting_free": 2}
 
-    The mapped ranges are kept disjoint and sorted (starts and ends in two lists), so each
-    entry finds the ranges it touches by bisection: time O(n log n) for n entries, not the
-    O(n^2) of scanning every mapped range for each entry.
-    """
-    starts: list[int] = []   # disjoint [start, end) ranges, sorted; ends are sorted too
-    ends: list[int] = []
-    before: list[tuple[int, int]] = []
 
-    def subtract(lo: int, hi: int) -> list[tuple[int, int]]:
-        """Remove [lo, hi) from the mapped ranges; return the parts of it that were not
-        mapped."""
-        i = bisect.bisect_right(ends, lo)      # the first range that ends after lo
-        j = i
-        missing = []
-        cur = lo
-        keep_s: list[int] = []
-        keep_e: list[int] = []
-        while j < len(starts) and starts[j] < hi:
-            a, b = starts[j], ends[j]
-            if a > cur:
-                missing.append((cur, a))
-            cur = max(cur, b)
-            if a < lo:
-                keep_s.append(a)
-                keep_e.append(lo)
-            if b > hi:
-                keep_s.append(hi)
-                keep_e.append(b)
-            j += 1
-        if cur < hi:
-            missing.append((cur, hi))
-        starts[i:j] = keep_s
-        ends[i:j] = keep_e
-        return missing
+def _stream(entry: dict, where: str) -> int:
+    """An entry's stream as a signed int64 (a cudaStream_t value; 0 when absent)."""
+    s = entry.get("stream", 0)
+    if s is None:
+        return 0
+    if isinstance(s, bool) or not isinstance(s, int) or not -(1 << 63) <= s < (1 << 64):
+        raise TraceFormatError(f"{where}: expected an integer stream (a cudaStream_t value), "
+                               f"found {s!r:.60}")
+    return s - (1 << 64) if s >= 1 << 63 else s
 
-    for e in entries:
-        a, addr, size = e.get("action"), e.get("addr"), e.get("size")
-        if a not in ("segment_map", "segment_unmap") or not isinstance(addr, int) or \
-                not isinstance(size, int) or size <= 0:
-            continue
-        if a == "segment_map":
-            subtract(addr, addr + size)
-            k = bisect.bisect_left(starts, addr)
-            starts.insert(k, addr)
-            ends.insert(k, addr + size)
-        else:
-            before.extend(subtract(addr, addr + size))
-    return [(lo, hi - lo) for lo, hi in before]
+
+def _compact_segments(final: list[dict] | None) -> list[list]:
+    """A device's final segments, as replay compares them: ``[address, total_size, small,
+    expandable, stream, [[size, state, requested], ...]]`` with state 0 inactive, 1
+    allocated, 2 pending free (JSON-friendly; :func:`expand_segments` reads it back)."""
+    out = []
+    for seg in final or ():
+        blocks = []
+        for blk in seg.get("blocks") or []:
+            state = blk.get("state")
+            if state is None:
+                state = "active_allocated" if blk.get("allocated") else "inactive"
+            req = blk.get("requested_size")
+            if req is None:
+                hist = blk.get("history") or []
+                req = hist[-1].get("real_size", 0) if hist and isinstance(hist[-1], dict) else 0
+            blocks.append([int(blk["size"]), _STATE_CODES.get(state, 0), int(req or 0)])
+        out.append([int(seg["address"]), int(seg["total_size"]),
+                    int(seg.get("segment_type") == "small"), int(bool(seg.get("is_expandable"))),
+                    int(seg.get("stream") or 0), blocks])
+    return out
+
+
+def expand_segments(compact: list, device: int) -> list[dict]:
+    """:func:`_compact_segments`' form back as PyTorch's segment dicts."""
+    names = {0: "inactive", 1: "active_allocated", 2: "active_pending_free"}
+    out = []
+    for address, total, small, expandable, stream, blocks in compact:
+        addr = address
+        bl = []
+        for size, state, req in blocks:
+            bl.append({"address": addr, "size": size, "requested_size": req,
+                       "state": names.get(state, "inactive")})
+            addr += size
+        out.append({"device": device, "address": address, "total_size": total,
+                    "segment_type": "small" if small else "large",
+                    "is_expandable": bool(expandable), "stream": stream, "blocks": bl})
+    return out
 
 
 def _jsonable(obj: Any, name: str = "<dict>") -> Any:
