@@ -72,3 +72,19 @@ class TraceFormatError(GpudashError, ValueError):
 
 class GpudashWarning(UserWarning):
     """A warning from gpudash (a subscriber that raised, an ignored environment variable...)."""
+
+
+def warn_user(message: str, category: type[Warning] = GpudashWarning) -> None:
+    """``warnings.warn`` pointed at the first caller outside gpudash, however deep the call
+    that warns (so the warning names the user's line, not gpudash's)."""
+    import os
+    import sys
+    import warnings
+
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's stacklevel of sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(pkg):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

@@ -368,6 +368,7 @@ class CachingAllocator(EventSource):
         self._stats = _Stats()
         self._next_aid = 1
         self._peak_reserved = 0
+        self._largest = 0                              # the largest block ever allocated
         self._va_next = 0x600000000000 + (device << 42)
         self._gc_on = False  # a fraction is set and garbage_collection_threshold > 0
         self._settings_changed()
@@ -774,6 +775,8 @@ class CachingAllocator(EventSource):
         aid = block.aid = self._next_aid
         self._next_aid = aid + 1
         bsize = block.size
+        if bsize > self._largest:
+            self._largest = bsize
         # allocation += 1, allocated_bytes += bsize, requested_bytes += orig, for the
         # aggregate ([0:4]) and the pool ([j:j+4]): [current, peak, allocated, freed]
         st = stats["allocation"]
@@ -1546,38 +1549,41 @@ class CachingAllocator(EventSource):
             st.num_device_alloc = st.num_device_free = 0
 
     def _largest_free_block(self) -> int:
+        """The largest free mapped block (keys sort by stream first: the last key of each
+        stream's run is its largest; one stream is the common case)."""
         best = 0
-        blocks = self._blocks
         for pool in (self._small, self._large):
-            for key in pool.keys:
-                s = (key >> 64) & _MASK64
-                if s > best:
-                    best = s
-        return best if blocks else 0
+            keys = pool.keys
+            if not keys:
+                continue
+            if keys[0] >> 128 == keys[-1] >> 128:
+                s = (keys[-1] >> 64) & _MASK64
+            else:
+                s = max((k >> 64) & _MASK64 for k in keys)
+            if s > best:
+                best = s
+        return best
 
     def stats(self) -> AllocatorStats:
         """gpudash's common figures, in the allocator-neutral names the views use:
         ``bytes_in_use`` = allocated bytes, ``pool_bytes`` = reserved bytes,
         ``bytes_limit`` = :attr:`memory_limit`, ``num_allocs`` = allocations made."""
         with self._lock:
-            st = self._stats.pool
-            in_use = st["allocated_bytes"][0]
-            largest_free = self._largest_free_block()
-            free = self._reserved - in_use
-            frag = (free - largest_free) / free if free > 0 else 0.0
-            return AllocatorStats(
-                num_allocs=st["allocation"][2], bytes_in_use=in_use,
-                peak_bytes_in_use=st["allocated_bytes"][1],
-                largest_alloc_size=self._largest_alloc(), bytes_limit=self.memory_limit,
-                pool_bytes=self._reserved, peak_pool_bytes=self._peak_reserved,
-                largest_free_block_bytes=largest_free, fragmentation=frag)
+            return self._stats_locked()
 
-    def _largest_alloc(self) -> int:
-        best = 0
-        for b in self._blocks.values():
-            if b.allocated and b.size > best:
-                best = b.size
-        return best
+    def _stats_locked(self) -> AllocatorStats:
+        st = self._stats.pool
+        in_use = st["allocated_bytes"][0]
+        largest_free = self._largest_free_block()
+        free = self._reserved - in_use
+        frag = (free - largest_free) / free if free > 0 else 0.0
+        return AllocatorStats(
+            num_allocs=st["allocation"][2], bytes_in_use=in_use,
+            peak_bytes_in_use=st["allocated_bytes"][1],
+            largest_alloc_size=self._largest, bytes_limit=self.memory_limit,
+            pool_bytes=self._reserved, peak_pool_bytes=self._peak_reserved,
+            largest_free_block_bytes=largest_free, fragmentation=frag)
+
 
     def clear_stats(self) -> None:
         """Peaks back to current values (gpudash's name for ``reset_peak_memory_stats``)."""
@@ -1708,6 +1714,56 @@ class CachingAllocator(EventSource):
                 "bin": np.array(pool, dtype=np.int8), "region": np.array(region, dtype=i64),
                 "in_use": np.array(used, dtype=bool), "expandable": np.array(exp, dtype=bool),
                 "regions": np.array(regions, dtype=i64).reshape(-1, 2)}
+
+    def memory_dump(self) -> Any:
+        """The state as gpudash's neutral :class:`~gpudash.MemoryDump` (what the report and
+        the views draw for either allocator): every mapped block as a chunk (``bin``: its
+        pool, 0 small, 1 large; -1 in use), every snapshot segment as a region, and two
+        summaries in place of TensorFlow's bins, the small and the large pool
+        (``extra["layout"] == "pools"``)."""
+        from .bfc import BinSummary, MemChunk, MemoryDump, RegionInfo
+
+        with self._lock:
+            chunks = []
+            regions = []
+            pools = [[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]]
+            handle = 0
+            for h in self._segment_heads():
+                b: _Block | None = h
+                start = h.ptr
+                end = start
+                while b is not None and b.mapped:
+                    p = 0 if b.pool.is_small else 1
+                    agg = pools[p]
+                    agg[1] += b.size
+                    agg[3] += 1
+                    if b.allocated:
+                        agg[0] += b.size
+                        agg[2] += 1
+                        agg[4] += b.requested
+                    else:
+                        agg[5] += 1
+                        agg[6] += b.size
+                    chunks.append(MemChunk(address=b.ptr, size=b.size,
+                                           requested_size=b.requested if b.allocated else 0,
+                                           bin=-1 if b.allocated else p, in_use=b.allocated,
+                                           allocation_id=b.aid if b.allocated else -1,
+                                           region=start, handle=handle))
+                    handle += 1
+                    end = b.ptr + b.size
+                    b = b.next
+                regions.append(RegionInfo(start, end - start))
+            bins = [BinSummary(bin=p, bin_size=K_SMALL_SIZE if p == 0 else K_SMALL_SIZE + 1,
+                               total_bytes_in_use=a[0], total_bytes_in_bin=a[1],
+                               total_chunks_in_use=a[2], total_chunks_in_bin=a[3],
+                               total_requested_bytes_in_use=a[4], free_chunks=a[5],
+                               free_bytes=a[6]) for p, a in enumerate(pools)]
+            stats = self._stats_locked()
+            return MemoryDump(self._name, stats, bins, chunks, regions,
+                              memory_limit=self.memory_limit, seq=self._seq_now(),
+                              extra={"layout": "pools", "allocator": "torch",
+                                     "pools": ["small pool (requests up to 1 MiB)",
+                                               "large pool"]})
 
     def memory_summary(self) -> str:
         """``torch.cuda.memory_summary()``'s table of these statistics."""

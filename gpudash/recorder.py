@@ -122,11 +122,18 @@ class Recorder:
 
     @staticmethod
     def _device_meta(alloc: Any) -> dict:
-        return {"index": alloc.device_index, "name": alloc.name,
+        meta = {"index": alloc.device_index, "name": alloc.name,
                 "capacity": getattr(alloc.sub_allocator, "total", None),
-                "memory_limit": alloc.memory_limit,
-                "options": {"allow_growth": alloc.allow_growth,
-                            "garbage_collection": alloc.garbage_collection}}
+                "memory_limit": alloc.memory_limit}
+        if getattr(alloc, "kind", None) == "torch":   # PyTorch's caching allocator
+            conf = alloc.config
+            meta["allocator"] = "torch"
+            meta["options"] = {"conf": conf.as_conf(), "fraction": alloc.fraction,
+                               "torch_version": ".".join(map(str, conf.version))}
+        else:
+            meta["options"] = {"allow_growth": alloc.allow_growth,
+                               "garbage_collection": alloc.garbage_collection}
+        return meta
 
     @staticmethod
     def _close_dropped(stop: threading.Event, writer: Any) -> None:

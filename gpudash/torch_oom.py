@@ -234,7 +234,8 @@ class TorchOOM:
                 self.free.value + self.others + u.value >= r.value:
             pids = ", ".join(f"process {pid} ({f})" for pid, f in self.processes)
             return ("another process",
-                    f"only {self.free} was free; {pids} hold{'s' if len(self.processes) == 1 else ''}"
+                    f"only {self.free} was free; {pids} "
+                    f"hold{'s' if len(self.processes) == 1 else ''}"
                     f" the rest the request needed", [])
         if self.free is not None:
             short = r.value - self.free.value - u.value

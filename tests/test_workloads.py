@@ -35,6 +35,7 @@ SMALL = {
     "training_loop": dict(steps=3, layers=3, hidden=512),
     "inference_server": dict(requests=40, max_batch=16),
     "fragmentation_stress": dict(rounds=300, high="200MiB", low="50MiB"),
+    "finetune": dict(steps=3, layers=2, hidden=256, max_len=512),
 }
 
 
@@ -220,3 +221,20 @@ def test_the_samples_ship_in_the_package():
     assert "events=2072" in repr(trace)  # what make_samples.py wrote
     with pytest.raises(gpudash.ConfigError, match="no sample trace 'nope.gdtrace'"):
         samples.path("nope")
+
+
+def test_caching_snapshot_is_pytorchs_snapshot_and_stops_at_the_first_oom():
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    small = dict(steps=4, layers=4, hidden=1024, max_len=1024)
+    fits = caching_snapshot(finetune_calls(**small), device_bytes="4GiB")
+    actions = [e["action"] for e in fits["device_traces"][0]]
+    assert "oom" not in actions and actions[0] == "segment_alloc"
+    n_alloc = sum(1 for c in finetune_calls(**small) if c[0] == "alloc")
+    assert actions.count("alloc") == n_alloc
+    tight = caching_snapshot(finetune_calls(**small), device_bytes="400MiB",
+                             conf="expandable_segments:True")
+    assert [e["action"] for e in tight["device_traces"][0][-2:]] == ["oom", "snapshot"]
+    assert tight["allocator_settings"]["expandable_segments"] is True
+    assert load_torch_snapshot(tight).meta["source"] == "pytorch-snapshot"

@@ -29,6 +29,7 @@ from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
 from ..events import COLUMN_DTYPES, COLUMNS
+from ..models import BFC, TORCH, AllocatorModel, model_for, trace_model
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
 from .format import Trace, _byte_count, _device_entries, _flag
@@ -52,7 +53,26 @@ _DEFAULTS: dict[str, Any] = {
     "deferred_deletion_bytes": 0,
     "device": None,
     "cc_major": 8,
+    "allocator": None,
 }
+# PyTorch's caching allocator's settings (replay(allocator="torch")), with their defaults:
+# None keeps what the trace was recorded with (a PyTorch snapshot's allocator_settings).
+_TORCH_DEFAULTS: dict[str, Any] = {
+    "device_bytes": None,
+    "fraction": None,
+    "conf": None,
+    "expandable_segments": None,
+    "max_split_size_mb": None,
+    "garbage_collection_threshold": None,
+    "roundup_power2_divisions": None,
+    "max_non_split_rounding_mb": None,
+    "torch_version": None,
+    "exact": None,
+    "device": None,
+    "allocator": "torch",
+}
+_TORCH_KNOBS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+                "roundup_power2_divisions", "max_non_split_rounding_mb")
 # GPUOptions fields that map onto replay settings; the others do not affect a replay.
 _FROM_GPU_OPTIONS = {
     "per_process_gpu_memory_fraction": "fraction",
@@ -186,15 +206,12 @@ class DeviceIndex:
         devs = self.devices
         if device is None:
             if len(devs) > 1:
-                import warnings
-
-                from .._errors import GpudashWarning
+                from .._errors import warn_user
 
                 others = ", ".join(self.label(d) for d in devs[1:])
-                warnings.warn(f"the trace has {len(devs)} devices; using "
-                              f"{self.label(devs[0])}, not {others}: pass device= "
-                              "to choose (or replay_devices() for all)", GpudashWarning,
-                              stacklevel=5)
+                warn_user(f"the trace has {len(devs)} devices; using {self.label(devs[0])}, "
+                          f"not {others}: pass device= to choose (or replay_devices() for "
+                          "all)")
             if devs:
                 return devs[0]
             return next(iter(self._meta), 0)
@@ -221,6 +238,11 @@ class DeviceIndex:
 
     def calls(self, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The calls of ``device`` (op, key, nbytes as numpy columns) and its event count."""
+        calls, rows = self._device_calls(device)
+        return calls.op[rows], calls.key[rows], calls.nbytes[rows], self._events.get(device, 0)
+
+    def _device_calls(self, device: int) -> tuple[Any, np.ndarray]:
+        """The trace's calls and the positions of ``device``'s among them."""
         if self._calls is None:
             calls = self.trace.calls()
             order = np.argsort(calls.device, kind="stable")
@@ -229,8 +251,13 @@ class DeviceIndex:
         calls, order, sorted_dev = self._calls
         lo = np.searchsorted(sorted_dev, device, side="left")
         hi = np.searchsorted(sorted_dev, device, side="right")
-        rows = order[lo:hi]
-        return calls.op[rows], calls.key[rows], calls.nbytes[rows], self._events.get(device, 0)
+        return calls, order[lo:hi]
+
+    def torch_calls(self, device: int) -> tuple:
+        """:func:`torch_calls` of ``device``."""
+        calls, rows = self._device_calls(device)
+        return _torch_calls(self.trace, device, calls.op[rows], calls.key[rows],
+                            calls.nbytes[rows], calls.row[rows], self._events.get(device, 0))
 
     def replay(self, device: int, **kwargs: Any) -> ReplayResult:
         """:func:`replay` of ``device`` (``kwargs``: replay's other arguments)."""
@@ -270,9 +297,27 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
     return _resolve(trace, index, options, explicit)
 
 
+def _model(trace: Trace | None, options: Any, explicit: dict[str, Any]) -> AllocatorModel:
+    """The model a replay runs: ``allocator=`` (also in ``options``), else the trace's own."""
+    name = explicit.get("allocator", _UNSET)
+    if (name is _UNSET or name is None) and isinstance(options, Mapping):
+        name = options.get("allocator", _UNSET)
+    if name is _UNSET or name is None:
+        return trace_model(trace) if trace is not None else BFC
+    return model_for(name)
+
+
 def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
              explicit: dict[str, Any]) -> dict[str, Any]:
     """:func:`resolve_settings` with the trace's devices already looked up."""
+    if _model(trace, options, explicit) is TORCH:
+        return _resolve_torch(trace, index, options, explicit)
+    for k in (*_TORCH_KNOBS, "conf", "torch_version", "exact"):
+        if explicit.get(k, _UNSET) not in (_UNSET, None):
+            raise ConfigError(f"{k} is a setting of PyTorch's caching allocator; replay with "
+                              f"allocator='torch' to use it (this replay runs TensorFlow's BFC)")
+    explicit = {k: v for k, v in explicit.items()
+                if k in _DEFAULTS or k == "name" or (k not in _TORCH_DEFAULTS and v is not _UNSET)}
     s = dict(_DEFAULTS)
     if isinstance(options, str):
         if options != "trace":
@@ -319,6 +364,22 @@ def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
             s["device_bytes"] = max(parse_bytes(s["device_bytes"], name="device_bytes"),
                                     limit)
 
+    s["assumed"] = []
+    if (trace is not None and explicit.get("device_bytes", _UNSET) is _UNSET
+            and not (isinstance(options, Mapping) and "device_bytes" in options)
+            and s["memory_limit"] is None):
+        dev = explicit.get("device", _UNSET)
+        picked = index.pick(None if dev is _UNSET or dev is None else dev)
+        cap = torch_capacity(trace, picked) if trace_model(trace) is TORCH else None
+        if cap is None and trace_model(trace) is TORCH:
+            cap = _common_gpu(_peak_reserved(trace, picked))
+        if cap is not None:
+            s["device_bytes"], how = cap
+            s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+        else:
+            s["assumed"].append(
+                f"device: {format_bytes(parse_bytes(s['device_bytes']))} assumed (the trace "
+                "does not say; pass device_bytes= or --device SIZE)")
     s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
     if s["device_bytes"] <= 0:
         raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
@@ -346,7 +407,192 @@ def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
         s["device"] = index.pick(s["device"])
     elif s["device"] is None:
         s["device"] = 0
+    s["allocator"] = "bfc"
     return s
+
+
+def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
+                   explicit: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a replay through PyTorch's caching allocator.
+
+    ``conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string or a CachingAllocatorConfig) and the knobs
+    by name (``expandable_segments``, ``max_split_size_mb``...) start from what the trace
+    was recorded with (a snapshot's ``allocator_settings``; PyTorch's defaults otherwise);
+    ``fraction`` is ``set_per_process_memory_fraction`` (None: the whole device);
+    ``device_bytes`` the device's total memory (default: what the trace says, see
+    :func:`torch_capacity`, else assumed and said so); ``exact`` replays with the trace's
+    own segment addresses and release points and reports how closely the model followed it
+    (default: for a PyTorch trace replayed with its own settings)."""
+    from .._torch_conf import CachingAllocatorConfig, parse_torch_version
+
+    s = dict(_TORCH_DEFAULTS)
+    if isinstance(options, str):
+        if options == "trace":
+            options = None
+        else:
+            options = {"conf": options}
+    if isinstance(options, CachingAllocatorConfig):
+        options = {"conf": options}
+    if isinstance(options, Mapping):
+        for k, v in options.items():
+            if k not in _TORCH_DEFAULTS and k != "name":
+                raise ConfigError(f"unknown setting {k!r} of a replay through PyTorch's "
+                                  f"allocator; known: {sorted(_TORCH_DEFAULTS)}")
+            s[k] = v
+    elif options is not None:
+        raise ConfigError(f"options must be a dict of settings, a PYTORCH_CUDA_ALLOC_CONF "
+                          f"string or 'trace'; got {options!r}")
+    for k, v in explicit.items():
+        if v is _UNSET:
+            continue
+        if k not in _TORCH_DEFAULTS and k != "name":
+            hint = (" (PyTorch's allocator has no such setting: it always grows on demand)"
+                    if k in _DEFAULTS else "")
+            raise ConfigError(f"{k} is not a setting of PyTorch's caching allocator{hint}; "
+                              f"known: {sorted(_TORCH_DEFAULTS)}")
+        s[k] = v
+    recorded_meta = trace.meta if trace is not None and trace_model(trace) is TORCH else {}
+    torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
+                                                           dict) else {}
+    version = s["torch_version"]
+    if version is None:
+        try:
+            version = parse_torch_version(torch_meta.get("version") or None)
+        except ConfigError:
+            version = None
+    conf = s["conf"]
+    if isinstance(conf, CachingAllocatorConfig):
+        conf = conf.copy()
+    elif isinstance(conf, str):
+        conf = CachingAllocatorConfig(conf, version=version)
+    elif conf is None:
+        conf = CachingAllocatorConfig.from_snapshot_settings(
+            recorded_meta.get("allocator_settings"), version=version)
+    else:
+        raise ConfigError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string or a "
+                          f"CachingAllocatorConfig; got {conf!r}")
+    parts = {k: s[k] for k in _TORCH_KNOBS if s[k] is not None}
+    if parts:
+        conf.update(**parts)
+    s["conf"] = conf
+    frac = s["fraction"]
+    if frac is not None:
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or \
+                not 0.0 <= float(frac) <= 1.0:
+            raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, in "
+                              f"[0, 1]; got {frac!r}")
+        s["fraction"] = float(frac)
+    if trace is not None:
+        s["device"] = index.pick(s["device"])
+    elif s["device"] is None:
+        s["device"] = 0
+    s["assumed"] = []
+    other_device = False  # a device_bytes the recorded run cannot have had
+    if s["device_bytes"] is not None:
+        s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
+        if s["device_bytes"] <= 0:
+            raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
+        if trace is not None and torch_meta:
+            cap = torch_capacity(trace, s["device"])
+            other_device = (s["device_bytes"] != cap[0] if cap is not None else
+                            s["device_bytes"] < _peak_reserved(trace, s["device"]))
+    else:
+        cap = torch_capacity(trace, s["device"]) if trace is not None else None
+        if cap is None:
+            cap = _common_gpu(_peak_reserved(trace, s["device"]) if trace is not None else 0)
+        s["device_bytes"], how = cap
+        s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+    exact = s["exact"]
+    recorded = bool(torch_meta)
+    overridden = s["fraction"] is not None or parts or explicit.get("conf", _UNSET) not in (
+        _UNSET, None) or (isinstance(options, Mapping) and "conf" in options) or other_device
+    if exact is None:
+        exact = recorded and not overridden
+    elif exact and not recorded:
+        raise ConfigError("exact replay follows a PyTorch snapshot's own addresses and release "
+                          "points; this trace is not one (replay it with exact=False)")
+    s["exact"] = bool(exact)
+    s["memory_limit"] = TORCH.limit(s["device_bytes"], s["fraction"])
+    s["cc_major"] = 8
+    return s
+
+
+def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
+    """The device memory a PyTorch trace shows, and how: from an ``oom`` entry (the free
+    bytes the driver reported plus the segments PyTorch held then: what PyTorch could use),
+    or from the spacing of expandable segments' address reservations (PyTorch reserves
+    1 1/8 x the device's total memory for each). None when it shows neither."""
+    from ..events import EventKind
+
+    c = trace.columns
+    rows = np.flatnonzero(c["device"] == device)
+    if not len(rows):
+        return None
+    kind = c["kind"][rows]
+    sizes = c["size"][rows]
+    oom_free = trace.meta.get("oom_device_free")
+    if isinstance(oom_free, list) and oom_free:
+        free_at = {int(r): int(b) for r, b in (x for x in oom_free
+                                               if isinstance(x, list) and len(x) == 2)}
+        held = np.cumsum(np.where(kind == int(EventKind.EXTEND), sizes,
+                                  np.where(kind == int(EventKind.RELEASE), -sizes, 0)))
+        best = 0
+        for k in np.flatnonzero(kind == int(EventKind.OOM)).tolist():
+            free = free_at.get(int(rows[k]))
+            if free:
+                best = max(best, int(held[k]) + free)
+        if best:
+            return best, ("from the oom entry (the driver's free bytes plus what PyTorch held: "
+                          "what PyTorch could use)")
+    settings = trace.meta.get("allocator_settings")
+    if isinstance(settings, Mapping) and settings.get("expandable_segments") is True:
+        ext = rows[kind == int(EventKind.EXTEND)]
+        starts = c["ptr"][ext].tolist()
+        ends = (c["ptr"][ext] + c["size"][ext]).tolist()
+        bases: list[int] = []
+        tops: list[int] = []
+        for lo, hi in zip(starts, ends):
+            for k, (b, t) in enumerate(zip(bases, tops)):
+                if b <= lo <= t:
+                    tops[k] = max(t, hi)
+                    break
+            else:
+                bases.append(lo)
+                tops.append(hi)
+        bases.sort()
+        gaps = [b - a for a, b in zip(bases, bases[1:]) if b > a]
+        if gaps:
+            total = min(gaps) * 8 // 9
+            return total, ("estimated from the spacing of expandable segments' address "
+                           "reservations (1 1/8 x the device's memory each)")
+    return None
+
+
+#: Memory of common GPUs (GiB), for a device a trace does not name.
+_COMMON_GPUS = (8, 12, 16, 24, 32, 40, 48, 80, 94, 141, 192)
+
+
+def _common_gpu(need: int) -> tuple[int, str]:
+    """The smallest common GPU size that holds ``need`` bytes (at least 16 GiB), and why."""
+    gib = next((g for g in _COMMON_GPUS if g >= 16 and (g << 30) >= need),
+               -(-need // (1 << 30)))
+    held = (f"the smallest common GPU size that holds the {format_bytes(need)} the trace's "
+            "segments held at most" if need else "gpudash's default")
+    return gib << 30, (f"assumed: {held} (the trace does not say how much the GPU had; "
+                       "pass device_bytes= or --device SIZE)")
+
+
+def _peak_reserved(trace: Trace, device: int) -> int:
+    """The most memory the trace's segments held at once on ``device``."""
+    from ..events import EventKind
+
+    c = trace.columns
+    on = c["device"] == device
+    kind = c["kind"][on]
+    size = c["size"][on]
+    held = np.cumsum(np.where(kind == int(EventKind.EXTEND), size,
+                              np.where(kind == int(EventKind.RELEASE), -size, 0)))
+    return int(held.max()) if len(held) else 0
 
 
 class _Unset:
@@ -361,17 +607,42 @@ _UNSET: Any = _Unset()
 class _CountingSub:
     """A sub-allocator that counts the regions it hands out and takes back."""
 
-    __slots__ = ("dev", "extensions", "releases")
+    __slots__ = ("dev", "extensions", "releases", "page_bytes", "_next_page")
 
     def __init__(self, dev: SimulatedDevice) -> None:
         self.dev = dev
         self.extensions = 0
         self.releases = 0
+        self.page_bytes = 0  # physical pages of expandable segments, counted not placed
+        self._next_page = 1
 
     def alloc(self, nbytes: int) -> int:
+        if self.page_bytes and not self.dev.unified:
+            self._room(nbytes)
         ptr = self.dev.alloc(nbytes)  # raises MemoryError when it cannot
         self.extensions += 1
         return ptr
+
+    def _room(self, nbytes: int) -> None:
+        dev = self.dev
+        left = dev.capacity - dev.used - self.page_bytes
+        if nbytes > left:
+            raise MemoryError(
+                f"{dev.name}: cannot allocate {nbytes} bytes: {dev.used + self.page_bytes} "
+                f"bytes used of {dev.capacity} bytes capacity, {max(0, left)} bytes left")
+
+    def create_page(self, nbytes: int) -> int:
+        """One physical page of an expandable segment (``cuMemCreate``): only its bytes
+        count, since pages have no address until mapped into the segment's range."""
+        if not self.dev.unified:
+            self._room(nbytes)
+        self.page_bytes += nbytes
+        handle = self._next_page
+        self._next_page += 1
+        return handle
+
+    def release_page(self, handle: int, nbytes: int) -> None:
+        self.page_bytes -= nbytes
 
     def free(self, ptr: int, nbytes: int) -> None:
         self.dev.free(ptr, nbytes)
@@ -391,6 +662,8 @@ class _CountingSub:
         out = _CountingSub(new_dev)
         out.extensions = self.extensions
         out.releases = self.releases
+        out.page_bytes = self.page_bytes
+        out._next_page = self._next_page
         return out
 
 
@@ -431,21 +704,20 @@ class _Engine:
     })
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
-                 nbytes: list[int], name: str | None = None) -> None:
+                 nbytes: list[int], name: str | None = None, streams: Any = None) -> None:
         self.settings = settings
         self.ops, self.keys, self.nbytes = ops, keys, nbytes
+        self.streams = streams   # a PyTorch trace's streams, per call (None: all 0)
         dev_index = int(settings["device"])
         frac = settings["fraction"]
         device = SimulatedDevice(settings["device_bytes"], index=dev_index,
                                  unified=bool(frac is not None and frac > 1.0),
                                  compute_capability=(int(settings["cc_major"]), 0))
         self.sub = _CountingSub(device)
-        self.alloc = BFCAllocator(
-            self.sub, settings["memory_limit"], allow_growth=settings["allow_growth"],
-            garbage_collection=settings["garbage_collection"],
-            fragmentation_fraction=settings["fragmentation_fraction"],
-            name=name or settings.get("name") or f"GPU_{dev_index}_bfc")
-        self.alloc.device_index = dev_index
+        self.model = model_for(settings.get("allocator") or "bfc")
+        if name is not None:
+            settings = dict(settings, name=name)
+        self.alloc = self.model.build(settings, self.sub)
         self.ptrs: dict[int, int] = {}
         self.held: list[int] = []  # pointers whose free is deferred
         self.held_bytes = 0
@@ -460,10 +732,15 @@ class _Engine:
         stop = min(stop, len(self.ops))
         if stop <= self.pos:
             return
+        self.runner()(self.pos, stop, None)
+
+    def runner(self) -> Callable:
+        """The loop for this engine's model and settings."""
+        if self.model is TORCH:
+            return self._run_torch
         if self.settings["deferred_deletion_bytes"] > 0:
-            self._run_deferred(self.pos, stop, None)
-        else:
-            self._run_plain(self.pos, stop, None)
+            return self._run_deferred
+        return self._run_plain
 
     def _run_plain(self, start: int, stop: int, sample: list | None,
                    max_ooms: int = sys.maxsize) -> None:
@@ -573,6 +850,58 @@ class _Engine:
         self.held_bytes = held_bytes
         self.pos = stop
 
+    def _run_torch(self, start: int, stop: int, sample: list | None,
+                   max_ooms: int = sys.maxsize) -> None:
+        """The calls through PyTorch's caching allocator: allocations on their streams,
+        frees, failed requests tried again, and ``empty_cache()`` calls (op 9)."""
+        alloc = self.alloc
+        allocate, deallocate, empty = alloc.try_allocate, alloc.deallocate, alloc.empty_cache
+        ptrs = self.ptrs
+        pop = ptrs.pop
+        oom_calls = self.oom_calls
+        skipped = 0
+        ops = _part(self.ops, start, stop)
+        keys = _part(self.keys, start, stop)
+        nbytes = _part(self.nbytes, start, stop)
+        streams = _part(self.streams, start, stop) if self.streams is not None else None
+        if sample is not None:
+            s_in, s_pool, s_lf = (lst.append for lst in sample)
+            stats = alloc._stats.pool["allocated_bytes"]
+            largest = alloc._largest_free_block
+        i = start
+        for j, (op, key, n) in enumerate(zip(ops, keys, nbytes)):
+            if op == 2:
+                p = pop(key, None)
+                if p is None:
+                    skipped += 1
+                else:
+                    deallocate(p)
+            elif op == 9:
+                empty()
+            else:
+                p = allocate(n, True, streams[j] if streams is not None else 0)
+                if p or not n:
+                    if op == 1:
+                        ptrs[key] = p
+                    elif p:
+                        deallocate(p)   # a request the source refused, served now
+                else:
+                    oom_calls.append(i)
+                    if len(oom_calls) >= max_ooms:
+                        stop = i + 1
+                        if sample is not None:
+                            s_in(stats[0])
+                            s_pool(alloc._reserved)
+                            s_lf(largest())
+                        break
+            i += 1
+            if sample is not None:
+                s_in(stats[0])
+                s_pool(alloc._reserved)
+                s_lf(largest())
+        self.skipped_frees += skipped
+        self.pos = stop
+
     def flush_held(self) -> None:
         """Apply the frees deferred deletion still holds."""
         for q in self.held:
@@ -590,8 +919,12 @@ class _Engine:
             When the allocator has state this copy does not know (a newer BFCAllocator),
             or listeners; callers then fall back to replaying from the start.
         """
+        if self.model is not BFC:
+            raise NotImplementedError("only BFC replays have checkpoints")
         new = object.__new__(_Engine)
         new.settings = self.settings
+        new.model = self.model
+        new.streams = self.streams
         new.ops, new.keys, new.nbytes = self.ops, self.keys, self.nbytes
         new.sub = self.sub.clone()
         new.alloc = _clone_allocator(self.alloc, new.sub)
@@ -711,6 +1044,22 @@ class ReplayResult:
         What the trace lacks to answer for the job that made it (an incomplete or missing
         dump, no events): :func:`gpudash.trace.caveats.trace_warnings`. With any, ``fits``
         and the peaks hold for the calls the trace has, not for the job.
+    allocator : str
+        The model replayed: ``"bfc"`` (TensorFlow's and JAX's) or ``"torch"`` (PyTorch's
+        caching allocator). For ``"torch"``, ``peak_pool_bytes`` is PyTorch's peak
+        reserved, ``peak_bytes_in_use`` its peak allocated, ``extensions`` and
+        ``releases`` its ``num_device_alloc`` / ``num_device_free`` (segments, or maps and
+        unmaps), ``memory_limit`` what ``set_per_process_memory_fraction`` allows (the
+        device without one).
+    snapshot : dict or None
+        PyTorch's replay only: the model's own ``torch.cuda.memory._snapshot()`` at the end,
+        with ``device_traces`` when the replay recorded (MemoryViz opens it).
+    fidelity : ExactReplay or None
+        An exact PyTorch replay only: how many segment events, addresses and OOMs of the
+        trace the model reproduced, and whether the final layout is the snapshot's
+        (:class:`gpudash.trace.torch_replay.ExactReplay`).
+    assumed : list of str
+        What the replay assumed that the trace does not say (the device's size...).
     """
 
     oom_count: int
@@ -733,6 +1082,10 @@ class ReplayResult:
     elapsed_s: float = 0.0
     events_per_second: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    allocator: str = "bfc"
+    snapshot: dict | None = field(default=None, repr=False)
+    fidelity: Any = field(default=None, repr=False)
+    assumed: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -753,10 +1106,18 @@ class ReplayResult:
             verdict = f"{self.oom_count} OOMs (first at call {first})"
         if self.warnings:
             verdict += f" of an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
-        return (f"ReplayResult({verdict}, limit={format_bytes(self.memory_limit)}, "
-                f"peak_pool={format_bytes(self.peak_pool_bytes)}, "
-                f"peak_in_use={format_bytes(self.peak_bytes_in_use)}, "
-                f"extensions={self.extensions}, calls={self.calls}, "
+        if self.allocator == "torch":  # PyTorch's own words
+            sizes = (f"peak_reserved={format_bytes(self.peak_pool_bytes)}, "
+                     f"peak_allocated={format_bytes(self.peak_bytes_in_use)}, "
+                     f"num_device_alloc={self.extensions}")
+            if self.fidelity is not None:
+                sizes += f", exact={self.fidelity.exact}"
+        else:
+            sizes = (f"peak_pool={format_bytes(self.peak_pool_bytes)}, "
+                     f"peak_in_use={format_bytes(self.peak_bytes_in_use)}, "
+                     f"extensions={self.extensions}")
+        return (f"ReplayResult({verdict}, {self.allocator}, "
+                f"limit={format_bytes(self.memory_limit)}, {sizes}, calls={self.calls}, "
                 f"{self.events_per_second:,.0f} events/s)")
 
 
@@ -808,18 +1169,82 @@ def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.
     return calls.op, calls.key, calls.nbytes, n_events
 
 
-def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | None = _UNSET,
+#: The op of an ``empty_cache()`` call in a PyTorch trace's call list.
+EMPTY_CACHE = 9
+
+
+def torch_calls(trace: Trace, device: int) -> tuple:
+    """The calls a replay through PyTorch's allocator makes for ``device``:
+    ``(op, key, nbytes, stream, n_events)`` as numpy columns.
+
+    Besides the allocations (op 1, on their streams), frees (2) and failed requests (7),
+    a PyTorch trace shows ``torch.cuda.empty_cache()`` calls only by what they did: a run of
+    ``segment_free``/``segment_unmap`` entries. Each such run becomes an ``empty_cache()``
+    call (op 9) where it stands, except a run right before a failed request (the
+    allocator's own release before it gave up). A release the allocator made because the
+    driver refused memory looks the same and is replayed as a call too: it only returns
+    cached memory, so it never makes a replay fail (gpudash's exact replay tells the two
+    apart; see :mod:`gpudash.trace.torch_replay`).
+    """
+    calls = trace.calls(device)
+    n_events = int(np.count_nonzero(trace.columns["device"] == device))
+    return _torch_calls(trace, device, calls.op, calls.key, calls.nbytes, calls.row, n_events)
+
+
+def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
+                 nbytes: np.ndarray, rows: np.ndarray, n_events: int) -> tuple:
+    from ..events import EventKind
+
+    c = trace.columns
+    streams = trace.streams()[rows] if trace.stream is not None else None
+    rel = np.flatnonzero((c["kind"] == int(EventKind.RELEASE)) & (c["device"] == device))
+    if not len(rel):
+        return op, key, nbytes, streams, n_events
+    # the call each release precedes; one empty_cache() per run (same next call)
+    at = np.searchsorted(rows, rel)
+    runs = np.unique(at)
+    before_oom = np.zeros(len(runs), dtype=bool)
+    inside = runs < len(op)
+    before_oom[inside] = op[runs[inside]] == 7
+    runs = runs[~before_oom]
+    n = len(op) + len(runs)
+    pos = runs + np.arange(len(runs))            # where each empty_cache() lands
+    keep = np.ones(n, dtype=bool)
+    keep[pos] = False
+    new_op = np.full(n, EMPTY_CACHE, dtype=op.dtype)
+    new_key = np.zeros(n, dtype=key.dtype)
+    new_nbytes = np.zeros(n, dtype=nbytes.dtype)
+    new_op[keep], new_key[keep], new_nbytes[keep] = op, key, nbytes
+    new_streams = None
+    if streams is not None:
+        new_streams = np.zeros(n, dtype=streams.dtype)
+        new_streams[keep] = streams
+    return new_op, new_key, new_nbytes, new_streams, n_events
+
+
+def replay(trace: Trace, *, allocator: str | None = _UNSET,
+           device_bytes: int | str = _UNSET, fraction: float | None = _UNSET,
            memory_limit: int | str | None = _UNSET, allow_growth: bool = _UNSET,
            garbage_collection: bool = _UNSET, fragmentation_fraction: float = _UNSET,
            deferred_deletion_bytes: int = _UNSET, device: int | None = _UNSET,
+           conf: Any = _UNSET, expandable_segments: bool | None = _UNSET,
+           max_split_size_mb: int | None = _UNSET,
+           garbage_collection_threshold: float | None = _UNSET,
+           roundup_power2_divisions: Any = _UNSET, max_non_split_rounding_mb: int | None = _UNSET,
+           torch_version: Any = _UNSET, exact: bool | None = _UNSET,
            options: Any = None, record: bool = True, per_call: bool = True,
            max_ooms: int | None = None, progress: Any = None) -> ReplayResult:
-    """Replay a trace's allocations through a fresh BFC allocator on a simulated device.
+    """Replay a trace's allocations through a fresh allocator on a simulated device.
 
     Parameters
     ----------
     trace : Trace
         Any trace (recorded by gpudash, imported, synthetic).
+    allocator : {"bfc", "torch"}, optional
+        The model: TensorFlow's and JAX's BFC (``"bfc"``; also ``"tensorflow"``, ``"jax"``)
+        or PyTorch's caching allocator (``"torch"``; also ``"pytorch"``). Default: the one
+        that made the trace (PyTorch's for a PyTorch snapshot, else the BFC). PyTorch's
+        takes its own settings (below) and no TensorFlow ones.
     device_bytes : int or str, default 16 GiB
         Size of the simulated device (``16 << 30`` or ``"16GiB"``).
     fraction : float or None, default None
@@ -848,6 +1273,21 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
         :class:`~gpudash.GpudashWarning` naming it when there are several
         (:func:`replay_devices` replays them all). The simulated device gets this index (and
         so the addresses TensorFlow's device of that index would get).
+    conf : str or CachingAllocatorConfig, optional
+        PyTorch only: ``PYTORCH_CUDA_ALLOC_CONF``. Default: what the snapshot says it ran
+        with (its ``allocator_settings``), else PyTorch's defaults.
+    expandable_segments, max_split_size_mb, garbage_collection_threshold, \
+roundup_power2_divisions, max_non_split_rounding_mb : optional
+        PyTorch only: one setting, over ``conf``.
+    torch_version : str, optional
+        PyTorch only: whose rules (default: the snapshot's layout's, else 2.11).
+    exact : bool, optional
+        PyTorch only: replay with the trace's own segment addresses and release points and
+        report in :attr:`ReplayResult.fidelity` how closely the model followed every
+        decision. Default: for a PyTorch snapshot replayed with its recorded settings. With
+        other settings (a fraction, another conf) the replay runs on a simulated device of
+        ``device_bytes`` (default: what the trace shows, see :func:`torch_capacity`, else
+        assumed and said so in :attr:`ReplayResult.assumed`).
     options : GPUOptions, dict or "trace", optional
         Settings in bulk (see :func:`resolve_settings`); ``"trace"`` takes them from the
         trace's metadata. Explicit keyword arguments win.
@@ -883,21 +1323,29 @@ def replay(trace: Trace, *, device_bytes: int | str = _UNSET, fraction: float | 
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"replay needs a gpudash.trace.Trace; got {type(trace).__name__}")
-    return _replay(trace, None, device_bytes=device_bytes, fraction=fraction,
-                   memory_limit=memory_limit, allow_growth=allow_growth,
+    return _replay(trace, None, allocator=allocator, device_bytes=device_bytes,
+                   fraction=fraction, memory_limit=memory_limit, allow_growth=allow_growth,
                    garbage_collection=garbage_collection,
                    fragmentation_fraction=fragmentation_fraction,
-                   deferred_deletion_bytes=deferred_deletion_bytes, device=device,
-                   options=options, record=record, per_call=per_call, max_ooms=max_ooms,
-                   progress=progress)
+                   deferred_deletion_bytes=deferred_deletion_bytes, device=device, conf=conf,
+                   expandable_segments=expandable_segments,
+                   max_split_size_mb=max_split_size_mb,
+                   garbage_collection_threshold=garbage_collection_threshold,
+                   roundup_power2_divisions=roundup_power2_divisions,
+                   max_non_split_rounding_mb=max_non_split_rounding_mb,
+                   torch_version=torch_version, exact=exact, options=options, record=record,
+                   per_call=per_call, max_ooms=max_ooms, progress=progress)
 
 
 #: The arguments of :func:`replay` but ``trace`` (and ``device``, which replay_devices and
 #: DeviceIndex.replay choose).
-_REPLAY_ARGS = frozenset({"device_bytes", "fraction", "memory_limit", "allow_growth",
-                          "garbage_collection", "fragmentation_fraction",
+_REPLAY_ARGS = frozenset({"allocator", "device_bytes", "fraction", "memory_limit",
+                          "allow_growth", "garbage_collection", "fragmentation_fraction",
                           "deferred_deletion_bytes", "options", "record", "per_call",
-                          "max_ooms", "progress"})
+                          "max_ooms", "progress", "conf", "expandable_segments",
+                          "max_split_size_mb", "garbage_collection_threshold",
+                          "roundup_power2_divisions", "max_non_split_rounding_mb",
+                          "torch_version", "exact"})
 
 
 def _check_replay_args(kwargs: Mapping[str, Any]) -> None:
@@ -917,15 +1365,61 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
         raise ValueError(f"max_ooms must be >= 1 or None; got {max_ooms}")
     from .caveats import trace_warnings
 
-    if index is None:
-        ops, keys, nbytes, n_events = _calls_lists(trace, settings["device"])
+    dev = settings["device"]
+    report = _progress_fn(progress, "replay")
+    streams = None
+    if settings["allocator"] == "torch" and settings["exact"]:
+        result = _replay_exact(trace, settings, record=record, per_call=per_call,
+                               progress=report)
     else:
-        ops, keys, nbytes, n_events = index.calls(settings["device"])
-    result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
-                           per_call=per_call, max_ooms=max_ooms,
-                           progress=_progress_fn(progress, "replay"))
-    result.warnings = trace_warnings(trace, settings["device"])
+        if settings["allocator"] == "torch":
+            ops, keys, nbytes, streams, n_events = (
+                torch_calls(trace, dev) if index is None else index.torch_calls(dev))
+        elif index is None:
+            ops, keys, nbytes, n_events = _calls_lists(trace, dev)
+        else:
+            ops, keys, nbytes, n_events = index.calls(dev)
+        result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
+                               per_call=per_call, max_ooms=max_ooms, progress=report,
+                               streams=streams)
+    result.warnings = trace_warnings(trace, dev)
     return result
+
+
+def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
+                  progress: Callable[[int, int], None] | None) -> ReplayResult:
+    """A PyTorch trace replayed with its own addresses and release points
+    (:func:`gpudash.trace.torch_replay.replay_exact`), as a :class:`ReplayResult`."""
+    from .torch_replay import from_trace, replay_exact
+
+    tt = from_trace(trace, settings["device"])
+    sample = [[], [], []] if per_call else None
+    rec: list = []
+    t0 = time.perf_counter()
+    fid = replay_exact(tt, conf=settings["conf"], device_total=settings["device_bytes"],
+                       sample=sample, progress=progress,
+                       attach=(lambda a: rec.append(_Collected(a))) if record else None)
+    elapsed = time.perf_counter() - t0
+    alloc = fid.allocator
+    recording = None
+    if rec:
+        recording = rec[0].to_trace(alloc, {"replay_of": _settings_for_meta(settings),
+                                            "source": "gpudash"})
+    pc = _per_call(sample) if sample is not None else {}
+    st = alloc.memory_stats()
+    ooms = np.array([i for i, _ in fid.oom_calls], dtype=np.int64)
+    n_events = int(np.count_nonzero(trace.columns["device"] == settings["device"]))
+    stats = alloc.stats()
+    return ReplayResult(
+        oom_count=len(ooms), first_oom=fid.oom_calls[0] if fid.oom_calls else None, ooms=ooms,
+        peak_pool_bytes=stats.peak_pool_bytes, peak_bytes_in_use=stats.peak_bytes_in_use,
+        extensions=st["num_device_alloc"], releases=st["num_device_free"],
+        memory_limit=alloc.memory_limit, options=_settings_for_meta(settings), per_call=pc,
+        recording=recording, final_snapshot=alloc.memory_dump(), calls=fid.calls,
+        events=n_events, elapsed_s=elapsed,
+        events_per_second=n_events / elapsed if elapsed > 0 else float("inf"),
+        allocator="torch", snapshot=fid.snapshot, fidelity=fid,
+        assumed=list(settings.get("assumed") or []))
 
 
 def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:
@@ -954,14 +1448,18 @@ def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:
 
 def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[int],
                   n_events: int, *, record: bool, per_call: bool, max_ooms: int | None,
-                  progress: Callable[[int, int], None] | None) -> ReplayResult:
-    eng = _Engine(settings, ops, keys, nbytes)
+                  progress: Callable[[int, int], None] | None,
+                  streams: Any = None) -> ReplayResult:
+    eng = _Engine(settings, ops, keys, nbytes, streams=streams)
     alloc = eng.alloc
+    torch = eng.model is TORCH
+    if record and torch:
+        alloc.record_history(True, max_entries=max(1, 4 * len(ops) + 16))
     total = len(ops)
     rec = _Collected(alloc) if record else None
     sample = [[], [], []] if per_call else None
     parts: list[list[np.ndarray]] = [[], [], []]  # the samples, as int64 arrays per chunk
-    run = eng._run_deferred if settings["deferred_deletion_bytes"] > 0 else eng._run_plain
+    run = eng.runner()
     quiet = _QuietGC()
     logger = logging.getLogger("gpudash")
     logger.addFilter(quiet)
@@ -997,22 +1495,35 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     if sample is not None:
         for k in range(3):  # anything sampled after the last chunk (an early stop)
             parts[k].append(np.array(sample[k], dtype=np.int64))
-        in_use, pool, lf = (np.concatenate(p) for p in parts)
-        free = pool - in_use
-        with np.errstate(divide="ignore", invalid="ignore"):
-            frag = np.where(free > 0, 1.0 - lf / np.where(free > 0, free, 1), 0.0)
-        pc = {"in_use": in_use, "pool": pool, "largest_free": lf, "fragmentation": frag}
+        pc = _per_call([np.concatenate(p) for p in parts])
     stats = alloc.stats()
     done = eng.pos
     events = n_events if done == total else int(round(n_events * done / max(total, 1)))
+    extensions, releases = eng.sub.extensions, eng.sub.releases
+    if torch:
+        st = alloc.memory_stats()
+        extensions, releases = st["num_device_alloc"], st["num_device_free"]
     return ReplayResult(
         oom_count=len(ooms), first_oom=first, ooms=ooms,
         peak_pool_bytes=stats.peak_pool_bytes, peak_bytes_in_use=stats.peak_bytes_in_use,
-        extensions=eng.sub.extensions, releases=eng.sub.releases,
+        extensions=extensions, releases=releases,
         memory_limit=alloc.memory_limit, options=_settings_for_meta(settings), per_call=pc,
-        recording=recording, final_snapshot=alloc.snapshot(), calls=done, events=events,
-        skipped_frees=eng.skipped_frees, retried=eng.retried, stopped_early=stopped,
-        elapsed_s=elapsed, events_per_second=events / elapsed if elapsed > 0 else float("inf"))
+        recording=recording,
+        final_snapshot=alloc.memory_dump() if torch else alloc.snapshot(), calls=done,
+        events=events, skipped_frees=eng.skipped_frees, retried=eng.retried,
+        stopped_early=stopped, elapsed_s=elapsed,
+        events_per_second=events / elapsed if elapsed > 0 else float("inf"),
+        allocator=eng.model.name, snapshot=alloc.snapshot() if torch else None,
+        assumed=list(settings.get("assumed") or []))
+
+
+def _per_call(samples: list) -> dict[str, np.ndarray]:
+    """Per-call samples (in use, pool, largest free) as arrays, with fragmentation."""
+    in_use, pool, lf = (np.asarray(x, dtype=np.int64) for x in samples)
+    free = pool - in_use
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frag = np.where(free > 0, 1.0 - lf / np.where(free > 0, free, 1), 0.0)
+    return {"in_use": in_use, "pool": pool, "largest_free": lf, "fragmentation": frag}
 
 
 class _Collected:
@@ -1041,7 +1552,14 @@ class _Collected:
 
 
 def _settings_for_meta(settings: dict) -> dict:
-    """The replay settings as a JSON-friendly dict (what :attr:`ReplayResult.options` holds)."""
+    """The replay settings as a JSON-friendly dict (what :attr:`ReplayResult.options` holds):
+    TensorFlow's (BFC) or PyTorch's (``conf`` as its PYTORCH_CUDA_ALLOC_CONF string)."""
+    if settings.get("allocator") == "torch":
+        conf = settings["conf"]
+        return {"allocator": "torch", "device_bytes": settings["device_bytes"],
+                "fraction": settings["fraction"], "memory_limit": settings["memory_limit"],
+                "conf": conf.as_conf(), "torch_version": ".".join(map(str, conf.version)),
+                "exact": settings["exact"], "device": settings["device"]}
     keys = ("device_bytes", "fraction", "memory_limit", "allow_growth", "garbage_collection",
             "fragmentation_fraction", "deferred_deletion_bytes", "device")
-    return {k: settings[k] for k in keys}
+    return {"allocator": "bfc", **{k: settings[k] for k in keys}}

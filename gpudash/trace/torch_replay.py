@@ -233,7 +233,9 @@ def _as_int(value: Any, where: str, signed: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: expected an integer, found {value!r}")
     if not signed and value < 0:
-        raise TraceFormatError(f"{where}: expected an integer >= 0, found {value}")
+        what = where.rsplit(".", 1)[-1]
+        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
+                               f">= 0")
     return value
 
 
@@ -300,6 +302,8 @@ class ExactReplay:
     notes: list[str] = dataclasses.field(default_factory=list)
     empty_cache_calls: int = 0
     pressure_calls: int = 0
+    calls: int = 0
+    oom_calls: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     rebuilt: dict = dataclasses.field(default_factory=dict)
     snapshot: dict = dataclasses.field(default_factory=dict, repr=False)
     allocator: Any = dataclasses.field(default=None, repr=False)
@@ -428,7 +432,8 @@ class _Oracle:
 # ---------------------------------------------------------------------------------- replay
 def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = None,
                  device_total: int | None = None, version: Any = None,
-                 max_entries: int = 10_000_000) -> ExactReplay:
+                 max_entries: int = 10_000_000, sample: list | None = None,
+                 attach: Any = None, progress: Any = None) -> ExactReplay:
     """Replay one device's PyTorch trace through the model with the trace's own addresses,
     and compare every decision (see the module docstring).
 
@@ -445,6 +450,14 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         Default: enough for the trace (it is only a ceiling the replay never reaches).
     version : str or tuple, optional
         The PyTorch version (default: guessed from the snapshot's layout).
+    sample : list of three lists, optional
+        Filled with the allocated bytes, reserved bytes and largest free block after every
+        call of the trace (alloc, free, oom), as :func:`gpudash.trace.replay.replay` samples.
+    attach : callable, optional
+        ``attach(allocator)`` once the starting state is in place, before the first call
+        (a recorder of the replay's events).
+    progress : callable, optional
+        ``progress(done, total)`` in trace entries, every 65,536 entries and at the end.
     """
     notes: list[str] = []
     v = parse_torch_version(version) if version is not None else tt.version
@@ -481,12 +494,32 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             "from their request)")
     hist = alloc._history
     hist.clear()
+    if attach is not None:
+        attach(alloc)
     ptr_of: dict[int, int] = {}   # trace address -> model address of live allocations
     n = len(act)
     i = 0
     pending: list[int] = []        # indices of a release run not yet attributed
     known_fraction = fraction is not None
+    calls = [0]
+    if sample is not None:
+        s_in, s_pool, s_lf = (lst.append for lst in sample)
+        allocated = alloc._stats.pool["allocated_bytes"]
+
+    def after_call(oom_bytes: int = 0) -> None:
+        if oom_bytes:
+            res.oom_calls.append((calls[0], oom_bytes))
+        calls[0] += 1
+        if sample is not None:
+            s_in(allocated[0])
+            s_pool(alloc._reserved)
+            s_lf(alloc._largest_free_block())
+
+    next_report = 1 << 16
     while i < n:
+        if progress is not None and i >= next_report:
+            progress(i, n)
+            next_report += 1 << 16
         a = act[i]
         if a in _RELEASES:
             pending.append(i)
@@ -498,8 +531,9 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             while j < n and act[j] in _SEGMENT_ACTIONS:
                 j += 1
             if j < n and act[j] in (A_ALLOC, A_OOM):
-                _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, j + 1,
-                      ptr_of, known_fraction)
+                served = _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i,
+                               j + 1, ptr_of, known_fraction)
+                after_call(0 if served else size[j])
                 pending = []
                 i = j + 1
                 continue
@@ -507,8 +541,9 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             i = j
             continue
         if a in (A_ALLOC, A_OOM):
-            _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, i + 1, ptr_of,
-                  known_fraction)
+            served = _call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, i + 1,
+                           ptr_of, known_fraction)
+            after_call(0 if served else size[i])
             pending = []
             i += 1
             continue
@@ -529,9 +564,13 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 alloc.deallocate(p)
             except Exception as exc:  # noqa: BLE001 - recorded as a divergence
                 _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
+            after_call()
         i += 1
     if pending:
         _empty_cache(alloc, res, tt, act, addr, size, pending)
+    if progress is not None:
+        progress(n, n)
+    res.calls = calls[0]
     res.segment_events = sum(1 for x in act if x in _SEGMENT_ACTIONS)
     res.allocs = sum(1 for x in act if x == A_ALLOC)
     res.ooms = sum(1 for x in act if x == A_OOM)
@@ -681,9 +720,9 @@ def _model_events(alloc: CachingAllocator, kept: list) -> list[tuple[int, int, i
 
 def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchTrace,
           act: list, addr: list, size: list, stream: list, pending: list[int], lo: int,
-          hi: int, ptr_of: dict, known_fraction: bool) -> None:
+          hi: int, ptr_of: dict, known_fraction: bool) -> bool:
     """One malloc: the release run before it (``pending``), its gets ``lo..hi-2`` and the
-    alloc or oom at ``hi-1``."""
+    alloc or oom at ``hi-1``; whether the model served it."""
     last = hi - 1
     is_oom = act[last] == A_OOM
     gets = [(act[k], addr[k], size[k]) for k in range(lo, last) if act[k] in _GETS]
@@ -728,7 +767,6 @@ def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchT
     ok = matched == len(expected) == len(made_seg)
     if is_oom:
         if p:
-            res.unexpected_ooms += 0
             _diverge(res, last, tt, f"oom of {nbytes} bytes: the model served it at {p:#x}")
             alloc.deallocate(p)
             ok = False
@@ -738,7 +776,7 @@ def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchT
         if not p:
             res.unexpected_ooms += 1
             _diverge(res, last, tt, f"alloc of {nbytes} bytes: the model ran out of memory")
-            return
+            return False
         ptr_of[addr[last]] = p
         if p == addr[last]:
             res.allocs_matched += 1
@@ -749,6 +787,7 @@ def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchT
     if not ok and res.first_divergence is None:
         _diverge(res, lo if not pending else pending[0], tt,
                  f"segment events of this call: trace {_fmt(expected)}, model {_fmt(made_seg)}")
+    return bool(p)
 
 
 def _as_empty_cache(alloc: CachingAllocator, act: list, addr: list, size: list,
@@ -1030,6 +1069,7 @@ def _install(alloc: CachingAllocator, b: _Block) -> None:
     if b.allocated:
         b.aid = alloc._next_aid
         alloc._next_aid += 1
+        alloc._largest = max(alloc._largest, b.size)
         _inc(st["allocation"], t, 1)
         _inc(st["allocated_bytes"], t, b.size)
         _inc(st["requested_bytes"], t, b.requested)

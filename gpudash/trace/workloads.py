@@ -27,6 +27,14 @@ Workloads
 :func:`fragmentation_stress`
     Small and large allocations interleaved and freed out of order: small blocks pin the
     holes that large ones leave, so the free space ends up in many pieces.
+:func:`finetune`
+    A transformer fine-tuned on batches of varying sequence length (float16): the
+    activations change size every step, with short-lived temporaries between the saved
+    ones, so a caching allocator's segments stop fitting the next step's requests.
+
+:func:`caching_snapshot` runs a call stream through PyTorch's caching-allocator model and
+returns what ``torch.cuda.memory._snapshot()`` would (a job with no GPU at hand can still
+be looked at as PyTorch would show it).
 
 Examples
 --------
@@ -58,6 +66,9 @@ __all__ = [
     "inference_server_calls",
     "fragmentation_stress",
     "fragmentation_stress_calls",
+    "finetune",
+    "finetune_calls",
+    "caching_snapshot",
     "trace_from_calls",
     "iter_calls",
     "run_workload",
@@ -327,6 +338,106 @@ def fragmentation_stress_calls(rounds: int = 2000, seed: int = 0, *,
         yield ("free", k)
 
 
+def finetune_calls(steps: int = 40, layers: int = 24, hidden: int = 2048, heads: int = 16,
+                   batch: int = 2, min_len: int = 128, max_len: int = 2304,
+                   seed: int = 0) -> Iterator[Call]:
+    """The calls of a transformer fine-tuned on batches of varying sequence length
+    (float16 weights and activations, Adam's two float32 moments per weight).
+
+    Parameters
+    ----------
+    steps : int
+        Training steps; each draws a sequence length in ``[min_len, max_len]`` (a multiple
+        of 64).
+    layers, hidden, heads : int
+        The transformer: per layer ``4 * hidden**2`` attention and ``8 * hidden**2`` MLP
+        weights.
+    batch : int
+        Sequences per step.
+    min_len, max_len : int
+        Bounds of the sequence length.
+    seed : int
+        Seeds the sequence lengths.
+
+    Yields
+    ------
+    tuple
+        ``("alloc", key, nbytes)`` or ``("free", key)``; keys are ints from 1.
+
+    Notes
+    -----
+    Per layer, the forward pass saves five activations (QKV, the ``batch * heads * len**2``
+    attention probabilities, the attention output, the MLP's hidden state and output), each
+    made from a temporary of the same size that is freed at once; the backward pass
+    recomputes the attention scores in a temporary, frees the layer's activations and passes
+    a gradient down; the weight gradients are allocated after the backward pass and freed
+    by the optimizer step. Adam's moments are allocated after the first step and stay.
+    Because the length changes every step, so do the sizes of the large requests: the
+    workload where PyTorch's ``expandable_segments:True`` pays (with the defaults, PyTorch's
+    default allocator needs about 24.4 GiB, expandable segments about 23.1 GiB).
+    """
+    steps = _check_positive("steps", steps)
+    layers = _check_positive("layers", layers)
+    hidden = _check_positive("hidden", hidden)
+    heads = _check_positive("heads", heads)
+    batch = _check_positive("batch", batch)
+    min_len = _check_positive("min_len", min_len)
+    max_len = _check_positive("max_len", max_len)
+    if max_len < min_len:
+        raise ValueError(f"max_len ({max_len}) must be at least min_len ({min_len})")
+    rng = random.Random(seed)
+    keys = iter(range(1, 1 << 62))
+    weights = []
+    for _ in range(layers):
+        for nbytes in (4 * hidden * hidden * 2, 8 * hidden * hidden * 2):
+            yield ("alloc", next(keys), nbytes)
+            weights.append(nbytes)
+    lo, hi = max(1, min_len // 64), max(1, max_len // 64)
+    moments = False
+    for _ in range(steps):
+        seq = _randint(rng, lo, hi) * 64
+        tokens = batch * seq
+        x = next(keys)
+        yield ("alloc", x, tokens * hidden * 2)
+        saved = []
+        for _ in range(layers):
+            acts = []
+            for nbytes in (tokens * 3 * hidden * 2, batch * heads * seq * seq * 2,
+                           tokens * hidden * 2, tokens * 4 * hidden * 2, tokens * hidden * 2):
+                tmp, key = next(keys), next(keys)
+                yield ("alloc", tmp, nbytes)
+                yield ("alloc", key, nbytes)
+                yield ("free", tmp)
+                acts.append(key)
+            saved.append(acts)
+        grad = next(keys)
+        yield ("alloc", grad, tokens * hidden * 2)
+        for acts in reversed(saved):
+            scores = next(keys)
+            yield ("alloc", scores, batch * heads * seq * seq * 2)
+            yield ("free", scores)
+            for key in reversed(acts):
+                yield ("free", key)
+            down = next(keys)
+            yield ("alloc", down, tokens * hidden * 2)
+            yield ("free", grad)
+            grad = down
+        grads = []
+        for nbytes in weights:
+            key = next(keys)
+            yield ("alloc", key, nbytes)
+            grads.append(key)
+        yield ("free", grad)
+        yield ("free", x)
+        if not moments:
+            for nbytes in weights:
+                for _ in range(2):
+                    yield ("alloc", next(keys), nbytes * 2)
+            moments = True
+        for key in grads:
+            yield ("free", key)
+
+
 # ------------------------------------------------------------------------------ traces
 def trace_from_calls(calls: Iterable[Call], *, meta: dict | None = None,
                      seed: int = 0) -> Trace:
@@ -454,11 +565,77 @@ def fragmentation_stress(rounds: int = 2000, seed: int = 0, *, high: int | str =
                            params, seed)
 
 
+def finetune(steps: int = 40, layers: int = 24, hidden: int = 2048, heads: int = 16,
+             batch: int = 2, min_len: int = 128, max_len: int = 2304, seed: int = 0) -> Trace:
+    """:func:`finetune_calls` as a :class:`~gpudash.trace.Trace` (see there)."""
+    params = {"steps": steps, "layers": layers, "hidden": hidden, "heads": heads,
+              "batch": batch, "min_len": min_len, "max_len": max_len, "seed": seed}
+    return _workload_trace("finetune", finetune_calls(**params), params, seed)
+
+
+def caching_snapshot(calls: Iterable[Call], *, device_bytes: int | str = "80GiB",
+                     conf: str | None = None, fraction: float | None = None,
+                     torch_version: str | tuple | None = None,
+                     max_entries: int = 1_000_000) -> dict:
+    """Run ``calls`` through PyTorch's caching-allocator model (a
+    :class:`~gpudash.CachingAllocator` on a :class:`~gpudash.SimulatedDevice`) with history
+    recorded, and return its ``torch.cuda.memory._snapshot()``: segments, ``device_traces``
+    and the allocator settings, as :func:`gpudash.trace.torch_snapshot.load_torch_snapshot`
+    and PyTorch's MemoryViz read them.
+
+    Like PyTorch, the run stops at the first allocation the allocator refuses: the trace
+    ends with that ``oom`` entry (and the ``snapshot`` entry PyTorch adds when one is
+    taken), as a job's ``_dump_snapshot`` in its OOM handler leaves it.
+
+    Parameters
+    ----------
+    calls : iterable of tuple
+        A workload call stream (``("alloc", key, nbytes)`` / ``("free", key)``).
+    device_bytes : int or str
+        The simulated GPU's total memory.
+    conf : str, optional
+        ``PYTORCH_CUDA_ALLOC_CONF``.
+    fraction : float, optional
+        ``torch.cuda.set_per_process_memory_fraction``.
+    torch_version : str or tuple, optional
+        The PyTorch whose rules the model follows (default: the newest it knows).
+    max_entries : int
+        ``record_memory_history``'s ``max_entries``.
+
+    Examples
+    --------
+    >>> from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    >>> snap = caching_snapshot(finetune_calls(steps=2, layers=2), device_bytes="8GiB")
+    >>> snap["device_traces"][0][0]["action"], len(snap["segments"]) > 0
+    ('segment_alloc', True)
+    """
+    from .._units import parse_bytes
+    from ..caching import CachingAllocator
+    from ..devices import SimulatedDevice
+
+    dev = SimulatedDevice(parse_bytes(device_bytes, name="device_bytes"), "cuda:0")
+    alloc = CachingAllocator(dev, conf, fraction=fraction, version=torch_version)
+    alloc.record_history(True, max_entries=max_entries)
+    ptrs: dict[Any, int] = {}
+    for call in calls:
+        if call[0] == "alloc":
+            ptr = alloc.try_allocate(int(call[2]))
+            if not ptr:
+                break
+            ptrs[call[1]] = ptr
+        else:
+            ptr = ptrs.pop(call[1], None)
+            if ptr is not None:
+                alloc.deallocate(ptr)
+    return alloc.snapshot()
+
+
 #: Workload name -> (trace function, calls function).
 WORKLOADS: dict[str, tuple[Callable[..., Trace], Callable[..., Iterator[Call]]]] = {
     "training_loop": (training_loop, training_loop_calls),
     "inference_server": (inference_server, inference_server_calls),
     "fragmentation_stress": (fragmentation_stress, fragmentation_stress_calls),
+    "finetune": (finetune, finetune_calls),
 }
 
 

@@ -1,0 +1,97 @@
+"""replay() through PyTorch's caching-allocator model: exact by default for a PyTorch
+snapshot, what-if under other settings or devices, and either model for either framework's
+trace (each answer saying what it assumed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpudash import ConfigError
+from gpudash.trace.replay import replay
+from gpudash.trace.torch_snapshot import load_torch_snapshot
+from gpudash.trace.workloads import caching_snapshot, finetune_calls, training_loop
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def at24():
+    """The fine-tuning job on a 24 GiB GPU: PyTorch's defaults run out of memory."""
+    return load_torch_snapshot(caching_snapshot(finetune_calls(), device_bytes="24GiB"))
+
+
+@pytest.fixture(scope="module")
+def at80():
+    """The same job on an 80 GiB GPU: it fits, and the trace does not say the GPU's size."""
+    return load_torch_snapshot(caching_snapshot(finetune_calls(), device_bytes="80GiB"))
+
+
+def test_a_snapshot_replays_exactly_by_default_in_pytorchs_words(at24):
+    r = replay(at24)
+    assert r.allocator == "torch" and r.options["exact"] is True
+    assert r.fidelity.exact, r.fidelity.summary()
+    assert r.oom_count == 1 and r.fidelity.ooms == r.fidelity.ooms_matched == 1
+    assert r.memory_limit == 24 * GiB
+    assert r.assumed == [] or all("from the oom entry" in a for a in r.assumed)
+    assert "peak_reserved=" in repr(r) and "peak_pool" not in repr(r)
+    # the model's own snapshot at the end has the final segments of the trace
+    reserved = sum(s["total_size"] for s in r.snapshot["segments"])
+    assert reserved == sum(s["total_size"] for s in
+                           caching_snapshot(finetune_calls(), device_bytes="24GiB")["segments"])
+
+
+def test_the_bigger_gpus_trace_on_the_smaller_gpu_fails_where_that_run_failed(at24, at80):
+    exact = replay(at24)
+    whatif = replay(at80, device_bytes="24GiB")
+    assert whatif.options["exact"] is False and whatif.fidelity is None
+    assert whatif.first_oom == exact.first_oom
+    assert not any("device:" in a for a in whatif.assumed)
+
+
+def test_expandable_segments_fit_what_the_defaults_could_not(at24, at80):
+    fixed = replay(at24, expandable_segments=True)
+    assert fixed.fits and fixed.options["conf"] == "expandable_segments:True"
+    moved = replay(at80, device_bytes="24GiB", conf="expandable_segments:True")
+    default = replay(at80, device_bytes="24GiB")
+    assert moved.fits and not default.fits
+    assert moved.peak_bytes_in_use > default.peak_bytes_in_use  # it ran the whole job
+
+
+def test_exact_only_when_the_device_could_be_the_recorded_one(at24, at80):
+    assert replay(at24, device_bytes=24 * GiB).options["exact"] is True
+    assert replay(at24, device_bytes=25 * GiB).options["exact"] is False
+    r80 = replay(at80)  # no OOM entry: the size is assumed, and said so
+    assert r80.options["exact"] is True and r80.fidelity.exact
+    assert any("assumed" in a and "device_bytes=" in a for a in r80.assumed)
+    assert replay(at80, device_bytes="80GiB").options["exact"] is True
+    assert replay(at80, device_bytes="20GiB").options["exact"] is False
+    with pytest.raises(ConfigError, match="exact=False"):
+        replay(training_loop(steps=1, layers=2, hidden=256), allocator="torch", exact=True)
+
+
+def test_either_model_for_either_trace_and_each_settings_own_model(at80):
+    bfc = replay(at80, allocator="bfc")
+    assert bfc.allocator == "bfc" and "peak_pool=" in repr(bfc)
+    assert any("device:" in a for a in bfc.assumed)
+    tf = training_loop(steps=2, layers=2, hidden=512)
+    r = replay(tf, allocator="torch", device_bytes="4GiB")
+    assert r.allocator == "torch" and r.fits and r.fidelity is None
+    assert r.peak_pool_bytes % (2 * (1 << 20)) == 0  # PyTorch's segments: 2 MiB multiples
+    with pytest.raises(ConfigError, match="allocator='torch'"):
+        replay(tf, expandable_segments=True)
+    with pytest.raises(ConfigError, match="not a setting of PyTorch"):
+        replay(at80, allow_growth=False)
+    with pytest.raises(ConfigError, match="allocator must be one of"):
+        replay(at80, allocator="tpu")
+
+
+def test_knobs_and_conf_strings_reach_the_model(at80):
+    r = replay(at80, device_bytes="24GiB", max_split_size_mb=200,
+               garbage_collection_threshold=0.8)
+    assert r.options["conf"] == "max_split_size_mb:200,garbage_collection_threshold:0.8"
+    assert r.options["exact"] is False
+    half = replay(at80, fraction=0.5, device_bytes="48GiB")
+    assert half.memory_limit == 24 * GiB
+    assert half.first_oom == replay(at80, device_bytes="24GiB").first_oom
+    with pytest.raises(ConfigError, match="max_split_size_mb"):
+        replay(at80, conf="max_split_size_mb:1")
