@@ -743,20 +743,22 @@ def _short(value: Any) -> str:
 
 def _flag(value: Any) -> bool | None:
     """A recorded on/off setting (``allow_growth``, ``garbage_collection``): a JSON
-    boolean, or the string ``"true"`` or ``"false"`` (any case: a hand-edited file may
-    quote it) read as that boolean; None when absent.
+    boolean (or numpy's), None when absent.
 
     Raises
     ------
     ValueError
-        Anything else (``1``, ``"yes"``, ``"0"``): not guessed at.
+        Anything else, the strings ``"true"`` and ``"false"`` included: as the live
+        settings refuse ``allow_growth="false"``, a value that is not a boolean is not
+        guessed at (``bool("false")`` is True).
     """
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, np.bool_):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+    if isinstance(value, str):
+        raise ValueError(f"{_short(value)} (a string); expected true or false (JSON "
+                         "booleans)")
     raise ValueError(f"{_short(value)}; expected true or false")
 
 

@@ -133,14 +133,14 @@ def trace_settings(trace: Trace, device: int | None = None) -> dict[str, Any]:
         Some of ``device``, ``device_bytes`` (the device's ``capacity``),
         ``memory_limit``, ``allow_growth`` and ``garbage_collection``: only what the
         metadata holds (a trace recorded by gpudash holds them all; an imported one may hold
-        none). ``allow_growth`` and ``garbage_collection`` are JSON booleans; the strings
-        ``"true"`` and ``"false"`` (any case) are read as those booleans.
+        none). ``allow_growth`` and ``garbage_collection`` are taken only as booleans (JSON
+        true/false).
 
     Raises
     ------
     ConfigError
-        A recorded value that is none of these (``allow_growth: "yes"``, a ``capacity``
-        of ``"x"``): the message names the device and the field.
+        A recorded value that is none of these (``allow_growth: "false"``, a string; a
+        ``capacity`` of ``"x"``): the message names the device and the field.
     """
     dev = _pick_device(trace, device)
     return _recorded(_meta_devices(trace).get(dev), dev)

@@ -119,8 +119,8 @@ def load_tf_vectors(path_or_file: str | os.PathLike | IO | dict) -> Trace:
 
 def _settings(data: dict, name: str) -> dict[str, Any]:
     """The file's ``memory_limit`` (bytes, an integer >= 0), ``allow_growth`` and
-    ``garbage_collection`` (true or false; the strings "true" and "false" are read as
-    those), those it has; a TraceFormatError naming the file and field for other values."""
+    ``garbage_collection`` (JSON true or false), those it has; a TraceFormatError naming
+    the file and field for other values (the string "false" included)."""
     out: dict[str, Any] = {}
     for key, check in (("memory_limit", _byte_count), ("allow_growth", _flag),
                        ("garbage_collection", _flag)):
