@@ -7,12 +7,25 @@ PyTorch's caching allocator on the same calls) runs under
 of the two instruction counts, divided by the extra pairs, is what one pair costs (start-up
 and imports cancel out). Needs valgrind; takes a few minutes.
 
+Counts are deterministic (``PYTHONHASHSEED=0``, one OpenBLAS thread): run to run they
+agree to the instruction.
+
+That figure includes the harness: drawing each step's random slot and size and the loop
+that makes the two calls (about 5,400 instructions a pair on CPython 3.11). ``floor`` runs
+the same harness with two built-in functions in place of allocate and free; the table's
+``net`` column is a configuration's figure minus the floor: what the allocator itself
+costs per pair, the figure to hold against the targets in the README.
+
+The runs are also made with ``GPUDASH_PURE_PYTHON=1`` when ``--pure`` is given (the
+pure-Python models side by side with the compiled core).
+
 Run: ``python benchmarks/bench_instructions.py [--pairs N] [--only bare,session]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("bare", "session", "recorder", "reference", "torch")
+CONFIGS = ("floor", "bare", "session", "recorder", "reference", "torch")
 
 ONE = r"""
 import sys
@@ -31,7 +44,9 @@ from gpudash import BFCAllocator, CachingAllocator, Recorder, SimulatedDevice
 from reference_bfc import ReferenceBFC
 config, pairs = sys.argv[2], int(sys.argv[3])
 steps = make_workload(pairs)
-if config == "bare":
+if config == "floor":
+    run(abs, id, steps)
+elif config == "bare":
     a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
     run(a.allocate, a.deallocate, steps)
 elif config == "session":
@@ -51,13 +66,19 @@ else:
 """
 
 
-def instructions(config: str, pairs: int) -> int:
+def instructions(config: str, pairs: int, pure: bool = False) -> int:
+    # Deterministic counts: one hash seed, and no OpenBLAS threads (numpy starts them at
+    # import; they spin for a while, and their instructions vary from run to run).
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("GPUDASH_PURE_PYTHON", None)
+    if pure:
+        env["GPUDASH_PURE_PYTHON"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cg.out"
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
              sys.executable, "-c", ONE, str(HERE), config, str(pairs)],
-            capture_output=True, text=True)
+            capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{config}: valgrind failed:\n{proc.stderr[-2000:]}")
         m = re.search(r"Collected\s*:\s*(\d+)", proc.stderr)
@@ -70,23 +91,45 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=20_000)
     ap.add_argument("--only", default=",".join(CONFIGS))
+    ap.add_argument("--pure", action="store_true",
+                    help="also run the configurations on the pure-Python models")
     args = ap.parse_args(argv)
-    per_pair = {}
-    for config in args.only.split(","):
-        lo = instructions(config, args.pairs)
-        hi = instructions(config, 2 * args.pairs)
-        per_pair[config] = (hi - lo) / args.pairs
-        print(f"{config:<10} {per_pair[config]:>10,.0f} instructions per pair", flush=True)
-    if "bare" in per_pair:
-        b = per_pair["bare"]
-        if "session" in per_pair:
-            print(f"session / bare (speed)      {b / per_pair['session']:.2f}")
-        if "recorder" in per_pair:
-            print(f"recorder cost               {per_pair['recorder'] / b:.2f}x")
-        if "reference" in per_pair:
-            print(f"bare / reference (speed)    {per_pair['reference'] / b:.2f}")
-        if "torch" in per_pair:
-            print(f"PyTorch's model / BFC       {per_pair['torch'] / b:.2f}x")
+    configs = [c for c in args.only.split(",") if c]
+    if "floor" not in configs:
+        configs.insert(0, "floor")
+    paths = [("", False)] + ([("pure ", True)] if args.pure else [])
+    per_pair: dict[str, float] = {}
+    print(f"{'configuration':<18}{'per pair':>12}{'net':>12}   (instructions)", flush=True)
+    for label, pure in paths:
+        for config in configs:
+            if config == "floor" and label:
+                continue
+            lo = instructions(config, args.pairs, pure)
+            hi = instructions(config, 2 * args.pairs, pure)
+            name = label + config
+            per_pair[name] = (hi - lo) / args.pairs
+            net = per_pair[name] - per_pair["floor"] if config != "floor" else 0.0
+            print(f"{name:<18}{per_pair[name]:>12,.0f}{net:>12,.0f}", flush=True)
+    floor = per_pair["floor"]
+
+    def net(name: str) -> float:
+        return per_pair[name] - floor
+
+    for label, _ in paths:
+        b = label + "bare"
+        if b not in per_pair:
+            continue
+        print(f"-- {label or 'compiled '}ratios (net of the harness; gross in brackets)")
+        for other, text in (("session", "session / bare (cost)     "),
+                            ("recorder", "recorder / bare (cost)    "),
+                            ("torch", "PyTorch's model / BFC     ")):
+            o = label + other
+            if o in per_pair:
+                print(f"{text} {net(o) / net(b):.2f}x  ({per_pair[o] / per_pair[b]:.2f}x)")
+        r = label + "reference"
+        if r in per_pair:
+            print(f"bare / reference (speed)   {net(r) / net(b):.2f}   "
+                  f"({per_pair[r] / per_pair[b]:.2f})")
 
 
 if __name__ == "__main__":

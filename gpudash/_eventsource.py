@@ -202,6 +202,24 @@ class EventSource:
         self._outbox = _Outbox(self._lock)
         self.device_index = 0
 
+    def _reset_listeners(self) -> None:
+        """No listener, nothing buffered (a copy of an allocator starts so)."""
+        self._journal = None
+        self._journal_extra = {}
+        self._callbacks = []
+        self._sinks = []
+        self._raw_sinks = []
+        self._outbox = _Outbox(self._lock)
+        self._flush_at = JOURNAL_FLUSH
+
+    @staticmethod
+    def _expand_journal(journal: Any, seq0: int, next_aid: int, region_ptrs: Any,
+                        region_ends: Any, device: int) -> dict[str, np.ndarray]:
+        """:func:`expand_records` of a journal (the compiled core brings its own)."""
+        return expand_records(np.frombuffer(_array("q", journal), dtype=np.int64)
+                              .reshape(-1, W), seq0, next_aid, region_ptrs, region_ends,
+                              device)
+
     # -- hooks ---------------------------------------------------------------------------
     def _region_table(self) -> tuple[list[int], list[int]]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -471,9 +489,8 @@ class EventSource:
             self._journal_seq = seq0 + counted + count_events(journal, pos)
             return
         ptrs, ends = self._region_table()
-        columns = expand_records(np.frombuffer(_array("q", journal), dtype=np.int64)
-                                 .reshape(-1, W), seq0, self._next_aid, ptrs, ends,
-                                 self.device_index)
+        columns = self._expand_journal(journal, seq0, self._next_aid, ptrs, ends,
+                                       self.device_index)
         self._journal_seq = seq0 + len(columns["seq"])
         for sink in list(self._sinks):
             try:

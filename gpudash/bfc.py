@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from bisect import bisect_left, bisect_right, insort
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ._accel import compiled_class as _compiled_class
 from ._errors import ConfigError, InvalidPointerError, OutOfMemoryError
 from ._eventsource import EventSource, bin_num_for_size
 from ._units import human_readable_num_bytes as _hr
@@ -263,6 +265,10 @@ def _check_number(name: str, value: Any, accepted: str) -> float:
         raise _ConfigTypeError(f"{name} must be {accepted}; got {value!r}") from None
 
 
+def _negative_size(nbytes: int) -> ValueError:
+    return ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+
+
 def _coerce_size(nbytes: Any) -> int:
     if isinstance(nbytes, bool) or isinstance(nbytes, float):
         raise TypeError(f"allocation size must be an integer number of bytes; got {nbytes!r}")
@@ -362,6 +368,20 @@ class BFCAllocator(EventSource):
         # size, and regions are returned as they empty.
         self._capped = False
 
+        self._init_state()
+
+        # Events (gpudash._eventsource): ``_journal`` is None while nobody listens, and the
+        # hot paths then skip all event work; else one record of 8 ints per operation:
+        #   (time_ns, code, ptr, size, requested, a, b, c)
+        # alloc: a = bytes split off into a new free chunk (0: no split)
+        # free:  a = allocation id, b = bytes of the next chunk merged, c = bytes of the
+        #        previous chunk merged into
+        # extend: requested = the rounded request; release/oom/limit: as the event table.
+        self._init_events()
+
+    def _init_state(self) -> None:
+        """The empty state: the lock, chunks, bins, regions and counters (the compiled core
+        keeps them in C and replaces this)."""
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiters = 0
@@ -382,15 +402,6 @@ class BFCAllocator(EventSource):
         self._largest = 0
         self._peak_pool = 0
         self._failure_logs = 0
-
-        # Events (gpudash._eventsource): ``_journal`` is None while nobody listens, and the
-        # hot paths then skip all event work; else one record of 8 ints per operation:
-        #   (time_ns, code, ptr, size, requested, a, b, c)
-        # alloc: a = bytes split off into a new free chunk (0: no split)
-        # free:  a = allocation id, b = bytes of the next chunk merged, c = bytes of the
-        #        previous chunk merged into
-        # extend: requested = the rounded request; release/oom/limit: as the event table.
-        self._init_events()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -487,13 +498,9 @@ class BFCAllocator(EventSource):
         if nbytes <= 0:
             if nbytes == 0:
                 return 0
-            raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+            raise _negative_size(nbytes)
         if nbytes > MAX_ALLOCATION:
-            raise OutOfMemoryError(
-                f"Allocator ({self._name}) ran out of memory trying to allocate {nbytes} bytes: "
-                f"more than any device holds (at most {MAX_ALLOCATION} bytes can be asked "
-                "for, TensorFlow's int64 sizes)", requested=nbytes, rounded=nbytes,
-                allocator=self._name)
+            raise self._too_large(nbytes)
         rounded = (nbytes + 255) & ~255
         b = (rounded >> 8).bit_length() - 1
         if b > 20:
@@ -516,6 +523,13 @@ class BFCAllocator(EventSource):
             raise exc
         return self._retry(nbytes, rounded, b)
 
+    def _too_large(self, nbytes: int) -> OutOfMemoryError:
+        return OutOfMemoryError(
+            f"Allocator ({self._name}) ran out of memory trying to allocate {nbytes} bytes: "
+            f"more than any device holds (at most {MAX_ALLOCATION} bytes can be asked "
+            "for, TensorFlow's int64 sizes)", requested=nbytes, rounded=nbytes,
+            allocator=self._name)
+
     def try_allocate(self, nbytes: int, record_oom: bool = False) -> int:
         """Like :meth:`allocate`, but 0 instead of raising when memory is short, and nothing
         is logged (TensorFlow's first, quiet attempt before its retry loop). Callers that can
@@ -528,7 +542,7 @@ class BFCAllocator(EventSource):
         if nbytes <= 0:
             if nbytes == 0:
                 return 0
-            raise ValueError(f"allocation size must be >= 0 bytes; got {nbytes}")
+            raise _negative_size(nbytes)
         if nbytes > MAX_ALLOCATION:
             return 0
         rounded = (nbytes + 255) & ~255
@@ -813,7 +827,7 @@ class BFCAllocator(EventSource):
         taking the lock once; returns the messages of those refused (the others are freed
         all the same). Event for event the same as calling :meth:`deallocate` on each."""
         failed: list[str] = []
-        if (type(self).deallocate is not BFCAllocator.deallocate
+        if (type(self).deallocate is not PyBFCAllocator.deallocate
                 or "deallocate" in self.__dict__):  # a subclass's (or a wrapper's) own rules
             for ptr in ptrs:
                 try:
@@ -843,7 +857,8 @@ class BFCAllocator(EventSource):
             p = int(ptr)
             shown = f"{p:#x}"
         except (TypeError, ValueError, OverflowError):
-            return InvalidPointerError(f"{self._name}: {what}() expects an int address; got {ptr!r}")
+            return InvalidPointerError(
+                f"{self._name}: {what}() expects an int address; got {ptr!r}")
         c = self._by_ptr.get(p)
         if c is not None:
             return InvalidPointerError(
@@ -885,6 +900,12 @@ class BFCAllocator(EventSource):
         """True when ``ptr`` is the address of a live allocation of this allocator."""
         c = self._by_ptr.get(ptr)
         return c is not None and c.aid >= 0
+
+    def _live_size(self, ptr: int) -> int:
+        """The size of the live allocation at ``ptr``; 0 when there is none (no lock: a
+        caller's quick check, as :meth:`owns`)."""
+        c = self._by_ptr.get(ptr)
+        return c.size if c is not None and c.aid >= 0 else 0
 
     # ------------------------------------------------------------------ regions
     def _region_for(self, ptr: int) -> _Region | None:
@@ -1214,7 +1235,8 @@ class BFCAllocator(EventSource):
         ]
         regions = [RegionInfo(r.ptr, r.size) for r in self._regions]
         return MemoryDump(allocator_name=self._name, stats=self._stats(), bins=bins,
-                          chunks=chunks, regions=regions, memory_limit=self._limit, seq=self._seq_now())
+                          chunks=chunks, regions=regions, memory_limit=self._limit,
+                          seq=self._seq_now())
 
     def chunk_table(self) -> dict[str, np.ndarray]:
         """Every chunk as numpy columns, in address order: ``ptr``, ``size``, ``requested``
@@ -1392,7 +1414,8 @@ class BFCAllocator(EventSource):
                         f"adjacent free chunks at {c.ptr:#x} and {nxt.ptr:#x} not coalesced")
                 expect += c.size
                 c = c.next
-            assert expect == r.end, f"chunks of region {r.ptr:#x} end at {expect:#x}, not {r.end:#x}"
+            assert expect == r.end, (
+                f"chunks of region {r.ptr:#x} end at {expect:#x}, not {r.end:#x}")
         assert len(seen) == len(self._by_ptr), "address table holds chunks outside every region"
         assert pool == self._pool, f"pool bytes {self._pool} != sum of regions {pool}"
         assert in_use == self._in_use, f"bytes_in_use {self._in_use} != sum of chunks {in_use}"
@@ -1436,3 +1459,10 @@ class BFCAllocator(EventSource):
             if journal is not None:
                 self._after_op(start)
         self.flush_events()
+
+
+#: The pure-Python model: the readable reference, and what runs without the compiled core.
+PyBFCAllocator = BFCAllocator
+#: The class gpudash uses: the compiled core's subclass of the pure-Python model where
+#: gpudash._core is built (and GPUDASH_PURE_PYTHON is not set), else the model itself.
+BFCAllocator = _compiled_class("bfc", PyBFCAllocator, sys.modules[__name__])

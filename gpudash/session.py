@@ -618,9 +618,8 @@ class Session:
         devices = self.devices
         if device is None and len(devices) == 1 and type(ptr) is int:
             dev = devices[0]  # one device: the allocator's own table validates the pointer
-            c = dev.allocator._by_ptr.get(ptr)
-            # (after close() the table is empty: the slow path says the session is closed)
-            size = c.size if c is not None and c.aid >= 0 else self._allocated_size(dev, ptr)
+            # (after close() nothing is live: the slow path says the session is closed)
+            size = dev.allocator._live_size(ptr) or self._allocated_size(dev, ptr)
         else:
             if self._closed:
                 self._check_open()

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _accel
 from .._errors import ConfigError
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
@@ -36,6 +37,8 @@ from .format import Trace, _byte_count, _device_entries, _flag
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
            "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
+
+_core = _accel._core  # the compiled core's loops, or None
 
 #: Device size replay assumes when none is given: 16 GiB.
 DEFAULT_DEVICE_BYTES = 16 << 30
@@ -718,7 +721,10 @@ class _Engine:
         if name is not None:
             settings = dict(settings, name=name)
         self.alloc = self.model.build(settings, self.sub)
-        self.ptrs: dict[int, int] = {}
+        # the compiled core's loops (gpudash._core) keep the key -> pointer map in C
+        self.compiled = getattr(self.alloc, "compiled", False)
+        self._columns: tuple | None = None
+        self.ptrs: Any = _core.KeyMap() if self.compiled else {}
         self.held: list[int] = []  # pointers whose free is deferred
         self.held_bytes = 0
         self.pos = 0
@@ -737,10 +743,38 @@ class _Engine:
     def runner(self) -> Callable:
         """The loop for this engine's model and settings."""
         if self.model is TORCH:
-            return self._run_torch
+            return self._run_torch_compiled if self.compiled else self._run_torch
         if self.settings["deferred_deletion_bytes"] > 0:
-            return self._run_deferred
-        return self._run_plain
+            return self._run_deferred_compiled if self.compiled else self._run_deferred
+        return self._run_plain_compiled if self.compiled else self._run_plain
+
+    def _int64_columns(self) -> tuple:
+        """ops, keys, nbytes (and streams) as int64 arrays for the compiled loops."""
+        if self._columns is None:
+            cols = [np.ascontiguousarray(c, dtype=np.int64)
+                    for c in (self.ops, self.keys, self.nbytes)]
+            cols.append(None if self.streams is None else
+                        np.ascontiguousarray(self.streams, dtype=np.int64).view(np.uint64))
+            self._columns = tuple(cols)
+        return self._columns
+
+    def _run_plain_compiled(self, start: int, stop: int, sample: list | None,
+                            max_ooms: int = sys.maxsize) -> None:
+        """:meth:`_run_plain` in C (gpudash._core.run_bfc), call for call."""
+        ops, keys, nbytes, _ = self._int64_columns()
+        self.pos, skipped = _core.run_bfc(self.alloc, ops, keys, nbytes, start, stop,
+                                          self.ptrs, self.oom_calls, sample, max_ooms)
+        self.skipped_frees += skipped
+
+    def _run_deferred_compiled(self, start: int, stop: int, sample: list | None,
+                               max_ooms: int = sys.maxsize) -> None:
+        """:meth:`_run_deferred` in C (gpudash._core.run_bfc_deferred), call for call."""
+        ops, keys, nbytes, _ = self._int64_columns()
+        self.pos, skipped, retried, self.held_bytes = _core.run_bfc_deferred(
+            self.alloc, ops, keys, nbytes, start, stop, self.ptrs, self.oom_calls, sample,
+            max_ooms, self.held, self.settings["deferred_deletion_bytes"], self.held_bytes)
+        self.skipped_frees += skipped
+        self.retried += retried
 
     def _run_plain(self, start: int, stop: int, sample: list | None,
                    max_ooms: int = sys.maxsize) -> None:
@@ -928,7 +962,9 @@ class _Engine:
         new.ops, new.keys, new.nbytes = self.ops, self.keys, self.nbytes
         new.sub = self.sub.clone()
         new.alloc = _clone_allocator(self.alloc, new.sub)
-        new.ptrs = dict(self.ptrs)
+        new.ptrs = self.ptrs.copy()
+        new.compiled = self.compiled
+        new._columns = self._columns
         new.held = list(self.held)
         new.held_bytes = self.held_bytes
         new.pos = self.pos
@@ -943,25 +979,22 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
     ``copy.deepcopy`` would recurse along the chunk list and cannot copy locks)."""
     import threading
 
-    from .._eventsource import _Outbox
     from ..bfc import _Chunk, _Region
 
     unknown = set(a.__dict__) - _Engine._KNOWN
     if unknown:
         raise NotImplementedError(f"cannot clone a BFCAllocator with fields {sorted(unknown)}")
+    if getattr(a, "compiled", False):
+        return a._copy_core(sub)  # the compiled core copies its C state itself
     if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks:
         raise NotImplementedError("cannot clone an allocator that has listeners")
-    new = object.__new__(BFCAllocator)
+    new = object.__new__(type(a))
     d = new.__dict__
     d.update(a.__dict__)
     d["_sub"] = sub
     d["_lock"] = lock = threading.Lock()
     d["_cond"] = threading.Condition(lock)
-    d["_outbox"] = _Outbox(lock)
-    d["_callbacks"] = []
-    d["_sinks"] = []
-    d["_raw_sinks"] = []
-    d["_journal_extra"] = {}
+    new._reset_listeners()
     d["_bins"] = [list(b) for b in a._bins]
     d["_region_ptrs"] = list(a._region_ptrs)
 
@@ -1472,7 +1505,7 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
             run(pos, min(pos + _CHUNK, total), sample, limit)
             if sample is not None:  # per-call samples kept compact: 24 bytes a call
                 for k in range(3):
-                    parts[k].append(np.array(sample[k], dtype=np.int64))
+                    parts[k].append(_sample_array(sample[k]))
                     sample[k].clear()
             pos = eng.pos
             if len(eng.oom_calls) >= limit:
@@ -1494,7 +1527,7 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     pc: dict[str, np.ndarray] = {}
     if sample is not None:
         for k in range(3):  # anything sampled after the last chunk (an early stop)
-            parts[k].append(np.array(sample[k], dtype=np.int64))
+            parts[k].append(_sample_array(sample[k]))
         pc = _per_call([np.concatenate(p) for p in parts])
     stats = alloc.stats()
     done = eng.pos
@@ -1515,6 +1548,14 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         events_per_second=events / elapsed if elapsed > 0 else float("inf"),
         allocator=eng.model.name, snapshot=alloc.snapshot() if torch else None,
         assumed=list(settings.get("assumed") or []))
+
+
+def _sample_array(values: list) -> np.ndarray:
+    """One chunk's samples as int64: Python ints (the Python loops) or int64 arrays (the
+    compiled loops)."""
+    if values and isinstance(values[0], np.ndarray):
+        return np.concatenate(values)
+    return np.array(values, dtype=np.int64)
 
 
 def _per_call(samples: list) -> dict[str, np.ndarray]:

@@ -1,0 +1,398 @@
+"""Differential fuzz: the compiled allocator core against the pure-Python models.
+
+Each run drives two allocators of one model with the same seeded random operations: the
+pure-Python reference (``gpudash.bfc.PyBFCAllocator``, ``gpudash.caching.PyCachingAllocator``)
+and the class gpudash uses (``gpudash.BFCAllocator``, ``gpudash.CachingAllocator``: the
+compiled core's subclass of the reference, where it is built). Each over its own copy of
+the same sub-allocator (a simulated device that also refuses some requests at random, the
+same ones for both). Every operation must give the same result on both:
+
+- the return value, or the error (its type and its message: out-of-memory messages carry
+  the whole memory log);
+- the statistics (``stats()``; for PyTorch's model also ``memory_stats()``);
+- the event records (every field but the time): the journal as batch sinks receive it, and
+  the events of ``subscribe`` callbacks in the stretches where one listens;
+
+and every ``--check-every`` operations the whole state: ``check()`` on both, the snapshot,
+the memory log (TensorFlow's text, with chunk handles) or PyTorch's segments and trace.
+
+Operations: allocations of every size (0, tiny, log-uniform up to past the limit, past any
+device, negative, of the wrong type), ``try_allocate``, frees (live, double, interior, never
+allocated, of the wrong type), batch frees, limit and setting changes while blocks are
+live, releases, preallocation, statistics resets, queries; for PyTorch's model also
+streams, ``empty_cache()``, fractions and ``set_allocator_settings``, snapshots with
+history recorded.
+
+Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|all] [--seed S]``
+(10**6 operations per model and setting by default; ``tests/test_core_diff.py`` runs it
+smaller). Prints one line per setting; exits 1 at the first difference, naming the
+operation, the seed and both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+import gpudash
+from gpudash import SimulatedDevice
+from gpudash.bfc import PyBFCAllocator
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+class Mismatch(AssertionError):
+    """The two allocators disagreed."""
+
+
+# ------------------------------------------------------------------------------ devices
+class FlakyDevice:
+    """A simulated device that refuses a seeded random share of requests (the same ones for
+    both allocators, as long as they ask the same things)."""
+
+    def __init__(self, capacity: int, seed: int, refuse: float) -> None:
+        self.dev = SimulatedDevice(capacity)
+        self.rng = random.Random(seed)
+        self.refuse = refuse
+        self.calls: list[tuple] = []
+
+    def alloc(self, nbytes: int) -> int:
+        if self.refuse and self.rng.random() < self.refuse:
+            self.calls.append(("refuse", nbytes))
+            raise MemoryError(f"refused {nbytes}")
+        ptr = self.dev.alloc(nbytes)
+        self.calls.append(("alloc", ptr, nbytes))
+        return ptr
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        self.calls.append(("free", ptr, nbytes))
+        self.dev.free(ptr, nbytes)
+
+    @property
+    def total(self) -> int:
+        return self.dev.total
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.dev.memory_info()
+
+
+# ------------------------------------------------------------------------------ listening
+class Listener:
+    """Batch sink (journal records without times) and, when subscribed, per-event callback
+    (events without times) on one allocator."""
+
+    def __init__(self, alloc: Any) -> None:
+        self.alloc = alloc
+        self.records: list[tuple] = []
+        self.columns: list[dict] = []
+        self.events: list[tuple] = []
+        self._remove_raw = None
+        self._remove_cols = None
+        self._unsubscribe = None
+
+    def listen(self, raw: bool, columns: bool, callback: bool) -> None:
+        a = self.alloc
+        if raw and self._remove_raw is None:
+            self._remove_raw = a._add_sink(self._raw, raw=True)
+        if columns and self._remove_cols is None:
+            self._remove_cols = a._add_sink(self._cols)
+        if callback and self._unsubscribe is None:
+            self._unsubscribe = a.subscribe(self._event)
+
+    def stop(self) -> None:
+        for name in ("_remove_raw", "_remove_cols", "_unsubscribe"):
+            f = getattr(self, name)
+            if f is not None:
+                f()
+                setattr(self, name, None)
+
+    def _raw(self, records: Any, extra: dict) -> None:
+        r = list(records)
+        for i in range(0, len(r), 8):
+            self.records.append(tuple(r[i + 1:i + 8]))
+        if extra:
+            self.records.append(("extra", tuple(sorted(extra.items()))))
+
+    def _cols(self, columns: dict, extra: dict) -> None:
+        self.columns.append({k: v.copy() for k, v in columns.items() if k != "time_ns"})
+
+    def _event(self, ev: Any) -> None:
+        d = ev.as_dict()
+        d.pop("time_ns")
+        self.events.append(tuple(sorted(d.items(), key=lambda kv: kv[0])))
+
+    def take(self) -> tuple:
+        out = (self.records, self.columns, self.events)
+        self.records, self.columns, self.events = [], [], []
+        return out
+
+
+def _same_columns(a: list[dict], b: list[dict]) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            if x[k].dtype != y[k].dtype or not np.array_equal(x[k], y[k]):
+                return False
+    return True
+
+
+# ------------------------------------------------------------------------------ the pair
+def _outcome(f: Callable, *args: Any) -> tuple:
+    try:
+        return ("ok", f(*args))
+    except Exception as exc:  # noqa: BLE001 - every error is part of the outcome
+        return ("error", type(exc).__name__, str(exc))
+
+
+@dataclass
+class Pair:
+    """The reference and the compiled allocator, driven together."""
+
+    ref: Any
+    fast: Any
+    ref_dev: Any
+    fast_dev: Any
+    what: str
+    ops: int = 0
+    log: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ref_l = Listener(self.ref)
+        self.fast_l = Listener(self.fast)
+
+    def same(self, label: str, a: Any, b: Any) -> None:
+        if a != b:
+            tail = "\n".join(self.log[-12:])
+            raise Mismatch(f"{self.what}: after {self.ops} operations, {label} differs:\n"
+                           f"  reference: {a!r}\n  compiled:  {b!r}\nlast operations:\n{tail}")
+
+    def call(self, name: str, *args: Any) -> tuple:
+        """Call a method on both; the same outcome required. Returns the outcome."""
+        self.ops += 1
+        self.log.append(f"{name}{args!r}"[:200])
+        if len(self.log) > 64:
+            del self.log[:32]
+        a = _outcome(getattr(self.ref, name), *args)
+        b = _outcome(getattr(self.fast, name), *args)
+        self.same(f"{name}{args!r}"[:120], a, b)
+        return a
+
+    def listen(self, raw: bool, columns: bool, callback: bool) -> None:
+        self.ref_l.listen(raw, columns, callback)
+        self.fast_l.listen(raw, columns, callback)
+
+    def stop_listening(self) -> None:
+        self.ref_l.stop()
+        self.fast_l.stop()
+        self.compare_events()
+
+    def compare_events(self) -> None:
+        self.ref.flush_events()
+        self.fast.flush_events()
+        ra, ca, ea = self.ref_l.take()
+        rb, cb, eb = self.fast_l.take()
+        self.same("journal records", ra, rb)
+        self.same("subscribed events", ea, eb)
+        if not _same_columns(ca, cb):
+            self.same("event columns", [{k: v.tolist() for k, v in c.items()} for c in ca],
+                      [{k: v.tolist() for k, v in c.items()} for c in cb])
+
+    def compare_devices(self) -> None:
+        self.same("sub-allocator calls", self.ref_dev.calls, self.fast_dev.calls)
+        self.ref_dev.calls.clear()
+        self.fast_dev.calls.clear()
+
+
+# ------------------------------------------------------------------------------ BFC
+BFC_SETTINGS = [
+    # (name, limit, device capacity, allow_growth, garbage_collection, fragmentation, refuse)
+    ("growth", 256 * MIB, GIB, True, False, 0.0, 0.0),
+    ("growth+gc", 96 * MIB, GIB, True, True, 0.0, 0.02),
+    ("no-growth", 64 * MIB, GIB, False, False, 0.0, 0.0),
+    ("no-growth+gc+frag", 128 * MIB, GIB, False, True, 0.01, 0.01),
+    ("device-short", 512 * MIB, 160 * MIB, True, True, 0.0, 0.0),
+]
+
+
+def _bfc_pair(limit: int, capacity: int, growth: bool, gc: bool, frag: float, refuse: float,
+              seed: int) -> Pair:
+    ref_dev = FlakyDevice(capacity, seed, refuse)
+    fast_dev = FlakyDevice(capacity, seed, refuse)
+    ref = PyBFCAllocator(ref_dev, limit, allow_growth=growth, garbage_collection=gc,
+                         fragmentation_fraction=frag, name="GPU_0_bfc")
+    fast = gpudash.BFCAllocator(fast_dev, limit, allow_growth=growth, garbage_collection=gc,
+                                fragmentation_fraction=frag, name="GPU_0_bfc")
+    return Pair(ref, fast, ref_dev, fast_dev, "")
+
+
+def _size(rng: random.Random, limit: int) -> Any:
+    r = rng.random()
+    if r < 0.80:
+        return int(2 ** rng.uniform(0, max(1.0, np.log2(limit) - 2)))
+    if r < 0.86:
+        return rng.choice([1, 255, 256, 257, 512, 1 << 20, (1 << 20) + 1, 128 * MIB])
+    if r < 0.92:
+        return int(limit * rng.uniform(0.2, 1.5))
+    if r < 0.94:
+        return 0
+    return rng.choice([-1, 1 << 63, (1 << 63) - 257, (1 << 64) + 5, 1.0, "3", None, True,
+                       np.int64(4096), np.uint32(100)])
+
+
+def _bad_pointer(rng: random.Random, live: list, dead: list) -> Any:
+    r = rng.random()
+    if r < 0.3 and dead:
+        return rng.choice(dead)
+    if r < 0.5 and live:
+        return rng.choice(live) + 256
+    if r < 0.6 and live:
+        return np.int64(rng.choice(live))
+    return rng.choice([0, None, True, False, -5, 12345, 1 << 70, 0.0, "0x10", np.int64(0)])
+
+
+def fuzz_bfc(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> int:
+    """One BFC run; the number of operations compared. Raises Mismatch."""
+    name, limit, capacity, growth, gc, frag, refuse = setting
+    rng = random.Random(seed)
+    pair = _bfc_pair(limit, capacity, growth, gc, frag, refuse, seed)
+    pair.what = f"bfc {name} seed {seed}"
+    live: list[int] = []
+    dead: list[int] = []
+    listening = False
+    ref, fast = pair.ref, pair.fast
+    while pair.ops < ops:
+        r = rng.random()
+        if r < 0.36:
+            n = _size(rng, limit)
+            out = pair.call("allocate", n)
+            if out[0] == "ok" and out[1]:
+                live.append(out[1])
+        elif r < 0.44:
+            n = _size(rng, limit)
+            out = pair.call("try_allocate", n, rng.random() < 0.5)
+            if out[0] == "ok" and out[1]:
+                live.append(out[1])
+        elif r < 0.80:
+            if live and rng.random() < 0.93:
+                p = live.pop(rng.randrange(len(live)))
+                pair.call("deallocate", p)
+                dead.append(p)
+                if len(dead) > 64:
+                    del dead[:32]
+            else:
+                pair.call("deallocate", _bad_pointer(rng, live, dead))
+        elif r < 0.83:
+            batch = [live.pop(rng.randrange(len(live))) for _ in range(min(len(live),
+                                                                          rng.randrange(1, 6)))]
+            if rng.random() < 0.2:
+                batch.append(_bad_pointer(rng, live, dead))
+            pair.call("_deallocate_batch", batch)
+            dead.extend(p for p in batch if isinstance(p, int))
+        elif r < 0.88:
+            p = rng.choice(live) if live and rng.random() < 0.8 else _bad_pointer(rng, live, dead)
+            pair.call(rng.choice(["requested_size", "allocated_size", "allocation_id", "owns",
+                                  "_live_size"]), p)
+        elif r < 0.895:
+            pool = ref.pool_bytes
+            new = max(0, int(pool * rng.uniform(0.3, 1.6))) if rng.random() < 0.8 else \
+                int(limit * rng.uniform(0.5, 1.5))
+            pair.call("set_memory_limit", new if rng.random() < 0.97 else rng.choice(
+                [-1, 1.5, "1GiB", 1 << 63]))
+        elif r < 0.90:
+            pair.call("set_allow_growth", rng.choice([True, False, True, "yes"]))
+        elif r < 0.905:
+            pair.call("release_free_regions")
+        elif r < 0.908:
+            pair.call("preallocate")
+        elif r < 0.91:
+            pair.call("clear_stats")
+        elif r < 0.915:
+            if listening:
+                pair.stop_listening()
+                listening = False
+            else:
+                pair.listen(raw=rng.random() < 0.7, columns=rng.random() < 0.7,
+                            callback=rng.random() < 0.3)
+                listening = True
+        elif r < 0.916:
+            pair.call("note_setting", "fraction", 0.5, rng.choice([0.25, 1, "x"]))
+        else:
+            pair.same("seq", ref.seq, fast.seq)
+        pair.same("stats", ref.stats(), fast.stats())
+        if pair.ops % check_every == 0:
+            _compare_bfc_state(pair)
+    if listening:
+        pair.stop_listening()
+    _compare_bfc_state(pair)
+    pair.call("close")
+    pair.same("stats after close", ref.stats(), fast.stats())
+    pair.compare_devices()
+    return pair.ops
+
+
+def _compare_bfc_state(pair: Pair) -> None:
+    ref, fast = pair.ref, pair.fast
+    ref.check()
+    fast.check()
+    pair.same("snapshot", ref.snapshot(), fast.snapshot())
+    pair.same("memory log", ref.dump_memory_log(rng_bytes := 4096),
+              fast.dump_memory_log(rng_bytes))
+    pair.same("occupancy", ref.render_occupancy(), fast.render_occupancy())
+    ta, tb = ref.chunk_table(), fast.chunk_table()
+    pair.same("chunk table", {k: v.tolist() for k, v in ta.items()},
+              {k: v.tolist() for k, v in tb.items()})
+    pair.same("pending release", ref.pending_release(), fast.pending_release())
+    pair.same("curr region", ref.curr_region_allocation_bytes,
+              fast.curr_region_allocation_bytes)
+    pair.compare_events()
+    pair.compare_devices()
+
+
+# ------------------------------------------------------------------------------ main
+MODELS: dict[str, tuple[list, Callable]] = {"bfc": (BFC_SETTINGS, fuzz_bfc)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=1_000_000,
+                    help="operations per model and setting")
+    ap.add_argument("--model", default="all", choices=["all", *MODELS])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--check-every", type=int, default=2000)
+    args = ap.parse_args(argv)
+    if not getattr(gpudash.BFCAllocator, "compiled", False):
+        print("the compiled core is not built (or GPUDASH_PURE_PYTHON is set): nothing to "
+              "compare", file=sys.stderr)
+        return 2
+    logging.getLogger("gpudash").setLevel(logging.CRITICAL)
+    total = 0
+    for model, (settings, fuzz) in MODELS.items():
+        if args.model not in ("all", model):
+            continue
+        for i, setting in enumerate(settings):
+            t0 = time.perf_counter()
+            try:
+                n = fuzz(args.ops, args.seed + i, setting, args.check_every)
+            except Mismatch as exc:
+                print(f"MISMATCH {exc}", file=sys.stderr)
+                return 1
+            total += n
+            print(f"{model:<6}{setting[0]:<22}{n:>12,} operations identical   "
+                  f"{time.perf_counter() - t0:7.1f} s", flush=True)
+    print(f"{total:,} operations, no difference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

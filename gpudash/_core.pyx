@@ -1,0 +1,100 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False, embedsignature=False, binding=False
+"""gpudash's compiled allocator core.
+
+The state of both allocator models in C arrays, every operation that changes it, and the
+replay loops that drive them: :class:`BFCCore` (TensorFlow's BFC, the model of
+``gpudash.bfc``) and :class:`CachingCore` (PyTorch's caching allocator, ``gpudash.caching``).
+The pure-Python models stay the readable reference: the compiled classes are subclasses of
+them (``class BFCAllocator(BFCCore, PyBFCAllocator)``) that inherit every method that only
+reads the state (snapshots, memory logs, ``check()``, the settings) and replace the ones that
+change it. Differential tests hold the two to the same addresses, statistics, events and
+errors (``tests/test_core_diff.py``, ``benchmarks/fuzz_core.py``).
+
+Sources: this file and the ``_csrc/*.pxi`` it includes (base: lock, journal, sorted keys,
+hash map, event expansion; bfc; caching; replay).
+"""
+
+import threading
+
+import numpy as np
+
+cimport cython
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.exc cimport PyErr_Occurred, PyErr_Clear
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+    PyThread_type_lock,
+)
+from libc.stdint cimport INT64_MAX, int8_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memmove
+
+from . import _eventsource
+from ._errors import InvalidPointerError
+
+cdef extern from *:
+    """
+    #include <limits.h>
+    #if ULONG_MAX < 0xFFFFFFFFFFFFFFFFULL
+    #error "gpudash._core needs a 64-bit unsigned long (LP64)"
+    #endif
+    """
+    int __builtin_clzll(unsigned long long) nogil
+    int __builtin_clz(unsigned int) nogil
+    int __builtin_ctz(unsigned int) nogil
+
+# Event codes (gpudash.events.EventKind)
+cdef enum:
+    K_ALLOC = 1
+    K_FREE = 2
+    K_SPLIT = 3
+    K_MERGE = 4
+    K_EXTEND = 5
+    K_RELEASE = 6
+    K_OOM = 7
+    K_LIMIT = 8
+
+cdef Py_ssize_t JOURNAL_FLUSH = _eventsource.JOURNAL_FLUSH
+cdef int64_t MAX_ALLOCATION = (1 << 63) - 1 - 256
+cdef int64_t K_FIRST_GROWTH_REGION = 2 << 20
+
+# Names of the pure-Python modules, bound by make_bfc_class / make_caching_class (the
+# modules import this one at their end).
+_PyChunk = _PyRegion = None
+_coerce_size = _negative_size = _pointer_or_none = None
+_logger = None
+_GC_MESSAGE = ""
+
+include "_csrc/base.pxi"
+include "_csrc/bfc.pxi"
+include "_csrc/replay.pxi"
+
+
+def make_bfc_class(pure, module):
+    """The compiled ``BFCAllocator``: :class:`BFCCore` first, the pure-Python model
+    ``pure`` for everything the core does not replace."""
+    global _PyChunk, _PyRegion, _coerce_size, _negative_size, _pointer_or_none, _logger
+    global _GC_MESSAGE
+    _PyChunk, _PyRegion = module._Chunk, module._Region
+    _coerce_size, _negative_size = module._coerce_size, module._negative_size
+    _pointer_or_none = module._pointer_or_none
+    _logger, _GC_MESSAGE = module.logger, module._GC_MESSAGE
+    if (module.MAX_ALLOCATION != MAX_ALLOCATION or module.K_NUM_BINS != NUM_BINS
+            or module.K_FIRST_GROWTH_REGION != K_FIRST_GROWTH_REGION):
+        raise ImportError("gpudash._core was built for other BFC constants; rebuild it")
+
+    class BFCAllocator(BFCCore, pure):
+        __doc__ = pure.__doc__
+        __module__ = pure.__module__
+        __qualname__ = "BFCAllocator"
+        compiled = True
+        _expand_journal = staticmethod(expand_journal)
+
+    return BFCAllocator

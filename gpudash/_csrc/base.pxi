@@ -1,0 +1,872 @@
+# The pieces both cores share: a lock, the event journal, a sorted set of keys, a hash map,
+# the journal's expansion into event columns. Included by _core.pyx.
+
+# ------------------------------------------------------------------------------ clock
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* tp)
+    enum: CLOCK_REALTIME
+
+
+cdef extern from "Python.h":
+    # no exception check: as_address handles the error itself
+    unsigned long _as_ulong "PyLong_AsUnsignedLong"(object) noexcept
+
+
+cdef inline uint64_t as_address(object ptr) noexcept:
+    """An int as an address: 0 for anything negative or past 64 bits (never an address)."""
+    cdef unsigned long p = _as_ulong(ptr)
+    if p == <unsigned long>-1 and PyErr_Occurred():
+        PyErr_Clear()
+        return 0
+    return p
+
+
+cdef inline int64_t now_ns() noexcept nogil:
+    """time.time_ns(): the same clock (CLOCK_REALTIME)."""
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+# ------------------------------------------------------------------------------ lock
+cdef extern from "pythread.h":
+    int PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds,
+                                    int intr_flag) nogil
+
+cdef extern from *:
+    """
+    #ifdef Py_GIL_DISABLED
+    #error "gpudash._core's lock relies on the GIL; build for a CPython with a GIL"
+    #endif
+    """
+
+
+cdef class Lock:
+    """A plain lock, as ``threading.Lock``: ``acquire``/``release``/``locked``, a context
+    manager, usable by ``threading.Condition``.
+
+    Every acquire and release happens with the GIL held (Python code, or the compiled
+    cores' C code, which holds the GIL for a whole operation), so taking a free lock is
+    setting a flag. A thread that finds it taken waits with the GIL released, looking again
+    after a pause that doubles from a few microseconds to a millisecond (the lock is
+    seldom held for long: only while an operation calls back into Python, or a reader
+    copies the state)."""
+
+    cdef bint held
+    cdef PyThread_type_lock pause   # never released: timed waits on it are sleeps
+
+    def __cinit__(self):
+        self.held = 0
+        self.pause = PyThread_allocate_lock()
+        if self.pause == NULL:
+            raise MemoryError("cannot allocate a lock")
+        PyThread_acquire_lock(self.pause, NOWAIT_LOCK)
+
+    def __dealloc__(self):
+        if self.pause != NULL:
+            PyThread_release_lock(self.pause)
+            PyThread_free_lock(self.pause)
+            self.pause = NULL
+
+    cdef inline int take(self) except -1:
+        if not self.held:
+            self.held = 1
+            return 0
+        self.wait(-1.0)
+        return 0
+
+    cdef bint wait(self, double timeout) except -1:
+        """Wait until the lock is ours (True) or ``timeout`` seconds passed (False; < 0: no
+        limit), the GIL released while pausing; signals are handled between pauses."""
+        cdef long long step = 2, left = <long long>(timeout * 1e6) if timeout >= 0 else -1
+        while True:
+            if left >= 0 and step > left:
+                step = left
+            with nogil:
+                PyThread_acquire_lock_timed(self.pause, step, 0)
+            if not self.held:
+                self.held = 1
+                return True
+            if left >= 0:
+                left -= step
+                if left <= 0:
+                    return False
+            if step < 1000:
+                step *= 2
+            PyErr_CheckSignals()
+
+    cdef inline void give(self) noexcept:
+        self.held = 0
+
+    def acquire(self, blocking=True, timeout=-1):
+        cdef double t = timeout
+        if not self.held:
+            self.held = 1
+            return True
+        if not blocking:
+            if t != -1:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            return False
+        if t < 0 and t != -1:
+            raise ValueError("timeout value must be a non-negative number")
+        return self.wait(t)
+
+    def release(self):
+        if not self.held:
+            raise RuntimeError("release unlocked lock")
+        self.held = 0
+
+    def locked(self):
+        return bool(self.held)
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.held = 0
+
+    def __repr__(self):
+        return f"<gpudash._core.Lock {'locked' if self.held else 'unlocked'}>"
+
+
+# ------------------------------------------------------------------------------ journal
+cdef char* _FMT_Q = "q"
+
+cdef class Journal:
+    """The event journal: a flat int64 array, 8 ints per operation, that reads as the list
+    the pure-Python models keep (``len``, indexing, slices as lists, ``extend``, ``count``,
+    iteration) and exposes its ints through the buffer protocol (``np.frombuffer``)."""
+
+    cdef int64_t* d
+    cdef Py_ssize_t n
+    cdef Py_ssize_t cap
+    cdef int exports
+
+    def __cinit__(self, values=None):
+        self.cap = 8192
+        self.n = 0
+        self.exports = 0
+        self.d = <int64_t*>PyMem_Malloc(self.cap * sizeof(int64_t))
+        if self.d == NULL:
+            raise MemoryError()
+        if values is not None:
+            self.extend(values)
+
+    def __dealloc__(self):
+        PyMem_Free(self.d)
+
+    cdef int grow(self, Py_ssize_t need) except -1:
+        cdef Py_ssize_t cap = self.cap
+        cdef int64_t* d
+        if self.exports:
+            raise BufferError("the journal is being read through a buffer")
+        while cap < need:
+            cap *= 2
+        d = <int64_t*>PyMem_Realloc(self.d, cap * sizeof(int64_t))
+        if d == NULL:
+            raise MemoryError()
+        self.d = d
+        self.cap = cap
+        return 0
+
+    cdef inline int push(self, int64_t t, int64_t code, int64_t ptr, int64_t size,
+                         int64_t req, int64_t a, int64_t b, int64_t c) except -1:
+        cdef int64_t* p
+        if self.n + 8 > self.cap:
+            self.grow(self.n + 8)
+        p = self.d + self.n
+        p[0] = t
+        p[1] = code
+        p[2] = ptr
+        p[3] = size
+        p[4] = req
+        p[5] = a
+        p[6] = b
+        p[7] = c
+        self.n += 8
+        return 0
+
+    def extend(self, values):
+        cdef Py_ssize_t k = self.n
+        for v in values:
+            if k + 1 > self.cap:
+                self.n = k
+                self.grow(k + 1)
+            self.d[k] = v
+            k += 1
+        self.n = k
+
+    def append(self, value):
+        self.extend((value,))
+
+    def __len__(self):
+        return self.n
+
+    def __bool__(self):
+        return self.n > 0
+
+    def __getitem__(self, idx):
+        cdef Py_ssize_t i, start, stop, step, length
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(self.n)
+            return [self.d[i] for i in range(start, stop, step)]
+        i = idx
+        if i < 0:
+            i += self.n
+        if i < 0 or i >= self.n:
+            raise IndexError("journal index out of range")
+        return self.d[i]
+
+    def __iter__(self):
+        cdef Py_ssize_t i
+        for i in range(self.n):
+            yield self.d[i]
+
+    def count(self, value):
+        cdef Py_ssize_t i, c = 0
+        for i in range(self.n):
+            if self.d[i] == value:
+                c += 1
+        return c
+
+    def tolist(self):
+        cdef Py_ssize_t i
+        return [self.d[i] for i in range(self.n)]
+
+    def __eq__(self, other):
+        try:
+            return self.tolist() == list(other)
+        except TypeError:
+            return NotImplemented
+
+    def __repr__(self):
+        return f"Journal({self.tolist()!r})"
+
+    def __getbuffer__(self, Py_buffer* buf, int flags):
+        buf.buf = <char*>self.d
+        buf.obj = self
+        buf.len = self.n * sizeof(int64_t)
+        buf.readonly = 1
+        buf.itemsize = sizeof(int64_t)
+        buf.format = _FMT_Q if (flags & PyBUF_FORMAT) else NULL
+        buf.ndim = 1
+        buf.shape = &self.n if (flags & PyBUF_ND) else NULL
+        buf.strides = &buf.itemsize if (flags & PyBUF_STRIDES) == PyBUF_STRIDES else NULL
+        buf.suboffsets = NULL
+        buf.internal = NULL
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer* buf):
+        self.exports -= 1
+
+
+cdef inline Journal as_journal(value):
+    """What ``self._journal = value`` stores: None, or a Journal (a list's ints copied; an
+    empty one made large enough for a whole batch, so that it never grows)."""
+    cdef Journal j
+    if value is None or isinstance(value, Journal):
+        return value
+    j = Journal(value)
+    if j.n == 0:
+        j.grow(JOURNAL_FLUSH + 64)
+    return j
+
+
+# ------------------------------------------------------------------------------ sorted keys
+# A sorted set of (a, b, c) keys in blocks of at most SS_CAP, as sortedcontainers keeps a
+# list of lists: a search is a binary search over the blocks' last keys, then within one.
+
+cdef struct Key:
+    uint64_t a
+    uint64_t b
+    uint64_t c
+
+
+cdef enum:
+    SS_CAP = 256
+    SS_HALF = 128
+    SS_LOW = 32
+
+
+cdef struct SSet:
+    Key** blk
+    int* nb
+    int nblk
+    int cblk
+    Py_ssize_t size
+
+
+cdef inline bint klt(const Key* x, const Key* y) noexcept nogil:
+    if x.a != y.a:
+        return x.a < y.a
+    if x.b != y.b:
+        return x.b < y.b
+    return x.c < y.c
+
+
+cdef inline bint keq(const Key* x, const Key* y) noexcept nogil:
+    return x.a == y.a and x.b == y.b and x.c == y.c
+
+
+cdef int ss_init(SSet* s) except -1:
+    s.cblk = 4
+    s.blk = <Key**>PyMem_Malloc(s.cblk * sizeof(Key*))
+    s.nb = <int*>PyMem_Malloc(s.cblk * sizeof(int))
+    if s.blk == NULL or s.nb == NULL:
+        raise MemoryError()
+    s.blk[0] = <Key*>PyMem_Malloc(SS_CAP * sizeof(Key))
+    if s.blk[0] == NULL:
+        raise MemoryError()
+    s.nb[0] = 0
+    s.nblk = 1
+    s.size = 0
+    return 0
+
+
+cdef void ss_free(SSet* s) noexcept:
+    cdef int i
+    if s.blk != NULL:
+        for i in range(s.nblk):
+            PyMem_Free(s.blk[i])
+        PyMem_Free(s.blk)
+        PyMem_Free(s.nb)
+    s.blk = NULL
+    s.nb = NULL
+    s.nblk = 0
+    s.size = 0
+
+
+cdef inline int ss_block_for(const SSet* s, const Key* k) noexcept nogil:
+    """The first block whose last key is >= k (s.nblk when none)."""
+    cdef int lo = 0, hi = s.nblk, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if klt(&s.blk[mid][s.nb[mid] - 1], k):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef inline int lb_in(const Key* arr, int n, const Key* k) noexcept nogil:
+    cdef int lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if klt(&arr[mid], k):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef inline bint ss_lower_bound(const SSet* s, const Key* k, int* bi, int* i) noexcept nogil:
+    """Position of the first key >= k; False when there is none."""
+    if s.size == 0:
+        return False
+    cdef int b = ss_block_for(s, k)
+    if b == s.nblk:
+        return False
+    bi[0] = b
+    i[0] = lb_in(s.blk[b], s.nb[b], k)
+    return True
+
+
+cdef inline bint ss_next(const SSet* s, int* bi, int* i) noexcept nogil:
+    """Advance a position; False at the end."""
+    i[0] += 1
+    if i[0] >= s.nb[bi[0]]:
+        bi[0] += 1
+        i[0] = 0
+        if bi[0] >= s.nblk:
+            return False
+    return True
+
+
+cdef inline bint ss_prev(const SSet* s, int* bi, int* i) noexcept nogil:
+    """Step a position back; False before the start."""
+    if i[0] > 0:
+        i[0] -= 1
+        return True
+    if bi[0] == 0:
+        return False
+    bi[0] -= 1
+    i[0] = s.nb[bi[0]] - 1
+    return True
+
+
+cdef int ss_split(SSet* s, int b) except -1:
+    cdef Key* nw
+    cdef int keep
+    if s.nblk == s.cblk:
+        s.cblk *= 2
+        s.blk = <Key**>PyMem_Realloc(s.blk, s.cblk * sizeof(Key*))
+        s.nb = <int*>PyMem_Realloc(s.nb, s.cblk * sizeof(int))
+        if s.blk == NULL or s.nb == NULL:
+            raise MemoryError()
+    nw = <Key*>PyMem_Malloc(SS_CAP * sizeof(Key))
+    if nw == NULL:
+        raise MemoryError()
+    memmove(&s.blk[b + 2], &s.blk[b + 1], (s.nblk - b - 1) * sizeof(Key*))
+    memmove(&s.nb[b + 2], &s.nb[b + 1], (s.nblk - b - 1) * sizeof(int))
+    keep = s.nb[b] >> 1
+    memcpy(nw, &s.blk[b][keep], (s.nb[b] - keep) * sizeof(Key))
+    s.blk[b + 1] = nw
+    s.nb[b + 1] = s.nb[b] - keep
+    s.nb[b] = keep
+    s.nblk += 1
+    return 0
+
+
+cdef int ss_insert(SSet* s, Key k) except -1:
+    cdef int b, i
+    cdef Key* arr
+    if s.size == 0:
+        s.blk[0][0] = k
+        s.nb[0] = 1
+        s.size = 1
+        return 0
+    b = ss_block_for(s, &k)
+    if b == s.nblk:
+        b -= 1
+    arr = s.blk[b]
+    i = lb_in(arr, s.nb[b], &k)
+    memmove(&arr[i + 1], &arr[i], (s.nb[b] - i) * sizeof(Key))
+    arr[i] = k
+    s.nb[b] += 1
+    s.size += 1
+    if s.nb[b] == SS_CAP:
+        ss_split(s, b)
+    return 0
+
+
+cdef void ss_erase_at(SSet* s, int b, int i) noexcept:
+    cdef Key* arr = s.blk[b]
+    cdef int o
+    memmove(&arr[i], &arr[i + 1], (s.nb[b] - i - 1) * sizeof(Key))
+    s.nb[b] -= 1
+    s.size -= 1
+    if s.nb[b] >= SS_LOW or s.nblk == 1:
+        return
+    # a sparse block joins a neighbour when both fit in half a block (or goes if empty)
+    if s.nb[b] == 0:
+        PyMem_Free(arr)
+        memmove(&s.blk[b], &s.blk[b + 1], (s.nblk - b - 1) * sizeof(Key*))
+        memmove(&s.nb[b], &s.nb[b + 1], (s.nblk - b - 1) * sizeof(int))
+        s.nblk -= 1
+        return
+    o = b + 1 if b + 1 < s.nblk else b - 1
+    if s.nb[b] + s.nb[o] > SS_HALF:
+        return
+    if o < b:
+        b, o = o, b
+    memcpy(&s.blk[b][s.nb[b]], s.blk[o], s.nb[o] * sizeof(Key))
+    s.nb[b] += s.nb[o]
+    PyMem_Free(s.blk[o])
+    memmove(&s.blk[o], &s.blk[o + 1], (s.nblk - o - 1) * sizeof(Key*))
+    memmove(&s.nb[o], &s.nb[o + 1], (s.nblk - o - 1) * sizeof(int))
+    s.nblk -= 1
+
+
+cdef inline bint ss_erase(SSet* s, Key k) noexcept:
+    """Remove the key at k's lower bound (as ``del lst[bisect_left(lst, k)]``)."""
+    cdef int b, i
+    if not ss_lower_bound(s, &k, &b, &i):
+        return False
+    ss_erase_at(s, b, i)
+    return True
+
+
+cdef inline Key* ss_at(const SSet* s, int b, int i) noexcept nogil:
+    return &s.blk[b][i]
+
+
+cdef inline Key ss_pop_first(SSet* s) noexcept:
+    cdef Key k = s.blk[0][0]
+    ss_erase_at(s, 0, 0)
+    return k
+
+
+cdef inline Key* ss_last(const SSet* s) noexcept nogil:
+    return &s.blk[s.nblk - 1][s.nb[s.nblk - 1] - 1]
+
+
+# ------------------------------------------------------------------------------ hash map
+# uint64 -> int64, open addressing with linear probing and backward-shift deletion; key 0
+# has a slot of its own.
+
+cdef struct PMap:
+    uint64_t* k
+    int64_t* v
+    size_t cap
+    size_t n
+    int shift
+    bint has0
+    int64_t v0
+
+
+cdef inline size_t pm_slot(const PMap* m, uint64_t key) noexcept nogil:
+    return <size_t>((key * <uint64_t>0x9E3779B97F4A7C15ULL) >> m.shift)
+
+
+cdef int pm_init(PMap* m, size_t cap) except -1:
+    cdef int bits = 3
+    while (<size_t>1 << bits) < cap:
+        bits += 1
+    m.cap = <size_t>1 << bits
+    m.shift = 64 - bits
+    m.n = 0
+    m.has0 = 0
+    m.v0 = 0
+    m.k = <uint64_t*>PyMem_Calloc(m.cap, sizeof(uint64_t))
+    m.v = <int64_t*>PyMem_Malloc(m.cap * sizeof(int64_t))
+    if m.k == NULL or m.v == NULL:
+        raise MemoryError()
+    return 0
+
+
+cdef void pm_free(PMap* m) noexcept:
+    PyMem_Free(m.k)
+    PyMem_Free(m.v)
+    m.k = NULL
+    m.v = NULL
+    m.n = 0
+    m.has0 = 0
+
+
+cdef inline bint pm_get(const PMap* m, uint64_t key, int64_t* out) noexcept nogil:
+    cdef size_t i, msk
+    cdef uint64_t kk
+    if key == 0:
+        if m.has0:
+            out[0] = m.v0
+        return m.has0
+    msk = m.cap - 1
+    i = pm_slot(m, key)
+    while True:
+        kk = m.k[i]
+        if kk == key:
+            out[0] = m.v[i]
+            return True
+        if kk == 0:
+            return False
+        i = (i + 1) & msk
+
+
+cdef int pm_grow(PMap* m) except -1:
+    cdef uint64_t* ok = m.k
+    cdef int64_t* ov = m.v
+    cdef size_t ocap = m.cap, j, i, msk
+    cdef int bits = 64 - m.shift + 1
+    m.cap = ocap * 2
+    m.shift = 64 - bits
+    m.k = <uint64_t*>PyMem_Calloc(m.cap, sizeof(uint64_t))
+    m.v = <int64_t*>PyMem_Malloc(m.cap * sizeof(int64_t))
+    if m.k == NULL or m.v == NULL:
+        raise MemoryError()
+    msk = m.cap - 1
+    for j in range(ocap):
+        if ok[j] != 0:
+            i = pm_slot(m, ok[j])
+            while m.k[i] != 0:
+                i = (i + 1) & msk
+            m.k[i] = ok[j]
+            m.v[i] = ov[j]
+    PyMem_Free(ok)
+    PyMem_Free(ov)
+    return 0
+
+
+cdef inline int pm_put(PMap* m, uint64_t key, int64_t val) except -1:
+    cdef size_t i, msk
+    if key == 0:
+        if not m.has0:
+            m.n += 1
+        m.has0 = 1
+        m.v0 = val
+        return 0
+    if (m.n + 1) * 2 > m.cap:
+        pm_grow(m)
+    msk = m.cap - 1
+    i = pm_slot(m, key)
+    while True:
+        if m.k[i] == key:
+            m.v[i] = val
+            return 0
+        if m.k[i] == 0:
+            m.k[i] = key
+            m.v[i] = val
+            m.n += 1
+            return 0
+        i = (i + 1) & msk
+
+
+cdef inline bint pm_del(PMap* m, uint64_t key, int64_t* out) noexcept:
+    """Remove key (its value in out); False when absent."""
+    cdef size_t i, j, h, msk
+    if key == 0:
+        if not m.has0:
+            return False
+        out[0] = m.v0
+        m.has0 = 0
+        m.n -= 1
+        return True
+    msk = m.cap - 1
+    i = pm_slot(m, key)
+    while True:
+        if m.k[i] == key:
+            break
+        if m.k[i] == 0:
+            return False
+        i = (i + 1) & msk
+    out[0] = m.v[i]
+    m.n -= 1
+    # backward shift: move later entries of the run into the hole when their home allows
+    j = i
+    while True:
+        j = (j + 1) & msk
+        if m.k[j] == 0:
+            break
+        h = pm_slot(m, m.k[j])
+        if (j > i and (h <= i or h > j)) or (j < i and (h <= i and h > j)):
+            m.k[i] = m.k[j]
+            m.v[i] = m.v[j]
+            i = j
+    m.k[i] = 0
+    return True
+
+
+cdef int pm_copy(PMap* dst, const PMap* src) except -1:
+    dst.cap = src.cap
+    dst.shift = src.shift
+    dst.n = src.n
+    dst.has0 = src.has0
+    dst.v0 = src.v0
+    dst.k = <uint64_t*>PyMem_Malloc(src.cap * sizeof(uint64_t))
+    dst.v = <int64_t*>PyMem_Malloc(src.cap * sizeof(int64_t))
+    if dst.k == NULL or dst.v == NULL:
+        raise MemoryError()
+    memcpy(dst.k, src.k, src.cap * sizeof(uint64_t))
+    memcpy(dst.v, src.v, src.cap * sizeof(int64_t))
+    return 0
+
+
+cdef class KeyMap:
+    """A replay's trace key -> pointer map (a dict of ints, in C): ``pop``, ``get``,
+    item access, ``len``, ``items``, ``copy``."""
+
+    cdef PMap m
+
+    def __cinit__(self):
+        pm_init(&self.m, 64)
+
+    def __dealloc__(self):
+        pm_free(&self.m)
+
+    def __len__(self):
+        return self.m.n
+
+    def __setitem__(self, key, value):
+        pm_put(&self.m, <uint64_t><int64_t>key, <int64_t><uint64_t>value)
+
+    def __getitem__(self, key):
+        cdef int64_t v
+        if not pm_get(&self.m, <uint64_t><int64_t>key, &v):
+            raise KeyError(key)
+        return <uint64_t>v
+
+    def __contains__(self, key):
+        cdef int64_t v
+        return pm_get(&self.m, <uint64_t><int64_t>key, &v)
+
+    def get(self, key, default=None):
+        cdef int64_t v
+        if not pm_get(&self.m, <uint64_t><int64_t>key, &v):
+            return default
+        return <uint64_t>v
+
+    def pop(self, key, default=None):
+        cdef int64_t v
+        if not pm_del(&self.m, <uint64_t><int64_t>key, &v):
+            return default
+        return <uint64_t>v
+
+    def items(self):
+        cdef size_t i
+        out = []
+        if self.m.has0:
+            out.append((0, <uint64_t>self.m.v0))
+        for i in range(self.m.cap):
+            if self.m.k[i] != 0:
+                out.append((<int64_t>self.m.k[i], <uint64_t>self.m.v[i]))
+        return out
+
+    def copy(self):
+        cdef KeyMap new = KeyMap.__new__(KeyMap)
+        pm_free(&new.m)
+        pm_copy(&new.m, &self.m)
+        return new
+
+    def __repr__(self):
+        return f"KeyMap({dict(self.items())!r})"
+
+
+# ------------------------------------------------------------------------------ expansion
+cdef inline int bin_of(int64_t size) noexcept nogil:
+    """BinNumForSize: min(floor(log2(max(size, 256) >> 8)), 20)."""
+    cdef uint64_t v = <uint64_t>(size if size > 256 else 256) >> 8
+    cdef int b = 63 - __builtin_clzll(v)
+    return b if b < 20 else 20
+
+
+cdef Py_ssize_t region_index_of(const int64_t* rp, Py_ssize_t nr,
+                                int64_t ptr) noexcept nogil:
+    cdef Py_ssize_t lo = 0, hi = nr, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if rp[mid] <= ptr:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+cdef int64_t region_of(const int64_t* rp, const int64_t* re, Py_ssize_t nr,
+                       int64_t ptr) noexcept nogil:
+    cdef Py_ssize_t lo = 0, hi = nr, mid
+    while lo < hi:   # searchsorted(rp, ptr, side="right")
+        mid = (lo + hi) >> 1
+        if rp[mid] <= ptr:
+            lo = mid + 1
+        else:
+            hi = mid
+    lo -= 1
+    if lo >= 0 and ptr < re[lo]:
+        return rp[lo]
+    return 0
+
+
+def expand_journal(journal, int64_t seq0, int64_t next_aid, region_ptrs, region_ends,
+                   int device):
+    """``_eventsource.expand_records`` over a journal, in C: the same columns."""
+    cdef const int64_t[::1] recs
+    if isinstance(journal, Journal):
+        recs = np.frombuffer(journal, dtype=np.int64)
+    else:
+        recs = np.asarray(journal, dtype=np.int64)
+    cdef Py_ssize_t nrec = recs.shape[0] // 8, r, j, total = 0, nr, nrel = 0, k = 0
+    cdef int64_t code, n_alloc = 0
+    cdef const int64_t* R = &recs[0] if recs.shape[0] else NULL
+    cdef const int64_t* q
+    for r in range(nrec):
+        code = R[8 * r + 1]
+        if code == K_ALLOC:
+            total += 2 if R[8 * r + 5] > 0 else 1
+            n_alloc += 1
+        elif code == K_FREE:
+            total += 1 + (R[8 * r + 6] > 0) + (R[8 * r + 7] > 0)
+        else:
+            total += 1
+            nrel += code == K_RELEASE
+    cdef int64_t[::1] rpv = np.ascontiguousarray(region_ptrs, dtype=np.int64).reshape(-1)
+    cdef int64_t[::1] rev = np.ascontiguousarray(region_ends, dtype=np.int64).reshape(-1)
+    nr = rpv.shape[0]
+    cdef const int64_t* rp = &rpv[0] if nr else NULL
+    cdef const int64_t* re = &rev[0] if nr else NULL
+    cdef Py_ssize_t[::1] relv = np.empty(nrel + 1, dtype=np.intp)
+    cdef Py_ssize_t* rel = &relv[0]
+    nrel = 0
+    for r in range(nrec):
+        if R[8 * r + 1] == K_RELEASE:
+            rel[nrel] = r
+            nrel += 1
+    seq_a = np.arange(seq0, seq0 + total, dtype=np.int64)
+    time_a = np.empty(total, dtype=np.int64)
+    kind_a = np.empty(total, dtype=np.int8)
+    ptr_a = np.empty(total, dtype=np.int64)
+    size_a = np.empty(total, dtype=np.int64)
+    req_a = np.empty(total, dtype=np.int64)
+    bin_a = np.empty(total, dtype=np.int8)
+    reg_a = np.empty(total, dtype=np.int64)
+    aid_a = np.empty(total, dtype=np.int64)
+    dev_a = np.full(total, device, dtype=np.int16)
+    if total == 0:
+        return {"seq": seq_a, "time_ns": time_a, "kind": kind_a, "ptr": ptr_a,
+                "size": size_a, "requested": req_a, "bin": bin_a, "region": reg_a,
+                "alloc_id": aid_a, "device": dev_a}
+    cdef int64_t[::1] Tv = time_a, Pv = ptr_a, Sv = size_a, Qv = req_a, Gv = reg_a, Av = aid_a
+    cdef int8_t[::1] Kv = kind_a, Bv = bin_a
+    cdef int64_t* T = &Tv[0]
+    cdef int64_t* P = &Pv[0]
+    cdef int64_t* S = &Sv[0]
+    cdef int64_t* Q = &Qv[0]
+    cdef int64_t* G = &Gv[0]
+    cdef int64_t* A = &Av[0]
+    cdef int8_t* K = &Kv[0]
+    cdef int8_t* B = &Bv[0]
+    cdef int64_t t, ptr, size, req, a, b, c, rg, rs, rl, aid = next_aid - n_alloc
+    cdef int64_t lo_hit = 0, hi_hit = 0, at_hit = 0   # the last region found (a cache)
+    cdef Py_ssize_t e = 0
+    for r in range(nrec):
+        q = R + 8 * r
+        t = q[0]
+        code = q[1]
+        ptr = q[2]
+        size = q[3]
+        req = q[4]
+        a = q[5]
+        b = q[6]
+        c = q[7]
+        if code == K_ALLOC or code == K_FREE:
+            # the region table now, or the first release after the record covering it
+            if ptr >= lo_hit and ptr < hi_hit:
+                rg = at_hit
+            else:
+                rg = 0
+                if nr:
+                    j = region_index_of(rp, nr, ptr)
+                    if j >= 0 and ptr < re[j]:
+                        rg = lo_hit = at_hit = rp[j]
+                        hi_hit = re[j]
+            if nrel:
+                while k < nrel and rel[k] <= r:
+                    k += 1
+                for j in range(k, nrel):
+                    rs = R[8 * rel[j] + 2]
+                    rl = R[8 * rel[j] + 3]
+                    if ptr >= rs and ptr < rs + rl:
+                        rg = rs
+                        break
+            if code == K_ALLOC:
+                if a > 0:
+                    T[e] = t; K[e] = K_SPLIT; P[e] = ptr + size; S[e] = a; Q[e] = size
+                    B[e] = bin_of(a); G[e] = rg; A[e] = -1
+                    e += 1
+                T[e] = t; K[e] = K_ALLOC; P[e] = ptr; S[e] = size; Q[e] = req
+                B[e] = bin_of(size); G[e] = rg; A[e] = aid
+                aid += 1
+                e += 1
+            else:
+                T[e] = t; K[e] = K_FREE; P[e] = ptr; S[e] = size; Q[e] = req
+                B[e] = bin_of(size); G[e] = rg; A[e] = a
+                e += 1
+                if b > 0:
+                    T[e] = t; K[e] = K_MERGE; P[e] = ptr; S[e] = size + b; Q[e] = b
+                    B[e] = -1; G[e] = rg; A[e] = -1
+                    e += 1
+                if c > 0:
+                    T[e] = t; K[e] = K_MERGE; P[e] = ptr - c; S[e] = c + size + b
+                    Q[e] = size + b; B[e] = -1; G[e] = rg; A[e] = -1
+                    e += 1
+        else:
+            T[e] = t; K[e] = <int8_t>code; P[e] = ptr; S[e] = size; Q[e] = req
+            B[e] = bin_of(size) if (code == K_OOM or code == K_SPLIT) else -1
+            G[e] = ptr if (code == K_EXTEND or code == K_RELEASE) else 0
+            A[e] = -1
+            e += 1
+    return {"seq": seq_a, "time_ns": time_a, "kind": kind_a, "ptr": ptr_a, "size": size_a,
+            "requested": req_a, "bin": bin_a, "region": reg_a, "alloc_id": aid_a,
+            "device": dev_a}

@@ -1,0 +1,184 @@
+"""The compiled allocator core against the pure-Python models: the same results, always.
+
+``benchmarks/fuzz_core.py`` drives both with the same random operations (10**6 per model
+and setting when run by hand); here it runs smaller. Replays, what-if answers and the
+state scrubber's checkpoints are compared whole. Skipped where the core is not built
+(``GPUDASH_REQUIRE_COMPILED=1``, as CI sets it, makes that a failure instead).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpudash
+from gpudash import _accel
+from gpudash.bfc import PyBFCAllocator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import fuzz_core  # noqa: E402
+
+REQUIRE = os.environ.get("GPUDASH_REQUIRE_COMPILED", "") not in ("", "0")
+
+if not _accel.COMPILED:
+    if REQUIRE:
+        pytest.fail(f"the compiled core must run here: {_accel.REASON}", pytrace=False)
+    pytest.skip(f"the compiled core does not run here ({_accel.REASON})",
+                allow_module_level=True)
+
+OPS = int(os.environ.get("GPUDASH_FUZZ_OPS", "25000"))
+
+
+def test_the_public_classes_are_the_compiled_ones():
+    assert gpudash.BFCAllocator.compiled
+    assert issubclass(gpudash.BFCAllocator, PyBFCAllocator)
+    assert gpudash.BFCAllocator.__module__ == "gpudash.bfc"
+    assert "compiled" in _accel.describe()
+
+
+@pytest.mark.parametrize("setting", fuzz_core.BFC_SETTINGS, ids=lambda s: s[0])
+def test_bfc_fuzz(setting):
+    assert fuzz_core.fuzz_bfc(OPS, 11, setting, check_every=1000) >= OPS
+
+
+# ------------------------------------------------------------------------------ replays
+@pytest.fixture
+def pure_models(monkeypatch):
+    """Run a block with the pure-Python classes as gpudash's (replays build through
+    gpudash.models, which looks the class up when it builds)."""
+    import gpudash.bfc
+
+    def use() -> None:
+        monkeypatch.setattr(gpudash.bfc, "BFCAllocator", PyBFCAllocator)
+
+    return use
+
+
+def _result_fields(r) -> dict:
+    out = {k: getattr(r, k) for k in ("oom_count", "first_oom", "peak_pool_bytes",
+                                      "peak_bytes_in_use", "extensions", "releases",
+                                      "memory_limit", "calls", "events", "skipped_frees",
+                                      "retried", "stopped_early", "allocator")}
+    out["ooms"] = r.ooms.tolist()
+    out["per_call"] = {k: v.tolist() for k, v in r.per_call.items()}
+    out["final_snapshot"] = r.final_snapshot
+    if r.recording is not None:
+        out["recording"] = {k: v.tolist() for k, v in r.recording.columns.items()
+                            if k != "time_ns"}
+    return out
+
+
+def _traces():
+    from gpudash.trace.workloads import fragmentation_stress, training_loop
+
+    return {"training": training_loop(steps=3, layers=4, hidden=1024),
+            "fragmentation": fragmentation_stress(rounds=1500)}
+
+
+REPLAYS = [
+    {},
+    {"fraction": 0.02, "device_bytes": "2GiB"},
+    {"fraction": 0.05, "device_bytes": "1GiB", "allow_growth": False},
+    {"fraction": 0.03, "device_bytes": "2GiB", "garbage_collection": True},
+    {"fraction": 0.05, "device_bytes": "1GiB", "deferred_deletion_bytes": 8 << 20},
+    {"fraction": 0.01, "device_bytes": "2GiB", "max_ooms": 3},
+    {"fraction": 0.04, "device_bytes": "1GiB", "fragmentation_fraction": 0.05},
+]
+
+
+@pytest.mark.parametrize("kwargs", REPLAYS, ids=lambda k: ",".join(f"{a}={b}" for a, b in
+                                                                    k.items()) or "default")
+@pytest.mark.parametrize("name", ["training", "fragmentation"])
+def test_replays_are_the_same(name, kwargs, pure_models):
+    from gpudash.trace.replay import replay
+
+    trace = _traces()[name]
+    fast = replay(trace, **kwargs)
+    pure_models()
+    ref = replay(trace, **kwargs)
+    assert _result_fields(fast) == _result_fields(ref)
+
+
+def test_what_if_answers_are_the_same(pure_models):
+    from gpudash.trace.whatif import min_fraction, sweep
+
+    trace = _traces()["fragmentation"]
+    fast = (min_fraction(trace, "1GiB"), sweep(trace, [0.02, 0.05, None], device_bytes="1GiB"))
+    pure_models()
+    ref = (min_fraction(trace, "1GiB"), sweep(trace, [0.02, 0.05, None], device_bytes="1GiB"))
+    assert fast[0] == ref[0]
+    assert fast[1] == ref[1]
+
+
+def test_scrubbing_checkpoints_are_the_same(pure_models):
+    from gpudash.analysis import StateScrubber
+
+    trace = _traces()["fragmentation"]
+    fast = StateScrubber(trace, checkpoint_every=500)
+    points = [len(trace) - 1, 10, len(trace) // 2, 3000, 2999, 5]
+    got = [fast.state_at(i) for i in points]
+    assert len(fast._checkpoints) > 2
+    pure_models()
+    ref = StateScrubber(trace, checkpoint_every=500)
+    assert [ref.state_at(i) for i in points] == got
+
+
+# ------------------------------------------------------------------------------ pieces
+def test_the_lock_is_a_lock():
+    a = gpudash.BFCAllocator(gpudash.SimulatedDevice("1GiB"), 1 << 30)
+    lock = a._lock
+    assert not lock.locked()
+    with lock:
+        assert lock.locked()
+        assert not lock.acquire(False)
+        assert not lock.acquire(True, 0.01)
+    assert lock.acquire(timeout=0.5)
+    lock.release()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    cond = threading.Condition(lock)
+    with cond:
+        assert not cond.wait(0.01)
+    # another thread's allocation waits for a holder of the lock, then goes on
+    done = []
+    with lock:
+        t = threading.Thread(target=lambda: done.append(a.allocate(1000)))
+        t.start()
+        t.join(0.2)
+        assert not done
+    t.join(5)
+    assert done and a.owns(done[0])
+
+
+def test_the_journal_reads_as_a_list():
+    from gpudash._core import Journal
+
+    j = Journal([1, 2, 3])
+    j.extend((4, 5, 6, 7, 8))
+    assert len(j) == 8 and bool(j) and not Journal()
+    assert j[0] == 1 and j[-1] == 8 and j[1::8] == [2] and j[2:4] == [3, 4]
+    assert list(j) == j.tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and j == list(range(1, 9))
+    assert j.count(3) == 1
+    assert np.frombuffer(j, dtype=np.int64).tolist() == j.tolist()
+    with pytest.raises(IndexError):
+        j[8]
+
+
+def test_copies_of_the_compiled_allocator_are_independent():
+    from gpudash.trace.replay import _clone_allocator
+
+    dev = gpudash.SimulatedDevice("1GiB")
+    a = gpudash.BFCAllocator(dev, 1 << 30)
+    ptrs = [a.allocate(n) for n in (1000, 5000, 1 << 20)]
+    a.deallocate(ptrs[1])
+    b = _clone_allocator(a, gpudash.SimulatedDevice("1GiB"))
+    assert b.snapshot() == a.snapshot() and b.stats() == a.stats()
+    b.deallocate(ptrs[0])
+    assert a.owns(ptrs[0]) and not b.owns(ptrs[0])
+    a.check()
+    b.check()
