@@ -185,6 +185,8 @@ class Pair:
             del self.log[:32]
         a = _outcome(getattr(self.ref, name), *args)
         b = _outcome(getattr(self.fast, name), *args)
+        if name == "snapshot" and a[0] == b[0] == "ok":
+            a, b = ("ok", _without_times(a[1])), ("ok", _without_times(b[1]))
         self.same(f"{name}{args!r}"[:120], a, b)
         return a
 
@@ -359,8 +361,164 @@ def _compare_bfc_state(pair: Pair) -> None:
     pair.compare_devices()
 
 
+# ------------------------------------------------------------------------------ PyTorch
+TORCH_SETTINGS = [
+    # (name, device capacity, conf, version, fraction, streams, refuse, live settings)
+    ("default", 2 * GIB, "", None, None, (0,), 0.0, False),
+    ("fraction+gc+mss", 8 * GIB, "garbage_collection_threshold:0.6,max_split_size_mb:100",
+     None, 0.03, (0,), 0.0, False),
+    ("roundup-2.3", 4 * GIB, "roundup_power2_divisions:[1:4,64:8,256:1,>:2]", "2.3", 0.05,
+     (0,), 0.01, False),
+    ("expandable", 4 * GIB, "expandable_segments:True", None, 0.04, (0,), 0.0, False),
+    ("expandable+gc+streams", 4 * GIB, "expandable_segments:True,"
+     "garbage_collection_threshold:0.7", None, 0.05, (0, 7, 0xDEADBEEF), 0.01, False),
+    ("streams+mss-1.13", 2 * GIB, "max_split_size_mb:64", "1.13", None, (0, 3), 0.02, False),
+    ("live-settings-2.6", 4 * GIB, "", "2.6", 0.05, (0, 5), 0.0, True),
+]
+
+_CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_size_mb:40",
+          "max_split_size_mb:200", "garbage_collection_threshold:0.5",
+          "roundup_power2_divisions:4", "roundup_power2_divisions:[256:2,>:4]",
+          "max_split_size_mb:80,garbage_collection_threshold:0.8", "",
+          "max_non_split_rounding_mb:64", "expandable_segments:True,max_split_size_mb:60"]
+
+
+class FlakyTorchDevice(FlakyDevice):
+    """FlakyDevice with the device facts PyTorch's model reads."""
+
+    @property
+    def total(self) -> int:
+        return self.dev.capacity
+
+
+def _torch_size(rng: random.Random) -> Any:
+    r = rng.random()
+    if r < 0.45:
+        return rng.randrange(1, 1 << 20)
+    if r < 0.75:
+        return rng.randrange(1 << 20, 10 << 20)
+    if r < 0.93:
+        return int(2 ** rng.uniform(23, 28.5))
+    if r < 0.96:
+        return rng.choice([1, 511, 512, 513, 1 << 20, (1 << 20) + 1, (10 << 20) - 511,
+                           (10 << 20) - 513, 10 << 20, 20 << 20, 100 << 20])
+    if r < 0.975:
+        return int(2 ** rng.uniform(29, 31))
+    if r < 0.98:
+        return 0
+    return rng.choice([-1, 1 << 60, 1 << 61, 2.0, None, True, np.int64(5000)])
+
+
+def fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> int:
+    """One run of PyTorch's model; the number of operations compared. Raises Mismatch."""
+    from gpudash.caching import PyCachingAllocator
+
+    name, capacity, conf, version, fraction, streams, refuse, live = setting
+    rng = random.Random(seed)
+    ref_dev = FlakyTorchDevice(capacity, seed, refuse)
+    fast_dev = FlakyTorchDevice(capacity, seed, refuse)
+    ref = PyCachingAllocator(ref_dev, conf, version=version, fraction=fraction)
+    fast = gpudash.CachingAllocator(fast_dev, conf, version=version, fraction=fraction)
+    pair = Pair(ref, fast, ref_dev, fast_dev, f"torch {name} seed {seed}")
+    live_ptrs: list[tuple[int, int]] = []
+    dead: list[int] = []
+    listening = False
+    while pair.ops < ops:
+        r = rng.random()
+        stream = rng.choice(streams)
+        if r < 0.38:
+            out = pair.call("allocate", _torch_size(rng), stream)
+            if out[0] == "ok" and out[1]:
+                live_ptrs.append(out[1])
+        elif r < 0.45:
+            out = pair.call("try_allocate", _torch_size(rng), True, stream)
+            if out[0] == "ok" and out[1]:
+                live_ptrs.append(out[1])
+        elif r < 0.82:
+            if live_ptrs and rng.random() < 0.95:
+                p = live_ptrs.pop(rng.randrange(len(live_ptrs)))
+                pair.call("deallocate", p)
+                dead.append(p)
+                if len(dead) > 64:
+                    del dead[:32]
+            else:
+                pair.call("deallocate", _bad_pointer(rng, live_ptrs, dead))
+        elif r < 0.84:
+            pair.call("empty_cache")
+        elif r < 0.87:
+            p = rng.choice(live_ptrs) if live_ptrs and rng.random() < 0.8 else \
+                _bad_pointer(rng, live_ptrs, dead)
+            pair.call(rng.choice(["requested_size", "allocated_size", "allocation_id",
+                                  "owns"]), p)
+        elif r < 0.875:
+            pair.call("cached_block_for", _torch_size(rng), stream)
+        elif r < 0.88:
+            pair.call("cached_releases")
+        elif r < 0.885:
+            if fraction is not None or rng.random() < 0.2:
+                pair.call("set_memory_fraction", rng.choice([0.02, 0.03, 0.05, 0.1, 0.5,
+                                                             1.0, 1.5, "x"]))
+        elif r < 0.89:
+            if live:
+                if rng.random() < 0.5:
+                    pair.call("set_allocator_settings", rng.choice(_CONFS))
+                else:
+                    pair.call("set_allocator_settings", rng.choice(_CONFS + ["bogus:1"]))
+        elif r < 0.893:
+            pair.call(rng.choice(["reset_peak_stats", "reset_accumulated_stats"]))
+        elif r < 0.896:
+            pair.call("record_history", rng.random() < 0.7, rng.choice([50, 1000, 100000]))
+        elif r < 0.899:
+            if listening:
+                pair.stop_listening()
+                listening = False
+            else:
+                pair.listen(raw=rng.random() < 0.7, columns=rng.random() < 0.7,
+                            callback=rng.random() < 0.3)
+                listening = True
+        elif r < 0.90:
+            pair.call(rng.choice(["release_free_regions", "snapshot"]))
+        pair.same("stats", ref.stats(), fast.stats())
+        if pair.ops % 16 == 0:
+            pair.same("memory_stats", ref.memory_stats(), fast.memory_stats())
+        if pair.ops % check_every == 0:
+            _compare_torch_state(pair)
+    if listening:
+        pair.stop_listening()
+    _compare_torch_state(pair)
+    pair.call("close")
+    pair.same("memory_stats after close", ref.memory_stats(), fast.memory_stats())
+    pair.compare_devices()
+    return pair.ops
+
+
+def _without_times(snap: dict) -> dict:
+    snap = dict(snap)
+    snap["device_traces"] = [[{k: v for k, v in e.items() if k != "time_us"} for e in dev]
+                             for dev in snap["device_traces"]]
+    return snap
+
+
+def _compare_torch_state(pair: Pair) -> None:
+    ref, fast = pair.ref, pair.fast
+    ref.check()
+    fast.check()
+    pair.same("memory_stats", ref.memory_stats(), fast.memory_stats())
+    pair.same("snapshot", _without_times(ref.snapshot()), _without_times(fast.snapshot()))
+    pair.same("memory dump", ref.memory_dump(), fast.memory_dump())
+    pair.same("summary", ref.memory_summary(), fast.memory_summary())
+    ta, tb = ref.chunk_table(), fast.chunk_table()
+    pair.same("chunk table", {k: v.tolist() for k, v in ta.items()},
+              {k: v.tolist() for k, v in tb.items()})
+    pair.same("region table", ref._region_table(), fast._region_table())
+    pair.same("repr", repr(ref), repr(fast))
+    pair.compare_events()
+    pair.compare_devices()
+
+
 # ------------------------------------------------------------------------------ main
-MODELS: dict[str, tuple[list, Callable]] = {"bfc": (BFC_SETTINGS, fuzz_bfc)}
+MODELS: dict[str, tuple[list, Callable]] = {"bfc": (BFC_SETTINGS, fuzz_bfc),
+                                            "torch": (TORCH_SETTINGS, fuzz_torch)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,10 +34,18 @@ from cpython.pythread cimport (
     PyThread_type_lock,
 )
 from libc.stdint cimport INT64_MAX, int8_t, int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memmove
+from libc.string cimport memcpy, memmove, memset
 
 from . import _eventsource
-from ._errors import InvalidPointerError
+from numbers import Integral as _Integral
+from operator import index as _index
+
+from ._errors import (
+    BackendUnavailableError,
+    GpudashError,
+    InvalidPointerError,
+    OutOfMemoryError,
+)
 
 cdef extern from *:
     """
@@ -71,9 +79,11 @@ _PyChunk = _PyRegion = None
 _coerce_size = _negative_size = _pointer_or_none = None
 _logger = None
 _GC_MESSAGE = ""
+_PyCaching = _PyStats = _PyBlock = _PyPool = _PyES = _stream_of = None
 
 include "_csrc/base.pxi"
 include "_csrc/bfc.pxi"
+include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"
 
 
@@ -98,3 +108,27 @@ def make_bfc_class(pure, module):
         _expand_journal = staticmethod(expand_journal)
 
     return BFCAllocator
+
+
+def make_caching_class(pure, module):
+    """The compiled ``CachingAllocator``: :class:`CachingCore` first, the pure-Python model
+    ``pure`` for everything the core does not replace."""
+    global _PyCaching, _PyStats, _PyBlock, _PyPool, _PyES, _stream_of
+    _PyCaching, _PyStats, _PyBlock = pure, module._Stats, module._Block
+    _PyPool, _PyES, _stream_of = module._Pool, module._ExpandableSegment, module._stream_of
+    if (module.K_MIN_BLOCK_SIZE != KMIN_BLOCK or module.K_SMALL_SIZE != KSMALL_SIZE
+            or module.K_SMALL_BUFFER != KSMALL_BUFFER or module.K_LARGE_BUFFER != KLARGE_BUFFER
+            or module.K_MIN_LARGE_ALLOC != KMIN_LARGE_ALLOC
+            or module.K_ROUND_LARGE != KROUND_LARGE or module.K_ONE_EXA != K_ONE_EXA
+            or tuple(module._STAT_TYPES) != ("all", "small_pool", "large_pool")):
+        raise ImportError("gpudash._core was built for other caching-allocator constants; "
+                          "rebuild it")
+
+    class CachingAllocator(CachingCore, pure):
+        __doc__ = pure.__doc__
+        __module__ = pure.__module__
+        __qualname__ = "CachingAllocator"
+        compiled = True
+        _expand_journal = staticmethod(expand_journal)
+
+    return CachingAllocator

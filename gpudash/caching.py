@@ -41,11 +41,13 @@ checked against PyTorch 2.11 on a GPU.
 
 from __future__ import annotations
 
+import sys
 import threading
 from bisect import bisect_left, insort
 from collections import deque
 from typing import Any
 
+from ._accel import compiled_class as _compiled_class
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -354,21 +356,9 @@ class CachingAllocator(EventSource):
         self._sub = sub_allocator
         self._device = device
         self._name = f"cuda:{device}" if name is None else str(name)
-        self._lock = threading.Lock()
-        self._small = _Pool(True)
-        self._large = _Pool(False)
-        self._blocks: dict[int, _Block] = {}
-        self._spare: list[_Block] = []                 # records of merged blocks, reused
-        self._segments: dict[int, int] = {}            # cudaMalloc base -> size
-        self._expandable: list[_ExpandableSegment] = []
-        self._reserved = 0                             # total_allocated_memory
-        self._allowed = 0                              # allowed_memory_maximum
+        self._init_state()
         self._set_fraction = False
         self._fraction: float | None = None
-        self._stats = _Stats()
-        self._next_aid = 1
-        self._peak_reserved = 0
-        self._largest = 0                              # the largest block ever allocated
         self._va_next = 0x600000000000 + (device << 42)
         self._gc_on = False  # a fraction is set and garbage_collection_threshold > 0
         self._settings_changed()
@@ -378,6 +368,23 @@ class CachingAllocator(EventSource):
         self.device_index = device
         if fraction is not None:
             self.set_memory_fraction(fraction)
+
+    def _init_state(self) -> None:
+        """The empty state: the lock, pools, blocks, segments and statistics (the compiled
+        core keeps them in C and replaces this)."""
+        self._lock = threading.Lock()
+        self._small = _Pool(True)
+        self._large = _Pool(False)
+        self._blocks: dict[int, _Block] = {}
+        self._spare: list[_Block] = []                 # records of merged blocks, reused
+        self._segments: dict[int, int] = {}            # cudaMalloc base -> size
+        self._expandable: list[_ExpandableSegment] = []
+        self._reserved = 0                             # total_allocated_memory
+        self._allowed = 0                              # allowed_memory_maximum
+        self._stats = _Stats()
+        self._next_aid = 1
+        self._peak_reserved = 0
+        self._largest = 0                              # the largest block ever allocated
 
     # ------------------------------------------------------------------ properties
     @property
@@ -1967,3 +1974,10 @@ class CachingAllocator(EventSource):
                     self._free(b)
             self._release_cached_blocks()
         self.flush_events()
+
+
+#: The pure-Python model: the readable reference, and what runs without the compiled core.
+PyCachingAllocator = CachingAllocator
+#: The class gpudash uses: the compiled core's subclass of the pure-Python model where
+#: gpudash._core is built (and GPUDASH_PURE_PYTHON is not set), else the model itself.
+CachingAllocator = _compiled_class("caching", PyCachingAllocator, sys.modules[__name__])

@@ -35,15 +35,24 @@ OPS = int(os.environ.get("GPUDASH_FUZZ_OPS", "25000"))
 
 
 def test_the_public_classes_are_the_compiled_ones():
-    assert gpudash.BFCAllocator.compiled
+    from gpudash.caching import PyCachingAllocator
+
+    assert gpudash.BFCAllocator.compiled and gpudash.CachingAllocator.compiled
     assert issubclass(gpudash.BFCAllocator, PyBFCAllocator)
+    assert issubclass(gpudash.CachingAllocator, PyCachingAllocator)
     assert gpudash.BFCAllocator.__module__ == "gpudash.bfc"
+    assert gpudash.CachingAllocator.__module__ == "gpudash.caching"
     assert "compiled" in _accel.describe()
 
 
 @pytest.mark.parametrize("setting", fuzz_core.BFC_SETTINGS, ids=lambda s: s[0])
 def test_bfc_fuzz(setting):
     assert fuzz_core.fuzz_bfc(OPS, 11, setting, check_every=1000) >= OPS
+
+
+@pytest.mark.parametrize("setting", fuzz_core.TORCH_SETTINGS, ids=lambda s: s[0])
+def test_torch_fuzz(setting):
+    assert fuzz_core.fuzz_torch(OPS // 2, 13, setting, check_every=1000) >= OPS // 2
 
 
 # ------------------------------------------------------------------------------ replays
@@ -53,8 +62,12 @@ def pure_models(monkeypatch):
     gpudash.models, which looks the class up when it builds)."""
     import gpudash.bfc
 
+    import gpudash.caching
+
     def use() -> None:
         monkeypatch.setattr(gpudash.bfc, "BFCAllocator", PyBFCAllocator)
+        monkeypatch.setattr(gpudash.caching, "CachingAllocator",
+                            gpudash.caching.PyCachingAllocator)
 
     return use
 
@@ -67,6 +80,8 @@ def _result_fields(r) -> dict:
     out["ooms"] = r.ooms.tolist()
     out["per_call"] = {k: v.tolist() for k, v in r.per_call.items()}
     out["final_snapshot"] = r.final_snapshot
+    if r.snapshot is not None:
+        out["snapshot"] = fuzz_core._without_times(r.snapshot)
     if r.recording is not None:
         out["recording"] = {k: v.tolist() for k, v in r.recording.columns.items()
                             if k != "time_ns"}
@@ -101,6 +116,50 @@ def test_replays_are_the_same(name, kwargs, pure_models):
     fast = replay(trace, **kwargs)
     pure_models()
     ref = replay(trace, **kwargs)
+    assert _result_fields(fast) == _result_fields(ref)
+
+
+@pytest.fixture(scope="module")
+def torch_traces():
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    calls = finetune_calls(steps=12)
+    return {"finetune24": load_torch_snapshot(caching_snapshot(calls, device_bytes="24GiB")),
+            "finetune80": load_torch_snapshot(caching_snapshot(calls, device_bytes="80GiB"))}
+
+
+TORCH_REPLAYS = [  # what-ifs: the compiled loop runs them (exact replays use the reference)
+    {"device_bytes": "24GiB", "exact": False},
+    {"device_bytes": "20GiB", "exact": False},
+    {"device_bytes": "24GiB", "expandable_segments": True},
+    {"device_bytes": "40GiB", "fraction": 0.4, "garbage_collection_threshold": 0.6,
+     "max_split_size_mb": 256},
+    {"device_bytes": "24GiB", "roundup_power2_divisions": 4, "max_ooms": 2},
+    {"device_bytes": "24GiB", "exact": False, "record": False, "per_call": False},
+]
+
+
+@pytest.mark.parametrize("kwargs", TORCH_REPLAYS, ids=lambda k: ",".join(
+    f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("name", ["finetune24", "finetune80"])
+def test_torch_replays_are_the_same(name, kwargs, torch_traces, pure_models):
+    from gpudash.trace.replay import replay
+
+    trace = torch_traces[name]
+    fast = replay(trace, **kwargs)
+    pure_models()
+    ref = replay(trace, **kwargs)
+    assert _result_fields(fast) == _result_fields(ref)
+
+
+def test_a_bfc_trace_through_pytorchs_model_is_the_same(pure_models):
+    from gpudash.trace.replay import replay
+
+    trace = _traces()["fragmentation"]
+    fast = replay(trace, allocator="torch", device_bytes="1GiB", fraction=0.05)
+    pure_models()
+    ref = replay(trace, allocator="torch", device_bytes="1GiB", fraction=0.05)
     assert _result_fields(fast) == _result_fields(ref)
 
 

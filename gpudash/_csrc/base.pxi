@@ -287,9 +287,9 @@ cdef struct Key:
 
 
 cdef enum:
-    SS_CAP = 256
-    SS_HALF = 128
-    SS_LOW = 32
+    SS_CAP = 64
+    SS_HALF = 32
+    SS_LOW = 8
 
 
 cdef struct SSet:

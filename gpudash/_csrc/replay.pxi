@@ -131,3 +131,59 @@ def run_bfc_deferred(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t 
     if sampling:
         _keep_samples(sample, arrays, made)
     return stop, skipped, retried, held_bytes
+
+
+def run_torch(CachingCore a, ops, keys, nbytes, streams, Py_ssize_t start, Py_ssize_t stop,
+              KeyMap ptrs, list oom_calls, sample, Py_ssize_t max_ooms):
+    """``_Engine._run_torch``: returns (calls made up to, frees of unknown keys).
+    ``streams``: None (all 0) or a uint64 array."""
+    cdef const int64_t[::1] O = ops
+    cdef const int64_t[::1] K = keys
+    cdef const int64_t[::1] N = nbytes
+    cdef const uint64_t[::1] T
+    cdef int64_t[::1] S0, S1, S2
+    cdef Py_ssize_t i, made = 0, skipped = 0
+    cdef int64_t op, n, v
+    cdef uint64_t p
+    cdef bint sampling = sample is not None, streamed = streams is not None
+    if streamed:
+        T = streams
+    arrays = None
+    if sampling:
+        arrays = _samples(stop - start)
+        S0, S1, S2 = arrays
+    for i in range(start, stop):
+        op = O[i]
+        if op == 2:
+            if pm_del(&ptrs.m, <uint64_t>K[i], &v):
+                a.replay_free(<uint64_t>v)
+            else:
+                skipped += 1
+        elif op == 9:
+            a.empty_cache_c()
+        else:
+            n = N[i]
+            p = a.replay_alloc(n, T[i] if streamed else 0)
+            if p or not n:
+                if op == 1:
+                    pm_put(&ptrs.m, <uint64_t>K[i], <int64_t>p)
+                elif p:
+                    a.replay_free(p)   # a request the source refused, served now
+            else:
+                oom_calls.append(i)
+                if len(oom_calls) >= max_ooms:
+                    stop = i + 1
+                    if sampling:
+                        S0[made] = a.st[ST_ALLOCATED_BYTES][0]
+                        S1[made] = a._reserved
+                        S2[made] = a.largest_free()
+                    made += 1
+                    break
+        if sampling:
+            S0[made] = a.st[ST_ALLOCATED_BYTES][0]
+            S1[made] = a._reserved
+            S2[made] = a.largest_free()
+        made += 1
+    if sampling:
+        _keep_samples(sample, arrays, made)
+    return stop, skipped

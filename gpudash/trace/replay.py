@@ -754,7 +754,7 @@ class _Engine:
             cols = [np.ascontiguousarray(c, dtype=np.int64)
                     for c in (self.ops, self.keys, self.nbytes)]
             cols.append(None if self.streams is None else
-                        np.ascontiguousarray(self.streams, dtype=np.int64).view(np.uint64))
+                        np.ascontiguousarray(np.asarray(self.streams).astype(np.uint64)))
             self._columns = tuple(cols)
         return self._columns
 
@@ -764,6 +764,14 @@ class _Engine:
         ops, keys, nbytes, _ = self._int64_columns()
         self.pos, skipped = _core.run_bfc(self.alloc, ops, keys, nbytes, start, stop,
                                           self.ptrs, self.oom_calls, sample, max_ooms)
+        self.skipped_frees += skipped
+
+    def _run_torch_compiled(self, start: int, stop: int, sample: list | None,
+                            max_ooms: int = sys.maxsize) -> None:
+        """:meth:`_run_torch` in C (gpudash._core.run_torch), call for call."""
+        ops, keys, nbytes, streams = self._int64_columns()
+        self.pos, skipped = _core.run_torch(self.alloc, ops, keys, nbytes, streams, start,
+                                            stop, self.ptrs, self.oom_calls, sample, max_ooms)
         self.skipped_frees += skipped
 
     def _run_deferred_compiled(self, start: int, stop: int, sample: list | None,

@@ -47,6 +47,7 @@ from ..caching import (
     K_MIN_BLOCK_SIZE,
     K_SMALL_SIZE,
     CachingAllocator,
+    PyCachingAllocator,
     _Block,
     _ExpandableSegment,
     _inc,
@@ -475,7 +476,8 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         raise ValueError("fraction needs device_total (the device's total memory)")
     total = device_total or (1 << 50)
     oracle = _Oracle(total)
-    alloc = CachingAllocator(oracle, cfg, name=f"cuda:{tt.device}", device=tt.device)
+    # the pure-Python model: exact replay builds its starting state in the model's records
+    alloc = PyCachingAllocator(oracle, cfg, name=f"cuda:{tt.device}", device=tt.device)
     alloc.record_history(True, max_entries=max_entries + 1)
     if fraction is not None:
         alloc.set_memory_fraction(fraction)

@@ -1,0 +1,1553 @@
+# PyTorch's CUDA caching allocator: the state of gpudash.caching.CachingAllocator in C
+# arrays, and every operation that changes it. Included by _core.pyx;
+# gpudash.caching.PyCachingAllocator is the reference it is held to, decision for decision
+# (each method below names the Python one it mirrors).
+
+cdef struct TBlock:
+    uint64_t ptr
+    int64_t size
+    int64_t requested
+    uint64_t stream
+    int64_t gc_base
+    int64_t aid
+    int64_t ins         # when its address entered the address table (dict order)
+    int32_t prev        # slots; -1: none
+    int32_t next
+    int32_t es          # expandable segment slot; -1: a cudaMalloc segment
+    int8_t pool         # 0 small, 1 large
+    int8_t allocated
+    int8_t mapped
+    int8_t live         # the slot holds a block
+
+
+cdef struct TES:
+    uint64_t base
+    int64_t page
+    int64_t max_pages
+    uint64_t stream
+    int8_t pool
+    int8_t live
+    int64_t nh          # len(handles): the last mapped page + 1
+    int64_t cap
+    uint64_t* handles   # 0: not mapped
+
+
+cdef enum:
+    ST_ALLOCATION = 0
+    ST_SEGMENT = 1
+    ST_INACTIVE_SPLIT = 2
+    ST_ALLOCATED_BYTES = 3
+    ST_RESERVED_BYTES = 4
+    ST_INACTIVE_SPLIT_BYTES = 5
+    ST_REQUESTED_BYTES = 6
+    N_STATS = 7
+
+cdef int64_t KMIN_BLOCK = 512
+cdef int64_t KSMALL_SIZE = 1 << 20
+cdef int64_t KSMALL_BUFFER = 2 << 20
+cdef int64_t KLARGE_BUFFER = 20 << 20
+cdef int64_t KMIN_LARGE_ALLOC = 10 << 20
+cdef int64_t KROUND_LARGE = 2 << 20
+cdef int64_t K_ONE_EXA = 1 << 60
+
+# the names of DeviceStats' per-pool statistics, in _Stats.pool's order
+_STAT_NAMES = ("allocation", "segment", "inactive_split", "allocated_bytes",
+               "reserved_bytes", "inactive_split_bytes", "requested_bytes")
+_A_ALLOC = "alloc"
+_A_FREE_REQ = "free_requested"
+_A_FREE_DONE = "free_completed"
+_A_SEG_ALLOC = "segment_alloc"
+_A_SEG_FREE = "segment_free"
+_A_SEG_MAP = "segment_map"
+_A_SEG_UNMAP = "segment_unmap"
+_A_OOM = "oom"
+
+
+cdef inline void st_inc(int64_t* s, int t, int64_t n) noexcept:
+    """_inc: a statistic up by n for the aggregate and stat type t (1 small, 2 large)."""
+    cdef int64_t c = s[0] + n
+    cdef int j = t << 2
+    s[0] = c
+    if c > s[1]:
+        s[1] = c
+    s[2] += n
+    c = s[j] + n
+    s[j] = c
+    if c > s[j + 1]:
+        s[j + 1] = c
+    s[j + 2] += n
+
+
+cdef inline void st_dec(int64_t* s, int t, int64_t n) noexcept:
+    cdef int j = t << 2
+    s[0] -= n
+    s[3] += n
+    s[j] -= n
+    s[j + 3] += n
+
+
+cdef inline void st_inc1(int64_t* s, int64_t n) noexcept:
+    cdef int64_t c = s[0] + n
+    s[0] = c
+    if c > s[1]:
+        s[1] = c
+    s[2] += n
+
+
+cdef inline void st_dec1(int64_t* s, int64_t n) noexcept:
+    s[0] -= n
+    s[3] += n
+
+
+cdef inline int64_t allocation_size(int64_t size) noexcept:
+    if size <= KSMALL_SIZE:
+        return KSMALL_BUFFER
+    if size < KMIN_LARGE_ALLOC:
+        return KLARGE_BUFFER
+    return (size + KROUND_LARGE - 1) // KROUND_LARGE * KROUND_LARGE
+
+
+cdef inline Key bkey(const TBlock* b) noexcept:
+    """A free mapped block's key in its pool: (stream, size, address)."""
+    cdef Key k
+    k.a = b.stream
+    k.b = <uint64_t>b.size
+    k.c = b.ptr
+    return k
+
+
+cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
+    """An unmapped stretch's key: (stream, address)."""
+    cdef Key k
+    k.a = stream
+    k.b = ptr
+    k.c = 0
+    return k
+
+
+cdef class CachingCore:
+    """The compiled state and operations of :class:`gpudash.caching.CachingAllocator`."""
+
+    cdef TBlock* bk
+    cdef int32_t nbk
+    cdef int32_t cap_bk
+    cdef int32_t* free_slots
+    cdef int32_t nfree
+    cdef int32_t cap_free
+    cdef PMap blocks
+    cdef int64_t ins_next
+    cdef SSet keys[2]
+    cdef SSet unmapped[2]
+    cdef int64_t calls[2]
+    cdef SSet segs                  # (0, base, size) of cudaMalloc segments
+    cdef TES* es
+    cdef int32_t nes_slots
+    cdef int32_t cap_es
+    cdef list es_order              # expandable segment slots, oldest first
+    cdef int64_t st[7][12]
+    cdef int64_t over_alloc[4]
+    cdef int64_t over_seg[4]
+    cdef int64_t n_retries, n_ooms, n_sync, n_dev_alloc, n_dev_free
+    # the settings the operations read (refreshed by _settings_changed)
+    cdef bint expandable_on, v21, v26, old_round, mss_set
+    cdef int64_t mss_val, tol
+    cdef uint64_t mss
+    cdef double gc_threshold
+    cdef int64_t divs[16]
+    cdef uint64_t version
+    cdef object mat
+    cdef Journal jr
+    cdef readonly Lock _lock
+    cdef public bint _plain_round, _split_any, _gc_on, _set_fraction
+    cdef public int64_t _reserved, _allowed, _next_aid, _peak_reserved, _largest, _flush_at
+    cdef public uint64_t _va_next
+    cdef public object _history
+
+    def __cinit__(self, *args, **kwargs):
+        cdef int p
+        self._lock = Lock()
+        self.cap_bk = 64
+        self.bk = <TBlock*>PyMem_Malloc(self.cap_bk * sizeof(TBlock))
+        self.cap_free = 64
+        self.free_slots = <int32_t*>PyMem_Malloc(self.cap_free * sizeof(int32_t))
+        self.cap_es = 4
+        self.es = <TES*>PyMem_Calloc(self.cap_es, sizeof(TES))
+        if self.bk == NULL or self.free_slots == NULL or self.es == NULL:
+            raise MemoryError()
+        for p in range(2):
+            ss_init(&self.keys[p])
+            ss_init(&self.unmapped[p])
+        ss_init(&self.segs)
+        pm_init(&self.blocks, 64)
+        self.es_order = []
+        self._flush_at = JOURNAL_FLUSH
+        self._next_aid = 1
+        self.mss = 0xFFFFFFFFFFFFFFFF
+        self.tol = KLARGE_BUFFER
+
+    def __dealloc__(self):
+        cdef int p
+        cdef int32_t e
+        PyMem_Free(self.bk)
+        PyMem_Free(self.free_slots)
+        if self.es != NULL:
+            for e in range(self.nes_slots):
+                PyMem_Free(self.es[e].handles)
+            PyMem_Free(self.es)
+        for p in range(2):
+            ss_free(&self.keys[p])
+            ss_free(&self.unmapped[p])
+        ss_free(&self.segs)
+        pm_free(&self.blocks)
+
+    def _init_state(self):
+        """The empty state (the C arrays are made with the object)."""
+
+    def _settings_changed(self):
+        """The pure model's, then the settings the C operations read."""
+        cdef int i
+        _PyCaching._settings_changed(self)
+        conf = self._conf
+        self.expandable_on = bool(conf.expandable_segments)
+        self.v21 = conf.version >= (2, 1)
+        self.v26 = conf.version >= (2, 6)
+        self.old_round = conf.version < (2, 4)
+        mss = conf.max_split_size
+        self.mss_set = mss is not None
+        self.mss_val = mss if mss is not None else 0
+        self.mss = 0xFFFFFFFFFFFFFFFF if mss is None else <uint64_t>mss
+        self.tol = self._non_split_tolerance()
+        self.gc_threshold = conf.garbage_collection_threshold
+        for i in range(16):
+            self.divs[i] = conf.roundup_power2_divisions[i]
+        self.version += 1
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def _journal(self):
+        return self.jr
+
+    @_journal.setter
+    def _journal(self, value):
+        self.jr = as_journal(value)
+
+    @property
+    def _mss(self):
+        return (1 << 64) if self.mss == 0xFFFFFFFFFFFFFFFF else self.mss
+
+    @_mss.setter
+    def _mss(self, value):
+        self.mss = 0xFFFFFFFFFFFFFFFF if value >= 0xFFFFFFFFFFFFFFFF else value
+
+    @property
+    def bytes_in_use(self):
+        """Bytes of blocks allocated (``allocated_bytes.all.current``)."""
+        return self.st[ST_ALLOCATED_BYTES][0]
+
+    @property
+    def _stats(self):
+        """The statistics as the pure model keeps them (a copy)."""
+        cdef int i, j
+        out = _PyStats()
+        for i in range(N_STATS):
+            out.pool[_STAT_NAMES[i]] = [self.st[i][j] for j in range(12)]
+        out.oversize_allocations = [self.over_alloc[j] for j in range(4)]
+        out.oversize_segments = [self.over_seg[j] for j in range(4)]
+        out.num_alloc_retries = self.n_retries
+        out.num_ooms = self.n_ooms
+        out.num_sync_all_streams = self.n_sync
+        out.num_device_alloc = self.n_dev_alloc
+        out.num_device_free = self.n_dev_free
+        return out
+
+    @property
+    def _blocks(self):
+        return self.view()[1]
+
+    @property
+    def _small(self):
+        return self.view()[2]
+
+    @property
+    def _large(self):
+        return self.view()[3]
+
+    @property
+    def _segments(self):
+        return self.view()[4]
+
+    @property
+    def _expandable(self):
+        return self.view()[5]
+
+    @property
+    def _spare(self):
+        return []
+
+    cdef object view(self):
+        """The state as the pure model keeps it (``_Block``, ``_Pool`` and
+        ``_ExpandableSegment`` records, the address table in its order, the segments), made
+        once per change: for the readers the two models share."""
+        cdef int32_t s, e
+        cdef int p, bi, i
+        cdef size_t j
+        cdef Key* k
+        cdef TES* t
+        cdef SSet* ss
+        cdef TBlock* b
+        if self.mat is not None and self.mat[0] == self.version:
+            return self.mat
+        pools = []
+        for p in range(2):
+            pool = _PyPool(p == 0)
+            pool.calls = self.calls[p]
+            keys = []
+            ss = &self.keys[p]
+            for bi in range(ss.nblk):
+                for i in range(ss.nb[bi]):
+                    k = &ss.blk[bi][i]
+                    keys.append(((<object>k.a) << 128) | ((<object>k.b) << 64) | k.c)
+            pool.keys = keys
+            unmapped = []
+            ss = &self.unmapped[p]
+            for bi in range(ss.nblk):
+                for i in range(ss.nb[bi]):
+                    k = &ss.blk[bi][i]
+                    unmapped.append(((<object>k.a) << 64) | k.b)
+            pool.unmapped = unmapped
+            pools.append(pool)
+        ess = {}
+        expandable = []
+        for e in self.es_order:
+            t = &self.es[e]
+            o = _PyES(t.base, t.page, t.max_pages, t.stream, pools[t.pool])
+            o.handles = [t.handles[i] if t.handles[i] else None for i in range(t.nh)]
+            ess[e] = o
+            expandable.append(o)
+        made = {}
+        for s in self.table_order():
+            b = &self.bk[s]
+            o = _PyBlock(b.ptr, b.size, b.stream, pools[b.pool],
+                         ess[b.es] if b.es >= 0 else None, bool(b.mapped))
+            o.requested = b.requested
+            o.allocated = bool(b.allocated)
+            o.gc_base = b.gc_base
+            o.aid = b.aid
+            made[s] = o
+        for s, o in made.items():
+            if self.bk[s].prev >= 0:
+                o.prev = made.get(self.bk[s].prev)
+            if self.bk[s].next >= 0:
+                o.next = made.get(self.bk[s].next)
+        blocks = {o.ptr: o for o in made.values()}
+        segments = {}
+        ss = &self.segs
+        for bi in range(ss.nblk):
+            for i in range(ss.nb[bi]):
+                segments[ss.blk[bi][i].b] = ss.blk[bi][i].c
+        self.mat = (self.version, blocks, pools[0], pools[1], segments, expandable)
+        return self.mat
+
+    cdef list table_order(self):
+        """The slots of the address table's blocks, in the table's (a dict's) order."""
+        cdef size_t j
+        order = []
+        for j in range(self.blocks.cap):
+            if self.blocks.k[j] != 0:
+                order.append((self.bk[self.blocks.v[j]].ins, self.blocks.v[j]))
+        if self.blocks.has0:
+            order.append((self.bk[self.blocks.v0].ins, self.blocks.v0))
+        order.sort()
+        return [s for _, s in order]
+
+    # ------------------------------------------------------------------ records
+    cdef int32_t new_block(self, uint64_t ptr, int64_t size, uint64_t stream, int pool,
+                           int32_t es, bint mapped) except -1:
+        """_Block(ptr, size, stream, pool, es, mapped) in a free slot."""
+        cdef int32_t s
+        cdef TBlock* nb
+        if self.nfree:
+            self.nfree -= 1
+            s = self.free_slots[self.nfree]
+        else:
+            if self.nbk == self.cap_bk:
+                nb = <TBlock*>PyMem_Realloc(self.bk, 2 * self.cap_bk * sizeof(TBlock))
+                if nb == NULL:
+                    raise MemoryError()
+                self.bk = nb
+                self.cap_bk *= 2
+            s = self.nbk
+            self.nbk += 1
+        nb = &self.bk[s]
+        nb.ptr = ptr
+        nb.size = size
+        nb.requested = 0
+        nb.stream = stream
+        nb.gc_base = 0
+        nb.aid = -1
+        nb.ins = 0
+        nb.prev = -1
+        nb.next = -1
+        nb.es = es
+        nb.pool = pool
+        nb.allocated = 0
+        nb.mapped = mapped
+        nb.live = 1
+        return s
+
+    cdef int drop_block(self, int32_t s) except -1:
+        cdef int32_t* nf
+        self.bk[s].live = 0
+        self.bk[s].prev = -1
+        self.bk[s].next = -1
+        if self.nfree == self.cap_free:
+            nf = <int32_t*>PyMem_Realloc(self.free_slots, 2 * self.cap_free * sizeof(int32_t))
+            if nf == NULL:
+                raise MemoryError()
+            self.free_slots = nf
+            self.cap_free *= 2
+        self.free_slots[self.nfree] = s
+        self.nfree += 1
+        return 0
+
+    cdef inline int put(self, uint64_t ptr, int32_t s) except -1:
+        """``_blocks[ptr] = block``: a new address goes last in the table's order; a block
+        put at an address already there takes that entry's place."""
+        cdef int64_t v
+        if pm_get(&self.blocks, ptr, &v):
+            self.bk[s].ins = self.bk[v].ins
+        else:
+            self.ins_next += 1
+            self.bk[s].ins = self.ins_next
+        pm_put(&self.blocks, ptr, s)
+        return 0
+
+    cdef inline void unput(self, uint64_t ptr) noexcept:
+        cdef int64_t v
+        pm_del(&self.blocks, ptr, &v)
+
+    cdef inline int32_t at(self, uint64_t ptr) noexcept:
+        cdef int64_t v
+        if pm_get(&self.blocks, ptr, &v):
+            return <int32_t>v
+        return -1
+
+    cdef inline int trace(self, str action, uint64_t addr, int64_t size,
+                          uint64_t stream) except -1:
+        self._history.append((action, addr, size, stream, now_ns() // 1000))
+        return 0
+
+    # ------------------------------------------------------------------ sizes
+    cdef inline int64_t round_size(self, int64_t n) noexcept:
+        """round_size (the roundup_power2_divisions path)."""
+        cdef int i
+        cdef int64_t d, floor, step, f
+        if n < KMIN_BLOCK:
+            return KMIN_BLOCK
+        i = 63 - __builtin_clzll(<uint64_t>n) - 20
+        if i < 0:
+            i = 0
+        elif i > 15:
+            i = 15
+        d = self.divs[i]
+        if ((d > 0) if self.old_round else (d > 1)) and n > KMIN_BLOCK * d:
+            if self.old_round and d <= 1:
+                return n
+            if n & (n - 1) == 0:
+                return n
+            floor = (<int64_t>1) << (63 - __builtin_clzll(<uint64_t>n))
+            step = floor >> (63 - __builtin_clzll(<uint64_t>d))
+            if step == 0:
+                return floor << 1
+            f = n & ~(step - 1)
+            return n if f == n else f + step
+        return (n + 511) & ~(<int64_t>511)
+
+    # ------------------------------------------------------------------ allocate
+    cdef uint64_t malloc(self, object nbytes, object stream, bint raise_oom) except? 1:
+        """_malloc."""
+        cdef int64_t n
+        cdef uint64_t strm
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = self._check_request(nbytes)
+            if not nbytes:
+                return 0
+        if type(stream) is not int or stream < 0:
+            stream = _stream_of(stream)
+        if nbytes >= K_ONE_EXA:
+            if raise_oom:
+                raise OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate more than 1EB memory.",
+                    requested=nbytes, rounded=nbytes, allocator=self._name)
+            return 0
+        n = nbytes
+        strm = stream & 0xFFFFFFFFFFFFFFFF
+        return self.malloc_c(n, strm, raise_oom)
+
+    cdef uint64_t malloc_c(self, int64_t n, uint64_t strm, bint raise_oom) except? 1:
+        """_malloc of 0 < n < 1 EiB bytes on stream strm, under the lock."""
+        cdef int64_t size, alloc_size, start = 0
+        cdef uint64_t ptr
+        cdef int pool
+        cdef int32_t blk
+        cdef Lock lk
+        cdef bint listening
+        lk = self._lock
+        lk.take()
+        try:
+            listening = self.jr is not None
+            if listening:
+                start = self.jr.n
+            size = ((n + 511) & ~(<int64_t>511)) if self._plain_round else self.round_size(n)
+            pool = 0 if size <= KSMALL_SIZE else 1
+            blk = self.get_free_block(pool, strm, size)
+            if blk < 0:
+                alloc_size = allocation_size(size)
+                if self._gc_on:
+                    self.garbage_collect()
+                blk = self.alloc_block(pool, strm, size, alloc_size, False)
+                if blk < 0:
+                    if self.release_available(pool, strm, size):
+                        blk = self.alloc_block(pool, strm, size, alloc_size, False)
+                    if blk < 0:
+                        self.release_cached()
+                        blk = self.alloc_block(pool, strm, size, alloc_size, True)
+                if blk < 0:
+                    exc = self.oom(n, size, alloc_size, strm, raise_oom)
+                    if listening:
+                        self._after_op(start)
+                    if exc is not None:
+                        raise exc
+                    return 0
+            ptr = self.alloc_found(blk, pool, size, n, strm)
+            if listening and start >= self._flush_at:
+                self._after_op(start)
+            return ptr
+        finally:
+            lk.give()
+
+    def allocate(self, nbytes, stream=0):
+        return self.malloc(nbytes, stream, True)
+
+    def try_allocate(self, nbytes, record_oom=True, stream=0):
+        return self.malloc(nbytes, stream, False)
+
+    def _malloc(self, nbytes, stream, raise_oom):
+        return self.malloc(nbytes, stream, raise_oom)
+
+    cdef int32_t get_free_block(self, int pool, uint64_t stream, int64_t size) except -2:
+        """_get_free_block(take=True): the one best-fit candidate, taken from its pool; -1
+        when there is none."""
+        cdef SSet* ks = &self.keys[pool]
+        cdef Key want
+        cdef int bi, i, bj, j
+        cdef int32_t b, nb, nx
+        cdef int64_t cur_exp, nexp, v
+        cdef Key* key
+        if self._gc_on:
+            self.calls[pool] += 1
+            self.version += 1
+        want.a = stream
+        want.b = <uint64_t>size
+        want.c = 0
+        if not ss_lower_bound(ks, &want, &bi, &i):
+            return -1
+        key = ss_at(ks, bi, i)
+        if key.a != stream:
+            return -1
+        pm_get(&self.blocks, key.c, &v)
+        b = <int32_t>v
+        if self.bk[b].es >= 0:
+            bj, j = bi, i
+            if self.expandable_on:
+                nx = self.bk[b].next
+                cur_exp = self.bk[b].size + (self.bk[nx].size if nx >= 0 and
+                                             not self.bk[nx].mapped else 0)
+                while self.bk[b].es >= 0 and ss_next(ks, &bj, &j):
+                    key = ss_at(ks, bj, j)
+                    if key.a != stream:
+                        break
+                    pm_get(&self.blocks, key.c, &v)
+                    nb = <int32_t>v
+                    nx = self.bk[nb].next
+                    nexp = self.bk[nb].size + (self.bk[nx].size if nx >= 0 and
+                                               not self.bk[nx].mapped else 0)
+                    if not nexp < cur_exp:
+                        break
+                    b, bi, i, cur_exp = nb, bj, j, nexp
+            else:
+                while True:
+                    if not ss_next(ks, &bj, &j):
+                        return -1
+                    key = ss_at(ks, bj, j)
+                    if key.a != stream:
+                        return -1
+                    pm_get(&self.blocks, key.c, &v)
+                    if self.bk[v].es < 0:
+                        break
+                bi, i = bj, j
+                b = <int32_t>v
+        if <uint64_t>self.bk[b].size >= self.mss or <uint64_t>size >= self.mss:
+            if <uint64_t>size < self.mss and <uint64_t>self.bk[b].size >= self.mss:
+                return -1
+            if <uint64_t>size >= self.mss and self.bk[b].size >= size + self.tol:
+                return -1
+        ss_erase_at(ks, bi, i)
+        self.version += 1
+        return b
+
+    cdef uint64_t alloc_found(self, int32_t blk, int pool, int64_t size, int64_t orig,
+                              uint64_t stream) except? 1:
+        """_alloc_found_block: split if it should be (the allocation takes the front), mark
+        allocated, count."""
+        cdef int t = pool + 1
+        cdef int j = t << 2
+        cdef int32_t prev = self.bk[blk].prev, remaining, new
+        cdef bint already_split = prev >= 0 or self.bk[blk].next >= 0, split
+        cdef int64_t remainder = 0, rem = self.bk[blk].size - size, bsize, c
+        cdef uint64_t rptr
+        cdef int64_t* sb
+        cdef TBlock* b
+        if pool == 0 or self._split_any:
+            split = rem >= KMIN_BLOCK
+        else:
+            split = <uint64_t>size < self.mss and rem > KSMALL_SIZE
+        self.version += 1
+        if split:
+            # the allocation takes the front; the old record becomes the free remainder
+            remaining = blk
+            new = self.new_block(self.bk[remaining].ptr, size, stream, pool,
+                                 self.bk[remaining].es, True)
+            blk = new
+            self.bk[new].prev = prev
+            if prev >= 0:
+                self.bk[prev].next = new
+            self.bk[new].next = remaining
+            self.bk[remaining].prev = new
+            rptr = self.bk[remaining].ptr = self.bk[remaining].ptr + <uint64_t>size
+            remainder = self.bk[remaining].size = self.bk[remaining].size - size
+            self.put(self.bk[new].ptr, new)
+            self.put(rptr, remaining)
+            self.bk[remaining].gc_base = self.calls[pool]
+            ss_insert(&self.keys[pool], bkey(&self.bk[remaining]))
+            if self.bk[new].es < 0:
+                sb = self.st[ST_INACTIVE_SPLIT_BYTES]
+                if already_split:
+                    # an already-split inactive block shrinks by `size` bytes
+                    sb[0] -= size
+                    sb[3] += size
+                    sb[j] -= size
+                    sb[j + 3] += size
+                else:
+                    # a new split inactive block of `remainder` bytes
+                    st_inc(sb, t, remainder)
+                    st_inc(self.st[ST_INACTIVE_SPLIT], t, 1)
+        elif already_split and self.bk[blk].es < 0:
+            st_dec(self.st[ST_INACTIVE_SPLIT_BYTES], t, self.bk[blk].size)
+            st_dec(self.st[ST_INACTIVE_SPLIT], t, 1)
+        b = &self.bk[blk]
+        b.allocated = 1
+        b.requested = orig
+        b.aid = self._next_aid
+        self._next_aid += 1
+        bsize = b.size
+        if bsize > self._largest:
+            self._largest = bsize
+        st_inc(self.st[ST_ALLOCATION], t, 1)
+        st_inc(self.st[ST_ALLOCATED_BYTES], t, bsize)
+        st_inc(self.st[ST_REQUESTED_BYTES], t, orig)
+        if <uint64_t>bsize >= self.mss:
+            st_inc1(self.over_alloc, 1)
+        if self._history is not None:
+            self.trace(_A_ALLOC, b.ptr, orig, stream)
+            b = &self.bk[blk]
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_ALLOC, <int64_t>b.ptr, bsize, orig, remainder, 0, 0)
+        return b.ptr
+
+    # ------------------------------------------------------------------ new memory
+    cdef int32_t alloc_block(self, int pool, uint64_t stream, int64_t size,
+                             int64_t alloc_size, bint is_retry) except -2:
+        """_alloc_block: a new segment (or mapped pages); -1 when the device refuses."""
+        cdef int32_t blk
+        cdef uint64_t p
+        cdef Key k
+        if is_retry:
+            self.n_retries += 1
+        if self._set_fraction and self._reserved + alloc_size > self._allowed:
+            return -1
+        if self.expandable_on and self.v21:
+            return self.try_allocate_expandable(pool, stream, size)
+        try:
+            ptr = self._sub.alloc(alloc_size)
+        except MemoryError:
+            return -1
+        if not ptr:
+            return -1
+        p = int(ptr)
+        self._reserved += alloc_size
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+        blk = self.new_block(p, alloc_size, stream, pool, -1, True)
+        self.put(p, blk)
+        k.a = 0
+        k.b = p
+        k.c = <uint64_t>alloc_size
+        ss_insert(&self.segs, k)
+        self.version += 1
+        st_inc(self.st[ST_SEGMENT], pool + 1, 1)
+        st_inc(self.st[ST_RESERVED_BYTES], pool + 1, alloc_size)
+        if self.mss_set and alloc_size >= self.mss_val:
+            st_inc1(self.over_seg, 1)
+        self.n_dev_alloc += 1
+        if self._history is not None:
+            self.trace(_A_SEG_ALLOC, p, alloc_size, stream)
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_EXTEND, <int64_t>p, alloc_size, size, 0, 0, 0)
+        return blk
+
+    cdef int release_block(self, int32_t blk) except -1:
+        """_release_block: cudaFree of a whole free segment."""
+        cdef uint64_t ptr = self.bk[blk].ptr, stream = self.bk[blk].stream
+        cdef int64_t size = self.bk[blk].size
+        cdef int pool = self.bk[blk].pool
+        cdef Key k
+        if self.bk[blk].es >= 0:
+            raise GpudashError(
+                f"{self._name}: PyTorch fails here with an internal assert "
+                "(TORCH_INTERNAL_ASSERT(!block->expandable_segment_) in release_block, "
+                "pytorch/pytorch#123548): max_split_size_mb with expandable_segments:True "
+                "released an expandable block under memory pressure. PyTorch does not "
+                "support this combination; drop one of the two settings")
+        self.n_dev_free += 1
+        if self._history is not None:
+            self.trace(_A_SEG_FREE, ptr, size, stream)
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0)
+        self._sub.free(ptr, size)
+        self._reserved -= size
+        st_dec(self.st[ST_SEGMENT], pool + 1, 1)
+        st_dec(self.st[ST_RESERVED_BYTES], pool + 1, size)
+        if self.mss_set and size >= self.mss_val:
+            st_dec1(self.over_seg, 1)
+        blk = self.at(ptr)
+        ss_erase(&self.keys[pool], bkey(&self.bk[blk]))
+        self.unput(ptr)
+        k.a = 0
+        k.b = ptr
+        k.c = <uint64_t>size
+        ss_erase(&self.segs, k)
+        self.drop_block(blk)
+        self.version += 1
+        return 0
+
+    cdef list pool_slots(self, int pool):
+        """The blocks of a pool's key list, in its order (``list(pool.keys)``)."""
+        cdef int bi, i
+        cdef int64_t v
+        cdef SSet* s = &self.keys[pool]
+        out = []
+        for bi in range(s.nblk):
+            for i in range(s.nb[bi]):
+                pm_get(&self.blocks, s.blk[bi][i].c, &v)
+                out.append(s.blk[bi][i].c)
+        return out
+
+    cdef int garbage_collect(self) except -1:
+        """garbage_collect_cached_blocks: release aged whole free large segments until
+        ``total - threshold * allowed`` bytes are reclaimed (full passes)."""
+        cdef int64_t gc_threshold = <int64_t>(self.gc_threshold * <double>self._allowed)
+        cdef int64_t target, reclaimed = 0, freeable = 0, age
+        cdef double total_age = 0.0, threshold
+        cdef bint freed
+        cdef int32_t b
+        cdef int64_t v
+        if self._reserved <= gc_threshold:
+            return 0
+        target = self._reserved - gc_threshold
+        for p in self.pool_slots(1):
+            pm_get(&self.blocks, p, &v)
+            b = <int32_t>v
+            if self.bk[b].prev < 0 and self.bk[b].next < 0:
+                total_age += self.calls[1] - self.bk[b].gc_base
+                freeable += 1
+        if freeable == 0:
+            return 0
+        freed = True
+        while reclaimed < target and freed and freeable > 0:
+            threshold = total_age / freeable
+            freed = False
+            for p in self.pool_slots(1):
+                if not pm_get(&self.blocks, p, &v):
+                    continue
+                b = <int32_t>v
+                if self.bk[b].prev >= 0 or self.bk[b].next >= 0 or self.bk[b].allocated:
+                    continue
+                age = self.calls[1] - self.bk[b].gc_base
+                if age >= threshold:
+                    freed = True
+                    reclaimed += self.bk[b].size
+                    total_age -= age
+                    freeable -= 1
+                    self.release_block(b)
+        return 0
+
+    cdef bint release_available(self, int pool, uint64_t stream, int64_t size) except -1:
+        """_release_available_cached_blocks: free oversize cached blocks of this pool and
+        stream, the smallest that covers the request, else from the largest down."""
+        cdef int64_t target, released = 0, v
+        cdef Key probe
+        cdef int bi, i
+        cdef SSet* ks = &self.keys[pool]
+        cdef int32_t b
+        if not self.mss_set:
+            return False
+        target = size if size > self.mss_val else self.mss_val
+        probe.a = stream
+        probe.b = <uint64_t>target
+        probe.c = 0
+        if ss_lower_bound(ks, &probe, &bi, &i) and ss_at(ks, bi, i).a == stream:
+            pm_get(&self.blocks, ss_at(ks, bi, i).c, &v)
+            self.release_block(<int32_t>v)
+            return True
+        # from the key just below the probe, downwards
+        while released < target:
+            if ss_lower_bound(ks, &probe, &bi, &i):
+                if not ss_prev(ks, &bi, &i):
+                    break
+            elif ks.size:
+                bi = ks.nblk - 1
+                i = ks.nb[bi] - 1
+            else:
+                break
+            pm_get(&self.blocks, ss_at(ks, bi, i).c, &v)
+            b = <int32_t>v
+            if self.bk[b].size < self.mss_val or self.bk[b].stream != stream:
+                break
+            probe = ss_at(ks, bi, i)[0]
+            released += self.bk[b].size
+            self.release_block(b)
+            if not ss_lower_bound(ks, &probe, &bi, &i):
+                if not ks.size:
+                    break
+            elif bi == 0 and i == 0:
+                break
+        return released >= target
+
+    cdef int release_cached(self) except -1:
+        """_release_cached_blocks (empty_cache): large pool first, then small."""
+        self.n_sync += 1
+        self.release_blocks(1)
+        self.release_blocks(0)
+        return 0
+
+    cdef int release_blocks(self, int pool) except -1:
+        cdef int64_t v
+        cdef int32_t b
+        to_unmap = []
+        for p in self.pool_slots(pool):
+            if not pm_get(&self.blocks, p, &v):
+                continue
+            b = <int32_t>v
+            if self.bk[b].es >= 0:
+                to_unmap.append(b)
+            elif self.bk[b].prev < 0 and self.bk[b].next < 0:
+                self.release_block(b)
+        for b in to_unmap:
+            self.unmap_block(b)
+            if self.bk[b].prev < 0 and self.bk[b].next < 0:
+                self.release_expandable_segment(b)
+        return 0
+
+    def _release_cached_blocks(self):
+        self.release_cached()
+
+    # ------------------------------------------------------------------ expandable segments
+    cdef int32_t new_expandable(self, int pool, uint64_t stream) except -1:
+        """_new_expandable: a reserved range of 1 1/8 x the device."""
+        cdef int64_t page = KSMALL_BUFFER if pool == 0 else KLARGE_BUFFER, max_pages, nbytes
+        cdef int32_t e
+        cdef TES* ne
+        total = self.device_total
+        if total <= 0:
+            raise BackendUnavailableError(
+                f"{self._name}: expandable segments reserve 1 1/8 x the device's total memory, "
+                "and this device does not say how much it has")
+        max_pages = (total + total // 8 + page - 1) // page
+        nbytes = max_pages * page
+        reserve = getattr(self._sub, "reserve", None)
+        if callable(reserve):
+            base = int(reserve(nbytes))
+        else:
+            if getattr(self._sub, "kind", "") == "cuda":
+                raise BackendUnavailableError(
+                    f"{self._name}: expandable segments map pages with CUDA's virtual "
+                    "memory API, which gpudash does not drive through CuPy; use "
+                    "expandable_segments:False here, or a simulated device")
+            base = self._va_next
+            self._va_next += nbytes + (1 << 30)
+        e = -1
+        for i in range(self.nes_slots):
+            if not self.es[i].live:
+                e = i
+                break
+        if e < 0:
+            if self.nes_slots == self.cap_es:
+                ne = <TES*>PyMem_Realloc(self.es, 2 * self.cap_es * sizeof(TES))
+                if ne == NULL:
+                    raise MemoryError()
+                self.es = ne
+                memset(&self.es[self.cap_es], 0, self.cap_es * sizeof(TES))
+                self.cap_es *= 2
+            e = self.nes_slots
+            self.nes_slots += 1
+        ne = &self.es[e]
+        ne.base = base
+        ne.page = page
+        ne.max_pages = max_pages
+        ne.stream = stream
+        ne.pool = pool
+        ne.live = 1
+        ne.nh = 0
+        self.es_order.append(e)
+        self.version += 1
+        return e
+
+    cdef int es_room(self, int32_t e, int64_t n) except -1:
+        """handles extended with None up to n entries."""
+        cdef TES* t = &self.es[e]
+        cdef int64_t cap
+        cdef uint64_t* h
+        if n > t.cap:
+            cap = t.cap * 2 if t.cap else 16
+            while cap < n:
+                cap *= 2
+            h = <uint64_t*>PyMem_Realloc(t.handles, cap * sizeof(uint64_t))
+            if h == NULL:
+                raise MemoryError()
+            t.handles = h
+            t.cap = cap
+        while t.nh < n:
+            t.handles[t.nh] = 0
+            t.nh += 1
+        return 0
+
+    cdef inline void es_trim(self, int32_t e) noexcept:
+        cdef TES* t = &self.es[e]
+        while t.nh and t.handles[t.nh - 1] == 0:
+            t.nh -= 1
+
+    cdef int map_pages(self, int32_t e, uint64_t ptr, int64_t size, uint64_t* mptr,
+                       int64_t* msize) except -1:
+        """_map_pages: whole pages over [ptr, ptr+size); msize 0 when the device has no
+        memory for them (the pages made by this call are given back)."""
+        cdef int64_t page = self.es[e].page, begin, end, i, j
+        cdef uint64_t base = self.es[e].base, h
+        begin = <int64_t>(ptr - base) // page
+        end = (<int64_t>(ptr - base) + size + page - 1) // page
+        self.es_room(e, end)
+        create, release = self._page_calls()
+        for i in range(begin, end):
+            try:
+                got = create(page)
+            except MemoryError:
+                got = None
+            if not got:
+                for j in range(begin, i):
+                    h = self.es[e].handles[j]
+                    self.es[e].handles[j] = 0
+                    release(h, page)
+                self.es_trim(e)
+                mptr[0] = 0
+                msize[0] = 0
+                return 0
+            self.es[e].handles[i] = int(got)
+        mptr[0] = base + <uint64_t>(begin * page)
+        msize[0] = (end - begin) * page
+        return 0
+
+    cdef int unmap_pages(self, int32_t e, uint64_t ptr, int64_t size, uint64_t* uptr,
+                         int64_t* usize) except -1:
+        """_unmap_pages: the whole pages inside [ptr, ptr+size)."""
+        cdef int64_t page = self.es[e].page, begin, end, i
+        cdef uint64_t base = self.es[e].base, h
+        begin = (<int64_t>(ptr - base) + page - 1) // page
+        end = (<int64_t>(ptr - base) + size) // page
+        if begin >= end:
+            uptr[0] = ptr
+            usize[0] = 0
+            return 0
+        release = self._page_calls()[1]
+        for i in range(begin, end):
+            h = self.es[e].handles[i]
+            self.es[e].handles[i] = 0
+            release(h if h else None, page)
+        self.es_trim(e)
+        uptr[0] = base + <uint64_t>(begin * page)
+        usize[0] = (end - begin) * page
+        return 0
+
+    cdef int32_t find_expandable_block(self, int pool, uint64_t stream,
+                                       int64_t size) except -1:
+        cdef SSet* un = &self.unmapped[pool]
+        cdef Key want = ukey(stream, 0)
+        cdef int bi, i
+        cdef int32_t c, p, b, e
+        cdef int64_t got, v
+        if ss_lower_bound(un, &want, &bi, &i):
+            while True:
+                if ss_at(un, bi, i).a != stream:
+                    break
+                pm_get(&self.blocks, ss_at(un, bi, i).b, &v)
+                c = <int32_t>v
+                p = self.bk[c].prev
+                if p >= 0 and not self.bk[p].allocated:
+                    c = p
+                b = c
+                got = 0
+                while got < size and b >= 0 and not self.bk[b].allocated:
+                    got += self.bk[b].size
+                    b = self.bk[b].next
+                if got >= size:
+                    return c
+                if not ss_next(un, &bi, &i):
+                    break
+        e = self.new_expandable(pool, stream)
+        c = self.new_block(self.es[e].base, self.es[e].page * self.es[e].max_pages, stream,
+                           pool, e, False)
+        self.put(self.bk[c].ptr, c)
+        ss_insert(un, ukey(stream, self.bk[c].ptr))
+        self.version += 1
+        return c
+
+    cdef bint map_block(self, int32_t to_map, int64_t size, int64_t rounded) except -1:
+        cdef int32_t e = self.bk[to_map].es, rest, nxt
+        cdef uint64_t mptr
+        cdef int64_t msize, merged_prev, merged_next
+        cdef int pool = self.bk[to_map].pool
+        self.map_pages(e, self.bk[to_map].ptr, size, &mptr, &msize)
+        if msize == 0:
+            return False
+        ss_erase(&self.unmapped[pool], ukey(self.bk[to_map].stream, self.bk[to_map].ptr))
+        self.bk[to_map].mapped = 1
+        self.version += 1
+        if msize < self.bk[to_map].size:
+            rest = self.new_block(self.bk[to_map].ptr + <uint64_t>msize,
+                                  self.bk[to_map].size - msize, self.bk[to_map].stream, pool, e,
+                                  False)
+            nxt = self.bk[to_map].next
+            self.bk[rest].prev = to_map
+            self.bk[rest].next = nxt
+            self.bk[to_map].next = rest
+            if nxt >= 0:
+                self.bk[nxt].prev = rest
+            self.put(self.bk[rest].ptr, rest)
+            ss_insert(&self.unmapped[pool], ukey(self.bk[rest].stream, self.bk[rest].ptr))
+            self.bk[to_map].size = msize
+        self._reserved += msize
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+        st_inc(self.st[ST_RESERVED_BYTES], pool + 1, msize)
+        self.n_dev_alloc += 1
+        if self._history is not None:
+            self.trace(_A_SEG_MAP, mptr, msize, self.bk[to_map].stream)
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_EXTEND, <int64_t>mptr, msize, rounded, 0, 0, 0)
+        # the new pages join free mapped neighbours (merge events say so)
+        merged_prev = self.try_merge(to_map, self.bk[to_map].prev)
+        merged_next = self.try_merge(to_map, self.bk[to_map].next)
+        if self.jr is not None:
+            if merged_prev:
+                self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
+                             self.bk[to_map].size, merged_prev, 0, 0, 0)
+            if merged_next:
+                self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
+                             self.bk[to_map].size, merged_next, 0, 0, 0)
+        self.bk[to_map].gc_base = self.calls[pool]
+        ss_insert(&self.keys[pool], bkey(&self.bk[to_map]))
+        return True
+
+    cdef int32_t try_allocate_expandable(self, int pool, uint64_t stream,
+                                         int64_t size) except -2:
+        cdef int32_t cand = self.find_expandable_block(pool, stream, size), new
+        cdef int64_t remaining
+        if not self.bk[cand].mapped and not self.map_block(
+                cand, min(self.bk[cand].size, size), size):
+            return -1
+        while self.bk[cand].size < size:
+            remaining = size - self.bk[cand].size
+            new = self.bk[cand].next
+            if not self.map_block(new, min(remaining, self.bk[new].size), size):
+                return -1
+            cand = new
+        ss_erase(&self.keys[pool], bkey(&self.bk[cand]))
+        self.version += 1
+        return cand
+
+    cdef int unmap_block(self, int32_t block) except -1:
+        cdef int32_t e = self.bk[block].es, bf, af, p, n
+        cdef uint64_t uptr
+        cdef int64_t usize, before, after
+        cdef int pool = self.bk[block].pool
+        self.unmap_pages(e, self.bk[block].ptr, self.bk[block].size, &uptr, &usize)
+        if usize == 0:
+            return 0
+        self.version += 1
+        ss_erase(&self.keys[pool], bkey(&self.bk[block]))
+        self.unput(self.bk[block].ptr)
+        before = <int64_t>(uptr - self.bk[block].ptr)
+        if before > 0:
+            bf = self.new_block(self.bk[block].ptr, before, self.bk[block].stream, pool, e, True)
+            p = self.bk[block].prev
+            self.bk[bf].prev = p
+            if p >= 0:
+                self.bk[p].next = bf
+            self.bk[bf].next = block
+            self.bk[block].prev = bf
+            self.put(self.bk[bf].ptr, bf)
+            self.bk[bf].gc_base = self.calls[pool]
+            ss_insert(&self.keys[pool], bkey(&self.bk[bf]))
+        after = self.bk[block].size - (before + usize)
+        if after > 0:
+            af = self.new_block(uptr + <uint64_t>usize, after, self.bk[block].stream, pool, e,
+                                True)
+            n = self.bk[block].next
+            self.bk[af].next = n
+            if n >= 0:
+                self.bk[n].prev = af
+            self.bk[af].prev = block
+            self.bk[block].next = af
+            self.put(self.bk[af].ptr, af)
+            self.bk[af].gc_base = self.calls[pool]
+            ss_insert(&self.keys[pool], bkey(&self.bk[af]))
+        self.bk[block].ptr = uptr
+        self.bk[block].size = usize
+        self.bk[block].mapped = 0
+        self.put(uptr, block)
+        self.try_merge(block, self.bk[block].prev)
+        self.try_merge(block, self.bk[block].next)
+        ss_insert(&self.unmapped[pool], ukey(self.bk[block].stream, self.bk[block].ptr))
+        self._reserved -= usize
+        st_dec(self.st[ST_RESERVED_BYTES], pool + 1, usize)
+        self.n_dev_free += 1
+        if self._history is not None:
+            self.trace(_A_SEG_UNMAP, uptr, usize, self.bk[block].stream)
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_RELEASE, <int64_t>uptr, usize, 0, 0, 0, 0)
+        return 0
+
+    cdef int release_expandable_segment(self, int32_t block) except -1:
+        cdef int32_t e = self.bk[block].es
+        cdef uint64_t base = self.es[e].base
+        cdef int64_t size = self.es[e].page * self.es[e].max_pages
+        assert self.bk[block].size == size and not self.bk[block].mapped, \
+            "block disagrees with segment"
+        self.es_order.remove(e)
+        self.es[e].live = 0
+        self.es[e].nh = 0
+        ss_erase(&self.unmapped[self.bk[block].pool],
+                 ukey(self.bk[block].stream, self.bk[block].ptr))
+        self.unput(self.bk[block].ptr)
+        self.drop_block(block)
+        self.version += 1
+        unreserve = getattr(self._sub, "unreserve", None)
+        if callable(unreserve):
+            unreserve(base, size)
+        return 0
+
+    # ------------------------------------------------------------------ merging
+    cdef int64_t try_merge(self, int32_t dst, int32_t src) except -1:
+        """_try_merge: absorb a free neighbour of the same mapped state."""
+        cdef int pool
+        cdef int32_t p, n
+        cdef int64_t size
+        if src < 0 or self.bk[src].allocated or self.bk[dst].mapped != self.bk[src].mapped:
+            return 0
+        pool = self.bk[dst].pool
+        if self.bk[src].mapped:
+            ss_erase(&self.keys[pool], bkey(&self.bk[src]))
+        else:
+            ss_erase(&self.unmapped[pool], ukey(self.bk[src].stream, self.bk[src].ptr))
+        self.unput(self.bk[src].ptr)
+        if self.bk[dst].prev == src:
+            self.unput(self.bk[dst].ptr)
+            self.bk[dst].ptr = self.bk[src].ptr
+            self.put(self.bk[dst].ptr, dst)
+            p = self.bk[dst].prev = self.bk[src].prev
+            if p >= 0:
+                self.bk[p].next = dst
+        else:
+            n = self.bk[dst].next = self.bk[src].next
+            if n >= 0:
+                self.bk[n].prev = dst
+        size = self.bk[src].size
+        self.bk[dst].size += size
+        self.drop_block(src)
+        self.version += 1
+        return size
+
+    # ------------------------------------------------------------------ free
+    cdef inline int32_t live_at(self, object ptr) except -2:
+        """The block allocated at ``ptr`` (an int, or anything ``_lookup`` takes); -1."""
+        cdef int64_t v
+        cdef uint64_t p
+        if type(ptr) is not int:
+            if isinstance(ptr, bool):
+                return -1
+            try:
+                ptr = _index(ptr)
+            except TypeError:
+                return -1
+        p = as_address(ptr)
+        if p == 0 or not pm_get(&self.blocks, p, &v) or not self.bk[v].allocated:
+            return -1
+        return <int32_t>v
+
+    cdef int c_deallocate(self, object ptr) except -1:
+        cdef int32_t b
+        cdef uint64_t p
+        cdef int64_t v, start
+        cdef Lock lk
+        if type(ptr) is not int or not ptr:
+            if not ptr:
+                if isinstance(ptr, _Integral) and not isinstance(ptr, bool):
+                    return 0  # nullptr: nothing to free, as in PyTorch
+                raise InvalidPointerError(f"{self._name}: deallocate() expects an int "
+                                          f"address; got {ptr!r}")
+        lk = self._lock
+        lk.take()
+        try:
+            if type(ptr) is int:
+                p = as_address(ptr)
+                b = <int32_t>v if (p != 0 and pm_get(&self.blocks, p, &v)
+                                   and self.bk[v].allocated) else -1
+            else:
+                b = self.live_at(ptr)
+            if b < 0:
+                raise self._invalid_pointer(ptr, "deallocate")
+            if self.jr is None:
+                self.free(b)
+                return 0
+            start = self.jr.n
+            self.free(b)
+            if start >= self._flush_at:
+                self._after_op(start)
+        finally:
+            lk.give()
+        return 0
+
+    def deallocate(self, ptr):
+        self.c_deallocate(ptr)
+
+    cdef uint64_t replay_alloc(self, int64_t n, uint64_t stream) except? 1:
+        """try_allocate(n, True, stream) for a replay's int64 size."""
+        if n <= 0:
+            if n == 0:
+                return 0
+            self._check_request(n)
+        if n >= K_ONE_EXA:
+            return 0
+        return self.malloc_c(n, stream, False)
+
+    cdef int replay_free(self, uint64_t p) except -1:
+        """deallocate(p) for a replay's pointer (0: nothing)."""
+        cdef int64_t v, start
+        cdef Lock lk
+        if p == 0:
+            return 0
+        lk = self._lock
+        lk.take()
+        try:
+            if not pm_get(&self.blocks, p, &v) or not self.bk[v].allocated:
+                raise self._invalid_pointer(p, "deallocate")
+            if self.jr is None:
+                self.free(<int32_t>v)
+                return 0
+            start = self.jr.n
+            self.free(<int32_t>v)
+            if start >= self._flush_at:
+                self._after_op(start)
+        finally:
+            lk.give()
+        return 0
+
+    cdef int empty_cache_c(self) except -1:
+        """empty_cache()."""
+        cdef int64_t start = 0
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            listening = self.jr is not None
+            if listening:
+                start = self.jr.n
+            self.release_cached()
+            if listening:
+                self._after_op(start)
+        finally:
+            lk.give()
+        return 0
+
+    cdef int free(self, int32_t blk) except -1:
+        """_free then free_block: uncount the block, merge it with free neighbours (the
+        previous one first), cache it."""
+        cdef TBlock* b = &self.bk[blk]
+        cdef int pool = b.pool, t = pool + 1, j = t << 2
+        cdef int64_t bsize = b.size, req = b.requested, aid = b.aid
+        cdef int64_t prev_size = 0, next_size = 0, net_blocks, net_bytes
+        cdef uint64_t ptr = b.ptr, stream = b.stream
+        cdef int32_t p, n, pp, nn
+        cdef int64_t* sb
+        b.allocated = 0
+        b.aid = -1
+        self.version += 1
+        st_dec(self.st[ST_ALLOCATION], t, 1)
+        st_dec(self.st[ST_ALLOCATED_BYTES], t, bsize)
+        if self._history is not None:
+            self.trace(_A_FREE_REQ, ptr, req, stream)
+        if <uint64_t>bsize >= self.mss:
+            st_dec1(self.over_alloc, 1)
+        if self._history is not None:
+            self.trace(_A_FREE_DONE, ptr, req, stream)
+        p = self.bk[blk].prev
+        n = self.bk[blk].next
+        if p >= 0 and not self.bk[p].allocated and self.bk[p].mapped:
+            # try_merge_blocks(block, prev), written out: block takes prev's start
+            ss_erase(&self.keys[pool], bkey(&self.bk[p]))
+            self.unput(ptr)
+            self.bk[blk].ptr = self.bk[p].ptr
+            self.put(self.bk[p].ptr, blk)
+            pp = self.bk[blk].prev = self.bk[p].prev
+            if pp >= 0:
+                self.bk[pp].next = blk
+            prev_size = self.bk[p].size
+            self.bk[blk].size += prev_size
+            self.drop_block(p)
+        if n >= 0 and not self.bk[n].allocated and self.bk[n].mapped:
+            ss_erase(&self.keys[pool], bkey(&self.bk[n]))
+            self.unput(self.bk[n].ptr)
+            nn = self.bk[blk].next = self.bk[n].next
+            if nn >= 0:
+                self.bk[nn].prev = blk
+            next_size = self.bk[n].size
+            self.bk[blk].size += next_size
+            self.drop_block(n)
+        b = &self.bk[blk]
+        b.gc_base = self.calls[pool]
+        ss_insert(&self.keys[pool], bkey(b))
+        if b.es < 0:
+            # inactive_split: free blocks of split segments (merged ones leave, this one
+            # joins while the segment stays split)
+            net_blocks = -(prev_size > 0) - (next_size > 0)
+            net_bytes = -prev_size - next_size
+            if b.prev >= 0 or b.next >= 0:
+                net_blocks += 1
+                net_bytes += b.size
+            if net_blocks > 0:
+                st_inc(self.st[ST_INACTIVE_SPLIT], t, net_blocks)
+            elif net_blocks < 0:
+                st_dec(self.st[ST_INACTIVE_SPLIT], t, -net_blocks)
+            if net_bytes > 0:
+                st_inc(self.st[ST_INACTIVE_SPLIT_BYTES], t, net_bytes)
+            elif net_bytes < 0:
+                sb = self.st[ST_INACTIVE_SPLIT_BYTES]
+                sb[0] += net_bytes
+                sb[3] -= net_bytes
+                sb[j] += net_bytes
+                sb[j + 3] -= net_bytes
+        st_dec(self.st[ST_REQUESTED_BYTES], t, req)
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_FREE, <int64_t>ptr, bsize, req, aid, next_size,
+                         prev_size)
+        return 0
+
+    # ------------------------------------------------------------------ queries
+    cdef int32_t queried(self, object ptr, str what) except -1:
+        """Lock held: the allocated block at ``ptr``, else the pure model's error."""
+        cdef int32_t b = self.live_at(ptr)
+        if b < 0:
+            raise self._invalid_pointer(ptr, what)
+        return b
+
+    def owns(self, ptr):
+        cdef int64_t v
+        cdef uint64_t p
+        if type(ptr) is not int:
+            b = self._blocks.get(ptr)
+            return b is not None and b.allocated
+        p = as_address(ptr)
+        return p != 0 and pm_get(&self.blocks, p, &v) and bool(self.bk[v].allocated)
+
+    def allocated_size(self, ptr):
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            return self.bk[self.queried(ptr, "allocated_size")].size
+        finally:
+            lk.give()
+
+    def requested_size(self, ptr):
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            return self.bk[self.queried(ptr, "requested_size")].requested
+        finally:
+            lk.give()
+
+    def allocation_id(self, ptr):
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            return self.bk[self.queried(ptr, "allocation_id")].aid
+        finally:
+            lk.give()
+
+    # ------------------------------------------------------------------ out of memory
+    cdef object oom(self, int64_t nbytes, int64_t size, int64_t alloc_size, uint64_t stream,
+                    bint build):
+        """_oom: the trace entry, counter and event; the error when ``build``."""
+        device_free = self._device_free()
+        if self._history is not None:
+            self._history.append((_A_OOM, device_free, size, stream, now_ns() // 1000))
+        self.n_ooms += 1
+        if self.jr is not None:
+            self.jr.push(now_ns(), K_OOM, 0, size, nbytes, 0, 0, 0)
+        if not build:
+            return None
+        message = self.oom_message(alloc_size, device_free)
+        return OutOfMemoryError(message, requested=nbytes, rounded=size,
+                                allocator=self._name, memory_log=self._memory_summary())
+
+    # ------------------------------------------------------------------ statistics
+    def reset_peak_stats(self):
+        """``torch.cuda.reset_peak_memory_stats()``: every peak back to its current value."""
+        cdef int i, j
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            for i in range(N_STATS):
+                for j in range(0, 12, 4):
+                    self.st[i][j + 1] = self.st[i][j]
+            self.over_alloc[1] = self.over_alloc[0]
+            self.over_seg[1] = self.over_seg[0]
+            self._peak_reserved = self._reserved
+        finally:
+            lk.give()
+
+    def reset_accumulated_stats(self):
+        """``torch.cuda.reset_accumulated_memory_stats()``."""
+        cdef int i, j
+        cdef Lock lk = self._lock
+        lk.take()
+        try:
+            for i in range(N_STATS):
+                for j in range(0, 12, 4):
+                    self.st[i][j + 2] = 0
+                    self.st[i][j + 3] = 0
+            self.over_alloc[2] = self.over_alloc[3] = 0
+            self.over_seg[2] = self.over_seg[3] = 0
+            self.n_retries = self.n_ooms = self.n_sync = self.n_dev_alloc = self.n_dev_free = 0
+        finally:
+            lk.give()
+
+    cdef int64_t largest_free(self) noexcept:
+        """_largest_free_block."""
+        cdef int64_t best = 0, s
+        cdef int p, bi, i
+        cdef SSet* ks
+        for p in range(2):
+            ks = &self.keys[p]
+            if not ks.size:
+                continue
+            if ks.blk[0][0].a == ss_last(ks).a:
+                s = <int64_t>ss_last(ks).b
+            else:
+                s = 0
+                for bi in range(ks.nblk):
+                    for i in range(ks.nb[bi]):
+                        if <int64_t>ks.blk[bi][i].b > s:
+                            s = <int64_t>ks.blk[bi][i].b
+            if s > best:
+                best = s
+        return best
+
+    def _largest_free_block(self):
+        return self.largest_free()
+
+    # ------------------------------------------------------------------ layout
+    cdef list heads(self):
+        """_segment_heads: (start, end) of every snapshot segment, by address."""
+        cdef int32_t b, e
+        cdef int64_t v
+        cdef int bi, i
+        cdef SSet* ss = &self.segs
+        out = []
+        for bi in range(ss.nblk):
+            for i in range(ss.nb[bi]):
+                out.append((ss.blk[bi][i].b, ss.blk[bi][i].b + ss.blk[bi][i].c))
+        for e in self.es_order:
+            b = <int32_t>v if pm_get(&self.blocks, self.es[e].base, &v) else -1
+            while b >= 0:
+                if self.bk[b].mapped and (self.bk[b].prev < 0 or
+                                          not self.bk[self.bk[b].prev].mapped):
+                    start = self.bk[b].ptr
+                    end = start
+                    while b >= 0 and self.bk[b].mapped:
+                        end = self.bk[b].ptr + <uint64_t>self.bk[b].size
+                        b = self.bk[b].next
+                    out.append((start, end))
+                    continue
+                b = self.bk[b].next
+        out.sort()
+        return out
+
+    def _region_table(self):
+        hs = self.heads()
+        return [h[0] for h in hs], [h[1] for h in hs]
+
+    def _region_at(self, ptr):
+        cdef Key probe
+        cdef int bi, i
+        cdef int32_t b, e
+        cdef int64_t v
+        cdef uint64_t p
+        if type(ptr) is not int or ptr < 0 or ptr >= 0xFFFFFFFFFFFFFFFF:
+            return _PyCaching._region_at(self, ptr)
+        p = ptr
+        probe.a = 0
+        probe.b = p + 1
+        probe.c = 0
+        if self.segs.size:
+            if ss_lower_bound(&self.segs, &probe, &bi, &i):
+                found = ss_prev(&self.segs, &bi, &i)
+            else:
+                bi = self.segs.nblk - 1
+                i = self.segs.nb[bi] - 1
+                found = True
+            if found and p < ss_at(&self.segs, bi, i).b + ss_at(&self.segs, bi, i).c:
+                return ss_at(&self.segs, bi, i).b
+        for e in self.es_order:
+            if self.es[e].base <= p < self.es[e].base + <uint64_t>(
+                    self.es[e].page * self.es[e].max_pages):
+                if not pm_get(&self.blocks, p, &v):
+                    return self.es[e].base
+                b = <int32_t>v
+                while self.bk[b].prev >= 0 and self.bk[self.bk[b].prev].mapped:
+                    b = self.bk[b].prev
+                return self.bk[b].ptr
+        return 0
+
+    # ------------------------------------------------------------------ teardown
+    def close(self):
+        """Return every segment and page to the device (blocks still allocated are freed
+        first, in the address table's order)."""
+        cdef Lock lk = self._lock
+        cdef int32_t s
+        lk.take()
+        try:
+            for s in self.table_order():
+                if self.bk[s].live and self.bk[s].allocated:
+                    self.free(s)
+            self.release_cached()
+        finally:
+            lk.give()
+        self.flush_events()
