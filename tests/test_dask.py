@@ -1221,3 +1221,21 @@ def test_gpu_worker_routes_rmm_through_the_session():
         assert facts["resource"] == "CallbackMemoryResource"
         assert facts["grew"] >= 3 << 20
 
+
+
+def test_pytorch_what_ifs_on_the_cluster_equal_local(client):
+    """PyTorch's calls travel with their streams and empty_cache() calls."""
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    snap = caching_snapshot(finetune_calls(steps=6, layers=6, max_len=1024),
+                            device_bytes="8GiB")
+    trace = load_torch_snapshot(snap)
+    kw = dict(fractions=(0.2, 0.4, 0.8), device_bytes="8GiB")
+    remote = sweep(trace, client=client, **kw)
+    assert remote == sweep(trace, **kw) and remote.allocator == "torch"
+    assert {r["expandable_segments"] for r in remote} == {False, True}
+    r_local = min_fraction(trace, "8GiB", tolerance=0.01)
+    r_remote = min_fraction(trace, "8GiB", tolerance=0.01, client=client)
+    assert (r_remote.fraction, r_remote.history, r_remote.allocator) == (
+        r_local.fraction, r_local.history, "torch")

@@ -95,3 +95,48 @@ def test_knobs_and_conf_strings_reach_the_model(at80):
     assert half.first_oom == replay(at80, device_bytes="24GiB").first_oom
     with pytest.raises(ConfigError, match="max_split_size_mb"):
         replay(at80, conf="max_split_size_mb:1")
+
+
+# ------------------------------------------------------------------------------ what-if
+def test_min_fraction_speaks_pytorch_and_expandable_segments_need_less(at80):
+    from gpudash.trace.whatif import min_fraction
+
+    default = min_fraction(at80, "40GiB", tolerance=0.002)
+    expandable = min_fraction(at80, "40GiB", tolerance=0.002, expandable_segments=True)
+    assert default.allocator == expandable.allocator == "torch"
+    assert expandable.fraction < default.fraction
+    # the boundary is real: the answer fits and a tolerance below it does not
+    assert replay(at80, device_bytes="40GiB", fraction=default.fraction).fits
+    assert not replay(at80, device_bytes="40GiB",
+                      fraction=default.fraction - 0.002).fits
+    assert default.limit_bytes == int(default.fraction * 40 * GiB)  # PyTorch's rule
+    lines = expandable.paste_lines()
+    assert lines[0] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert lines[1].startswith("torch.cuda.set_per_process_memory_fraction(0.")
+    assert all("gpu_options" not in line for line in default.paste_lines())
+    # the BFC answer for a PyTorch trace, in TensorFlow's words, says what it assumed
+    bfc = min_fraction(at80, tolerance=0.01, allocator="bfc")
+    assert bfc.allocator == "bfc" and any("assumed" in a for a in bfc.assumed)
+    assert bfc.paste_lines()[0].startswith(
+        "config.gpu_options.per_process_gpu_memory_fraction")
+
+
+def test_sweep_varies_expandable_segments_in_processes_too(at80):
+    from gpudash.trace.whatif import sweep
+
+    kw = dict(fractions=[0.58, 0.62], device_bytes="40GiB")
+    local = sweep(at80, **kw)
+    assert [(r["fraction"], r["expandable_segments"], r["fits"]) for r in local] == [
+        (0.58, False, False), (0.58, True, True), (0.62, False, True), (0.62, True, True)]
+    assert "allow_growth" not in local[0]
+    assert sweep(at80, jobs=2, **kw) == local
+    text = local.to_text()
+    assert text.split()[:2] == ["fraction", "expandable"] and "peak reserved" in text
+    assert "PyTorch's caching allocator" in text
+    assert local.best()["fraction"] == 0.58 and local.best()["expandable_segments"]
+    with pytest.raises(ConfigError, match="not a setting of PyTorch's caching allocator"):
+        sweep(at80, allow_growth=True)
+    with pytest.raises(ConfigError, match="set_per_process_memory_fraction"):
+        sweep(at80, [1.5])
+    bfc = sweep(at80, [0.6], allocator="bfc", **{"device_bytes": "40GiB"})
+    assert "allow_growth" in bfc[0] and bfc.allocator == "bfc"

@@ -21,12 +21,13 @@ __all__ = ["sweep_rows", "bisect"]
 class _Calls:
     """The calls of one trace, as shipped to workers (numpy arrays pickle compactly)."""
 
-    def __init__(self, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
+    def __init__(self, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray, streams: Any,
                  n_events: int) -> None:
         self.token = uuid.uuid4().hex
         self.op = np.asarray(op)
         self.key = np.asarray(key)
         self.nbytes = np.asarray(nbytes)
+        self.streams = None if streams is None else np.asarray(streams)  # PyTorch's only
         self.n_events = int(n_events)
 
 
@@ -38,7 +39,7 @@ def _lists(calls: _Calls) -> tuple:
     if lists is None:
         _CACHE.clear()
         lists = _CACHE[calls.token] = (calls.op.tolist(), calls.key.tolist(),
-                                       calls.nbytes.tolist(), calls.n_events)
+                                       calls.nbytes.tolist(), calls.streams, calls.n_events)
     return lists
 
 
@@ -51,15 +52,16 @@ def _sweep_task(settings: dict, calls: _Calls) -> dict:
 def _fits_task(settings: dict, calls: _Calls, max_ooms: int | None) -> int:
     from ..trace.replay import _replay_lists
 
-    ops, keys, nbytes, n_events = _lists(calls)
+    ops, keys, nbytes, streams, n_events = _lists(calls)
     r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=False,
-                      max_ooms=max_ooms, progress=None)
+                      max_ooms=max_ooms, progress=None, streams=streams)
     return int(r.oom_count)
 
 
-def _scatter(client: Any, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
+def _scatter(client: Any, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray, streams: Any,
              n_events: int) -> Any:
-    [future] = client.scatter([_Calls(op, key, nbytes, n_events)], broadcast=True, hash=False)
+    [future] = client.scatter([_Calls(op, key, nbytes, streams, n_events)], broadcast=True,
+                              hash=False)
     return future
 
 
@@ -71,13 +73,13 @@ def _check_client(client: Any) -> None:
 
 
 def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarray,
-               nbytes: np.ndarray, n_events: int,
+               nbytes: np.ndarray, streams: Any, n_events: int,
                report: Callable[[int, int], None] | None) -> list[dict]:
     """One replay per setting as Dask tasks; the rows in the order of ``settings``."""
     from distributed import as_completed
 
     _check_client(client)
-    calls = _scatter(client, op, key, nbytes, n_events)
+    calls = _scatter(client, op, key, nbytes, streams, n_events)
     token = uuid.uuid4().hex[:8]
     futures = [client.submit(_sweep_task, s, calls, key=f"gpudash-sweep-{token}-{i}",
                              pure=False) for i, s in enumerate(settings)]
@@ -99,7 +101,8 @@ def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarra
 
 
 def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
-           key: np.ndarray, nbytes: np.ndarray, n_events: int, lo: float, hi: float,
+           key: np.ndarray, nbytes: np.ndarray, streams: Any, n_events: int, lo: float,
+           hi: float,
            tolerance: float, max_ooms: int | None, history: list,
            report: Callable[[], None] | None) -> float | None:
     """:func:`~gpudash.trace.whatif.min_fraction`'s bisection, replays as Dask tasks.
@@ -110,7 +113,7 @@ def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
     result are exactly those of the local run.
     """
     _check_client(client)
-    calls = _scatter(client, op, key, nbytes, n_events)
+    calls = _scatter(client, op, key, nbytes, streams, n_events)
     threads = max(1, sum(client.nthreads().values()))
     depth = max(1, int(math.log2(threads + 1)))
     token = uuid.uuid4().hex[:8]

@@ -1169,6 +1169,25 @@ def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.
     return calls.op, calls.key, calls.nbytes, n_events
 
 
+def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None) -> tuple:
+    """The calls a replay with ``settings`` makes, for either model: ``(op, key, nbytes,
+    streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none)."""
+    dev = settings["device"]
+    if settings["allocator"] == "torch":
+        return torch_calls(trace, dev) if index is None else index.torch_calls(dev)
+    op, key, nbytes, n_events = (_calls_lists(trace, dev) if index is None
+                                 else index.calls(dev))
+    return op, key, nbytes, None, n_events
+
+
+def limit_for(settings: dict, fraction: float | None) -> int:
+    """The limit a replay with ``settings`` gets at ``fraction``: TensorFlow's rule for BFC
+    (None or 0: its default), ``fraction * device`` for PyTorch's
+    ``set_per_process_memory_fraction`` (None: the whole device)."""
+    return model_for(settings["allocator"]).limit(settings["device_bytes"], fraction,
+                                                  int(settings.get("cc_major") or 8))
+
+
 #: The op of an ``empty_cache()`` call in a PyTorch trace's call list.
 EMPTY_CACHE = 9
 
@@ -1367,18 +1386,11 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
 
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
-    streams = None
     if settings["allocator"] == "torch" and settings["exact"]:
         result = _replay_exact(trace, settings, record=record, per_call=per_call,
                                progress=report)
     else:
-        if settings["allocator"] == "torch":
-            ops, keys, nbytes, streams, n_events = (
-                torch_calls(trace, dev) if index is None else index.torch_calls(dev))
-        elif index is None:
-            ops, keys, nbytes, n_events = _calls_lists(trace, dev)
-        else:
-            ops, keys, nbytes, n_events = index.calls(dev)
+        ops, keys, nbytes, streams, n_events = _model_calls(trace, settings, index)
         result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
                                per_call=per_call, max_ooms=max_ooms, progress=report,
                                streams=streams)
