@@ -32,7 +32,11 @@ def test_a_snapshot_replays_exactly_by_default_in_pytorchs_words(at24):
     assert r.fidelity.exact, r.fidelity.summary()
     assert r.oom_count == 1 and r.fidelity.ooms == r.fidelity.ooms_matched == 1
     assert r.memory_limit == 24 * GiB
-    assert r.assumed == [] or all("from the oom entry" in a for a in r.assumed)
+    device_notes = [a for a in r.assumed if a.startswith("device")]
+    assert len(device_notes) == 1 and "from the oom entry" in device_notes[0]
+    # snapshots do not record PyTorch's version: the rules used are said, unless given
+    assert any("does not record the version" in a for a in r.assumed)
+    assert not any("version" in a for a in replay(at24, torch_version="2.4").assumed)
     assert "peak_reserved=" in repr(r) and "peak_pool" not in repr(r)
     # the model's own snapshot at the end has the final segments of the trace
     reserved = sum(s["total_size"] for s in r.snapshot["segments"])
@@ -140,3 +144,22 @@ def test_sweep_varies_expandable_segments_in_processes_too(at80):
         sweep(at80, [1.5])
     bfc = sweep(at80, [0.6], allocator="bfc", **{"device_bytes": "40GiB"})
     assert "allow_growth" in bfc[0] and bfc.allocator == "bfc"
+
+
+def test_the_report_and_state_views_speak_pytorch(at24):
+    from gpudash.analysis import chunk_map_at_peak, state_at
+    from gpudash.report import build_report
+
+    page = build_report(at24, title="t")
+    for words in ("PYTORCH_CUDA_ALLOC_CONF", "set_per_process_memory_fraction",
+                  "peak reserved", "peak allocated", "Segment map at the peak",
+                  "Pool occupancy", "<th>expandable</th>", "replayed exactly"):
+        assert words in page, words
+    assert "allow_growth" not in page and "Chunk map" not in page
+    # the state views replay the trace through PyTorch's model: pools, not bins
+    peak = chunk_map_at_peak(at24)
+    assert peak.extra["layout"] == "pools" and len(peak.bins) == 2
+    end = state_at(at24, -1)
+    assert end.stats.pool_bytes == sum(
+        s["total_size"] for s in caching_snapshot(finetune_calls(),
+                                                  device_bytes="24GiB")["segments"])

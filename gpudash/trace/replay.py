@@ -455,9 +455,12 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
     torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
                                                            dict) else {}
     version = s["torch_version"]
+    guessed = None
     if version is None:
         try:
             version = parse_torch_version(torch_meta.get("version") or None)
+            if torch_meta.get("version"):
+                guessed = version
         except ConfigError:
             version = None
     conf = s["conf"]
@@ -502,6 +505,11 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
             cap = _common_gpu(_peak_reserved(trace, s["device"]) if trace is not None else 0)
         s["device_bytes"], how = cap
         s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+    if guessed is not None:
+        s["assumed"].append(
+            f"PyTorch {guessed[0]}.{guessed[1]}'s rules: the oldest PyTorch whose snapshot has "
+            "the fields this one has (a snapshot does not record the version; pass "
+            "torch_version= or --torch-version)")
     exact = s["exact"]
     recorded = bool(torch_meta)
     overridden = s["fraction"] is not None or parts or explicit.get("conf", _UNSET) not in (
@@ -902,6 +910,13 @@ class _Engine:
         self.skipped_frees += skipped
         self.pos = stop
 
+    def dump(self) -> MemoryDump:
+        """The allocator's state as gpudash's neutral :class:`~gpudash.MemoryDump` (PyTorch's
+        with its pools as ``extra["layout"] == "pools"``)."""
+        if self.model is TORCH:
+            return self.alloc.memory_dump()
+        return self.alloc.snapshot()
+
     def flush_held(self) -> None:
         """Apply the frees deferred deletion still holds."""
         for q in self.held:
@@ -1169,10 +1184,18 @@ def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.
     return calls.op, calls.key, calls.nbytes, n_events
 
 
-def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None) -> tuple:
+def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None, *,
+                 with_rows: bool = False) -> tuple:
     """The calls a replay with ``settings`` makes, for either model: ``(op, key, nbytes,
-    streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none)."""
+    streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none); with
+    ``with_rows``, the trace row of each call after them."""
     dev = settings["device"]
+    if with_rows:
+        if settings["allocator"] == "torch":
+            return torch_calls(trace, dev, with_rows=True)
+        calls = trace.calls(dev)
+        n_events = int(np.count_nonzero(trace.columns["device"] == dev))
+        return calls.op, calls.key, calls.nbytes, None, n_events, calls.row
     if settings["allocator"] == "torch":
         return torch_calls(trace, dev) if index is None else index.torch_calls(dev)
     op, key, nbytes, n_events = (_calls_lists(trace, dev) if index is None
@@ -1192,7 +1215,7 @@ def limit_for(settings: dict, fraction: float | None) -> int:
 EMPTY_CACHE = 9
 
 
-def torch_calls(trace: Trace, device: int) -> tuple:
+def torch_calls(trace: Trace, device: int, *, with_rows: bool = False) -> tuple:
     """The calls a replay through PyTorch's allocator makes for ``device``:
     ``(op, key, nbytes, stream, n_events)`` as numpy columns.
 
@@ -1204,28 +1227,36 @@ def torch_calls(trace: Trace, device: int) -> tuple:
     driver refused memory looks the same and is replayed as a call too: it only returns
     cached memory, so it never makes a replay fail (gpudash's exact replay tells the two
     apart; see :mod:`gpudash.trace.torch_replay`).
+
+    With ``with_rows``, a sixth column: the trace row of each call (an ``empty_cache()``
+    call: the first release row of its run).
     """
     calls = trace.calls(device)
     n_events = int(np.count_nonzero(trace.columns["device"] == device))
-    return _torch_calls(trace, device, calls.op, calls.key, calls.nbytes, calls.row, n_events)
+    out = _torch_calls(trace, device, calls.op, calls.key, calls.nbytes, calls.row, n_events,
+                       with_rows=with_rows)
+    return out
 
 
 def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
-                 nbytes: np.ndarray, rows: np.ndarray, n_events: int) -> tuple:
+                 nbytes: np.ndarray, rows: np.ndarray, n_events: int,
+                 with_rows: bool = False) -> tuple:
     from ..events import EventKind
 
     c = trace.columns
     streams = trace.streams()[rows] if trace.stream is not None else None
     rel = np.flatnonzero((c["kind"] == int(EventKind.RELEASE)) & (c["device"] == device))
     if not len(rel):
-        return op, key, nbytes, streams, n_events
+        return (op, key, nbytes, streams, n_events) + ((rows,) if with_rows else ())
     # the call each release precedes; one empty_cache() per run (same next call)
     at = np.searchsorted(rows, rel)
-    runs = np.unique(at)
+    runs, first = np.unique(at, return_index=True)
+    first_rel = rel[first]
     before_oom = np.zeros(len(runs), dtype=bool)
     inside = runs < len(op)
     before_oom[inside] = op[runs[inside]] == 7
     runs = runs[~before_oom]
+    first_rel = first_rel[~before_oom]
     n = len(op) + len(runs)
     pos = runs + np.arange(len(runs))            # where each empty_cache() lands
     keep = np.ones(n, dtype=bool)
@@ -1238,7 +1269,12 @@ def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
     if streams is not None:
         new_streams = np.zeros(n, dtype=streams.dtype)
         new_streams[keep] = streams
-    return new_op, new_key, new_nbytes, new_streams, n_events
+    if not with_rows:
+        return new_op, new_key, new_nbytes, new_streams, n_events
+    new_rows = np.empty(n, dtype=rows.dtype)
+    new_rows[keep] = rows
+    new_rows[pos] = first_rel
+    return new_op, new_key, new_nbytes, new_streams, n_events, new_rows
 
 
 def replay(trace: Trace, *, allocator: str | None = _UNSET,
