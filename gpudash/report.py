@@ -321,7 +321,7 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
                  replay_options: dict | None = None, sweep_table: Any = None,
                  fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
-    from .analysis import bin_occupancy, chunk_map_at_peak, heatmap
+    from .analysis import chunk_map_at_peak, heatmap
     from .events import EventKind
     from .trace.replay import replay
     from .trace.whatif import sweep
