@@ -375,11 +375,12 @@ def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
             cap = _common_gpu(_peak_reserved(trace, picked))
         if cap is not None:
             s["device_bytes"], how = cap
-            s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+            s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
         else:
             s["assumed"].append(
-                f"device: {format_bytes(parse_bytes(s['device_bytes']))} assumed (the trace "
-                "does not say; pass device_bytes= or --device SIZE)")
+                f"device {format_bytes(parse_bytes(s['device_bytes']))}: gpudash's default "
+                "(the trace does not say how much the GPU had; pass device_bytes= or --device "
+                "SIZE)")
     s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
     if s["device_bytes"] <= 0:
         raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
@@ -504,7 +505,7 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
         if cap is None:
             cap = _common_gpu(_peak_reserved(trace, s["device"]) if trace is not None else 0)
         s["device_bytes"], how = cap
-        s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+        s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
     if guessed is not None:
         s["assumed"].append(
             f"PyTorch {guessed[0]}.{guessed[1]}'s rules: the oldest PyTorch whose snapshot has "
@@ -586,8 +587,8 @@ def _common_gpu(need: int) -> tuple[int, str]:
                -(-need // (1 << 30)))
     held = (f"the smallest common GPU size that holds the {format_bytes(need)} the trace's "
             "segments held at most" if need else "gpudash's default")
-    return gib << 30, (f"assumed: {held} (the trace does not say how much the GPU had; "
-                       "pass device_bytes= or --device SIZE)")
+    return gib << 30, (f"{held} (the trace does not say how much the GPU had; pass "
+                       "device_bytes= or --device SIZE)")
 
 
 def _peak_reserved(trace: Trace, device: int) -> int:

@@ -583,8 +583,8 @@ class SweepTable:
         return head, body
 
     def to_text(self, *, warnings: bool = True) -> str:
-        """An aligned plain-text table with human-readable bytes (and the trace's warnings
-        after it, unless ``warnings=False``)."""
+        """An aligned plain-text table with human-readable bytes (and what the replays
+        assumed and the trace's warnings after it, unless ``warnings=False``)."""
         head, body = self._cells()
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
@@ -594,8 +594,8 @@ class SweepTable:
         if self.device_bytes:
             lines.append(f"(device {format_bytes(self.device_bytes)}, "
                          f"{model_for(self.allocator).title})")
-        lines.extend(self.assumed)
         if warnings:
+            lines.extend(f"assumed: {a}" for a in self.assumed)
             lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
@@ -608,7 +608,7 @@ class SweepTable:
         for row in body:
             out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         out.append("</tbody></table>")
-        out.extend(f"<p>{html.escape(a)}</p>" for a in self.assumed)
+        out.extend(f"<p>assumed: {html.escape(a)}</p>" for a in self.assumed)
         out.extend(f'<p class="warning">warning: {html.escape(w)}</p>' for w in self.warnings)
         return "\n".join(out)
 
