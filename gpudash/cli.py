@@ -311,11 +311,17 @@ def _parser() -> _Parser:
                    help="device size, e.g. 16GiB: also give the smallest limit as a memory "
                         "fraction (TensorFlow's per_process_gpu_memory_fraction, JAX's "
                         "XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
+    p.add_argument("--framework", choices=("tensorflow", "jax", "torch"), default=None,
                    help="who printed the dump, for the setting to answer in (default: read "
-                        "from the log; a protobuf is TensorFlow's)")
+                        "from the file; a protobuf is TensorFlow's; PyTorch's message or "
+                        "snapshot is PyTorch's)")
     p.add_argument("--allocator", default=None, metavar="NAME",
-                   help="the dump of this allocator (e.g. GPU_1_bfc)")
+                   help="the dump of this allocator (e.g. GPU_1_bfc; for PyTorch cuda:1)")
+    p.add_argument("--conf", default=None, metavar="TEXT",
+                   help="PyTorch: the job's PYTORCH_CUDA_ALLOC_CONF (default: the snapshot's "
+                        "allocator_settings)")
+    p.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help="PyTorch: whose allocator rules to follow")
     p.add_argument("--dump", type=_int_arg(-MAX_DUMP, MAX_DUMP), default=None, metavar="N",
                    help="the N-th dump of the log (1 = the first; -1 = the last)")
     p.add_argument("--request", type=_bytes_arg, default=None, metavar="SIZE",
@@ -723,7 +729,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise _UserError("--dump counts from 1 (or -1 for the last)")
         index = args.dump - 1 if args.dump > 0 else args.dump
     result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
-                     request=args.request, limit=args.limit, framework=args.framework)
+                     request=args.request, limit=args.limit, framework=args.framework,
+                     conf=args.conf, torch_version=args.torch_version)
     _say(str(result))
     if args.html is not None:
         result.write_html(args.html, overwrite=args.overwrite)

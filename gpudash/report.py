@@ -159,6 +159,10 @@ def bins_figure(dump: Any) -> Any:
     return fig
 
 
+#: A chunk map's legend: above its plot area on the right, where a figure of many rows still
+#: shows it next to the title (below the plot it would sit a screen away).
+_TOP_LEGEND = {"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
+
 #: Chunks a chunk map draws one bar each; a dump with more is drawn downsampled.
 CHUNKMAP_MAX_CHUNKS = 5000
 #: Columns (pixels) across all the rows of a downsampled chunk map, and per row at most.
@@ -223,7 +227,7 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
     _layout(fig, title, max(220, 60 + 40 * len(names)), barmode="overlay",
             xaxis={"title": {"text": f"offset in {w['region']}"}, "ticksuffix": " " + unit,
                    "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 56, "b": 40})
+            margin={"l": 160, "r": 20, "t": 56, "b": 40}, legend=_TOP_LEGEND)
     return fig
 
 
@@ -264,9 +268,9 @@ def _chunkmap_downsampled(dump: Any, title: str) -> Any:
     colour = np.argmax(stack, axis=0)
     colour[stack.sum(axis=0) == 0] = 2             # a column nothing covers: shown as free
     keys = ("in use", "waste", "free")
-    w = _words(dump)
+    words = _words(dump)
     unit, scale = style.unit_for(int(sizes.max()) if n_rows else 1)
-    names = [f"{w['region']} {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
+    names = [f"{words['region']} {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
     cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
                                         for k in keys}
     for r in range(n_rows):
@@ -283,19 +287,19 @@ def _chunkmap_downsampled(dump: Any, title: str) -> Any:
             d["x"].append((hi - lo) / scale)
             d["text"].append(f"{starts[r] + lo:#x} to {starts[r] + hi:#x} "
                              f"({format_bytes(hi - lo)})<br>{u:.0%} in use, {w:.0%} waste, "
-                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} {w['chunk']}(s) "
+                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} {words['chunk']}(s) "
                              "begin here")
     fig = go.Figure()
     for key, d in cats.items():
         fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
                     marker={"color": _C[key], "line": {"width": 0}},
                     hovertext=d["text"], hoverinfo="text")
-    title = (f"{title}<br><sup>{n:,} {w['chunk']}s drawn as {cols:,} columns per "
-             f"{w['region']}: each column in the colour of what covers most of it</sup>")
+    title = (f"{title}<br><sup>{n:,} {words['chunk']}s drawn as {cols:,} columns per "
+             f"{words['region']}: each column in the colour of what covers most of it</sup>")
     _layout(fig, title, max(220, min(60 + 40 * n_rows, 4000)), barmode="overlay",
-            xaxis={"title": {"text": f"offset in {w['region']}"}, "ticksuffix": " " + unit,
+            xaxis={"title": {"text": f"offset in {words['region']}"}, "ticksuffix": " " + unit,
                    "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 72, "b": 40})
+            margin={"l": 160, "r": 20, "t": 72, "b": 40}, legend=_TOP_LEGEND)
     return fig
 
 

@@ -433,7 +433,8 @@ class _Oracle:
 def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = None,
                  device_total: int | None = None, version: Any = None,
                  max_entries: int = 10_000_000, sample: list | None = None,
-                 attach: Any = None, progress: Any = None) -> ExactReplay:
+                 attach: Any = None, progress: Any = None,
+                 stop_at_oom: int | None = None) -> ExactReplay:
     """Replay one device's PyTorch trace through the model with the trace's own addresses,
     and compare every decision (see the module docstring).
 
@@ -458,8 +459,14 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         (a recorder of the replay's events).
     progress : callable, optional
         ``progress(done, total)`` in trace entries, every 65,536 entries and at the end.
+    stop_at_oom : int, optional
+        Stop right after the trace's ``stop_at_oom``-th out-of-memory entry (from 1): the
+        allocator is left as it was when PyTorch raised (its cache already released), and
+        the counts cover the entries up to there; no final layout is compared.
     """
     notes: list[str] = []
+    if stop_at_oom is not None and stop_at_oom < 1:
+        raise ValueError(f"stop_at_oom counts from 1; got {stop_at_oom}")
     v = parse_torch_version(version) if version is not None else tt.version
     if isinstance(conf, CachingAllocatorConfig):
         cfg = conf.copy()
@@ -506,6 +513,9 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         s_in, s_pool, s_lf = (lst.append for lst in sample)
         allocated = alloc._stats.pool["allocated_bytes"]
 
+    stop = [False]
+    ooms_left = stop_at_oom
+
     def after_call(oom_bytes: int = 0) -> None:
         if oom_bytes:
             res.oom_calls.append((calls[0], oom_bytes))
@@ -536,6 +546,11 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 after_call(0 if served else size[j])
                 pending = []
                 i = j + 1
+                if act[j] == A_OOM and ooms_left is not None:
+                    ooms_left -= 1
+                    if ooms_left == 0:
+                        stop[0] = True
+                        break
                 continue
             res.notes.append(f"entry {i}: a {ACTION_NAMES[a]} that no alloc follows")
             i = j
@@ -546,6 +561,11 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             after_call(0 if served else size[i])
             pending = []
             i += 1
+            if a == A_OOM and ooms_left is not None:
+                ooms_left -= 1
+                if ooms_left == 0:
+                    stop[0] = True
+                    break
             continue
         if pending:
             _empty_cache(alloc, res, tt, act, addr, size, pending)
@@ -566,21 +586,25 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
             after_call()
         i += 1
-    if pending:
+    if pending and not stop[0]:
         _empty_cache(alloc, res, tt, act, addr, size, pending)
     if progress is not None:
         progress(n, n)
     res.calls = calls[0]
-    res.segment_events = sum(1 for x in act if x in _SEGMENT_ACTIONS)
-    res.allocs = sum(1 for x in act if x == A_ALLOC)
-    res.ooms = sum(1 for x in act if x == A_OOM)
+    done = act[:i] if stop[0] else act
+    res.segment_events = sum(1 for x in done if x in _SEGMENT_ACTIONS)
+    res.allocs = sum(1 for x in done if x == A_ALLOC)
+    res.ooms = sum(1 for x in done if x == A_OOM)
     if res.empty_cache_calls:
         notes.append(f"{res.empty_cache_calls} run(s) of segment releases replayed as "
                      "torch.cuda.empty_cache() calls (PyTorch does not log those calls)")
     if res.pressure_calls and not known_fraction:
         notes.append(f"{res.pressure_calls} call(s) met a device refusal where the trace "
                      "shows one (releases before new memory, or an oom entry)")
-    if tt.final is not None:
+    if stop[0]:
+        notes.append(f"stopped at the out-of-memory entry {i - 1} (entries after it not "
+                     "replayed)")
+    elif tt.final is not None:
         mismatch = _compare_final(alloc, tt.final)
         res.final_layout_equal = not mismatch
         res.final_mismatch = mismatch
