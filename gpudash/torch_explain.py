@@ -68,6 +68,10 @@ class TorchExplanation(_ExplanationViews):
         Free blocks in that pool (a snapshot only).
     device_total, device_free : int or None
         The GPU's memory, and what the driver had free when PyTorch gave up.
+    total_known : bool
+        ``device_total`` is the GPU's (given, or in the message); False when it was read
+        off a snapshot's ``oom`` entry as free plus PyTorch's segments (what PyTorch could
+        use: memory held outside PyTorch's allocator is then not known).
     cause : str
         ``"fragmentation"``, ``"limit"``, ``"another process"``, ``"device full"`` or
         ``"unknown"``.
@@ -98,6 +102,7 @@ class TorchExplanation(_ExplanationViews):
     free_blocks: int | None = None
     device_total: int | None = None
     device_free: int | None = None
+    total_known: bool = True
     cause: str = "unknown"
     why: str = ""
     settings: list[str] = field(default_factory=list)
@@ -123,12 +128,17 @@ class TorchExplanation(_ExplanationViews):
                      f"{format_bytes(self.unallocated or 0)} (free blocks in segments that "
                      f"still hold tensors); the {pool} pool has {self.free_blocks or 0:,} "
                      f"free block(s), the largest {format_bytes(self.largest_free or 0)}")]
-            if self.device_total:
+            if self.device_total and self.total_known:
                 other = self.device_total - (self.reserved or 0) - (self.device_free or 0)
                 rows.append(("GPU", f"{format_bytes(self.device_total)} in all, "
                                     f"{format_bytes(self.device_free or 0)} free; "
                                     f"{format_bytes(max(other, 0))} held outside PyTorch's "
                                     "allocator (CUDA context, libraries, other processes)"))
+            elif self.device_total:
+                rows.append(("GPU", f"{format_bytes(self.device_free or 0)} free when it "
+                                    f"failed; {format_bytes(self.device_total)} usable by "
+                                    "PyTorch (free plus its segments; what else held the GPU "
+                                    "is not in the snapshot)"))
             rows.append(("cause", f"{self.cause}: {self.why}"))
             for setting, fits, detail in self.proofs:
                 rows.append(("fits with" if fits else "still fails with",
@@ -287,9 +297,10 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     pick = _pick(index, len(order), path, "out-of-memory entry")
     row = int(order[pick])
     dev = int(col["device"][row])
-    nth = int(np.count_nonzero(is_oom[:row + 1] & (col["device"] == dev)))
+    nth = int(np.count_nonzero(is_oom[:row + 1] & (col["device"][:row + 1] == dev)))
     assumed: list[str] = []
-    if device is not None:
+    known = device is not None
+    if known:
         total = parse_bytes(device, name="device")
     else:
         cap = torch_capacity(trace, dev)
@@ -324,22 +335,23 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     pool = alloc._small if small else alloc._large
     sizes = [(k >> 64) & ((1 << 64) - 1) for k in pool.keys]
     largest = max(sizes, default=0)
-    cause, why, settings = _diagnose(request, unallocated, largest, device_free, total,
-                                     reserved, alloc.config)
+    cause, why, settings = _diagnose(request, unallocated, largest, device_free,
+                                     total if known else None, reserved, alloc.config)
     proofs = []
     if prove and settings:
         proofs = _prove(trace, dev, total, alloc.config, settings, nth)
     return TorchExplanation(
         path=os.fspath(path), source="snapshot", device=dev, request=request,
         allocated=allocated, reserved=reserved, unallocated=unallocated, largest_free=largest,
-        free_blocks=len(sizes), device_total=total, device_free=device_free, cause=cause,
+        free_blocks=len(sizes), device_total=total, device_free=device_free,
+        total_known=known, cause=cause,
         why=why, settings=settings, proofs=proofs,
         message=alloc.oom_message(request, device_free), dump=alloc.memory_dump(),
         assumed=assumed, warnings=warnings, index=pick, count=len(order))
 
 
-def _diagnose(request: int, unallocated: int, largest: int, device_free: int, total: int,
-              reserved: int, conf: Any) -> tuple[str, str, list[str]]:
+def _diagnose(request: int, unallocated: int, largest: int, device_free: int,
+              total: int | None, reserved: int, conf: Any) -> tuple[str, str, list[str]]:
     r = format_bytes(request)
     if largest >= request:
         return ("unknown", f"a free block of {format_bytes(largest)} would have served the "
@@ -359,13 +371,15 @@ def _diagnose(request: int, unallocated: int, largest: int, device_free: int, to
             if conf.max_split_size is None or conf.max_split_size > mss << 20:
                 lines.append(f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{mss}")
         return ("fragmentation", why, lines)
-    other = max(total - reserved - device_free, 0)
     short = request - unallocated - device_free
+    outside = ""
+    if total is not None:
+        outside = (f" ({format_bytes(max(total - reserved - device_free, 0))} of the GPU is "
+                   "held outside PyTorch's allocator)")
     return ("device full",
             f"the driver had {format_bytes(device_free)} free and PyTorch "
             f"{format_bytes(unallocated)} unallocated: {format_bytes(short)} short of the {r} "
-            f"asked for ({format_bytes(other)} of the GPU is held outside PyTorch's "
-            "allocator); no allocator setting makes room (smaller batches, activation "
+            f"asked for{outside}; no allocator setting makes room (smaller batches, activation "
             "checkpointing, or a larger GPU do)", [])
 
 

@@ -99,3 +99,18 @@ def test_what_is_not_pytorchs_or_has_no_failure_is_said(oom_snapshot, tmp_path):
     text.write_text("nothing here\n")
     with pytest.raises(Exception, match="no PyTorch out-of-memory message"):
         explain(text, framework="torch")
+
+
+EXTERNAL = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / \
+    "reference" / "external" / "code_location.memory_snapshot.pickle"
+
+
+@pytest.mark.skipif(not EXTERNAL.exists(), reason="../shared/reference/external is not here")
+def test_a_real_snapshots_oom_on_its_second_gpu():
+    """A real job's snapshot (three GPUs, expandable segments): the failure on cuda:1 was a
+    full GPU, not fragmentation: nothing to suggest."""
+    e = explain(EXTERNAL)
+    assert (e.device, e.cause, e.settings, e.total_known) == (1, "device full", [], False)
+    assert "Tried to allocate 4.94 GiB. GPU 1 has a total capacity of 78.51 GiB" in e.message
+    assert "held outside PyTorch's allocator" not in str(e)
+    assert "what else held the GPU is not in the snapshot" in str(e)
