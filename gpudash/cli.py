@@ -167,6 +167,31 @@ def _add_device_choice(p: argparse.ArgumentParser) -> None:
                    help="only the device of this allocator, e.g. GPU_1_bfc")
 
 
+def _vary_arg(text: str) -> tuple[str, list]:
+    """``KNOB=V,V,...``: a PyTorch knob and the values a sweep crosses."""
+    knob, sep, values = text.partition("=")
+    if not sep or not knob.strip() or not values.strip():
+        raise argparse.ArgumentTypeError(f"expected KNOB=V,V,... (e.g. "
+                                         f"max_split_size_mb=none,128); got {text[:60]!r}")
+    out: list = []
+    for v in values.split(","):
+        v = v.strip()
+        if v.lower() in ("none", "trace"):
+            out.append(None)
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            try:
+                out.append(float(v))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{knob}: {v!r} is not a number (or none)"
+                                                 ) from None
+    if len(out) > MAX_FRACTIONS:
+        raise argparse.ArgumentTypeError(f"{knob}: at most {MAX_FRACTIONS} values")
+    return knob.strip(), out
+
+
 def _add_framework(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--framework", choices=("tensorflow", "jax", "torch"), default=None,
                    help=text)
@@ -187,7 +212,8 @@ def _model_of(args: argparse.Namespace, trace: Any) -> Any:
                                  "replays PyTorch's caching allocator (its settings: --conf "
                                  "PYTORCH_CUDA_ALLOC_CONF, --fraction)")
     else:
-        for flag, given in (("--conf", args.conf), ("--torch-version", args.torch_version)):
+        for flag, given in (("--conf", args.conf), ("--torch-version", args.torch_version),
+                            ("--vary", getattr(args, "vary", None))):
             if given is not None:
                 raise _UserError(f"{flag} is PyTorch's; this replays TensorFlow's BFC "
                                  "allocator (--framework torch for PyTorch's)")
@@ -285,6 +311,11 @@ def _parser() -> _Parser:
     _add_device_choice(p)
     p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
                    help="fractions to sweep (default 0.1..1.0)")
+    p.add_argument("--vary", type=_vary_arg, action="append", default=None,
+                   metavar="KNOB=V,V,...",
+                   help="PyTorch: also sweep one of its knobs, e.g. "
+                        "max_split_size_mb=none,128,512 or garbage_collection_threshold=none,0.8 "
+                        "(none: the trace's own setting); repeat for more")
     _add_framework(p, "answer in this framework's allocator and settings, and print the "
                       "lines to paste (default: the trace's own; lines for a PyTorch trace; "
                       "jax: replay with garbage collection off, as XLA runs its BFC)")
@@ -697,7 +728,12 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             kwargs["client"] = client
         if args.fractions:
             kwargs["fractions"] = args.fractions
-        table = sweep(trace, **kwargs)
+        if args.vary:
+            kwargs["vary"] = dict(args.vary)
+        try:
+            table = sweep(trace, **kwargs)
+        except ConfigError as exc:
+            raise _UserError(str(exc)) from None
         _say("")
         _say(table.to_text(warnings=False))
         if first is None:

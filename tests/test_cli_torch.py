@@ -83,3 +83,21 @@ def test_whatif_answers_with_set_per_process_memory_fraction_and_expandable_segm
     assert "with expandable_segments:True: 0.9" in out
     assert "where the other setting does not fit at all" in out
     assert "no lines to paste" in out and "torch.cuda.set_per" not in out
+
+
+def test_whatif_varies_more_knobs_and_marks_what_pytorch_itself_refuses(snapshots, capsys):
+    code, out, _ = run(capsys, "whatif", snapshots[80], "--device", "40GiB", "--fractions",
+                       "0.6", "--vary", "max_split_size_mb=none,256", "--jobs", "1")
+    assert code == 0
+    table = out[out.index("fraction  expandable"):]
+    rows = [line.split() for line in table.splitlines()[2:6]]
+    assert [r[:4] for r in rows] == [["0.6", "no", "trace's", "24.00"],
+                                     ["0.6", "no", "256", "24.00"],
+                                     ["0.6", "yes", "trace's", "24.00"],
+                                     ["0.6", "yes", "256", "-"]]
+    assert rows[3][3:5] == ["-", "FAILS"] and "pytorch/pytorch#123548" in table
+    code, _, err = run(capsys, "whatif", snapshots[80], "--vary", "max_split_size_mb=x")
+    assert code == 1 and "not a number" in err
+    code, _, err = run(capsys, "whatif", snapshots[80], "--framework", "tensorflow",
+                       "--vary", "max_split_size_mb=128")
+    assert code == 1 and "--vary is PyTorch's" in err

@@ -1048,7 +1048,9 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
     a, b = addresses(client)
     dash = ClusterDashboard(client)
     try:
-        assert dash.model.wait(lambda w: a in w, 5)
+        # both workers listed (b is picked below: a row the dashboard has not shown yet
+        # cannot be picked)
+        assert dash.model.wait(lambda w: a in w and b in w, 10)
         on(client, a, _allocate, [10 * MIB])
         assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 10 * MIB, 5)
         on(client, a, _allocate, [30 * MIB])

@@ -164,3 +164,27 @@ def test_the_report_and_state_views_speak_pytorch(at24):
     assert end.stats.pool_bytes == sum(
         s["total_size"] for s in caching_snapshot(finetune_calls(),
                                                   device_bytes="24GiB")["segments"])
+
+
+def test_sweep_crosses_more_of_pytorchs_knobs(at80):
+    from gpudash.trace.whatif import sweep
+
+    table = sweep(at80, [0.6], device_bytes="40GiB",
+                  vary={"max_split_size_mb": [None, 256],
+                        "garbage_collection_threshold": [None, 0.8]})
+    assert len(table) == 8 and table.varied == ["max_split_size_mb",
+                                                "garbage_collection_threshold"]
+    cols = table.columns()
+    assert list(cols)[:4] == ["fraction", "expandable_segments", "max_split_size_mb",
+                              "garbage_collection_threshold"]
+    # max_split_size_mb with expandable segments: PyTorch's own internal assert, not a fit
+    failing = [r for r in table if r.get("error")]
+    assert failing and all(r["expandable_segments"] and r["max_split_size_mb"] == 256
+                           for r in failing)
+    assert all("pytorch/pytorch#123548" in r["error"] for r in failing)
+    mss = [r for r in table if r["max_split_size_mb"] == 256 and not r["expandable_segments"]
+           and r["garbage_collection_threshold"] is None]
+    assert mss[0]["fits"] and mss[0]["extensions"] > 300   # fits, with many more segments
+    assert not table.best().get("error")
+    with pytest.raises(ConfigError, match="not a knob a sweep varies"):
+        sweep(at80, [0.6], vary={"expandable_segments": [True]})

@@ -47,11 +47,11 @@ from .replay import (
     _model,
     _model_calls,
     _progress_fn,
-    _replay_lists,
     _settings_for_meta,
     limit_for,
     resolve_settings,
 )
+from .tasks import bisect, probe, sweep_row
 
 __all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
 
@@ -224,44 +224,31 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     warnings = trace_warnings(trace, base["device"])
     said = {"allocator": base["allocator"], "assumed": list(base.get("assumed") or []),
             "settings": _settings_for_meta(base)}
-    if client is not None:
-        result = _min_fraction_dask(client, base, (ops, keys, nbytes, streams, n_events), lo,
-                                    hi, tolerance, count_ooms, report, total, history)
-        result.tolerance, result.warnings = tolerance, warnings
-        for k, v in said.items():
-            setattr(result, k, v)
-        return result
+    calls = (ops, keys, nbytes, streams, n_events)
+    max_ooms = None if count_ooms else 1
 
-    def fits(frac: float) -> bool:
-        s = dict(base, fraction=frac, memory_limit=limit_for(base, frac))
-        r = _replay_lists(s, ops, keys, nbytes, n_events, record=False, per_call=False,
-                          max_ooms=None if count_ooms else 1, progress=None, streams=streams)
-        history.append((frac, r.oom_count))
+    def settings(frac: float) -> dict:
+        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
+
+    def step() -> None:
         if report is not None:
             report(min(len(history), total - 1), total)
-        return r.fits
 
-    if not fits(hi):
-        if report is not None:
-            report(total, total)
-        return MinFractionResult(None, None, len(history), history, False, dev_bytes,
-                                 tolerance, warnings, **said)
-    good, bad = hi, lo
-    while good - bad > tolerance:
-        mid = (good + bad) / 2.0
-        if not bad < mid < good:  # as fine as floats go
-            break
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
+    if client is not None:
+        from ..dask._whatif import bisect_on
+
+        good = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms, history, step)
+    else:
+        good = bisect(lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
+                      lo, hi, tolerance, history, step)
     if report is not None:
         report(total, total)
     fitted = [f for f, n in history if n == 0]
     failed = [f for f, n in history if n > 0]
     non_monotone = bool(fitted and failed and max(failed) > min(fitted))
-    return MinFractionResult(good, limit_for(base, good), len(history), history,
-                             non_monotone, dev_bytes, tolerance, warnings, **said)
+    return MinFractionResult(good, None if good is None else limit_for(base, good),
+                             len(history), history, non_monotone, dev_bytes, tolerance,
+                             warnings, **said)
 
 
 def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
@@ -273,32 +260,6 @@ def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
     if _model(trace, extra, options) is TORCH:
         options = dict(options, exact=False)
     return resolve_settings(trace, extra, **options, **more)
-
-
-def _min_fraction_dask(client: Any, base: dict, calls: tuple, lo: float, hi: float,
-                       tolerance: float, count_ooms: bool, report: Any, total: int,
-                       history: list) -> MinFractionResult:
-    from ..dask._whatif import bisect
-
-    def settings(frac: float) -> dict:
-        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
-
-    def step() -> None:
-        if report is not None:
-            report(min(len(history), total - 1), total)
-
-    good = bisect(client, settings, *calls, lo, hi, tolerance, None if count_ooms else 1,
-                  history, step)
-    if report is not None:
-        report(total, total)
-    dev_bytes = base["device_bytes"]
-    if good is None:
-        return MinFractionResult(None, None, len(history), history, False, dev_bytes)
-    fitted = [f for f, n in history if n == 0]
-    failed = [f for f, n in history if n > 0]
-    non_monotone = bool(fitted and failed and max(failed) > min(fitted))
-    return MinFractionResult(good, limit_for(base, good), len(history), history,
-                             non_monotone, dev_bytes)
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -322,26 +283,9 @@ def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, streams:
     _WORKER["calls"] = (ops, keys, nbytes, streams, n_events)
 
 
-def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
-    ops, keys, nbytes, streams, n_events = calls if calls is not None else _WORKER["calls"]
-    r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=True,
-                      max_ooms=None, progress=None, streams=streams)
-    if settings["allocator"] == "torch":
-        grid = ("expandable_segments", settings["conf"].expandable_segments)
-    else:
-        grid = ("allow_growth", settings["allow_growth"])
-    return {
-        "fraction": settings["fraction"],
-        grid[0]: grid[1],
-        "limit_bytes": r.memory_limit,
-        "fits": r.fits,
-        "oom_count": r.oom_count,
-        "first_oom": r.first_oom[0] if r.first_oom else None,
-        "peak_pool_bytes": r.peak_pool_bytes,
-        "peak_bytes_in_use": r.peak_bytes_in_use,
-        "worst_fragmentation": r.worst_fragmentation,
-        "extensions": r.extensions,
-    }
+def _sweep_one(settings: dict) -> dict:
+    """A worker process's sweep row, over the calls :func:`_init_worker` gave it."""
+    return sweep_row(settings, _WORKER["calls"])
 
 
 def _real(name: str, value: Any) -> float:
@@ -354,7 +298,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
           allow_growth: bool | Iterable[bool] = _UNSET, *,
           expandable_segments: bool | Iterable[bool] = _UNSET,
           device_bytes: int | str | None = None, jobs: int = 1, progress: Any = None,
-          client: Any = None, **options: Any) -> SweepTable:
+          client: Any = None, vary: dict | None = None, **options: Any) -> SweepTable:
     """Replay a trace under every fraction x the model's second setting: ``allow_growth``
     for BFC (TensorFlow, JAX), ``expandable_segments`` for PyTorch's caching allocator.
 
@@ -370,6 +314,10 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         PyTorch only (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:...``).
     device_bytes : int or str, optional
         The simulated device; default as :func:`min_fraction`'s.
+    vary : dict, optional
+        PyTorch only: more of its knobs to cross with the rest, each with its values
+        (``{"max_split_size_mb": [None, 128, 512], "garbage_collection_threshold": [None,
+        0.8]}``; None keeps the trace's own setting); each row names its values.
     jobs : int, default 1
         1 replays in this process; 2 or more use that many worker processes
         (:class:`~concurrent.futures.ProcessPoolExecutor`), each given the trace's calls as
@@ -433,8 +381,16 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
             if f is not None and not 0.0 <= f <= 1.0:
                 raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
                                   f"in [0, 1]; got {f!r}")
-    settings = [_base_settings(trace, extra, device_bytes, options, fraction=f, **{own: g})
-                for f in fractions for g in growths]
+    combos = _vary_combos(vary, model)
+    settings = []
+    for f in fractions:
+        for g in growths:
+            for combo in combos:
+                s = _base_settings(trace, extra, device_bytes, options, fraction=f,
+                                   **{own: g}, **combo)
+                if combo:
+                    s["varied"] = dict(combo)
+                settings.append(s)
     lists = _model_calls(trace, settings[0])
     report = _progress_fn(progress, "sweep")
     total = len(settings)
@@ -443,10 +399,10 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     if client is not None:
         from ..dask._whatif import sweep_rows
 
-        rows = list(sweep_rows(client, settings, *lists, report))
+        rows = list(sweep_rows(client, settings, lists, report))
     elif jobs == 1 or total == 1:
         for i, s in enumerate(settings):
-            rows[i] = _sweep_one(s, lists)
+            rows[i] = sweep_row(s, lists)
             done += 1
             if report is not None:
                 report(done, total)
@@ -464,6 +420,36 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                       device_bytes=settings[0]["device_bytes"],
                       warnings=trace_warnings(trace, settings[0]["device"]),
                       allocator=model.name, assumed=settings[0].get("assumed") or [])
+
+
+#: The PyTorch knobs a sweep may vary besides the fraction and expandable_segments.
+_VARIABLE = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
+             "max_non_split_rounding_mb")
+
+
+def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
+    """The cross product of ``vary``'s values, as settings dicts ([{}] when none)."""
+    if not vary:
+        return [{}]
+    if model is not TORCH:
+        raise ConfigError("vary= crosses PyTorch's knobs (max_split_size_mb, "
+                          "garbage_collection_threshold...); this sweep runs "
+                          f"{model.title}: pass allocator='torch'")
+    if not isinstance(vary, dict):
+        raise ConfigError(f"vary must be a dict of knob -> list of values; got {vary!r}")
+    combos: list[dict] = [{}]
+    for knob, values in vary.items():
+        if knob not in _VARIABLE:
+            raise ConfigError(f"vary: {knob!r} is not a knob a sweep varies; known: "
+                              f"{', '.join(_VARIABLE)} (the fraction and expandable_segments "
+                              "have their own arguments)")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            values = [values]
+        values = list(values)
+        if not values:
+            raise ConfigError(f"vary: {knob} has no values")
+        combos = [dict(c, **{knob: v}) for c in combos for v in values]
+    return combos
 
 
 def _mp_context() -> Any:
@@ -506,7 +492,9 @@ class SweepTable:
         self.allocator = model_for(allocator).name
         self.assumed = list(assumed)
         self.setting = _GRID[self.allocator]
-        self.COLUMNS = _row_keys(self.allocator)
+        self.varied = [k for k in _VARIABLE if any(k in r for r in self.rows)]
+        keys = _row_keys(self.allocator)
+        self.COLUMNS = keys[:2] + tuple(self.varied) + keys[2:]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -541,6 +529,10 @@ class SweepTable:
         for k in ("limit_bytes", "oom_count", "peak_pool_bytes", "peak_bytes_in_use",
                   "extensions"):
             out[k] = np.array([r[k] for r in rows], dtype=np.int64)
+        for k in self.varied:   # None (the trace's own setting) as NaN
+            out[k] = np.array([np.nan if r.get(k) is None else float(r[k])
+                               if not isinstance(r[k], str) else np.nan for r in rows],
+                              dtype=np.float64)
         return {k: out[k] for k in self.COLUMNS}
 
     def best(self) -> dict | None:
@@ -550,7 +542,7 @@ class SweepTable:
         PyTorch's rows without a fraction as the whole device). Ties go to growth on (BFC) or
         expandable segments off (PyTorch's default).
         """
-        fitting = [r for r in self.rows if r["fits"]]
+        fitting = [r for r in self.rows if r["fits"] and not r.get("error")]
         if not fitting:
             return None
         key = self.setting
@@ -560,8 +552,8 @@ class SweepTable:
 
     def _cells(self) -> tuple[list[str], list[list[str]]]:
         if self.allocator == "torch":
-            head = ["fraction", "expandable", "limit", "fits", "OOMs", "first OOM",
-                    "peak reserved", "peak allocated", "worst frag", "segments"]
+            head = ["fraction", "expandable", *self.varied, "limit", "fits", "OOMs",
+                    "first OOM", "peak reserved", "peak allocated", "worst frag", "segments"]
         else:
             head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
                     "peak in use", "worst frag", "regions"]
@@ -571,8 +563,9 @@ class SweepTable:
                 ("none" if self.allocator == "torch" else "default") if r["fraction"] is None
                 else f"{r['fraction']:.3g}",
                 "yes" if r[self.setting] else "no",
-                format_bytes(r["limit_bytes"]),
-                "yes" if r["fits"] else "NO",
+                *("trace's" if r.get(k) is None else str(r[k]) for k in self.varied),
+                format_bytes(r["limit_bytes"]) if not r.get("error") else "-",
+                "FAILS" if r.get("error") else "yes" if r["fits"] else "NO",
                 f"{r['oom_count']:,}",
                 "-" if r["first_oom"] is None else f"{r['first_oom']:,}",
                 format_bytes(r["peak_pool_bytes"]),
@@ -580,7 +573,19 @@ class SweepTable:
                 f"{100 * r['worst_fragmentation']:.1f} %",
                 str(r["extensions"]),
             ])
+            if r.get("error"):   # the framework fails: no figures to show
+                cut = 2 + len(self.varied) + 2
+                body[-1][cut:] = ["-"] * (len(body[-1]) - cut)
         return head, body
+
+    def _errors(self) -> list[str]:
+        """One line per distinct error of the rows the framework itself fails."""
+        seen = []
+        for r in self.rows:
+            e = r.get("error")
+            if e and e not in seen:
+                seen.append(e)
+        return [f"FAILS: {e}" for e in seen]
 
     def to_text(self, *, warnings: bool = True) -> str:
         """An aligned plain-text table with human-readable bytes (and what the replays
@@ -594,6 +599,7 @@ class SweepTable:
         if self.device_bytes:
             lines.append(f"(device {format_bytes(self.device_bytes)}, "
                          f"{model_for(self.allocator).title})")
+        lines.extend(self._errors())
         if warnings:
             lines.extend(f"assumed: {a}" for a in self.assumed)
             lines.extend(f"warning: {w}" for w in self.warnings)
@@ -608,6 +614,7 @@ class SweepTable:
         for row in body:
             out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         out.append("</tbody></table>")
+        out.extend(f"<p>{html.escape(e)}</p>" for e in self._errors())
         out.extend(f"<p>assumed: {html.escape(a)}</p>" for a in self.assumed)
         out.extend(f'<p class="warning">warning: {html.escape(w)}</p>' for w in self.warnings)
         return "\n".join(out)
