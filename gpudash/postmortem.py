@@ -36,15 +36,13 @@ bins.
 
 from __future__ import annotations
 
-import gzip
-import html
 import os
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, GpudashError, TraceFormatError
+from ._errors import ConfigError, TraceFormatError
+from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
 
 __all__ = ["explain", "Explanation", "smallest_limit", "smallest_fraction"]
@@ -119,74 +117,6 @@ def smallest_limit(pool_bytes: int, rounded_request: int, largest_free: int = 0)
     if largest_free >= rounded_request:
         return pool_bytes
     return pool_bytes + rounded_request
-
-
-class _ExplanationViews:
-    """What every explanation shows the same way: an HTML summary of :meth:`lines`, the
-    figures, a self-contained page, and display in a notebook. Subclasses have ``path``,
-    ``warnings``, ``lines()``, ``figures()`` and a ``__str__`` whose first line heads the
-    summary."""
-
-    path: str
-    warnings: list[str]
-
-    def lines(self) -> list[tuple[str, str]]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def figures(self) -> list:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _summary_html(self) -> str:
-        rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                       for k, v in self.lines())
-        warn = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
-        head = html.escape(str(self).splitlines()[0])
-        return (f'<div class="gpudash-explain"><p><b>{head}</b></p>'
-                f'<table id="explain-summary">{rows}</table>'
-                + (f"<ul class=\"warnings\">{warn}</ul>" if warn else "") + "</div>")
-
-    def to_html(self, *, full: bool = True) -> str:
-        """The explanation as HTML with its figures (plotly.js inline: opens offline).
-
-        The script is plotly.js's cartesian bundle, the dashboard's (1.5 MB: bars, lines,
-        heatmaps), not the whole library (4.6 MB); a dump of many chunks is drawn
-        downsampled (:func:`gpudash.report.chunkmap_figure`), so the file stays a few MB.
-        """
-        script = _plotly_script()
-        parts = [self._summary_html()]
-        if script:
-            parts.append(script)
-        for i, fig in enumerate(self.figures()):
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0 and not script),
-                                     config={"displaylogo": False}))
-        body = "\n".join(parts)
-        if not full:
-            return body
-        title = html.escape(f"gpudash explain: {Path(self.path).name}")
-        return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-                f"<title>{title}</title><style>body {{ font-family: system-ui, sans-serif; "
-                f"margin: 24px; }} table {{ border-collapse: collapse; }} th, td {{ border: "
-                f"1px solid #ccc; padding: 4px 10px; text-align: left; }}</style></head>"
-                f"<body><h1>{title}</h1>{body}</body></html>\n")
-
-    def write_html(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
-        """Write :meth:`to_html` to ``path`` (refuses to replace a file unless asked)."""
-        out = Path(path)
-        if out.exists() and not overwrite:
-            raise GpudashError(f"{out} exists; pass overwrite=True to replace it")
-        out.write_text(self.to_html(), encoding="utf-8")
-        return out
-
-    def _ipython_display_(self) -> None:  # pragma: no cover - exercised through IPython
-        from IPython.display import HTML, display
-
-        display(HTML(self._summary_html()))
-        for fig in self.figures():
-            display(fig)
-
-    def _repr_html_(self) -> str:
-        return self._summary_html()
-
 
 
 @dataclass
@@ -526,17 +456,6 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
                        smallest_limit=smallest, device_bytes=dev_bytes, fraction=fraction,
                        framework=framework, setting=setting, host=host, limit_mib=limit_mib,
                        holders=ranked, warnings=warnings, index=pick, count=len(dumps))
-
-
-def _plotly_script() -> str:
-    """A ``<script>`` with plotly.js's cartesian bundle (shipped for the dashboard), or ""
-    where the package has no copy of it."""
-    bundle = Path(__file__).resolve().parent / "widgets" / "static" / "plotly-cartesian.min.js.gz"
-    try:
-        js = gzip.decompress(bundle.read_bytes()).decode("utf-8")
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError):
-        return ""
-    return f'<script type="text/javascript">{js}</script>'
 
 
 def _text_lines(path: str | os.PathLike):

@@ -91,7 +91,7 @@ class Recorder:
         self.stream_error: BaseException | None = None
         if path is not None:
             from ._version import __version__
-            from .trace import TraceWriter
+            from .trace.format import TraceWriter
 
             meta = {"gpudash_version": __version__, "source": "gpudash",
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
@@ -319,7 +319,7 @@ class Recorder:
     def to_trace(self, meta: dict | None = None):
         """The kept events as a :class:`gpudash.trace.Trace` (for saving, replay, analysis)."""
         from ._version import __version__
-        from .trace import Trace
+        from .trace.format import Trace
 
         m = {"gpudash_version": __version__, "source": "gpudash"}
         m["devices"] = [self._device_meta(alloc) for alloc, _ in self._attached]

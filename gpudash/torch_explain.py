@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ConfigError, TraceFormatError
+from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
-from .postmortem import _ExplanationViews
 
 __all__ = ["explain_torch", "TorchExplanation", "is_torch_file"]
 
