@@ -448,6 +448,26 @@ def test_cluster_notebook_streams_configures_traces_and_sweeps(run_notebook):
                                 "print('closed')"], ex.after
 
 
+def test_pytorch_notebook_replays_explains_and_answers_in_pytorchs_words(run_notebook):
+    ex = run_notebook("07_pytorch.ipynb")
+    exact = ex.text("r = replay(oom)")
+    assert "segment events 303/303, addresses 6123/6123, OOMs 1/1, final layout equal" in exact
+    assert "device 24.00 GiB: from the oom entry" in exact
+    explained = ex.text("e = gpudash.explain(")
+    assert "fits with         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in explained
+    answer = ex.text("default = min_fraction(")
+    assert "defaults: MinFractionResult(no fit" in answer, answer
+    m = re.search(r"expandable segments: MinFractionResult\(fraction=([0-9.]+)", answer)
+    assert m and 0.9 < float(m.group(1)) < 1.0, answer
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in answer
+    assert "torch.cuda.set_per_process_memory_fraction(" in answer
+    table = ex.text("table = sweep(")
+    assert table.split()[:3] == ["fraction", "expandable", "max_split_size_mb"], table
+    assert "FAILS" in table and "pytorch/pytorch#123548" in table
+    jax = ex.text("allocator='bfc'")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=" in jax and "set_per_process" not in jax
+
+
 def test_running_the_notebooks_leaves_nothing_behind(run_notebook, notebook_copy):
     """Notebooks write what they make to a temporary folder, not beside themselves (where a
     clone would show it as an untracked file), and the repository's notebooks are never
