@@ -8,6 +8,9 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
 - ``whatif.png``: the what-if view of ``02_tuning_fraction.ipynb``, below the smallest
   fraction that fits;
 - ``report.png``: the HTML report of a fragmentation stress trace (``gpudash.report``);
+- ``explain-torch.png``: ``gpudash explain`` of a PyTorch snapshot that ends at its
+  out-of-memory error (``notebooks/07_pytorch.ipynb``'s 24 GiB fine-tuning job), top of the
+  page: the summary with the fix proven, the segment map at the failure;
 - ``watch-tensorflow.png``: ``05_frameworks.ipynb``'s dashboard watching TensorFlow's CPU BFC
   while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``).
 
@@ -85,16 +88,47 @@ def _report(out: Path) -> int:
     return 0
 
 
+def _explain_torch(out: Path) -> int:
+    import pickle
+
+    from playwright.sync_api import sync_playwright
+
+    from gpudash.postmortem import explain
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    with tempfile.TemporaryDirectory(prefix="gpudash-explain-") as tmp:
+        snap = Path(tmp) / "finetune_24gib.pickle"
+        snap.write_bytes(pickle.dumps(caching_snapshot(finetune_calls(), device_bytes="24GiB")))
+        page_path = explain(snap).write_html(Path(tmp) / "e.html")
+        with sync_playwright() as pw:
+            browser = launch_chromium(pw)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 1100})
+                page.goto(page_path.as_uri())
+                page.wait_for_function(
+                    "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2",
+                    timeout=60_000)
+                page.wait_for_timeout(500)
+                target = out / "explain-torch.png"
+                page.screenshot(path=str(target))
+                print(f"wrote {target} ({target.stat().st_size:,} B)")
+            finally:
+                browser.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "assets")
-    ap.add_argument("--only", choices=("report",), default=None,
+    ap.add_argument("--only", choices=("report", "explain-torch"), default=None,
                     help="make only this screenshot")
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
     if args.only == "report":
         return _report(args.out)
+    if args.only == "explain-torch":
+        return _explain_torch(args.out)
 
     with tempfile.TemporaryDirectory(prefix="gpudash-assets-") as tmp:
         lab = LabServer(Path(tmp))
@@ -161,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             browser.close()
             pw.stop()
             lab.stop()
-    return _report(args.out)
+    return _report(args.out) or _explain_torch(args.out)
 
 
 if __name__ == "__main__":
