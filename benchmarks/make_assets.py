@@ -61,9 +61,27 @@ def _run_all(page, lab, name: str) -> None:
     _wait_idle(page)
 
 
-def _report(out: Path) -> int:
+def _page_shot(page_path: Path, target: Path, plots: int, viewport: dict,
+               full_page: bool) -> None:
+    """A screenshot of a self-contained HTML page once ``plots`` plotly figures are drawn."""
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport=viewport)
+            page.goto(page_path.as_uri())
+            page.wait_for_function(
+                f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {plots}",
+                timeout=60_000)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(target), full_page=full_page)
+            print(f"wrote {target} ({target.stat().st_size:,} B)")
+        finally:
+            browser.close()
+
+
+def _report(out: Path) -> int:
     from gpudash.report import write_report
     from gpudash.trace.workloads import fragmentation_stress
 
@@ -71,27 +89,12 @@ def _report(out: Path) -> int:
         path = write_report(fragmentation_stress(rounds=600, seed=3), Path(tmp) / "r.html",
                             title="gpudash report", device_bytes=4 << 30,
                             replay_options={"fraction": 0.5})
-        with sync_playwright() as pw:
-            browser = launch_chromium(pw)
-            try:
-                page = browser.new_page(viewport={"width": 1300, "height": 900})
-                page.goto(path.as_uri())
-                page.wait_for_function(
-                    "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8",
-                    timeout=60_000)
-                page.wait_for_timeout(500)
-                target = out / "report.png"
-                page.screenshot(path=str(target), full_page=True)
-                print(f"wrote {target} ({target.stat().st_size:,} B)")
-            finally:
-                browser.close()
+        _page_shot(path, out / "report.png", 8, {"width": 1300, "height": 900}, True)
     return 0
 
 
 def _explain_torch(out: Path) -> int:
     import pickle
-
-    from playwright.sync_api import sync_playwright
 
     from gpudash.postmortem import explain
     from gpudash.trace.workloads import caching_snapshot, finetune_calls
@@ -99,21 +102,8 @@ def _explain_torch(out: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="gpudash-explain-") as tmp:
         snap = Path(tmp) / "finetune_24gib.pickle"
         snap.write_bytes(pickle.dumps(caching_snapshot(finetune_calls(), device_bytes="24GiB")))
-        page_path = explain(snap).write_html(Path(tmp) / "e.html")
-        with sync_playwright() as pw:
-            browser = launch_chromium(pw)
-            try:
-                page = browser.new_page(viewport={"width": 1300, "height": 1100})
-                page.goto(page_path.as_uri())
-                page.wait_for_function(
-                    "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2",
-                    timeout=60_000)
-                page.wait_for_timeout(500)
-                target = out / "explain-torch.png"
-                page.screenshot(path=str(target))
-                print(f"wrote {target} ({target.stat().st_size:,} B)")
-            finally:
-                browser.close()
+        path = explain(snap).write_html(Path(tmp) / "e.html")
+        _page_shot(path, out / "explain-torch.png", 2, {"width": 1300, "height": 1100}, False)
     return 0
 
 
