@@ -83,6 +83,9 @@ class Recorder:
         self._settings: dict[tuple[int, int], tuple] = {}  # (device, seq) -> (setting, old, new)
         self._lock = threading.Lock()
         self._attached: list[tuple[Any, Any]] = []  # (allocator, remove)
+        # every allocator recorded, in attach order: (id, its meta when attached); a
+        # detached one (%%gpudash_track detaches before the trace is made) keeps it
+        self._seen: list[tuple[int, dict]] = []
         self._writer = None
         self._streamer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -181,6 +184,8 @@ class Recorder:
                 continue
             remove = alloc._add_sink(self._receive)
             self._attached.append((alloc, remove))
+            if not any(i == id(alloc) for i, _ in self._seen):
+                self._seen.append((id(alloc), self._device_meta(alloc)))
         return self
 
     def detach(self) -> None:
@@ -322,7 +327,9 @@ class Recorder:
         from .trace.format import Trace
 
         m = {"gpudash_version": __version__, "source": "gpudash"}
-        m["devices"] = [self._device_meta(alloc) for alloc, _ in self._attached]
+        now = {id(alloc): alloc for alloc, _ in self._attached}
+        m["devices"] = [self._device_meta(now[i]) if i in now else meta
+                        for i, meta in self._seen]
         m["dropped"] = self.dropped
         if meta:
             m.update(meta)
