@@ -493,13 +493,19 @@ def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchT
     oracle.free_hint = None
     nbytes = size[last]
     st = stream[last]
+    # Releases before a call that asks no new memory, or that a cached block would serve
+    # now (PyTorch would not have asked the device), were an explicit empty_cache() first,
+    # whatever the fraction.
+    explicit = bool(pending) and (not (gets or is_oom) or alloc.cached_block_for(nbytes, st))
+    if explicit:
+        _empty_cache(alloc, res, tt, act, addr, size, pending)
+        releases = mid_releases
+        expected = [(act[k], addr[k], size[k]) for k in releases] + gets
     if not known_fraction:
         # Releases before new memory: the allocator's answer to a refusal -- unless they are
         # exactly what empty_cache() releases now (a refusal under max_split_size_mb frees
-        # oversize blocks first), or a cached block would serve the request now (PyTorch
-        # would not have asked the device): then they were an explicit empty_cache() first.
-        if pending and (not (gets or is_oom) or alloc.cached_block_for(nbytes, st)
-                        or _as_empty_cache(alloc, act, addr, size, pending)):
+        # oversize blocks first): then they were an explicit empty_cache() first.
+        if pending and not explicit and _as_empty_cache(alloc, act, addr, size, pending):
             _empty_cache(alloc, res, tt, act, addr, size, pending)
             releases = mid_releases
             expected = [(act[k], addr[k], size[k]) for k in releases] + gets
