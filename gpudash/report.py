@@ -411,6 +411,12 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
             ("result", verdict),
         ]
     summary.extend(("assumed", a) for a in result.assumed)
+    changed = _settings_marks(trace, result.calls)
+    if changed:   # a live session's recording: configure() ran while it recorded
+        summary.append(("settings changed live", "; ".join(
+            f"{m['setting']} {m['old']}→{m['new']} at call {m['x']}" for m in changed[:8])
+            + ("; ..." if len(changed) > 8 else "")
+            + ": the replay runs the settings in force when the recording began throughout"))
     if not served:
         summary.append(("state views", "none: no allocation was served in this replay, so "
                                        "there is no heatmap, chunk map or bins to draw"))

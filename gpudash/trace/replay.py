@@ -452,6 +452,16 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
             raise ConfigError(f"{k} is not a setting of PyTorch's caching allocator{hint}; "
                               f"known: {sorted(_TORCH_DEFAULTS)}")
         s[k] = v
+    if trace is not None and index is not None and not isinstance(trace.meta.get("torch"), dict):
+        # a gpudash recording of PyTorch's model (a PyTorch session): the device's settings
+        # and capacity as recorded, where the call gives none
+        entry = index._meta.get(index.pick(s["device"])) or {}
+        opts = entry.get("options") if isinstance(entry.get("options"), Mapping) else {}
+        for key in ("conf", "fraction", "torch_version"):
+            if s[key] is None and opts.get(key) is not None:
+                s[key] = opts[key]
+        if s["device_bytes"] is None and entry.get("capacity"):
+            s["device_bytes"] = entry["capacity"]
     recorded_meta = trace.meta if trace is not None and trace_model(trace) is TORCH else {}
     torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
                                                            dict) else {}
@@ -1445,8 +1455,8 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     sample = [[], [], []] if per_call else None
     rec: list = []
     t0 = time.perf_counter()
-    fid = replay_exact(tt, conf=settings["conf"], device_total=settings["device_bytes"],
-                       sample=sample, progress=progress,
+    fid = replay_exact(tt, conf=settings["conf"], fraction=settings["fraction"],
+                       device_total=settings["device_bytes"], sample=sample, progress=progress,
                        attach=(lambda a: rec.append(_Collected(a))) if record else None)
     elapsed = time.perf_counter() - t0
     alloc = fid.allocator
