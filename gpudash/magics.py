@@ -293,9 +293,23 @@ class GpudashMagics(Magics):
 
     @cell_magic
     def gpudash_track(self, line: str, cell: str) -> Any:
-        """Run the cell under recording and show a compact memory summary."""
+        """Run the cell under recording and show a compact memory summary.
+
+        ``%%gpudash_track [--report PATH]``: also write the HTML report of the cell's
+        recording (:func:`gpudash.report.write_report`, replayed through the session's own
+        allocator model and settings) to ``PATH``, replacing it."""
         from .recorder import Recorder
 
+        parser = argparse.ArgumentParser(prog="%%gpudash_track", add_help=False,
+                                         exit_on_error=False)
+        parser.add_argument("--report", default=None, metavar="PATH")
+        try:
+            args, extra = parser.parse_known_args(shlex.split(line))
+        except (argparse.ArgumentError, ValueError) as exc:
+            raise UsageError(f"%%gpudash_track: {exc}") from None
+        if extra:
+            raise UsageError(f"%%gpudash_track: unknown arguments {extra}; usage: "
+                             "%%gpudash_track [--report PATH]")
         sess = self._get_session()
         before = {d.index: d.stats() for d in sess.devices}
         rec = Recorder(sess)  # the allocator's own stats are left alone
@@ -321,9 +335,24 @@ class GpudashMagics(Magics):
             display(summary.figure())
         except Exception:  # noqa: BLE001 - the text is the summary; the plot is a bonus
             pass
+        if args.report is not None:
+            self._write_report(rec, args.report)
         if error is not None:
             raise error
         return None
+
+    @staticmethod
+    def _write_report(rec: Any, path: str) -> None:
+        """The report of a cell's recording, or why there is none (one line either way)."""
+        from .report import write_report
+
+        try:
+            out = write_report(rec.to_trace(), path, overwrite=True,
+                               title="gpudash report: a tracked cell")
+        except GpudashError as exc:
+            print(f"gpudash_track: no report: {exc}")
+        else:
+            print(f"gpudash_track: report written to {out}")
 
     def _prompt_number(self) -> Any:
         """The prompt number (``In [N]``) of the cell running now.
