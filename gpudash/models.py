@@ -192,6 +192,9 @@ class AllocatorModel:
     setting_names : dict
         The names ``%gpudash_config key=value`` takes, each to the
         :meth:`gpudash.Session.configure` keyword it sets.
+    whatif_toggles : tuple of str
+        The on/off settings the what-if view offers beside its fraction slider (replay
+        settings by name).
     """
 
     name: str
@@ -209,6 +212,7 @@ class AllocatorModel:
     controls: tuple = ()
     deferred_frees: bool = True
     setting_names: dict = field(default_factory=dict)
+    whatif_toggles: tuple = ()
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"
@@ -281,6 +285,11 @@ class AllocatorModel:
         """The value of ``setting`` (a :meth:`gpudash.Session.configure` keyword) written as
         text (``%gpudash_config``); a :class:`~gpudash.ConfigError` naming it otherwise."""
         raise NotImplementedError
+
+    def fraction_line(self, fraction: float, settings: dict) -> str:
+        """The line that sets ``fraction`` in the framework, where one call does it ("" for
+        TensorFlow, whose fraction is a ``ConfigProto`` field read at start)."""
+        return ""
 
     def figures(self, allocator: Any) -> dict[str, Any]:
         """The allocator's own statistics the views show beside gpudash's neutral ones,
@@ -573,6 +582,15 @@ class _TorchModel(AllocatorModel):
             return text
         raise ConfigError(f"unknown setting {setting!r}")
 
+    def fraction_line(self, fraction: float, settings: dict) -> str:
+        """``torch.cuda.set_per_process_memory_fraction(0.623)`` (rounded up to what still
+        fits), with the settings string when it is not PyTorch's defaults."""
+        frac = min(1.0, math.ceil(fraction * 1000) / 1000)
+        line = f"torch.cuda.set_per_process_memory_fraction({frac:g})"
+        conf = settings.get("conf")
+        text = conf if isinstance(conf, str) else (conf.as_conf() if conf is not None else "")
+        return line + (f" with PYTORCH_CUDA_ALLOC_CONF={text}" if text else "")
+
     def figures(self, allocator: Any) -> dict[str, Any]:
         """``torch.cuda.memory_stats()``'s figures the views show, by PyTorch's keys."""
         st = allocator.memory_stats()
@@ -767,6 +785,7 @@ TORCH = _TorchModel(
                    "allow_growth": "allow_growth", "growth": "allow_growth",
                    "deferred_deletion_bytes": "deferred_deletion_bytes",
                    "deferred": "deferred_deletion_bytes"},
+    whatif_toggles=("expandable_segments",),
     controls=(
         Control("fraction", "fraction", "fraction", setting="per_process_gpu_memory_fraction",
                 tooltip="torch.cuda.set_per_process_memory_fraction: segments may total at "

@@ -243,3 +243,44 @@ def test_views_speak_pytorch_s_words(comms, tsess, model):
     assert "reserved_bytes.all.peak" in stats.html.value and "pool_bytes" not in stats.html.value
     for view in (bins, cmap, tl, stats):
         view.close()
+
+
+def test_the_what_if_view_of_a_pytorch_trace_speaks_pytorch_s_settings(comms):
+    """A PyTorch snapshot replays through PyTorch's model: allocated and reserved lines, an
+    expandable_segments toggle, and the minimum fraction with the line that sets it."""
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.widgets import WhatIfView
+
+    trace = load_torch_snapshot(caching_snapshot(finetune_calls(steps=12, layers=8),
+                                                 device_bytes="8GiB"))
+    view = WhatIfView(trace, background=False, min_fraction_delay=0)
+    try:
+        assert view.allocator_model is TORCH
+        assert [t.name for t in view.timeline.data[:3]] == ["allocated", "reserved", "limit"]
+        assert view.slider.tooltip == "torch.cuda.set_per_process_memory_fraction"
+        # the device the replay took (the snapshot's when it shows one, else assumed)
+        assert view.device_bytes == view.result.options["device_bytes"]
+        toggle = view.toggles["expandable_segments"]
+        assert toggle.value is False  # the snapshot's own setting
+        assert view.wait_min_fraction(120)
+        text = view.min_fraction_text.value
+        assert "minimum fraction that fits" in text
+        assert "torch.cuda.set_per_process_memory_fraction(" in text
+        toggle.value = True  # a what-if: the same calls with expandable segments
+        assert view.result.options["conf"] == "expandable_segments:True"
+        assert view.result.fidelity is None and "peak reserved" in view.status.value
+        assert view.wait_min_fraction(120)
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in \
+            view.min_fraction_text.value
+    finally:
+        view.close()
+    # a TensorFlow trace keeps its view: no toggles, its words
+    from gpudash.trace.workloads import fragmentation_stress
+
+    bfc = WhatIfView(fragmentation_stress(rounds=50, seed=1), background=False,
+                     min_fraction=False)
+    try:
+        assert bfc.toggles == {} and bfc.timeline.data[0].name == "in use"
+    finally:
+        bfc.close()
