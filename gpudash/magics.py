@@ -46,6 +46,17 @@ from .models import _FALSE, _TRUE
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
 
+def _parse(parser: argparse.ArgumentParser, line: str, usage: str) -> argparse.Namespace:
+    """A magic's arguments; a UsageError naming the magic (and its usage for unknown ones)."""
+    try:
+        args, extra = parser.parse_known_args(shlex.split(line))
+    except (argparse.ArgumentError, ValueError) as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+    if extra:
+        raise UsageError(f"{parser.prog}: unknown arguments {extra}; usage: {usage}")
+    return args
+
+
 def _device_arg(text: str) -> Any:
     """``device=`` as an index (``1``) or a name (``GPU:1``, ``/device:GPU:1``)."""
     try:
@@ -146,16 +157,10 @@ class GpudashMagics(Magics):
         parser.add_argument("--watch", default=None, metavar="FRAMEWORK")
         parser.add_argument("--allocator", default=None)
         parser.add_argument("--conf", default=None)
-        try:
-            args, extra = parser.parse_known_args(shlex.split(line))
-        except (argparse.ArgumentError, ValueError) as exc:
-            raise UsageError(f"%gpudash: {exc}") from None
-        if extra:
-            raise UsageError(f"%gpudash: unknown arguments {extra}; usage: %gpudash "
-                             "[--allocator bfc|torch] [--conf PYTORCH_CUDA_ALLOC_CONF] "
-                             "[--fraction F] [--growth|--no-growth] [--simulate SIZE] "
-                             "[--device N] | %gpudash --watch torch|jax|tensorflow "
-                             "[--device NAME]")
+        args = _parse(parser, line, "%gpudash [--allocator bfc|torch] [--conf "
+                                    "PYTORCH_CUDA_ALLOC_CONF] [--fraction F] [--growth|"
+                                    "--no-growth] [--simulate SIZE] [--device N] | %gpudash "
+                                    "--watch torch|jax|tensorflow [--device NAME]")
         if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
             if args.allocator is not None or args.conf is not None:
                 raise UsageError("%gpudash: --watch reads a framework's own allocator; "
@@ -303,13 +308,7 @@ class GpudashMagics(Magics):
         parser = argparse.ArgumentParser(prog="%%gpudash_track", add_help=False,
                                          exit_on_error=False)
         parser.add_argument("--report", default=None, metavar="PATH")
-        try:
-            args, extra = parser.parse_known_args(shlex.split(line))
-        except (argparse.ArgumentError, ValueError) as exc:
-            raise UsageError(f"%%gpudash_track: {exc}") from None
-        if extra:
-            raise UsageError(f"%%gpudash_track: unknown arguments {extra}; usage: "
-                             "%%gpudash_track [--report PATH]")
+        args = _parse(parser, line, "%%gpudash_track [--report PATH]")
         sess = self._get_session()
         before = {d.index: d.stats() for d in sess.devices}
         rec = Recorder(sess)  # the allocator's own stats are left alone

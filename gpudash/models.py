@@ -278,7 +278,8 @@ class AllocatorModel:
                settings: dict) -> dict[str, str]:  # pragma: no cover - abstract
         """What a control did, in words: ``{"text": ..., "warning": ...}`` (warning
         optional). ``result`` is what its action returned (bytes released for a button),
-        ``settings`` the device's settings afterwards (``LiveModel.device_settings``)."""
+        ``settings`` the device's settings afterwards (``LiveModel.answer_facts``: the
+        settings, ``pending``/``held``, ``regions`` as the map draws them, the figures)."""
         raise NotImplementedError
 
     def parse_setting(self, setting: str, text: str) -> Any:  # pragma: no cover - abstract
@@ -599,7 +600,7 @@ class _TorchModel(AllocatorModel):
     def answer(self, name: str, value: Any, result: Any, settings: dict) -> dict[str, str]:
         limit = settings.get("limit") or 0
         reserved = int(settings.get("reserved_bytes.all.current", 0))
-        segments = int(settings.get("segment.all.current", 0))
+        segments = int(settings.get("regions", settings.get("segment.all.current", 0)))
         if name == "fraction":
             out = {"text": f"fraction {float(value):.3f}: limit {format_bytes(limit)} "
                            f"(torch.cuda.set_per_process_memory_fraction({float(value):g}); "
@@ -707,15 +708,16 @@ class _TorchModel(AllocatorModel):
         return rows
 
     def headline(self, state: Any) -> list[list[str]]:
-        f = state.figures
-        out = []
-        if "segment.all.current" in f:
-            out.append(["segments", f"{f['segment.all.current']} "
-                                    f"({f.get('segment.small_pool.current', 0)} small, "
-                                    f"{f.get('segment.large_pool.current', 0)} large)"])
-        for key in ("num_alloc_retries", "num_ooms"):
-            if key in f:
-                out.append([key, f"{f[key]:,}"])
+        """The segments as the map draws them (an expandable segment's mapped range is one;
+        PyTorch's ``segment.all.current`` counts cudaMalloc segments only) by pool, and
+        ``num_alloc_retries``."""
+        kinds = self.region_kinds(state.table)
+        small = sum(1 for k in kinds if k.startswith("small"))
+        exp = sum(1 for k in kinds if k.endswith("expandable"))
+        out = [["segments", f"{len(kinds)} ({small} small, {len(kinds) - small} large"
+                            + (f", {exp} expandable" if exp else "") + ")"]]
+        if "num_alloc_retries" in state.figures:
+            out.append(["num_alloc_retries", f"{state.figures['num_alloc_retries']:,}"])
         return out
 
     def pending_release(self, allocator: Any) -> tuple[int, int]:

@@ -124,6 +124,7 @@ def test_the_snapshot_carries_the_model_its_pools_and_segment_kinds(comms, tsess
     head = content["headline"]
     assert ["segments", "4 (1 small, 3 large)"] in head["extra"]
     assert ["num_alloc_retries", "0"] in head["extra"] and head["banner"] == ""
+    assert ["segments", "4 (1 small, 3 large)"] == head["extra"][0]
 
 
 def test_each_control_acts_as_pytorch_does_and_answers_in_words(comms, tsess, dash):

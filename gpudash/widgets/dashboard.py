@@ -4,9 +4,17 @@ One `anywidget <https://anywidget.dev>`_ (one comm, one small ES module,
 ``static/dashboard.js``) draws, in the browser:
 
     headline (in use / pool / limit / peak / fragmentation, a banner while the pool is over
-    a limit lowered live) and controls (device, fraction, growth, deferred, buttons, pause)
+    a limit lowered live) and controls (device, the model's controls, pause, refresh rate)
     timeline      | heatmap          (one time base: seconds since the model started)
     chunk map     | bins
+
+What differs between allocators comes from the device's allocator model
+(:mod:`gpudash.models`), sent with the controls: its controls (TensorFlow's BFC: fraction,
+growth, deferred deletion, release, flush; PyTorch's caching allocator: fraction,
+``expandable_segments``, ``max_split_size_mb``, ``garbage_collection_threshold``, empty
+cache), its words (in use / allocated, pool / reserved, chunk map / segment map), its bins or
+pools, each region's kind (PyTorch: small or large pool, expandable) and its own figures in
+the headline. The page draws whatever the model lists; no view tests which allocator it has.
 
 What crosses the wire
 ---------------------
@@ -26,9 +34,11 @@ What crosses the wire
 The browser redraws on animation frames, at most once per frame, whatever arrives.
 
 Controls act through the :class:`~gpudash.widgets.LiveModel` (``configure``,
-``release_free_regions``, ``flush_deferred``) at once, and answer in words ("released 0 B: no
-region is wholly free"). A value is checked before anything is set, as ``Session.configure``
-checks it (a device the source does not have, growth ``"false"``, a fraction of ``true``):
+``release_free_regions``, ``flush_deferred``, ``empty_cache``) at once, and answer in the
+model's words ("released 0 B: no region is wholly free"; "expandable_segments: on: segments
+made from now on are expandable..."). A value is checked before anything is set, by the
+model's checks (a device the source does not have, growth ``"false"``, a fraction of ``true``,
+``max_split_size_mb`` below 20):
 the answer, shown in the status line, names the setting and the value, nothing changes, and
 the dashboard goes on. Sources that cannot be controlled (a framework watched read-only)
 get disabled controls whose tooltip says why, and a button that prints the settings to
@@ -118,8 +128,8 @@ class Dashboard(anywidget.AnyWidget):
 
     Parameters
     ----------
-    source : Session or BFCAllocator, optional
-        What to show and control.
+    source : Session, BFCAllocator or CachingAllocator, optional
+        What to show and control (a PyTorch session: ``Session(..., allocator="torch")``).
     feeds : list of DeviceFeed, optional
         Instead of a source: one feed per device (a framework monitor's, a Dask worker's).
     rate_hz : float

@@ -940,11 +940,13 @@ class LiveModel(traitlets.HasTraits):
     def answer_facts(self, device: int = 0) -> dict:
         """What a control's answer is worded from (:meth:`AllocatorModel.answer`): the
         device's settings, the bytes and regions above a limit lowered live (``pending``,
-        ``held``) and the allocator's own figures."""
+        ``held``), the regions as the chunk map draws them (``regions``) and the allocator's
+        own figures."""
         dev = self._devices[self._index(device)]
         pending, held = self.pending_release(device)
         out = dict(self.device_settings(device), pending=pending, held=held)
         if dev.allocator is not None:
+            out["regions"] = len(dev.allocator.chunk_table()["regions"])
             out.update(dev.model.figures(dev.allocator))
         return out
 

@@ -201,9 +201,20 @@ class View {
           if (spec.empty) attrs.placeholder = spec.empty;
         }
         const input = lab.appendChild(el("input", attrs));
-        input.addEventListener("change", () => {
+        // sent on Enter (the notebook would take the key otherwise) and on leaving the
+        // field, once per value
+        const commit = () => {
+          if (input.value === input.dataset.sent) return;
+          input.dataset.sent = input.value;
           if (spec.kind === "bytes") this.act(name, Math.round(Number(input.value) * spec.unit));
           else this.act(name, input.value === "" ? spec.empty_value : Number(input.value));
+        };
+        input.addEventListener("change", commit);
+        input.addEventListener("keydown", (ev) => {
+          if (ev.key !== "Enter") return;
+          ev.preventDefault();
+          ev.stopPropagation();
+          commit();
         });
         this.ctl[name] = input;
       } else {
@@ -232,7 +243,8 @@ class View {
     }
     this.status.textContent = (msg.ok ? "" : "refused: ") + msg.text + (msg.warning ? " - " + msg.warning : "");
     this.status.classList.toggle("err", !msg.ok);
-    if (msg.controls) this.applyControls(msg.controls);
+    if (msg.controls) this.applyControls(Object.assign({}, msg.controls,
+                                                       msg.ok ? {} : { refused: msg.name }));
     // the device shown (a refused device change puts the picker back)
     if (this.ctl.device && msg.device != null) this.ctl.device.value = String(msg.device);
     if (msg.name in this.pending) {
@@ -288,9 +300,12 @@ class View {
         this.toggles[spec.name] = !!v;
         e.textContent = spec.label + ": " + (v == null ? "?" : (v ? "on" : "off"));
       } else if (spec.kind === "bytes") {
-        if (v != null && document.activeElement !== e) e.value = String(Math.round(v / spec.unit));
+        if (v != null && document.activeElement !== e)
+          e.value = e.dataset.sent = String(Math.round(v / spec.unit));
       } else if (spec.kind === "number") {
-        if (document.activeElement !== e) e.value = v == null || v === 0 ? "" : String(v);
+        // the value in force; after a refusal the field shows it again
+        if (document.activeElement !== e || info.refused === spec.name)
+          e.value = e.dataset.sent = v == null || v === 0 ? "" : String(v);
       }
       if (reason) { e.setAttribute("disabled", ""); e.title = reason; }
       else if (spec.needs_session && !info.session) {
