@@ -1352,12 +1352,15 @@ def default_session(create: bool = True, **kwargs: Any) -> Session | None:
     create : bool
         Create one when there is none (or it was closed); else return None.
     **kwargs
-        Passed to :class:`Session` when one is created.
+        Passed to :class:`Session` when one is created (``allocator="torch"`` makes a
+        :class:`TorchSession`, from the environment's ``PYTORCH_CUDA_ALLOC_CONF``).
     """
     global _default
     with _default_lock:
         if (_default is None or _default.closed) and create:
-            if "config" not in kwargs:
+            # a PyTorch session's config is a PYTORCH_CUDA_ALLOC_CONF string, no ConfigProto
+            torch = model_for(kwargs.get("allocator") or "bfc") is TORCH
+            if "config" not in kwargs and not torch:
                 kwargs["config"] = ConfigProto(allow_soft_placement=True)
             _default = Session(**kwargs)
         if _default is not None and _default.closed:

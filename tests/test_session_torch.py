@@ -281,3 +281,15 @@ def test_the_report_of_a_session_is_in_pytorch_s_words(tmp_path):
                   "expandable_segments:True", "peak reserved", "Segment map at the peak",
                   "Pool occupancy", "settings changed live", "fraction None\u21920.5"):
         assert words in html, words
+
+
+def test_the_default_session_can_be_pytorch_s():
+    from gpudash.session import default_session, set_default_session
+
+    set_default_session(None)
+    try:
+        s = default_session(allocator="torch", simulate="1GiB")
+        assert isinstance(s, TorchSession) and default_session() is s
+    finally:
+        s.close()
+        set_default_session(None)

@@ -630,7 +630,11 @@ class View {
       { type: "bar", name: "free", x: labels, y: free.map((v) => v / u.scale), marker: { color: C.free },
         customdata: fc.map((n, i) => `${n} ${piece}(s), ${fmtBytes(free[i])}`), hovertemplate: "free: %{customdata}<extra>%{x}</extra>" },
     ], this.legendLayout({ barmode: "stack", xaxis: { title: { text: w.bins_axis || "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
-      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name } }));
+      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name },
+      // a few bars (PyTorch's two pools): each says its figures, so a small one still reads
+      annotations: k > 4 ? [] : labels.map((x, i) => ({ x, y: (used[i] + free[i]) / u.scale,
+        text: `${fmtBytes(used[i])} ${inUse}, ${fmtBytes(free[i])} free`, showarrow: false,
+        yanchor: "bottom", font: { size: 10, color: "#444" } })) }));
   }
 
   close() {
