@@ -344,6 +344,37 @@ write("07_pytorch.ipynb", [
     code("bfc = min_fraction(ran, '24GiB', allocator='bfc')\n"
          "print(bfc)\n"
          "print('\\n'.join(bfc.paste_lines('jax')))"),
+    md("## Live, on PyTorch's model\n\n"
+       "`%gpudash --allocator torch` opens the dashboard on a session that runs PyTorch's "
+       "caching allocator (here on a simulated 24 GiB GPU): the segment map with each "
+       "segment's pool, the two pools, allocated and reserved over time. The fine-tuning job "
+       "runs in the background for about 20 s: turn `expandable_segments` on, move the "
+       "fraction or empty the cache while it runs, and watch the segments change; each control "
+       "answers with the line that does the same in PyTorch."),
+    code("%load_ext gpudash"),
+    code("%gpudash --allocator torch --simulate 24GiB"),
+    code("from gpudash.trace.workloads import run_workload\n"
+         "\n"
+         "sess = gpudash.default_session()\n"
+         "\n"
+         "def job(stop_event=None):\n"
+         "    return run_workload(finetune_calls(steps=60), sess.allocate, sess.free, "
+         "sleep=0.001,\n"
+         "                        stop=stop_event.is_set if stop_event else None)\n"
+         "\n"
+         "task = gpudash.run_in_background(job)\n"
+         "task.widget()"),
+    md("The session's settings, in PyTorch's names, can change from code as well "
+       "(`sess.configure(expandable_segments=True)`, `sess.empty_cache()`, "
+       "`%gpudash_config expandable_segments=True`). Once the job is done, its figures:"),
+    code("if task.done:\n"
+         "    print(task.result())\n"
+         "else:\n"
+         "    print(f'{task}: still running; run this cell again when it is done')\n"
+         "print(sess)\n"
+         "print({k: v for k, v in sess.devices[0].allocator.memory_stats().items()\n"
+         "       if k in ('allocated_bytes.all.peak', 'reserved_bytes.all.peak', 'num_ooms', "
+         "'num_alloc_retries')})"),
     md("## Real snapshots\n\n"
        "When `../shared/reference/external/` is present (real snapshots from other people's "
        "projects), each one is replayed exactly and its fidelity printed; without it this cell "
