@@ -21,8 +21,10 @@ JupyterLab on 127.0.0.1 whose kernels import that checkout's gpudash, a fresh pa
    whether they show the history (more than two timeline points).
 
 Run: ``python benchmarks/bench_browser.py [--baseline REF] [--only new|baseline]
-[--json OUT]``. Needs JupyterLab, Playwright and ``/usr/bin/chromium`` (``pip install -e
-'.[test]'``; ``apt-get install chromium``). Takes a few minutes. Prints one table.
+[--json OUT]``; ``--allocators`` instead compares, in this checkout, the dashboard of a
+TensorFlow-style session (``%gpudash``) with a PyTorch one (``%gpudash --allocator torch``).
+Needs JupyterLab, Playwright and ``/usr/bin/chromium`` (``pip install -e '.[test]'``;
+``apt-get install chromium``). Takes a few minutes. Prints one table.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ import gpudash
 from gpudash.trace.workloads import training_loop_calls, run_workload
 sess = gpudash.default_session()
 marks = []
-sess.devices[0].allocator.subscribe(
-    lambda e: marks.append(time.time()) if getattr(e, 'setting', None) == 'memory_limit' else None)
+sess.devices[0].allocator.subscribe(  # the BFC's new limit, PyTorch's new fraction
+    lambda e: marks.append(time.time())
+    if getattr(e, 'setting', None) in ('memory_limit', 'fraction') else None)
 def workload(stop_event=None):
     runs = 0
     while not stop_event.is_set():
@@ -201,7 +204,9 @@ def _kernel_value(page: Any, expr: str) -> Any:
     return json.loads(text.strip().splitlines()[-1])
 
 
-def measure(label: str, repo: Path, work: Path, log: Any) -> dict:
+def measure(label: str, repo: Path, work: Path, log: Any, magic: str = "%gpudash") -> dict:
+    """One variant's figures: ``magic`` opens the dashboard (``%gpudash --allocator torch``
+    for PyTorch's caching allocator), ``%gpudash`` shows it again."""
     from playwright.sync_api import sync_playwright
 
     out: dict[str, Any] = {"variant": label, "repo": str(repo)}
@@ -234,7 +239,7 @@ def measure(label: str, repo: Path, work: Path, log: Any) -> dict:
         log(f"[{label}] %gpudash")
         k = len(frames)
         t0 = time.monotonic()
-        n1, _ = _run_cell(page, "%gpudash")
+        n1, _ = _run_cell(page, magic)
         _wait_drawn(page, n1)
         out["open_s"] = time.monotonic() - t0
         time.sleep(1.0)
@@ -350,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=BASELINE, help=f"git ref to compare (default "
                     f"{BASELINE}: the dashboard of FigureWidgets)")
     ap.add_argument("--only", choices=("new", "baseline"), default=None)
+    ap.add_argument("--allocators", action="store_true",
+                    help="compare the dashboard of TensorFlow's BFC with PyTorch's caching "
+                         "allocator's (%%gpudash --allocator torch), both from this checkout")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -357,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = []
+    if args.allocators:
+        with tempfile.TemporaryDirectory(prefix="gpudash-bench-") as tmp:
+            for label, magic in (("BFC session", "%gpudash"),
+                                 ("PyTorch session", "%gpudash --allocator torch")):
+                work = Path(tmp) / label.replace(" ", "_")
+                work.mkdir()
+                results.append(measure(label, REPO, work, log, magic=magic))
+        print(table(results))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
     with tempfile.TemporaryDirectory(prefix="gpudash-bench-") as tmp:
         tmp = Path(tmp)
         variants = []

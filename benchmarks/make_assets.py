@@ -8,10 +8,17 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
 - ``whatif.png``: the what-if view of ``02_tuning_fraction.ipynb``, below the smallest
   fraction that fits;
 - ``report.png``: the HTML report of a fragmentation stress trace (``gpudash.report``);
+- ``explain-torch.png``: ``gpudash explain`` of a PyTorch snapshot that ends at its
+  out-of-memory error (``notebooks/07_pytorch.ipynb``'s 24 GiB fine-tuning job), top of the
+  page: the summary with the fix proven, the segment map at the failure;
 - ``watch-tensorflow.png``: ``05_frameworks.ipynb``'s dashboard watching TensorFlow's CPU BFC
-  while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``).
+  while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``);
+- ``dashboard_torch.png``: ``%gpudash --allocator torch`` (PyTorch's caching allocator) after
+  a fine-tuning loop, with expandable segments turned on, ``max_split_size_mb`` typed in and
+  the cache emptied from its controls.
 
-Run: ``python benchmarks/make_assets.py [--out DIR]`` (default ``assets/``). Look at them.
+Run: ``python benchmarks/make_assets.py [--out DIR] [--only report|explain-torch|torch]``
+(default ``assets/``). Look at them.
 """
 
 from __future__ import annotations
@@ -58,9 +65,27 @@ def _run_all(page, lab, name: str) -> None:
     _wait_idle(page)
 
 
-def _report(out: Path) -> int:
+def _page_shot(page_path: Path, target: Path, plots: int, viewport: dict,
+               full_page: bool) -> None:
+    """A screenshot of a self-contained HTML page once ``plots`` plotly figures are drawn."""
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport=viewport)
+            page.goto(page_path.as_uri())
+            page.wait_for_function(
+                f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {plots}",
+                timeout=60_000)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(target), full_page=full_page)
+            print(f"wrote {target} ({target.stat().st_size:,} B)")
+        finally:
+            browser.close()
+
+
+def _report(out: Path) -> int:
     from gpudash.report import write_report
     from gpudash.trace.workloads import fragmentation_stress
 
@@ -68,33 +93,80 @@ def _report(out: Path) -> int:
         path = write_report(fragmentation_stress(rounds=600, seed=3), Path(tmp) / "r.html",
                             title="gpudash report", device_bytes=4 << 30,
                             replay_options={"fraction": 0.5})
-        with sync_playwright() as pw:
-            browser = launch_chromium(pw)
-            try:
-                page = browser.new_page(viewport={"width": 1300, "height": 900})
-                page.goto(path.as_uri())
-                page.wait_for_function(
-                    "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8",
-                    timeout=60_000)
-                page.wait_for_timeout(500)
-                target = out / "report.png"
-                page.screenshot(path=str(target), full_page=True)
-                print(f"wrote {target} ({target.stat().st_size:,} B)")
-            finally:
-                browser.close()
+        _page_shot(path, out / "report.png", 8, {"width": 1300, "height": 900}, True)
     return 0
+
+
+def _explain_torch(out: Path) -> int:
+    import pickle
+
+    from gpudash.postmortem import explain
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    with tempfile.TemporaryDirectory(prefix="gpudash-explain-") as tmp:
+        snap = Path(tmp) / "finetune_24gib.pickle"
+        snap.write_bytes(pickle.dumps(caching_snapshot(finetune_calls(), device_bytes="24GiB")))
+        path = explain(snap).write_html(Path(tmp) / "e.html")
+        _page_shot(path, out / "explain-torch.png", 2, {"width": 1300, "height": 1100}, False)
+    return 0
+
+
+#: The PyTorch dashboard's notebook: a session with PyTorch's caching allocator at a fraction,
+#: weights and a fine-tuning loop of varying sequence lengths (its cache left behind), a batch
+#: still held.
+TORCH_CELLS = (
+    "%load_ext gpudash\nimport gpudash\n"
+    "from gpudash.trace.workloads import finetune_calls, run_workload",
+    "%gpudash --allocator torch --fraction 0.75",
+    "s = gpudash.default_session()\n"
+    "run_workload(finetune_calls(steps=8, layers=2), s.allocate, s.free, sleep=0.01)\n"
+    "batch = [s.allocate(n << 20) for n in (90, 40, 7, 1)]\nprint(s)",
+)
+
+
+def _torch_notebook(root: Path) -> str:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in TORCH_CELLS]
+    nbformat.write(nb, root / "torch_dashboard.ipynb")
+    return "torch_dashboard.ipynb"
+
+
+def _torch_dashboard(page, lab, out: Path) -> None:
+    """The PyTorch session's dashboard, after its controls were used with the mouse."""
+    _run_all(page, lab, _torch_notebook(lab.root))
+    root = page.locator(".gd-root").first
+    _views_drawn(page, root)
+    root.locator('button[data-ctl="expandable"]').click()
+    root.locator(".gd-status", has_text="expandable_segments: on").wait_for(timeout=30_000)
+    _run_cell(page, "more = [s.allocate(n << 20) for n in (300, 120, 3)]\nprint('ok')")
+    field = root.locator('input[data-ctl="max_split"]')
+    field.fill("256")
+    field.press("Enter")
+    root.locator(".gd-status", has_text="max_split_size_mb: 256").wait_for(timeout=30_000)
+    root.locator('button[data-ctl="empty_cache"]').click()
+    root.locator(".gd-status", has_text="empty_cache(): returned").wait_for(timeout=30_000)
+    _views_drawn(page, root)
+    time.sleep(1.5)
+    target = page.locator(".jp-OutputArea-output").filter(has=root).first
+    _shot(page, target, out / "dashboard_torch.png")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "assets")
-    ap.add_argument("--only", choices=("report",), default=None,
+    ap.add_argument("--only", choices=("report", "explain-torch", "torch"), default=None,
                     help="make only this screenshot")
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
     if args.only == "report":
         return _report(args.out)
+    if args.only == "explain-torch":
+        return _explain_torch(args.out)
 
     with tempfile.TemporaryDirectory(prefix="gpudash-assets-") as tmp:
         lab = LabServer(Path(tmp))
@@ -103,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         browser = launch_chromium(pw)
         try:
             page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
+            if args.only == "torch":
+                _torch_dashboard(page, lab, args.out)
+                return 0
             _run_all(page, lab, "01_quickstart.ipynb")
             root = page.locator(".gd-root").first
             _views_drawn(page, root)
@@ -157,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 _shot(page, out, args.out / "watch-tensorflow.png")
             else:
                 print("tensorflow is not installed: no watch-tensorflow.png")
+            lab.shutdown_kernels()
+            _torch_dashboard(page, lab, args.out)
         finally:
             browser.close()
             pw.stop()
             lab.stop()
-    return _report(args.out)
+    return _report(args.out) or _explain_torch(args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,14 @@ from .bfc import AllocatorStats, MemoryDump
 from .events import EventKind
 from .options import GPUOptions
 from .trace.format import Trace
-from .trace.replay import _FROM_GPU_OPTIONS, _Engine, _pick_device, resolve_settings, trace_settings
+from .trace.replay import (
+    _FROM_GPU_OPTIONS,
+    _Engine,
+    _model_calls,
+    _pick_device,
+    resolve_settings,
+    trace_settings,
+)
 
 __all__ = [
     "fragmentation_series",
@@ -853,7 +860,20 @@ class HeatmapBuilder:
 
 # =============================================================================== allocator state
 def _analysis_settings(trace: Trace, options: Any, device: int | None) -> dict[str, Any]:
-    """The trace's own settings (from its metadata), overridden by ``options``."""
+    """The trace's own settings (from its metadata), overridden by ``options``; a PyTorch
+    trace's through PyTorch's model (its snapshot's settings, replayed call by call)."""
+    from .models import TORCH
+    from .trace.replay import _model
+
+    if _model(trace, options, {}) is TORCH:
+        opts = dict(options) if isinstance(options, Mapping) else {}
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"options for a PyTorch trace must be a dict of replay settings; "
+                              f"got {options!r}")
+        opts["exact"] = False
+        if device is not None:
+            opts["device"] = device
+        return resolve_settings(trace, opts)
     merged: dict[str, Any] = trace_settings(trace, device)
     if options is None:
         pass
@@ -912,15 +932,17 @@ class StateScrubber:
         self.checkpoint_every = int(checkpoint_every)
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1; got {checkpoint_every}")
-        self._rows = calls.row
-        self._lists = (calls.op.tolist(), calls.key.tolist(), calls.nbytes.tolist())
+        op, key, nbytes, streams, _, rows = _model_calls(trace, self.settings, with_rows=True)
+        self._rows = rows
+        self._lists = (op.tolist(), key.tolist(), nbytes.tolist())
+        self._streams = streams
         self._engine = self._fresh()
         self._checkpoints: dict[int, _Engine] = {}
         self._can_clone = True
         self._save_checkpoint()
 
     def _fresh(self) -> _Engine:
-        return _Engine(self.settings, *self._lists)
+        return _Engine(self.settings, *self._lists, streams=self._streams)
 
     def _save_checkpoint(self) -> None:
         eng = self._engine
@@ -976,7 +998,7 @@ class StateScrubber:
         """The state right after event ``index`` (see :func:`state_at`)."""
         self.goto_call(self._calls_through(index))
         row = int(index) + len(self.trace) if int(index) < 0 else int(index)
-        return _with_seq(self._engine.alloc.snapshot(), self.trace, row)
+        return _with_seq(self._engine.dump(), self.trace, row)
 
     __getitem__ = state_at
 
@@ -1011,8 +1033,10 @@ def state_at(trace: Trace, index: int, *, options: Any = None,
     Returns
     -------
     MemoryDump
-        Chunks, bins, regions and stats of a fresh BFC allocator on a simulated device that
-        made every call (alloc, free, refused alloc) of the trace at or before row
+        Chunks, bins, regions and stats of a fresh allocator of the trace's model (BFC; for
+        a PyTorch trace PyTorch's caching allocator, its pools as the dump's bins) on a
+        simulated device that made every call (alloc, free, refused alloc, and for PyTorch
+        the ``empty_cache()`` calls its releases show) of the trace at or before row
         ``index``, with ``seq`` set to the seq of the trace's next event. For a trace
         gpudash recorded this is the recorded allocator's state. The
         split, merge and extend rows that accompany a call are applied with it: the state
@@ -1023,16 +1047,16 @@ def state_at(trace: Trace, index: int, *, options: Any = None,
     StateScrubber : many indices, back and forth.
     """
     settings = _analysis_settings(trace, options, device)
-    calls = trace.calls(settings["device"])
+    op, key, nbytes, streams, _, rows = _model_calls(trace, settings, with_rows=True)
     n = len(trace)
     i = int(index) + n if int(index) < 0 else int(index)
     if not 0 <= i < n:
         raise IndexError(f"event index {index} out of range for a trace of {n} events")
-    stop = int(np.searchsorted(calls.row, i, side="right"))
-    eng = _Engine(settings, calls.op[:stop].tolist(), calls.key[:stop].tolist(),
-                  calls.nbytes[:stop].tolist())
+    stop = int(np.searchsorted(rows, i, side="right"))
+    eng = _Engine(settings, op[:stop].tolist(), key[:stop].tolist(), nbytes[:stop].tolist(),
+                  streams=None if streams is None else streams[:stop])
     eng.run_to(stop)
-    return _with_seq(eng.alloc.snapshot(), trace, i)
+    return _with_seq(eng.dump(), trace, i)
 
 
 def _with_seq(dump: MemoryDump, trace: Trace, row: int) -> MemoryDump:

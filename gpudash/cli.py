@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._errors import GpudashError
+from ._errors import ConfigError, GpudashError
 from ._units import format_bytes, parse_bytes
 from ._version import __version__
 
@@ -115,18 +115,35 @@ def _fractions_arg(text: str) -> list[float]:
     return [_fraction_arg(part) for part in parts]
 
 
-def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True) -> None:
+def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True,
+                  torch: bool = False) -> None:
     if fraction:
         p.add_argument("--fraction", type=_fraction_arg, default=None, metavar="F",
                        help="per_process_gpu_memory_fraction (default: TensorFlow's rule, "
-                            "free memory minus the system reserve)")
+                            "free memory minus the system reserve); for PyTorch "
+                            "torch.cuda.set_per_process_memory_fraction (default: none)")
     p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None,
                    help="allow_growth (default: what the trace was recorded with, else "
                         "TensorFlow's default, off)")
-    p.add_argument("--device", type=_device_arg, default=16 << 30, metavar="SIZE",
-                   help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default 16GiB)")
-    p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=False,
+    if torch:
+        p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
+                       help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default: what "
+                            "the trace shows, else 16GiB for TensorFlow and JAX and, for "
+                            "PyTorch, the smallest common GPU that held the trace; the "
+                            "output says which)")
+    else:
+        p.add_argument("--device", type=_device_arg, default=16 << 30, metavar="SIZE",
+                       help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default 16GiB)")
+    p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=None,
                    help="garbage collection of free regions before an OOM (default: off)")
+    if torch:
+        p.add_argument("--conf", default=None, metavar="TEXT",
+                       help="PyTorch's PYTORCH_CUDA_ALLOC_CONF, e.g. "
+                            "expandable_segments:True,max_split_size_mb:128 (default: what "
+                            "the snapshot was recorded with)")
+        p.add_argument("--torch-version", default=None, metavar="X.Y",
+                       help="the PyTorch whose allocator rules to follow (default: the oldest "
+                            "that writes the snapshot's fields)")
 
 
 def _formats() -> list[str]:
@@ -148,6 +165,77 @@ def _add_device_choice(p: argparse.ArgumentParser) -> None:
                    help="only this device of a trace with several (default: every device)")
     g.add_argument("--allocator", default=None, metavar="NAME",
                    help="only the device of this allocator, e.g. GPU_1_bfc")
+
+
+def _vary_arg(text: str) -> tuple[str, list]:
+    """``KNOB=V,V,...``: a PyTorch knob and the values a sweep crosses."""
+    knob, sep, values = text.partition("=")
+    if not sep or not knob.strip() or not values.strip():
+        raise argparse.ArgumentTypeError(f"expected KNOB=V,V,... (e.g. "
+                                         f"max_split_size_mb=none,128); got {text[:60]!r}")
+    out: list = []
+    for v in values.split(","):
+        v = v.strip()
+        if v.lower() in ("none", "trace"):
+            out.append(None)
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            try:
+                out.append(float(v))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{knob}: {v!r} is not a number (or none)"
+                                                 ) from None
+    if len(out) > MAX_FRACTIONS:
+        raise argparse.ArgumentTypeError(f"{knob}: at most {MAX_FRACTIONS} values")
+    return knob.strip(), out
+
+
+def _add_framework(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--framework", choices=("tensorflow", "jax", "torch"), default=None,
+                   help=text)
+
+
+def _model_of(args: argparse.Namespace, trace: Any) -> Any:
+    """The allocator model a replay or what-if command runs: ``--framework``'s, else the
+    trace's; each model's settings refused by name under the other."""
+    from .models import TORCH, model_for, trace_model
+
+    model = model_for(args.framework) if args.framework else trace_model(trace)
+    if model is TORCH:
+        for flag, given in (("--growth/--no-growth", args.growth is not None),
+                            ("--gc/--no-gc", args.gc is not None),
+                            ("--deferred", getattr(args, "deferred", None) is not None)):
+            if given:
+                raise _UserError(f"{flag} is a setting of TensorFlow's BFC allocator; this "
+                                 "replays PyTorch's caching allocator (its settings: --conf "
+                                 "PYTORCH_CUDA_ALLOC_CONF, --fraction)")
+    else:
+        for flag, given in (("--conf", args.conf), ("--torch-version", args.torch_version),
+                            ("--vary", getattr(args, "vary", None))):
+            if given is not None:
+                raise _UserError(f"{flag} is PyTorch's; this replays TensorFlow's BFC "
+                                 "allocator (--framework torch for PyTorch's)")
+    return model
+
+
+def _model_kwargs(args: argparse.Namespace, model: Any, index: Any, dev: int) -> dict:
+    """The replay settings the command's flags give, for ``model``."""
+    from .models import TORCH
+
+    kwargs: dict[str, Any] = {"allocator": model.name}
+    if args.device is not None:
+        kwargs["device_bytes"] = args.device
+    if model is TORCH:
+        if args.conf is not None:
+            kwargs["conf"] = args.conf
+        if args.torch_version is not None:
+            kwargs["torch_version"] = args.torch_version
+        return kwargs
+    kwargs["allow_growth"] = _growth(args.growth, index, dev)
+    kwargs["garbage_collection"] = bool(args.gc)
+    return kwargs
 
 
 def _chosen_devices(trace: Any, args: argparse.Namespace) -> list[int]:
@@ -193,13 +281,18 @@ def _parser() -> _Parser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing report named with --html")
 
-    p = sub.add_parser("replay", help="replay a trace through gpudash's BFC allocator",
+    p = sub.add_parser("replay", help="replay a trace through its framework's allocator model",
                        description="Replay an allocation trace (gpudash, TensorFlow log, "
-                       "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device.")
+                       "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device, through "
+                       "TensorFlow's BFC allocator or PyTorch's caching allocator (a PyTorch "
+                       "snapshot with its own settings: exactly, every segment and address "
+                       "checked).")
     p.add_argument("trace", type=Path, metavar="TRACE")
     _add_format(p)
-    _add_settings(p)
+    _add_settings(p, torch=True)
     _add_device_choice(p)
+    _add_framework(p, "replay through this framework's allocator (default: the trace's own: "
+                      "PyTorch's caching allocator for a PyTorch snapshot, else BFC)")
     p.add_argument("--deferred", type=_bytes_arg, default=None, metavar="BYTES",
                    help="deferred_deletion_bytes, as TensorFlow reads it (0 = 8 MiB). "
                         "Default: none, frees apply at once, as the trace records them")
@@ -207,18 +300,25 @@ def _parser() -> _Parser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
     p = sub.add_parser("whatif", help="the smallest fraction a trace needs, and a sweep",
-                       description="Find the smallest per_process_gpu_memory_fraction at which "
-                       "the trace replays without running out of memory, and sweep settings.")
+                       description="Find the smallest memory fraction at which the trace "
+                       "replays without running out of memory (TensorFlow's "
+                       "per_process_gpu_memory_fraction, JAX's XLA_PYTHON_CLIENT_MEM_FRACTION, "
+                       "PyTorch's set_per_process_memory_fraction), and sweep settings "
+                       "(allow_growth; for PyTorch expandable_segments).")
     p.add_argument("trace", type=Path, metavar="TRACE")
     _add_format(p)
-    _add_settings(p, fraction=False)
+    _add_settings(p, fraction=False, torch=True)
     _add_device_choice(p)
     p.add_argument("--fractions", type=_fractions_arg, default=None, metavar="F,F,...",
                    help="fractions to sweep (default 0.1..1.0)")
-    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
-                   help="also print the answer as the lines to paste for this framework "
-                        "(it must restart to take them); jax: replay with garbage "
-                        "collection off, as XLA runs its BFC")
+    p.add_argument("--vary", type=_vary_arg, action="append", default=None,
+                   metavar="KNOB=V,V,...",
+                   help="PyTorch: also sweep one of its knobs, e.g. "
+                        "max_split_size_mb=none,128,512 or garbage_collection_threshold=none,0.8 "
+                        "(none: the trace's own setting); repeat for more")
+    _add_framework(p, "answer in this framework's allocator and settings, and print the "
+                      "lines to paste (default: the trace's own; lines for a PyTorch trace; "
+                      "jax: replay with garbage collection off, as XLA runs its BFC)")
     p.add_argument("--jobs", type=_int_arg(1, MAX_JOBS), default=min(2, os.cpu_count() or 1),
                    help=f"processes for the sweep, 1..{MAX_JOBS} (default: up to 2)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -242,11 +342,17 @@ def _parser() -> _Parser:
                    help="device size, e.g. 16GiB: also give the smallest limit as a memory "
                         "fraction (TensorFlow's per_process_gpu_memory_fraction, JAX's "
                         "XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    p.add_argument("--framework", choices=("tensorflow", "jax"), default=None,
+    p.add_argument("--framework", choices=("tensorflow", "jax", "torch"), default=None,
                    help="who printed the dump, for the setting to answer in (default: read "
-                        "from the log; a protobuf is TensorFlow's)")
+                        "from the file; a protobuf is TensorFlow's; PyTorch's message or "
+                        "snapshot is PyTorch's)")
     p.add_argument("--allocator", default=None, metavar="NAME",
-                   help="the dump of this allocator (e.g. GPU_1_bfc)")
+                   help="the dump of this allocator (e.g. GPU_1_bfc; for PyTorch cuda:1)")
+    p.add_argument("--conf", default=None, metavar="TEXT",
+                   help="PyTorch: the job's PYTORCH_CUDA_ALLOC_CONF (default: the snapshot's "
+                        "allocator_settings)")
+    p.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help="PyTorch: whose allocator rules to follow")
     p.add_argument("--dump", type=_int_arg(-MAX_DUMP, MAX_DUMP), default=None, metavar="N",
                    help="the N-th dump of the log (1 = the first; -1 = the last)")
     p.add_argument("--request", type=_bytes_arg, default=None, metavar="SIZE",
@@ -432,22 +538,36 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if len(devices) > 1:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
              "(--device-index N or --allocator NAME for one)")
+    model = _model_of(args, trace)
+    torch = model.name == "torch"
     deferred = _deferred_bytes(args.deferred)
     for dev in devices:
-        kwargs: dict[str, Any] = {"device_bytes": args.device,
-                                  "allow_growth": _growth(args.growth, index, dev),
-                                  "garbage_collection": args.gc,
-                                  "deferred_deletion_bytes": deferred}
+        kwargs = _model_kwargs(args, model, index, dev)
+        if not torch:
+            kwargs["deferred_deletion_bytes"] = deferred
         if args.fraction is not None:
             kwargs["fraction"] = args.fraction
-        result = index.replay(dev, progress=True, record=False, **kwargs)
-        from_log = args.fraction is None and index.source_limit(dev) is not None
+        try:
+            result = index.replay(dev, progress=True, record=False, **kwargs)
+        except ConfigError as exc:
+            raise _UserError(str(exc)) from None
         label = f" {index.label(dev)}:" if len(devices) > 1 or dev else ""
-        _say(f"{args.trace}:{label} {result.calls} calls replayed on a "
-             f"{format_bytes(result.options['device_bytes'])} device, limit "
-             f"{format_bytes(result.memory_limit)}{' (from the log)' if from_log else ''}, "
-             f"allow_growth={result.options['allow_growth']}"
-             + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
+        device_text = format_bytes(result.options["device_bytes"])
+        if torch:
+            _say(f"{args.trace}:{label} {result.calls} calls replayed through {model.title} "
+                 f"on a {device_text} device, limit {format_bytes(result.memory_limit)}: "
+                 f"{_torch_settings_text(result.options)}")
+            if result.fidelity is not None:
+                _say(f"exact: {result.fidelity.summary()}")
+        else:
+            from_log = args.fraction is None and index.source_limit(dev) is not None
+            _say(f"{args.trace}:{label} {result.calls} calls replayed on a {device_text} "
+                 f"device, limit {format_bytes(result.memory_limit)}"
+                 f"{' (from the log)' if from_log else ''}, "
+                 f"allow_growth={result.options['allow_growth']}"
+                 + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
+        for note in result.assumed:
+            _say(f"assumed: {note}")
         for warning in result.warnings:
             _say(f"warning: {warning}")
         if result.fits and result.warnings:
@@ -460,22 +580,30 @@ def cmd_replay(args: argparse.Namespace) -> int:
             idx, nbytes = result.first_oom
             _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call "
                  f"{idx} ({format_bytes(nbytes)})")
-        _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
-             f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), worst "
-             f"fragmentation {result.worst_fragmentation:.1%}, "
-             f"{result.events_per_second:,.0f} events/s")
+        if torch:
+            _say(f"peak allocated {format_bytes(result.peak_bytes_in_use)}, peak reserved "
+                 f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} segment(s) "
+                 f"from cudaMalloc, worst fragmentation {result.worst_fragmentation:.1%}, "
+                 f"{result.events_per_second:,.0f} events/s")
+        else:
+            _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
+                 f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), "
+                 f"worst fragmentation {result.worst_fragmentation:.1%}, "
+                 f"{result.events_per_second:,.0f} events/s")
     if args.html is not None:
         from .report import write_report
 
-        opts = {"allow_growth": _growth(args.growth, index, devices[0]),
-                "fraction": args.fraction,
-                "garbage_collection": args.gc, "deferred_deletion_bytes": deferred,
-                "device": devices[0]}
-        if args.fraction is None and index.source_limit(devices[0]) is not None:
-            opts["memory_limit"] = index.source_limit(devices[0])
+        opts = _model_kwargs(args, model, index, devices[0])
+        opts.update(fraction=args.fraction, device=devices[0])
+        device_bytes = opts.pop("device_bytes", None)
+        if not torch:
+            opts["deferred_deletion_bytes"] = deferred
+            if args.fraction is None and index.source_limit(devices[0]) is not None:
+                opts["memory_limit"] = index.source_limit(devices[0])
+                device_bytes = max(device_bytes or 0, opts["memory_limit"])
         write_report(trace, args.html, title=f"gpudash replay: {args.trace.name}",
-                     device_bytes=max(args.device, opts.get("memory_limit") or 0),
-                     overwrite=args.overwrite, replay_options=opts)
+                     device_bytes=device_bytes, overwrite=args.overwrite,
+                     replay_options=opts)
         _say(f"report: {args.html}" + (f" ({index.label(devices[0])})"
                                        if len(devices) > 1 else ""))
     return EXIT_OOM if out_of_memory else EXIT_OK
@@ -531,47 +659,81 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
     devices = _chosen_devices(trace, args)
     _refuse_empty(trace, args, devices, "replay")
     index = DeviceIndex(trace)
+    model = _model_of(args, trace)
+    torch = model.name == "torch"
+    framework = args.framework or ("torch" if torch else None)
     if len(devices) > 1:
-        _say(f"{args.trace}: {len(devices)} devices, each on its own "
-             f"{format_bytes(args.device)} device (--device-index N or --allocator NAME for "
-             "one)")
+        each = f"{format_bytes(args.device)} device" if args.device else "device"
+        _say(f"{args.trace}: {len(devices)} devices, each on its own {each} (--device-index N "
+             "or --allocator NAME for one)")
     first = None
     for dev in devices:
         label = f" {index.label(dev)}:" if len(devices) > 1 or dev else ""
-        growth = _growth(args.growth, index, dev)
-        best = min_fraction(trace, args.device, allow_growth=growth,
-                            garbage_collection=args.gc, device=dev, progress=True,
-                            client=client)
+        kwargs = _model_kwargs(args, model, index, dev)
+        device_bytes = kwargs.pop("device_bytes", None)
+        try:
+            best = min_fraction(trace, device_bytes, device=dev, progress=True, client=client,
+                                **kwargs)
+        except ConfigError as exc:
+            raise _UserError(str(exc)) from None
+        total = best.device_bytes
+        for note in best.assumed:
+            _say(f"assumed: {note}")
         for warning in best.warnings:
             _say(f"warning: {warning}")
+        setting = model.fraction_setting
         if best.fraction is None:
-            _say(f"{args.trace}:{label} does not fit on a {format_bytes(args.device)} device "
+            _say(f"{args.trace}:{label} does not fit on a {format_bytes(total)} device "
                  "even at fraction 1.0")
         else:
-            step = format_bytes(int(args.device * best.tolerance))
+            step = format_bytes(int(total * best.tolerance))
             held = " the calls the trace holds" if best.warnings else ""
-            _say(f"{args.trace}:{label} smallest fraction that fits{held}: "
-                 f"{best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
-                 f"{format_bytes(args.device)}; bisected to within {best.tolerance:g}, "
-                 f"{step}), allow_growth={growth}, {best.replays} replays"
+            what = (_torch_settings_text(best.settings, fraction=False) if torch
+                    else f"allow_growth={kwargs['allow_growth']}")
+            _say(f"{args.trace}:{label} smallest {'fraction' if not torch else setting} that "
+                 f"fits{held}: {best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
+                 f"{format_bytes(total)}; bisected to within {best.tolerance:g}, "
+                 f"{step}), {what}, {best.replays} replays"
                  + (": a lower bound for the job (see the warning)" if best.warnings else ""))
-            note = from_dump_note(trace, dev)
-            if note is not None and not best.warnings:
-                _say(f"note: {note}")
-            if args.framework is not None and best.warnings:
-                _say("no lines to paste: the trace is less than the job (see the warning), "
-                     "and a setting from it would be too small")
-            elif args.framework is not None:
-                _say_paste_lines(args.framework, best.limit_bytes, args.device, growth)
-        kwargs: dict = {"device_bytes": args.device, "progress": True,
-                        "garbage_collection": args.gc, "device": dev}
+        # PyTorch: the same question with expandable segments flipped
+        flipped = _say_expandable(trace, args, best, dev, kwargs, client, label) \
+            if torch else None
+        note = from_dump_note(trace, dev)
+        if note is not None and not best.warnings and best.fraction is not None:
+            _say(f"note: {note}")
+        answers = [r for r in (best, flipped) if r is not None and r.fraction is not None]
+        if framework is not None and best.warnings and answers:
+            _say("no lines to paste: the trace is less than the job (see the warning), "
+                 "and a setting from it would be too small")
+        elif torch and answers:
+            _say("")
+            _say("PyTorch: paste these (the environment variable before PyTorch starts; "
+                 "the fraction any time):")
+            first_answer = answers[0]
+            for line in first_answer.paste_lines("torch"):
+                _say(f"  {line}")
+            if len(answers) == 2 and (flipped.limit_bytes or 0) < (best.limit_bytes or 0):
+                saved = format_bytes(best.limit_bytes - flipped.limit_bytes)
+                _say(f"  or, {saved} less, with expandable segments:")
+                for line in flipped.paste_lines("torch"):
+                    _say(f"    {line}")
+        elif framework is not None and best.fraction is not None:
+            _say_paste_lines(framework, best.limit_bytes, total, kwargs["allow_growth"])
+        kwargs = {"device_bytes": total, "progress": True, "device": dev,
+                  **{k: v for k, v in _model_kwargs(args, model, index, dev).items()
+                     if k in ("allocator", "conf", "torch_version", "garbage_collection")}}
         if client is None:
             kwargs["jobs"] = args.jobs
         else:
             kwargs["client"] = client
         if args.fractions:
             kwargs["fractions"] = args.fractions
-        table = sweep(trace, **kwargs)
+        if args.vary:
+            kwargs["vary"] = dict(args.vary)
+        try:
+            table = sweep(trace, **kwargs)
+        except ConfigError as exc:
+            raise _UserError(str(exc)) from None
         _say("")
         _say(table.to_text(warnings=False))
         if first is None:
@@ -580,11 +742,12 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         from .report import write_report
 
         dev, best, table = first
+        opts = _model_kwargs(args, model, index, dev)
+        opts.pop("device_bytes", None)
+        opts.update(fraction=best.fraction, device=dev)
         write_report(trace, args.html, title=f"gpudash what-if: {args.trace.name}",
-                     device_bytes=args.device, overwrite=args.overwrite, sweep_table=table,
-                     replay_options={"allow_growth": _growth(args.growth, index, dev),
-                                     "fraction": best.fraction,
-                                     "garbage_collection": args.gc, "device": dev})
+                     device_bytes=best.device_bytes, overwrite=args.overwrite,
+                     sweep_table=table, replay_options=opts)
         _say(f"report: {args.html}" + (f" ({index.label(dev)})"
                                        if len(devices) > 1 else ""))
     return 0
@@ -602,12 +765,48 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise _UserError("--dump counts from 1 (or -1 for the last)")
         index = args.dump - 1 if args.dump > 0 else args.dump
     result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
-                     request=args.request, limit=args.limit, framework=args.framework)
+                     request=args.request, limit=args.limit, framework=args.framework,
+                     conf=args.conf, torch_version=args.torch_version)
     _say(str(result))
     if args.html is not None:
         result.write_html(args.html, overwrite=args.overwrite)
         _say(f"report: {args.html}")
     return 0
+
+
+def _torch_settings_text(options: dict, fraction: bool = True) -> str:
+    """A PyTorch replay's settings in PyTorch's words."""
+    conf = options.get("conf") or ""
+    parts = [f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset"]
+    if fraction:
+        frac = options.get("fraction")
+        parts.append("no set_per_process_memory_fraction" if frac is None
+                     else f"set_per_process_memory_fraction({frac:g})")
+    if options.get("torch_version"):
+        parts.append(f"PyTorch {options['torch_version']} rules")
+    return ", ".join(parts)
+
+
+def _say_expandable(trace: Any, args: argparse.Namespace, best: Any, dev: int, kwargs: dict,
+                    client: Any, label: str) -> Any:
+    """PyTorch's what-if: the same question with expandable segments flipped."""
+    from .trace.whatif import min_fraction
+
+    conf = (best.settings.get("conf") or "")
+    on = "expandable_segments:True" in conf
+    flipped = min_fraction(trace, best.device_bytes, device=dev, client=client,
+                           **dict(kwargs, expandable_segments=not on))
+    name = f"expandable_segments:{not on}"
+    if flipped.fraction is None:
+        _say(f"{args.trace}:{label} with {name}: does not fit even at fraction 1.0")
+        return flipped
+    saved = (best.limit_bytes or 0) - (flipped.limit_bytes or 0)
+    how = ("where the other setting does not fit at all" if best.fraction is None else
+           f"{format_bytes(saved)} less" if saved > 0 else
+           f"{format_bytes(-saved)} more" if saved < 0 else "the same")
+    _say(f"{args.trace}:{label} with {name}: {flipped.fraction:.3f} "
+         f"({format_bytes(flipped.limit_bytes)}, {how})")
+    return flipped
 
 
 def _say_paste_lines(framework: str, limit: int, device: int, growth: bool) -> None:

@@ -3,6 +3,12 @@
 - ``%gpudash [--fraction F] [--growth/--no-growth] [--simulate SIZE] [--device N]``: create
   (or reuse) the default session and show its dashboard. Without a GPU the session runs on a
   simulated device, and says so once.
+- ``%gpudash --allocator torch [--conf PYTORCH_CUDA_ALLOC_CONF] [--fraction F]``: the same
+  with PyTorch's caching allocator (:class:`gpudash.session.TorchSession`: the settings
+  from ``--conf``, else ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``); its dashboard
+  shows segments and pools and has PyTorch's controls. ``--allocator bfc`` is TensorFlow's.
+  When the default session runs the other allocator, a new one replaces it as the default
+  (the old one stays open, and a line says so).
 - ``%gpudash --watch torch|jax|tensorflow [--device NAME]``: watch that framework's own
   allocator, read-only (:func:`gpudash.watch`; ``--device CPU:0`` watches TensorFlow's CPU
   allocator), in the dashboard.
@@ -13,8 +19,14 @@
   ``GPU:1``). Every value is checked first and all bad ones are reported together; nothing
   changes unless all are good. Without arguments it shows the settings in force. A JAX
   session (``Session.from_env("jax")``) also takes, and shows, JAX's names:
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_PYTHON_CLIENT_PREALLOCATE=false``.
-- ``%%gpudash_track``: run the cell under recording and show a compact summary.
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_PYTHON_CLIENT_PREALLOCATE=false``. A PyTorch
+  session takes PyTorch's: ``fraction``, ``expandable_segments``, ``max_split_size_mb``
+  (``none`` to unset), ``garbage_collection_threshold``, ``roundup_power2_divisions`` and
+  ``PYTORCH_CUDA_ALLOC_CONF=...`` (or ``conf=``: ``_set_allocator_settings`` itself);
+  TensorFlow's ``allow_growth`` and ``deferred_deletion_bytes`` are refused, saying what
+  PyTorch has instead.
+- ``%%gpudash_track``: run the cell under recording and show a compact summary (either
+  allocator; for PyTorch's, in its words: allocated, reserved).
 - ``%gpudash_cells on|off``: a one-line memory summary after every cell.
 """
 
@@ -29,46 +41,20 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ._errors import GpudashError
-from ._units import format_bytes, parse_bytes
+from ._units import format_bytes
+from .models import _FALSE, _TRUE
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-_KEYS = {
-    "per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
-    "fraction": "per_process_gpu_memory_fraction",
-    "allow_growth": "allow_growth",
-    "growth": "allow_growth",
-    "deferred_deletion_bytes": "deferred_deletion_bytes",
-    "deferred": "deferred_deletion_bytes",
-    "device": "device",
-}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _parse_value(key: str, text: str) -> Any:
-    if key == "allow_growth":
-        low = text.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise UsageError(f"allow_growth must be true or false; got {text!r}")
-    if key == "per_process_gpu_memory_fraction":
-        try:
-            return float(text)
-        except ValueError:
-            raise UsageError(
-                f"per_process_gpu_memory_fraction must be a number >= 0; got {text!r}") from None
-    if key == "deferred_deletion_bytes":
-        try:
-            return parse_bytes(text, name="deferred_deletion_bytes")
-        except GpudashError as exc:
-            raise UsageError(str(exc)) from None
+def _parse(parser: argparse.ArgumentParser, line: str, usage: str) -> argparse.Namespace:
+    """A magic's arguments; a UsageError naming the magic (and its usage for unknown ones)."""
     try:
-        return int(text)
-    except ValueError:
-        return text
+        args, extra = parser.parse_known_args(shlex.split(line))
+    except (argparse.ArgumentError, ValueError) as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+    if extra:
+        raise UsageError(f"{parser.prog}: unknown arguments {extra}; usage: {usage}")
+    return args
 
 
 def _device_arg(text: str) -> Any:
@@ -79,12 +65,15 @@ def _device_arg(text: str) -> Any:
         return text
 
 
-def _cells_line(before: Any, after: Any, seconds: float) -> str:
+def _cells_line(before: Any, after: Any, seconds: float, words: dict | None = None) -> str:
+    """One cell's memory line, in the allocator model's words (PyTorch: allocated,
+    reserved)."""
+    w = words or {"in_use": "in use", "pool": "pool"}
     delta = after.bytes_in_use - before.bytes_in_use
     sign = "+" if delta >= 0 else "-"
-    return (f"gpudash: in use {sign}{format_bytes(abs(delta))} -> "
+    return (f"gpudash: {w['in_use']} {sign}{format_bytes(abs(delta))} -> "
             f"{format_bytes(after.bytes_in_use)}, peak {format_bytes(after.peak_bytes_in_use)}, "
-            f"pool {format_bytes(after.pool_bytes)}, "
+            f"{w['pool']} {format_bytes(after.pool_bytes)}, "
             f"{after.num_allocs - before.num_allocs} allocation(s), {seconds:.2f} s")
 
 
@@ -102,37 +91,63 @@ class GpudashMagics(Magics):
 
     # ------------------------------------------------------------------ session
     def _get_session(self, simulate: Any = None, fraction: float | None = None,
-                     growth: bool | None = None) -> Any:
+                     growth: bool | None = None, allocator: str | None = None,
+                     conf: str | None = None) -> Any:
+        from .models import model_for
         from .options import ConfigProto
         from .session import Session, default_session, set_default_session
 
+        want = None if allocator is None else model_for(allocator)
         if self.session is None or self.session.closed:
             self.session = default_session(create=False)
-        if self.session is not None and not self.session.closed:
-            changes = {}
+        if self.session is not None and not self.session.closed and (
+                want is None or self.session.model is want):
+            changes: dict[str, Any] = {}
             if fraction is not None:
                 changes["per_process_gpu_memory_fraction"] = fraction
             if growth is not None:
                 changes["allow_growth"] = growth
+            if conf is not None:
+                if "conf" not in self.session.model.setting_names:
+                    raise GpudashError("--conf is PYTORCH_CUDA_ALLOC_CONF: it goes with a "
+                                       "PyTorch session (--allocator torch)")
+                changes["conf"] = conf
             if changes:
                 self.session.configure(**changes)
             return self.session
-        config = ConfigProto(allow_soft_placement=True)
-        if fraction is not None:
-            config.gpu_options.per_process_gpu_memory_fraction = fraction
-        if growth is not None:
-            config.gpu_options.allow_growth = growth
-        self.session = Session(config, simulate=simulate)
-        set_default_session(self.session)
-        if not self.session.simulated:
-            self.session.install()
-        return self.session
+        if want is not None and want.name == "torch":
+            # PyTorch's caching allocator: PYTORCH_CUDA_ALLOC_CONF (or --conf) and the
+            # fraction; TensorFlow's growth is refused by name
+            if growth is not None:
+                want.check_setting("allow_growth", growth)  # refused, saying why
+            sess = Session(conf, simulate=simulate, allocator="torch", fraction=fraction)
+        else:
+            if conf is not None:
+                raise GpudashError("--conf is PYTORCH_CUDA_ALLOC_CONF: it goes with "
+                                   "--allocator torch")
+            config = ConfigProto(allow_soft_placement=True)
+            if fraction is not None:
+                config.gpu_options.per_process_gpu_memory_fraction = fraction
+            if growth is not None:
+                config.gpu_options.allow_growth = growth
+            sess = Session(config, simulate=simulate)
+        replaced = self.session
+        self.session = sess
+        set_default_session(sess)
+        if replaced is not None and not replaced.closed:
+            print(f"gpudash: a new session with {sess.model.title}; the one with "
+                  f"{replaced.model.title} stays open (gpudash.default_session() is the new "
+                  "one)")
+        if not sess.simulated and sess.model.name == "bfc":
+            sess.install()  # CuPy's allocations through the session (TensorFlow's only)
+        return sess
 
     @line_magic
     def gpudash(self, line: str = "") -> Any:
         """Create or reuse the default session and show its dashboard.
 
-        ``%gpudash [--fraction F] [--growth | --no-growth] [--simulate SIZE] [--device N]``
+        ``%gpudash [--allocator bfc|torch] [--conf PYTORCH_CUDA_ALLOC_CONF] [--fraction F]
+        [--growth | --no-growth] [--simulate SIZE] [--device N]``
         """
         parser = argparse.ArgumentParser(prog="%gpudash", add_help=False, exit_on_error=False)
         parser.add_argument("--fraction", type=float, default=None)
@@ -140,15 +155,16 @@ class GpudashMagics(Magics):
         parser.add_argument("--simulate", default=None)
         parser.add_argument("--device", default=None)
         parser.add_argument("--watch", default=None, metavar="FRAMEWORK")
-        try:
-            args, extra = parser.parse_known_args(shlex.split(line))
-        except (argparse.ArgumentError, ValueError) as exc:
-            raise UsageError(f"%gpudash: {exc}") from None
-        if extra:
-            raise UsageError(f"%gpudash: unknown arguments {extra}; usage: %gpudash "
-                             "[--fraction F] [--growth|--no-growth] [--simulate SIZE] [--device N]"
-                             " | %gpudash --watch torch|jax|tensorflow [--device NAME]")
+        parser.add_argument("--allocator", default=None)
+        parser.add_argument("--conf", default=None)
+        args = _parse(parser, line, "%gpudash [--allocator bfc|torch] [--conf "
+                                    "PYTORCH_CUDA_ALLOC_CONF] [--fraction F] [--growth|"
+                                    "--no-growth] [--simulate SIZE] [--device N] | %gpudash "
+                                    "--watch torch|jax|tensorflow [--device NAME]")
         if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
+            if args.allocator is not None or args.conf is not None:
+                raise UsageError("%gpudash: --watch reads a framework's own allocator; "
+                                 "--allocator and --conf are for gpudash's session")
             from .monitors import watch
 
             if self.monitor is not None:
@@ -167,7 +183,8 @@ class GpudashMagics(Magics):
         existing = self.session if self.session is not None and not self.session.closed \
             else None
         try:
-            sess = self._get_session(args.simulate, args.fraction, args.growth)
+            sess = self._get_session(args.simulate, args.fraction, args.growth,
+                                     args.allocator, args.conf)
         except (GpudashError, ValueError, OverflowError) as exc:
             raise UsageError(f"%gpudash: {exc}") from None
         try:
@@ -213,6 +230,7 @@ class GpudashMagics(Magics):
         except ValueError as exc:  # unbalanced quotes
             raise UsageError(f"%gpudash_config: {exc}: {line!r}") from None
         framework = getattr(self.session, "framework", "tensorflow")
+        model = self.session.model  # its settings' names and checks (gpudash.models)
         if not items:
             for dev in self.session.devices:
                 print(self._settings_line(dev, framework))
@@ -225,17 +243,17 @@ class GpudashMagics(Magics):
             if sep and framework == "jax" and key.startswith(("XLA_", "TF_")):
                 named[key] = value
                 continue
-            if not sep or key not in _KEYS:
+            if not sep or (key not in model.setting_names and key != "device"):
                 problems.append(f"{item!r} is not key=value with a key among "
-                                f"{', '.join(sorted(set(_KEYS)))}")
+                                f"{', '.join(sorted({*model.setting_names, 'device'}))}")
                 continue
-            name = _KEYS[key]
             try:
-                if name == "device":
+                if key == "device":
                     changes["device"] = self.session.device(_device_arg(value)).index
                 else:
-                    changes[name] = _parse_value(name, value)
-            except (UsageError, GpudashError, ValueError, IndexError, OverflowError) as exc:
+                    name = model.setting_names[key]
+                    changes[name] = model.parse_setting(name, value)
+            except (GpudashError, ValueError, IndexError, OverflowError) as exc:
                 problems.append(str(exc))
         if named:
             try:
@@ -245,14 +263,12 @@ class GpudashMagics(Magics):
             except GpudashError as exc:
                 problems.append(str(exc))
         if not problems:
-            # the values against the options (ranges), all before anything changes
-            from .options import GPUOptions
-
+            # the values against the model's own checks (ranges), all before anything changes
             for k, v in changes.items():
                 if k == "device":
                     continue
                 try:
-                    GPUOptions().copy(**{k: v})
+                    model.check_setting(k, v)
                 except GpudashError as exc:
                     problems.append(str(exc))
         if problems:
@@ -277,17 +293,22 @@ class GpudashMagics(Magics):
             return f"gpudash ({framework}): {dev.name} " + framework_settings_text(
                 framework, dev.options.per_process_gpu_memory_fraction,
                 dev.allocator.allow_growth, dev.memory_limit)
-        fraction = dev.options.per_process_gpu_memory_fraction
-        return (f"gpudash: {dev.name} fraction={fraction:g}{' (auto)' if not fraction else ''}"
-                f", limit {format_bytes(dev.memory_limit)}, "
-                f"allow_growth={dev.allocator.allow_growth}, "
-                f"deferred_deletion_bytes={format_bytes(dev._deferred.threshold)}")
+        prefix = "gpudash: " if framework == "tensorflow" else f"gpudash ({framework}): "
+        return prefix + dev.settings_text()
 
     @cell_magic
     def gpudash_track(self, line: str, cell: str) -> Any:
-        """Run the cell under recording and show a compact memory summary."""
+        """Run the cell under recording and show a compact memory summary.
+
+        ``%%gpudash_track [--report PATH]``: also write the HTML report of the cell's
+        recording (:func:`gpudash.report.write_report`, replayed through the session's own
+        allocator model and settings) to ``PATH``, replacing it."""
         from .recorder import Recorder
 
+        parser = argparse.ArgumentParser(prog="%%gpudash_track", add_help=False,
+                                         exit_on_error=False)
+        parser.add_argument("--report", default=None, metavar="PATH")
+        args = _parse(parser, line, "%%gpudash_track [--report PATH]")
         sess = self._get_session()
         before = {d.index: d.stats() for d in sess.devices}
         rec = Recorder(sess)  # the allocator's own stats are left alone
@@ -313,9 +334,24 @@ class GpudashMagics(Magics):
             display(summary.figure())
         except Exception:  # noqa: BLE001 - the text is the summary; the plot is a bonus
             pass
+        if args.report is not None:
+            self._write_report(rec, args.report)
         if error is not None:
             raise error
         return None
+
+    @staticmethod
+    def _write_report(rec: Any, path: str) -> None:
+        """The report of a cell's recording, or why there is none (one line either way)."""
+        from .report import write_report
+
+        try:
+            out = write_report(rec.to_trace(), path, overwrite=True,
+                               title="gpudash report: a tracked cell")
+        except GpudashError as exc:
+            print(f"gpudash_track: no report: {exc}")
+        else:
+            print(f"gpudash_track: report written to {out}")
 
     def _prompt_number(self) -> Any:
         """The prompt number (``In [N]``) of the cell running now.
@@ -365,7 +401,8 @@ class GpudashMagics(Magics):
             return
         before, t0 = self._cell_start
         self._cell_start = None
-        print(_cells_line(before, self.session.devices[0].stats(), time.perf_counter() - t0))
+        print(_cells_line(before, self.session.devices[0].stats(), time.perf_counter() - t0,
+                          self.session.model.words()))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -417,6 +454,7 @@ class TrackSummary:
                 "ooms": int((kind == EventKind.OOM).sum()),
                 "worst_fragmentation": _worst_fragmentation(d, after),
                 "pool": after.pool_bytes,
+                "words": d.model.words(),  # PyTorch: allocated, reserved
                 # what holds memory at the end of the cell, largest first (Session.label)
                 "holders": list(sess.holders(d.index).items())[:5],
             })
@@ -426,12 +464,14 @@ class TrackSummary:
         lines = [f"gpudash_track: {self.seconds:.2f} s"]
         for r in self.rows:
             sign = "+" if r["in_use_change"] >= 0 else "-"
+            w = r.get("words") or {"in_use": "in use", "pool": "pool"}
             lines.append(
-                f"  {r['device']}: in use {sign}{format_bytes(abs(r['in_use_change']))} "
+                f"  {r['device']}: {w['in_use']} {sign}"
+                f"{format_bytes(abs(r['in_use_change']))} "
                 f"(now {format_bytes(r['in_use'])}), peak {format_bytes(r['peak'])}, "
                 f"{r['allocations']} allocation(s), {r['ooms']} out of memory, "
                 f"worst fragmentation {r['worst_fragmentation']:.1%}, "
-                f"pool {format_bytes(r['pool'])}")
+                f"{w['pool']} {format_bytes(r['pool'])}")
             if r.get("holders"):
                 lines.append("    held now by: " + ", ".join(
                     f"{h} {format_bytes(b)} ({n} block(s))" for h, (b, n) in r["holders"]))
@@ -440,22 +480,26 @@ class TrackSummary:
     __repr__ = __str__
 
     def figure(self) -> Any:
-        """A small timeline of bytes in use during the cell, one line per device."""
+        """A small timeline of bytes in use (PyTorch: allocated) during the cell, one line
+        per device."""
         import plotly.graph_objects as go
 
         from . import style
 
         top = max((int(s.max()) for s in self.timeline.values() if len(s)), default=1)
         unit, scale = style.unit_for(top)
+        in_use = ((self.rows[0].get("words") if self.rows else None) or {}).get("in_use",
+                                                                                "in use")
         fig = go.Figure()
         for r, (_, series) in zip(self.rows, self.timeline.items()):
             fig.add_scatter(y=series / scale, mode="lines", name=r["device"],
                             line={"shape": "hv", "color": style.COLORS["in use"]
                                   if len(self.rows) == 1 else None},
-                            hovertemplate=f"event %{{x}}: %{{y:.2f}} {unit} in use"
+                            hovertemplate=f"event %{{x}}: %{{y:.2f}} {unit} {in_use}"
                                           "<extra></extra>")
         fig.update_layout(height=160, margin={"l": 60, "r": 10, "t": 24, "b": 20},
-                          title={"text": "bytes in use during the cell", "font": {"size": 12}},
+                          title={"text": f"bytes {in_use} during the cell",
+                                 "font": {"size": 12}},
                           showlegend=len(self.rows) > 1, font={"family": style.FONT},
                           plot_bgcolor="white")
         fig.update_yaxes(ticksuffix=" " + unit, rangemode="tozero",

@@ -14,8 +14,21 @@ described here, once, by an :class:`AllocatorModel`:
 - the what-if dimensions worth sweeping, and the lines a user pastes to apply an answer.
 
 Replay, what-if, the live session, the views, the report and the command ask the model of
-an allocator or a trace (:func:`model_for`, :func:`trace_model`) instead of testing which one
-it is.
+an allocator or a trace (:func:`model_for`, :func:`trace_model`, :func:`model_of`) instead of
+testing which one it is.
+
+The live layers (the session, the live model, the dashboard and the views) ask a model for:
+
+- its :class:`Control` list: what the controls are, what each sets
+  (:meth:`gpudash.Session.configure`'s keyword) or calls, and how it is drawn;
+- :meth:`AllocatorModel.check_setting` (a value checked before anything changes) and
+  :meth:`AllocatorModel.answer` (what a control did, in the framework's words);
+- :meth:`AllocatorModel.live_settings` (the settings in force on an allocator) and
+  :meth:`AllocatorModel.figures` (its own statistics, under the framework's names);
+- the layout's words (:meth:`AllocatorModel.words`), bins or pools (:meth:`bin_labels`,
+  :meth:`bin_index`), what kind each region is (:meth:`region_kinds`), the stats rows
+  (:meth:`stats_rows`) and the words for a pool above a limit lowered live
+  (:meth:`pending_release`, :meth:`limit_banner`).
 """
 
 from __future__ import annotations
@@ -27,8 +40,119 @@ from typing import Any
 from ._errors import ConfigError
 from ._units import format_bytes
 
-__all__ = ["AllocatorModel", "BFC", "TORCH", "MODELS", "model_for", "trace_model",
+__all__ = ["AllocatorModel", "Control", "BFC", "TORCH", "MODELS", "model_for", "trace_model",
            "model_of"]
+
+
+#: TensorFlow's number of BFC bins (256 B << b, the last one open-ended).
+_NUM_BINS = 21
+#: PyTorch's two pools, as the bins view names them.
+_POOLS = ("small pool (≤ 1 MiB)", "large pool")
+#: The caching-allocator settings a live session changes by name.
+_LIVE_PARTS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+               "roundup_power2_divisions", "max_non_split_rounding_mb")
+#: TensorFlow's settings a PyTorch session refuses, and what PyTorch has instead.
+TF_ONLY = {
+    "allow_growth": (
+        "allow_growth is TensorFlow's setting: PyTorch's caching allocator always grows on "
+        "demand (a segment is cudaMalloc'd when a request needs one); cap it with the fraction "
+        "(per_process_gpu_memory_fraction, torch.cuda.set_per_process_memory_fraction) and "
+        "give cached memory back with empty_cache()"),
+    "deferred_deletion_bytes": (
+        "deferred_deletion_bytes is TensorFlow's setting: PyTorch frees a block at once (the "
+        "stream's order keeps its reuse safe), so there is no queue to tune; empty_cache() "
+        "returns cached segments to the device"),
+}
+#: ``memory_stats()`` keys the live views show.
+_FIGURES = ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+            "reserved_bytes.all.current", "reserved_bytes.all.peak", "segment.all.current",
+            "segment.small_pool.current", "segment.large_pool.current",
+            "allocation.all.current", "inactive_split_bytes.all.current",
+            "requested_bytes.all.current", "num_alloc_retries", "num_ooms",
+            "num_device_alloc", "num_device_free", "num_sync_all_streams")
+_COUNTERS = {"num_alloc_retries": "requests that freed the cache and tried again",
+             "num_ooms": "out-of-memory errors raised",
+             "num_device_alloc": "cudaMalloc calls (and pages mapped)",
+             "num_device_free": "cudaFree calls (and pages unmapped)"}
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _flag_text(setting: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{setting} must be true or false; got {text!r}")
+
+
+def _number_text(setting: str, text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{setting} must be {what}; got {text!r}") from None
+
+
+def _b(n: int) -> tuple[str, str]:
+    """A byte count for a stats row: ``(format_bytes(n), "n B")``."""
+    return format_bytes(int(n)), f"{int(n):,} B"
+
+
+@dataclass(frozen=True)
+class Control:
+    """One live control of an allocator model, as the dashboard and ``ControlsView`` draw it.
+
+    Attributes
+    ----------
+    name : str
+        The control's name on the wire and in the page (``data-ctl``).
+    kind : str
+        ``"fraction"`` (a slider, 0.01-1), ``"toggle"`` (on/off), ``"bytes"`` (a byte count:
+        a number of ``unit`` in the page, a log slider in ``ControlsView``), ``"number"``
+        (a number; an empty field means ``None``) or ``"button"``.
+    label : str
+        What the dashboard shows.
+    setting : str
+        The :meth:`gpudash.Session.configure` keyword it sets ("" for a button).
+    action : str
+        A button's :class:`~gpudash.widgets.LiveModel` method (``release_free_regions``,
+        ``flush_deferred``, ``empty_cache``).
+    tooltip : str
+        What hovering it says.
+    widget_label, icon : str
+        ``ControlsView``'s description (default ``label``) and Font Awesome icon.
+    min, max, step : float or None
+        A number's range and step.
+    unit : int
+        Bytes per unit the page shows (a ``"bytes"`` control: 1 MiB).
+    needs_session : bool
+        It acts on something only a :class:`gpudash.Session` has (deferred frees).
+    empty, empty_value
+        A number's meaning and value when its field is empty (``"unset"``, None).
+    """
+
+    name: str
+    kind: str
+    label: str
+    setting: str = ""
+    action: str = ""
+    tooltip: str = ""
+    widget_label: str = ""
+    icon: str = ""
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    unit: int = 1
+    needs_session: bool = False
+    empty: str = ""
+    empty_value: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, for the page."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 @dataclass(frozen=True)
@@ -56,6 +180,21 @@ class AllocatorModel:
         fractions by default, with their values.
     fraction_setting : str
         The framework's name for the fraction of the device a process may take.
+    chunk : str
+        What one piece of a region is called ("chunk" / "block").
+    bin : str
+        What the bins view groups free pieces by ("bin" / "pool").
+    controls : tuple of Control
+        The live controls, in the order they are drawn.
+    deferred_frees : bool
+        Whether a session's frees wait for the device (TensorFlow's deferred deletion) or
+        reach the allocator at once (PyTorch).
+    setting_names : dict
+        The names ``%gpudash_config key=value`` takes, each to the
+        :meth:`gpudash.Session.configure` keyword it sets.
+    whatif_toggles : tuple of str
+        The on/off settings the what-if view offers beside its fraction slider (replay
+        settings by name).
     """
 
     name: str
@@ -68,6 +207,12 @@ class AllocatorModel:
     in_use: str = "in use"
     grid: dict = field(default_factory=dict)
     fraction_setting: str = ""
+    chunk: str = "chunk"
+    bin: str = "bin"
+    controls: tuple = ()
+    deferred_frees: bool = True
+    setting_names: dict = field(default_factory=dict)
+    whatif_toggles: tuple = ()
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"
@@ -91,6 +236,83 @@ class AllocatorModel:
                     device_bytes: int) -> list[str]:  # pragma: no cover - abstract
         """The lines a user pastes to run at ``fraction`` with ``settings``."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ the live layers
+    def control(self, name: str) -> Control | None:
+        """The :class:`Control` called ``name``, or None."""
+        return next((c for c in self.controls if c.name == name), None)
+
+    def words(self) -> dict[str, str]:
+        """What the views call things: ``in_use``, ``pool``, ``region``, ``regions``,
+        ``chunk``, ``bin``, ``peak``, ``unset_fraction`` (the fraction's readout when
+        unset), ``title``, ``map``, ``bins`` and ``bins_axis`` (the layout views' titles)."""
+        return {"in_use": self.in_use, "pool": self.pool, "region": self.region,
+                "regions": self.regions, "chunk": self.chunk, "bin": self.bin,
+                "peak": "peak", "unset_fraction": "auto", "title": self.title,
+                "map": "chunk map", "bins": "bins", "bins_axis": "bin (chunk size)"}
+
+    def bin_labels(self) -> list[str]:  # pragma: no cover - abstract
+        """The labels of the bins view's bars (TensorFlow's 21 bins, PyTorch's 2 pools)."""
+        raise NotImplementedError
+
+    def bin_index(self, table: dict) -> Any:  # pragma: no cover - abstract
+        """The bar of the bins view each chunk of a chunk table counts in (an int array)."""
+        raise NotImplementedError
+
+    def region_kinds(self, table: dict) -> list[str] | None:
+        """Words for each region of a chunk table (PyTorch: its pool, expandable or
+        not); None when regions have no kinds."""
+        return None
+
+    def live_settings(self, allocator: Any) -> dict[str, Any]:  # pragma: no cover
+        """The settings in force on a live allocator, by their :class:`Control` settings
+        (plus ``limit``)."""
+        raise NotImplementedError
+
+    def check_setting(self, setting: str, value: Any) -> None:  # pragma: no cover
+        """Refuse a value (:class:`~gpudash.ConfigError`, naming it) before anything
+        changes."""
+        raise NotImplementedError
+
+    def answer(self, name: str, value: Any, result: Any,
+               settings: dict) -> dict[str, str]:  # pragma: no cover - abstract
+        """What a control did, in words: ``{"text": ..., "warning": ...}`` (warning
+        optional). ``result`` is what its action returned (bytes released for a button),
+        ``settings`` the device's settings afterwards (``LiveModel.answer_facts``: the
+        settings, ``pending``/``held``, ``regions`` as the map draws them, the figures)."""
+        raise NotImplementedError
+
+    def parse_setting(self, setting: str, text: str) -> Any:  # pragma: no cover - abstract
+        """The value of ``setting`` (a :meth:`gpudash.Session.configure` keyword) written as
+        text (``%gpudash_config``); a :class:`~gpudash.ConfigError` naming it otherwise."""
+        raise NotImplementedError
+
+    def fraction_line(self, fraction: float, settings: dict) -> str:
+        """The line that sets ``fraction`` in the framework, where one call does it ("" for
+        TensorFlow, whose fraction is a ``ConfigProto`` field read at start)."""
+        return ""
+
+    def figures(self, allocator: Any) -> dict[str, Any]:
+        """The allocator's own statistics the views show beside gpudash's neutral ones,
+        under the framework's names (none for the BFC: its stats are TensorFlow's)."""
+        return {}
+
+    def stats_rows(self, state: Any) -> list[tuple[str, str, str]]:  # pragma: no cover
+        """``(label, value, exact)`` rows of a live device state for the stats table."""
+        raise NotImplementedError
+
+    def headline(self, state: Any) -> list[list[str]]:
+        """Extra ``[label, value]`` items of the dashboard's headline (none for the BFC)."""
+        return []
+
+    def pending_release(self, allocator: Any) -> tuple[int, int]:
+        """``(bytes, regions)`` the pool is above a limit lowered live, held by regions
+        that still hold memory in use."""
+        return allocator.pending_release()
+
+    def limit_banner(self, pool: int, limit: int, pending: int, held: int) -> str:
+        """The words for a pool above a limit lowered live ("" when it is not)."""
+        return ""
 
 
 @dataclass(frozen=True, repr=False)
@@ -124,6 +346,109 @@ class _BFCModel(AllocatorModel):
 
         growth = bool(settings.get("allow_growth"))
         return restart_lines(framework, fraction, growth, total=device_bytes)[:-1]
+
+    # ------------------------------------------------------------------ the live layers
+    def bin_labels(self) -> list[str]:
+        """TensorFlow's 21 bins: ``256B``, ``512B``, ``1KiB`` ... ``256MiB+``."""
+        out = []
+        for b in range(_NUM_BINS):
+            n = 256 << b
+            for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+                if n >= 1 << shift:
+                    label = f"{n >> shift}{unit}"
+                    break
+            else:
+                label = f"{n}B"
+            out.append(label + ("+" if b == _NUM_BINS - 1 else ""))
+        return out
+
+    def bin_index(self, table: dict) -> Any:
+        """TensorFlow's ``BinNumForSize`` of each chunk's size."""
+        import numpy as np
+
+        from ._eventsource import _bins_of
+
+        return _bins_of(np.asarray(table["size"], dtype=np.int64)).astype(np.intp)
+
+    def live_settings(self, allocator: Any) -> dict[str, Any]:
+        return {"limit": allocator.memory_limit, "allow_growth": allocator.allow_growth}
+
+    def check_setting(self, setting: str, value: Any) -> None:
+        """A session's own checks (:class:`~gpudash.GPUOptions`), no coercion."""
+        from .options import GPUOptions
+
+        GPUOptions().copy(**{setting: value})
+
+    def parse_setting(self, setting: str, text: str) -> Any:
+        """``allow_growth``: true/false (1/0, yes/no, on/off); the fraction: a number;
+        ``deferred_deletion_bytes``: a size (``16MiB``)."""
+        from ._units import parse_bytes
+
+        if setting == "allow_growth":
+            return _flag_text(setting, text)
+        if setting == "per_process_gpu_memory_fraction":
+            return _number_text(setting, text, "a number >= 0")
+        if setting == "deferred_deletion_bytes":
+            return parse_bytes(text, name="deferred_deletion_bytes")
+        raise ConfigError(f"unknown setting {setting!r}")
+
+    def answer(self, name: str, value: Any, result: Any, settings: dict) -> dict[str, str]:
+        pending, held = settings.get("pending", 0), settings.get("held", 0)
+        if name == "fraction":
+            out = {"text": f"fraction {float(value):.3f}: limit "
+                           f"{format_bytes(settings['limit'])}"}
+            if pending:
+                out["warning"] = (f"pool is {format_bytes(pending)} above the new limit: "
+                                  f"allocations past the limit are refused, and {held} "
+                                  "region(s) go back as they empty")
+            return out
+        if name == "growth":
+            return {"text": "growth: " + ("on" if value else "off")}
+        if name == "deferred":
+            eff = settings.get("deferred_deletion_bytes")
+            return {"text": f"deferred deletion: {format_bytes(eff or 0)}"}
+        if name == "release":
+            if result:
+                return {"text": f"released {format_bytes(result)}"}
+            why = "no region is wholly free"
+            if pending:
+                why += (f"; {format_bytes(pending)} above the limit wait in {held} region(s) "
+                        "that still hold memory in use")
+            return {"text": f"released 0 B: {why}"}
+        if name == "flush":
+            if result:
+                return {"text": f"flushed {format_bytes(result)} of deferred frees"}
+            return {"text": "flushed 0 B: no frees were waiting"}
+        raise ConfigError(f"unknown control {name!r}")
+
+    def stats_rows(self, state: Any) -> list[tuple[str, str, str]]:
+        """TensorFlow's ``AllocatorStats``, then fragmentation (external, internal, pool -
+        in use), chunks and OOMs."""
+        s = state.stats
+        c = state.counters
+        return [
+            ("num_allocs", f"{s.num_allocs:,}", ""),
+            ("bytes_in_use", *_b(s.bytes_in_use)),
+            ("peak_bytes_in_use", *_b(s.peak_bytes_in_use)),
+            ("largest_alloc_size", *_b(s.largest_alloc_size)),
+            ("bytes_limit", *_b(s.bytes_limit)),
+            ("pool_bytes", *_b(s.pool_bytes)),
+            ("peak_pool_bytes", *_b(s.peak_pool_bytes)),
+            ("largest_free_block_bytes", *_b(s.largest_free_block_bytes)),
+            ("external fragmentation", f"{s.fragmentation:.1%}", "1 - largest free / free"),
+            ("internal fragmentation", *_b(state.internal_fragmentation)),
+            ("pool - in use", *_b(state.reserved_unused)),
+            ("chunks", f"{state.num_chunks:,}", f"{int(state.table['in_use'].sum()):,} in use"),
+            ("OOMs", f"{c['ooms']:,}", "since the model started"),
+        ]
+
+    def limit_banner(self, pool: int, limit: int, pending: int, held: int) -> str:
+        if not pending:
+            return ""
+        return (f"pool above limit: {format_bytes(pool)} held against a {format_bytes(limit)} "
+                f"limit. {format_bytes(pending)} wait to be returned: {held} region(s) still "
+                "hold memory in use, and each goes back when it empties. Allocations that "
+                "would take bytes in use past the limit are refused.")
 
 
 @dataclass(frozen=True, repr=False)
@@ -170,18 +495,319 @@ class _TorchModel(AllocatorModel):
                          f"torch.cuda.memory._set_allocator_settings({text!r})")
         return lines
 
+    # ------------------------------------------------------------------ the live layers
+    def words(self) -> dict[str, str]:
+        return {**super().words(), "peak": "peak allocated", "unset_fraction": "not set",
+                "map": "segment map", "bins": "pools", "bins_axis": "pool"}
+
+    def bin_labels(self) -> list[str]:
+        return list(_POOLS)
+
+    def bin_index(self, table: dict) -> Any:
+        """The pool of each block (0 small, 1 large: the chunk table's ``bin``)."""
+        import numpy as np
+
+        return np.asarray(table["bin"], dtype=np.intp)
+
+    def region_kinds(self, table: dict) -> list[str]:
+        """``small``, ``large`` or ``large, expandable`` for each segment."""
+        import numpy as np
+
+        regions = table["regions"]
+        if not len(regions):
+            return []
+        first = np.searchsorted(table["ptr"], regions[:, 0])
+        first = np.minimum(first, max(len(table["ptr"]) - 1, 0))
+        pools = table["bin"][first] if len(table["ptr"]) else np.zeros(len(regions), np.int8)
+        exp = table.get("expandable")
+        exp = exp[first] if exp is not None and len(exp) else np.zeros(len(regions), bool)
+        return [("small" if p == 0 else "large") + (", expandable" if e else "")
+                for p, e in zip(pools.tolist(), exp.tolist())]
+
+    def live_settings(self, allocator: Any) -> dict[str, Any]:
+        conf = allocator.config
+        parts = conf.as_dict()
+        return {"limit": allocator.memory_limit, "fraction": allocator.fraction,
+                "allow_growth": None, "deferred_deletion_bytes": None,
+                "expandable_segments": conf.expandable_segments,
+                "max_split_size_mb": parts["max_split_size_mb"],
+                "garbage_collection_threshold": conf.garbage_collection_threshold,
+                "conf": conf.as_conf()}
+
+    def check_setting(self, setting: str, value: Any) -> None:
+        """PyTorch's checks: the fraction in [0, 1]; the settings as
+        ``PYTORCH_CUDA_ALLOC_CONF`` takes them; TensorFlow's settings refused by name."""
+        from ._torch_conf import CachingAllocatorConfig
+
+        if setting in ("per_process_gpu_memory_fraction", "fraction"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0.0 <= float(value) <= 1.0:
+                raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
+                                  f"in [0, 1]; got {value!r}")
+            return
+        if setting in TF_ONLY:
+            raise ConfigError(TF_ONLY[setting])
+        if setting == "conf":
+            CachingAllocatorConfig().apply(value)
+            return
+        if setting not in _LIVE_PARTS:
+            raise ConfigError(f"{setting!r} is not a setting of PyTorch's caching allocator; "
+                              f"known: fraction (per_process_gpu_memory_fraction), "
+                              f"{', '.join(_LIVE_PARTS)}, conf")
+        CachingAllocatorConfig().update(**{setting: value})
+
+    def parse_setting(self, setting: str, text: str) -> Any:
+        """The fraction and ``garbage_collection_threshold``: numbers;
+        ``expandable_segments``: true/false; ``max_split_size_mb``: MiB, or ``none`` /
+        ``unset``; ``roundup_power2_divisions``: a number or PyTorch's list
+        (``[256:1,>:4]``); ``conf``: a settings string as it is."""
+        if setting in ("fraction", "garbage_collection_threshold"):
+            return _number_text(setting, text, "a number")
+        if setting == "expandable_segments":
+            return _flag_text(setting, text)
+        if setting in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            if setting == "max_split_size_mb" and text.strip().lower() in ("none", "unset", ""):
+                return None
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"{setting} must be a whole number of MiB"
+                                  f"{' (or none)' if setting == 'max_split_size_mb' else ''}"
+                                  f"; got {text!r}") from None
+        if setting == "roundup_power2_divisions":
+            try:
+                return int(text)
+            except ValueError:
+                return text
+        if setting in ("conf", *TF_ONLY):
+            return text
+        raise ConfigError(f"unknown setting {setting!r}")
+
+    def fraction_line(self, fraction: float, settings: dict) -> str:
+        """``torch.cuda.set_per_process_memory_fraction(0.623)`` (rounded up to what still
+        fits), with the settings string when it is not PyTorch's defaults."""
+        frac = min(1.0, math.ceil(fraction * 1000) / 1000)
+        line = f"torch.cuda.set_per_process_memory_fraction({frac:g})"
+        conf = settings.get("conf")
+        text = conf if isinstance(conf, str) else (conf.as_conf() if conf is not None else "")
+        return line + (f" with PYTORCH_CUDA_ALLOC_CONF={text}" if text else "")
+
+    def figures(self, allocator: Any) -> dict[str, Any]:
+        """``torch.cuda.memory_stats()``'s figures the views show, by PyTorch's keys."""
+        st = allocator.memory_stats()
+        return {k: st[k] for k in _FIGURES if k in st}
+
+    def answer(self, name: str, value: Any, result: Any, settings: dict) -> dict[str, str]:
+        limit = settings.get("limit") or 0
+        reserved = int(settings.get("reserved_bytes.all.current", 0))
+        segments = int(settings.get("regions", settings.get("segment.all.current", 0)))
+        if name == "fraction":
+            out = {"text": f"fraction {float(value):.3f}: limit {format_bytes(limit)} "
+                           f"(torch.cuda.set_per_process_memory_fraction({float(value):g}); "
+                           "segments held stay)"}
+            gc = settings.get("garbage_collection_threshold") or 0.0
+            if gc:
+                out["text"] += (f"; garbage collection at {gc:g} of the limit acts from now "
+                                "on")
+            if reserved > limit:
+                out["warning"] = (f"reserved {format_bytes(reserved)} is "
+                                  f"{format_bytes(reserved - limit)} above the new limit: "
+                                  "PyTorch gives nothing back by itself; no new segment is "
+                                  "made until reserved fits (a request that needs one frees "
+                                  "the cached segments first), and empty cache returns the "
+                                  "wholly free ones now")
+            return out
+        if name == "expandable":
+            on = bool(value)
+            text = (f"expandable_segments: {'on' if on else 'off'}: segments made from now on "
+                    + ("are expandable (a virtual range per pool and stream, pages mapped as "
+                       "requests need them, unmapped at empty cache), and large-pool blocks "
+                       "split down to 512 B" if on else "are plain cudaMalloc segments")
+                    + f"; the {segments} segment(s) held stay as they are")
+            return {"text": text + self._paste(settings, "expandable_segments", on)}
+        if name == "max_split":
+            if value is None:
+                text = ("max_split_size_mb: unset: from the next request any block may be "
+                        "split, and oversize blocks serve any request again")
+            else:
+                tol = settings.get("max_non_split_rounding_mb", 20)
+                text = (f"max_split_size_mb: {value}: from the next request, blocks of "
+                        f"{value} MiB or more are not split and serve only requests of that "
+                        f"size or more within {tol} MiB; blocks already split stay split")
+            return {"text": text + self._paste(settings, "max_split_size_mb", value)}
+        if name == "gc":
+            value = float(value or 0.0)
+            if not value:
+                text = "garbage_collection_threshold: off"
+            elif settings.get("fraction") is None:
+                text = (f"garbage_collection_threshold: {value:g}: kept, but it acts only "
+                        "once a fraction is set (set_per_process_memory_fraction), as in "
+                        "PyTorch")
+            else:
+                text = (f"garbage_collection_threshold: {value:g}: when a request finds no "
+                        f"cached block and reserved is above {value:.0%} of the limit "
+                        f"({format_bytes(int(value * limit))}), PyTorch first frees wholly "
+                        "free cached segments, the longest unused first")
+            return {"text": text + self._paste(settings, "garbage_collection_threshold",
+                                               value)}
+        if name == "empty_cache":
+            freed = int(result or 0)
+            if freed:
+                text = f"empty_cache(): returned {format_bytes(freed)}"
+                if segments:
+                    text += (f"; {segments} segment(s) ({format_bytes(reserved)}) stay: each "
+                             "holds an allocated block")
+                return {"text": text}
+            why = ("no segment is held" if not segments else
+                   f"each of the {segments} segment(s) holds an allocated block")
+            return {"text": f"empty_cache(): returned 0 B: {why}"}
+        raise ConfigError(f"unknown control {name!r}")
+
+    @staticmethod
+    def _paste(settings: dict, key: str, value: Any) -> str:
+        """The live line that does the same in PyTorch: the whole settings string (what
+        ``_set_allocator_settings`` leaves out goes back to its default)."""
+        conf = settings.get("conf") or ""
+        if key == "expandable_segments" and not value:
+            conf = ",".join(p for p in ("expandable_segments:False", conf) if p)
+        if not conf:
+            return " - in PyTorch: torch.cuda.memory._set_allocator_settings('') (the defaults)"
+        return f" - in PyTorch: torch.cuda.memory._set_allocator_settings({conf!r})"
+
+    def stats_rows(self, state: Any) -> list[tuple[str, str, str]]:
+        """``torch.cuda.memory_stats()``'s figures by PyTorch's keys, the limit, what is
+        reserved but unallocated, fragmentation, the counters."""
+        s = state.stats
+        f = state.figures
+        frac = (state.in_force or {}).get("fraction")
+        rows = [
+            ("allocated_bytes.all.current", *_b(s.bytes_in_use)),
+            ("allocated_bytes.all.peak", *_b(s.peak_bytes_in_use)),
+            ("reserved_bytes.all.current", *_b(s.pool_bytes)),
+            ("reserved_bytes.all.peak", *_b(s.peak_pool_bytes)),
+            ("limit", format_bytes(int(s.bytes_limit)),
+             "the device's total memory (no fraction set)" if frac is None else
+             f"set_per_process_memory_fraction({frac:g})"),
+            ("reserved - allocated", *_b(state.reserved_unused)),
+            ("allocated - requested", *_b(state.internal_fragmentation)),
+            ("largest free block", *_b(s.largest_free_block_bytes)),
+            ("external fragmentation", f"{s.fragmentation:.1%}", "1 - largest free / free"),
+        ]
+        if "inactive_split_bytes.all.current" in f:
+            rows.append(("inactive_split_bytes.all.current",
+                         *_b(f["inactive_split_bytes.all.current"])))
+        if "segment.all.current" in f:
+            rows.append(("segment.all.current", f"{f['segment.all.current']:,}",
+                         f"{f.get('segment.small_pool.current', 0):,} small pool, "
+                         f"{f.get('segment.large_pool.current', 0):,} large pool"))
+        rows.append(("blocks", f"{state.num_chunks:,}",
+                     f"{int(state.table['in_use'].sum()):,} allocated"))
+        for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
+            if key in f:
+                rows.append((key, f"{f[key]:,}", _COUNTERS[key]))
+        return rows
+
+    def headline(self, state: Any) -> list[list[str]]:
+        """The segments as the map draws them (an expandable segment's mapped range is one;
+        PyTorch's ``segment.all.current`` counts cudaMalloc segments only) by pool, and
+        ``num_alloc_retries``."""
+        kinds = self.region_kinds(state.table)
+        small = sum(1 for k in kinds if k.startswith("small"))
+        exp = sum(1 for k in kinds if k.endswith("expandable"))
+        out = [["segments", f"{len(kinds)} ({small} small, {len(kinds) - small} large"
+                            + (f", {exp} expandable" if exp else "") + ")"]]
+        if "num_alloc_retries" in state.figures:
+            out.append(["num_alloc_retries", f"{state.figures['num_alloc_retries']:,}"])
+        return out
+
+    def pending_release(self, allocator: Any) -> tuple[int, int]:
+        """Reserved bytes above the limit, and the segments holding allocated blocks
+        (PyTorch returns none of it by itself)."""
+        over = allocator.pool_bytes - allocator.memory_limit
+        if over <= 0:
+            return 0, 0
+        return over, sum(1 for s in allocator.segments() if s["allocated_size"])
+
+    def limit_banner(self, pool: int, limit: int, pending: int, held: int) -> str:
+        if not pending:
+            return ""
+        return (f"reserved above limit: {format_bytes(pool)} held against a "
+                f"{format_bytes(limit)} limit. PyTorch gives nothing back by itself: no new "
+                "segment is made until reserved fits (a request that needs one frees the "
+                "cached segments first), and empty cache returns the wholly free ones now; "
+                f"{held} segment(s) hold allocated blocks and stay until those are freed.")
+
 
 BFC = _BFCModel(
     name="bfc", title="TensorFlow's BFC allocator", frameworks=("tensorflow", "jax"),
     layout="bins", region="region", regions="regions", pool="pool", in_use="in use",
     grid={"allow_growth": (True, False)},
-    fraction_setting="per_process_gpu_memory_fraction")
+    fraction_setting="per_process_gpu_memory_fraction", chunk="chunk", bin="bin",
+    deferred_frees=True,
+    setting_names={"per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
+                   "fraction": "per_process_gpu_memory_fraction",
+                   "allow_growth": "allow_growth", "growth": "allow_growth",
+                   "deferred_deletion_bytes": "deferred_deletion_bytes",
+                   "deferred": "deferred_deletion_bytes"},
+    controls=(
+        Control("fraction", "fraction", "fraction", setting="per_process_gpu_memory_fraction",
+                tooltip="per_process_gpu_memory_fraction: the share of the device the "
+                        "allocator may hold"),
+        Control("growth", "toggle", "growth", setting="allow_growth", widget_label="allow growth",
+                icon="expand", tooltip="BFC allow_growth: start small and double"),
+        Control("deferred", "bytes", "deferred (MiB)", setting="deferred_deletion_bytes",
+                widget_label="deferred", unit=1 << 20, min=1 << 10, max=1 << 30,
+                needs_session=True,
+                tooltip="deferred_deletion_bytes: frees wait until this many bytes are queued"),
+        Control("release", "button", "release free regions", action="release_free_regions",
+                widget_label="Release free regions", icon="recycle",
+                tooltip="Return wholly free regions to the device"),
+        Control("flush", "button", "flush deferred", action="flush_deferred",
+                widget_label="Flush deferred frees", icon="download", needs_session=True,
+                tooltip="Hand queued frees to the allocator now"),
+    ))
 TORCH = _TorchModel(
     name="torch", title="PyTorch's caching allocator", frameworks=("torch",),
     layout="pools", region="segment", regions="segments", pool="reserved",
     in_use="allocated",
     grid={"expandable_segments": (False, True)},
-    fraction_setting="torch.cuda.set_per_process_memory_fraction")
+    fraction_setting="torch.cuda.set_per_process_memory_fraction", chunk="block", bin="pool",
+    deferred_frees=False,
+    setting_names={"fraction": "fraction", "per_process_gpu_memory_fraction": "fraction",
+                   "expandable_segments": "expandable_segments",
+                   "expandable": "expandable_segments",
+                   "max_split_size_mb": "max_split_size_mb", "max_split": "max_split_size_mb",
+                   "garbage_collection_threshold": "garbage_collection_threshold",
+                   "gc": "garbage_collection_threshold",
+                   "roundup_power2_divisions": "roundup_power2_divisions",
+                   "max_non_split_rounding_mb": "max_non_split_rounding_mb",
+                   "conf": "conf", "PYTORCH_CUDA_ALLOC_CONF": "conf",
+                   "PYTORCH_ALLOC_CONF": "conf",
+                   # TensorFlow's: refused by name, saying what PyTorch has instead
+                   "allow_growth": "allow_growth", "growth": "allow_growth",
+                   "deferred_deletion_bytes": "deferred_deletion_bytes",
+                   "deferred": "deferred_deletion_bytes"},
+    whatif_toggles=("expandable_segments",),
+    controls=(
+        Control("fraction", "fraction", "fraction", setting="per_process_gpu_memory_fraction",
+                tooltip="torch.cuda.set_per_process_memory_fraction: segments may total at "
+                        "most this share of the device (memory held stays)"),
+        Control("expandable", "toggle", "expandable_segments", setting="expandable_segments",
+                widget_label="expandable segments", icon="arrows-h",
+                tooltip="PYTORCH_CUDA_ALLOC_CONF expandable_segments: segments made from now "
+                        "on grow and shrink by pages"),
+        Control("max_split", "number", "max_split_size_mb", setting="max_split_size_mb",
+                min=20, step=1, empty="unset", empty_value=None,
+                tooltip="blocks of this many MiB or more are not split (empty: unset)"),
+        Control("gc", "number", "garbage_collection_threshold",
+                setting="garbage_collection_threshold", min=0.0, max=0.99, step=0.05,
+                empty="off", empty_value=0.0,
+                tooltip="with a fraction set: free cached segments when reserved passes this "
+                        "share of the limit (0: off)"),
+        Control("empty_cache", "button", "empty cache", action="empty_cache",
+                widget_label="Empty cache", icon="recycle",
+                tooltip="torch.cuda.empty_cache(): return every wholly free cached segment"),
+    ))
 MODELS = {"bfc": BFC, "torch": TORCH}
 
 _ALIASES = {"bfc": BFC, "tensorflow": BFC, "tf": BFC, "jax": BFC, "xla": BFC,
@@ -210,10 +836,16 @@ def model_for(name: Any) -> AllocatorModel:
 
 def trace_model(trace: Any) -> AllocatorModel:
     """The model of the allocator that made a trace: PyTorch's for a PyTorch snapshot (or a
-    trace saved from one), else BFC."""
+    trace saved from one) and for a gpudash recording whose devices all ran PyTorch's model,
+    else BFC."""
     meta = getattr(trace, "meta", {}) or {}
-    return TORCH if meta.get("source") == "pytorch-snapshot" or meta.get("allocator") == \
-        "torch" else BFC
+    if meta.get("source") == "pytorch-snapshot" or meta.get("allocator") == "torch":
+        return TORCH
+    devices = meta.get("devices")
+    if isinstance(devices, list) and devices and all(
+            isinstance(d, dict) and d.get("allocator") == "torch" for d in devices):
+        return TORCH  # a gpudash recording of PyTorch's model (a PyTorch session)
+    return BFC
 
 
 def model_of(allocator: Any) -> AllocatorModel:

@@ -36,15 +36,13 @@ bins.
 
 from __future__ import annotations
 
-import gzip
-import html
 import os
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, GpudashError, TraceFormatError
+from ._errors import ConfigError, TraceFormatError
+from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
 
 __all__ = ["explain", "Explanation", "smallest_limit", "smallest_fraction"]
@@ -122,7 +120,7 @@ def smallest_limit(pool_bytes: int, rounded_request: int, largest_free: int = 0)
 
 
 @dataclass
-class Explanation:
+class Explanation(_ExplanationViews):
     """One out-of-memory error explained (see the module docstring).
 
     Attributes
@@ -296,68 +294,25 @@ class Explanation:
                  f"({format_bytes(self.in_use)} in use)")
         return [chunkmap_figure(self.dump, title=title), bins_figure(self.dump)]
 
-    def _summary_html(self) -> str:
-        rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                       for k, v in self.lines())
-        warn = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
-        head = html.escape(str(self).splitlines()[0])
-        return (f'<div class="gpudash-explain"><p><b>{head}</b></p>'
-                f'<table id="explain-summary">{rows}</table>'
-                + (f"<ul class=\"warnings\">{warn}</ul>" if warn else "") + "</div>")
-
-    def to_html(self, *, full: bool = True) -> str:
-        """The explanation as HTML with its figures (plotly.js inline: opens offline).
-
-        The script is plotly.js's cartesian bundle, the dashboard's (1.5 MB: bars, lines,
-        heatmaps), not the whole library (4.6 MB); a dump of many chunks is drawn
-        downsampled (:func:`gpudash.report.chunkmap_figure`), so the file stays a few MB.
-        """
-        script = _plotly_script()
-        parts = [self._summary_html()]
-        if script:
-            parts.append(script)
-        for i, fig in enumerate(self.figures()):
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0 and not script),
-                                     config={"displaylogo": False}))
-        body = "\n".join(parts)
-        if not full:
-            return body
-        title = html.escape(f"gpudash explain: {Path(self.path).name}")
-        return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-                f"<title>{title}</title><style>body {{ font-family: system-ui, sans-serif; "
-                f"margin: 24px; }} table {{ border-collapse: collapse; }} th, td {{ border: "
-                f"1px solid #ccc; padding: 4px 10px; text-align: left; }}</style></head>"
-                f"<body><h1>{title}</h1>{body}</body></html>\n")
-
-    def write_html(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
-        """Write :meth:`to_html` to ``path`` (refuses to replace a file unless asked)."""
-        out = Path(path)
-        if out.exists() and not overwrite:
-            raise GpudashError(f"{out} exists; pass overwrite=True to replace it")
-        out.write_text(self.to_html(), encoding="utf-8")
-        return out
-
-    def _ipython_display_(self) -> None:  # pragma: no cover - exercised through IPython
-        from IPython.display import HTML, display
-
-        display(HTML(self._summary_html()))
-        for fig in self.figures():
-            display(fig)
-
-    def _repr_html_(self) -> str:
-        return self._summary_html()
-
-
 def explain(path: str | os.PathLike, *, device: int | str | None = None,
             index: int | None = None, allocator: str | None = None,
             request: int | str | None = None, limit: int | str | None = None,
-            framework: str | None = None) -> Explanation:
-    """Explain an out-of-memory error from its allocator dump.
+            framework: str | None = None, conf: str | None = None,
+            torch_version: str | None = None) -> Any:
+    """Explain an out-of-memory error from its allocator dump, or PyTorch's.
+
+    PyTorch's files (its out-of-memory message, pasted or in a log, or a memory snapshot
+    with an ``oom`` entry), or ``framework="torch"``, are explained by
+    :func:`gpudash.torch_explain.explain_torch` in PyTorch's terms, and return a
+    :class:`~gpudash.torch_explain.TorchExplanation` (``allocator`` then names the GPU,
+    ``cuda:1``; ``conf`` and ``torch_version`` are the job's ``PYTORCH_CUDA_ALLOC_CONF`` and
+    PyTorch; ``request`` and ``limit`` do not apply).
 
     Parameters
     ----------
     path : str or os.PathLike
-        A log with an allocator dump, or a ``TF_BFC_MEMORY_DUMP`` protobuf.
+        A log with an allocator dump, or a ``TF_BFC_MEMORY_DUMP`` protobuf; or PyTorch's
+        message or snapshot.
     device : int or str, optional
         The device's size (``"16GiB"``), for the fraction matching the smallest limit.
     index : int, optional
@@ -388,9 +343,29 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
     from .trace.format import round_up_256
     from .trace.tf_dump import read_dumps
 
-    if framework is not None and framework not in FRACTION_SETTINGS:
-        raise ConfigError(f"framework must be one of {', '.join(FRACTION_SETTINGS)}; got "
-                          f"{framework!r}")
+    if framework is not None and framework not in (*FRACTION_SETTINGS, "torch"):
+        raise ConfigError(f"framework must be one of {', '.join(FRACTION_SETTINGS)}, torch; "
+                          f"got {framework!r}")
+    from .torch_explain import explain_torch, is_torch_file
+
+    if framework == "torch" or (framework is None and is_torch_file(path)):
+        for name, value in (("request", request), ("limit", limit)):
+            if value is not None:
+                raise ConfigError(f"{name} is for a TensorFlow or JAX dump that does not say "
+                                  f"it; PyTorch's message and snapshot do")
+        gpu = None
+        if allocator is not None:
+            name = str(allocator)
+            digits = name.rsplit(":", 1)[-1]
+            if not digits.isdigit():
+                raise ConfigError(f"a PyTorch GPU is named cuda:N; got {allocator!r}")
+            gpu = int(digits)
+        return explain_torch(path, index=index, device=device, gpu=gpu, conf=conf,
+                             torch_version=torch_version)
+    for name, value in (("conf", conf), ("torch_version", torch_version)):
+        if value is not None:
+            raise ConfigError(f"{name} is PyTorch's; {path} is not a PyTorch file (pass "
+                              "framework='torch' to read it as one)")
     try:
         dumps = read_dumps(path)
     except TraceFormatError:
@@ -481,17 +456,6 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
                        smallest_limit=smallest, device_bytes=dev_bytes, fraction=fraction,
                        framework=framework, setting=setting, host=host, limit_mib=limit_mib,
                        holders=ranked, warnings=warnings, index=pick, count=len(dumps))
-
-
-def _plotly_script() -> str:
-    """A ``<script>`` with plotly.js's cartesian bundle (shipped for the dashboard), or ""
-    where the package has no copy of it."""
-    bundle = Path(__file__).resolve().parent / "widgets" / "static" / "plotly-cartesian.min.js.gz"
-    try:
-        js = gzip.decompress(bundle.read_bytes()).decode("utf-8")
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError):
-        return ""
-    return f'<script type="text/javascript">{js}</script>'
 
 
 def _text_lines(path: str | os.PathLike):

@@ -9,6 +9,7 @@ batch into fixed-size ring arrays, one per column of :data:`gpudash.events.COLUM
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -83,6 +84,10 @@ class Recorder:
         self._settings: dict[tuple[int, int], tuple] = {}  # (device, seq) -> (setting, old, new)
         self._lock = threading.Lock()
         self._attached: list[tuple[Any, Any]] = []  # (allocator, remove)
+        # every allocator recorded, in attach order: (id, its meta when attached): the
+        # settings a replay starts from, also after a detach (%%gpudash_track detaches
+        # before it makes the trace); setting changes after it are the trace's settings
+        self._seen: list[tuple[int, dict]] = []
         self._writer = None
         self._streamer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -91,7 +96,7 @@ class Recorder:
         self.stream_error: BaseException | None = None
         if path is not None:
             from ._version import __version__
-            from .trace import TraceWriter
+            from .trace.format import TraceWriter
 
             meta = {"gpudash_version": __version__, "source": "gpudash",
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
@@ -181,6 +186,8 @@ class Recorder:
                 continue
             remove = alloc._add_sink(self._receive)
             self._attached.append((alloc, remove))
+            if not any(i == id(alloc) for i, _ in self._seen):
+                self._seen.append((id(alloc), self._device_meta(alloc)))
         return self
 
     def detach(self) -> None:
@@ -317,12 +324,16 @@ class Recorder:
         return out
 
     def to_trace(self, meta: dict | None = None):
-        """The kept events as a :class:`gpudash.trace.Trace` (for saving, replay, analysis)."""
+        """The kept events as a :class:`gpudash.trace.Trace` (for saving, replay, analysis).
+
+        ``meta["devices"]`` holds each allocator recorded (detached ones too) with the
+        settings it had when recording began, what a replay starts from; later changes are
+        the trace's ``settings``."""
         from ._version import __version__
-        from .trace import Trace
+        from .trace.format import Trace
 
         m = {"gpudash_version": __version__, "source": "gpudash"}
-        m["devices"] = [self._device_meta(alloc) for alloc, _ in self._attached]
+        m["devices"] = [copy.deepcopy(meta) for _, meta in self._seen]
         m["dropped"] = self.dropped
         if meta:
             m.update(meta)

@@ -40,8 +40,10 @@ def _layout(fig: Any, title: str, height: int, **axes: Any) -> None:
 
 def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = None,
                     settings: list[dict] | None = None, x: np.ndarray | None = None,
-                    x_title: str = "call", max_points: int = 4000) -> Any:
-    """Bytes in use and pool bytes over the calls, the limit, OOMs and setting changes."""
+                    x_title: str = "call", max_points: int = 4000,
+                    names: tuple[str, str] = ("pool", "in use")) -> Any:
+    """Bytes in use and pool bytes over the calls, the limit, OOMs and setting changes
+    (``names``: what the two lines are called; PyTorch's are reserved and allocated)."""
     go = _go()
     in_use = np.asarray(per_call.get("in_use", []), dtype=np.int64)
     pool = np.asarray(per_call.get("pool", []), dtype=np.int64)
@@ -60,9 +62,9 @@ def timeline_figure(per_call: dict, *, limit: int, ooms: np.ndarray | None = Non
     unit, scale = style.unit_for(top)
     hover = f"%{{y:.2f}} {unit}<extra>%{{fullData.name}}</extra>"
     fig = go.Figure()
-    fig.add_scatter(x=xs_d, y=pool_d / scale, name="pool", mode="lines",
+    fig.add_scatter(x=xs_d, y=pool_d / scale, name=names[0], mode="lines",
                     line={"color": _C["pool"], "shape": "hv"}, hovertemplate=hover)
-    fig.add_scatter(x=xs_d, y=in_use_d / scale, name="in use", mode="lines", fill="tozeroy",
+    fig.add_scatter(x=xs_d, y=in_use_d / scale, name=names[1], mode="lines", fill="tozeroy",
                     fillcolor=style.FILLS["in use"], hovertemplate=hover,
                     line={"color": _C["in use"], "shape": "hv"})
     if n:
@@ -116,11 +118,29 @@ def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndar
     return fig
 
 
+def _pools(dump: Any) -> bool:
+    """A dump of PyTorch's caching allocator: pools, segments and blocks, not TensorFlow's
+    bins, regions and chunks."""
+    return (getattr(dump, "extra", None) or {}).get("layout") == "pools"
+
+
+def _words(dump: Any) -> dict[str, str]:
+    """What the pieces of a dump are called in its framework."""
+    if _pools(dump):
+        return {"region": "segment", "chunk": "block", "bin": "pool"}
+    return {"region": "region", "chunk": "chunk", "bin": "bin"}
+
+
 def bins_figure(dump: Any) -> Any:
-    """Free chunks and bytes per bin, and bytes in use by bin."""
+    """Free chunks and bytes per bin, and bytes in use by bin (for PyTorch's allocator: per
+    pool, small and large)."""
     go = _go()
-    labels = [format_bytes(b.bin_size).replace(".00", "") for b in dump.bins]
-    labels[-1] += "+"
+    w = _words(dump)
+    if _pools(dump):
+        labels = ["small pool (≤ 1 MiB)", "large pool"][:len(dump.bins)]
+    else:
+        labels = [format_bytes(b.bin_size).replace(".00", "") for b in dump.bins]
+        labels[-1] += "+"
     free = np.array([b.free_bytes for b in dump.bins], dtype=np.float64)
     used = np.array([b.total_bytes_in_use for b in dump.bins], dtype=np.float64)
     unit, scale = style.unit_for(max(float(free.max(initial=0)), float(used.max(initial=0)), 1))
@@ -129,14 +149,19 @@ def bins_figure(dump: Any) -> Any:
                 hovertemplate=f"bin %{{x}}<br>in use %{{y:.2f}} {unit}<extra></extra>")
     fig.add_bar(x=labels, y=free / scale, name="free", marker_color=_C["free"],
                 customdata=[b.free_chunks for b in dump.bins],
-                hovertemplate=f"bin %{{x}}<br>free %{{y:.2f}} {unit} in %{{customdata}} "
-                              "chunk(s)<extra></extra>")
-    _layout(fig, "Bin occupancy", 340, barmode="group",
-            xaxis={"title": {"text": "bin (chunk size)"}, "type": "category"},
+                hovertemplate=f"{w['bin']} %{{x}}<br>free %{{y:.2f}} {unit} in "
+                              f"%{{customdata}} {w['chunk']}(s)<extra></extra>")
+    _layout(fig, "Pool occupancy" if _pools(dump) else "Bin occupancy", 340, barmode="group",
+            xaxis={"title": {"text": "pool" if _pools(dump) else "bin (chunk size)"},
+                   "type": "category"},
             yaxis={"title": {"text": "bytes"}, "ticksuffix": " " + unit,
                    "gridcolor": _C["grid"]})
     return fig
 
+
+#: A chunk map's legend: above its plot area on the right, where a figure of many rows still
+#: shows it next to the title (below the plot it would sit a screen away).
+_TOP_LEGEND = {"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
 
 #: Chunks a chunk map draws one bar each; a dump with more is drawn downsampled.
 CHUNKMAP_MAX_CHUNKS = 5000
@@ -159,8 +184,10 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
     go = _go()
     if len(dump.chunks) > max_chunks:
         return _chunkmap_downsampled(dump, title)
+    w = _words(dump)
+    pool_names = ("small pool", "large pool") if _pools(dump) else None
     regions = {r.ptr: i for i, r in enumerate(dump.regions)}
-    names = [f"region {i} @ {r.ptr:#x}" for i, r in enumerate(dump.regions)]
+    names = [f"{w['region']} {i} @ {r.ptr:#x}" for i, r in enumerate(dump.regions)]
     unit, scale = style.unit_for(max((r.size for r in dump.regions), default=1))
     cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
                                         for k in ("in use", "waste", "free")}
@@ -190,16 +217,17 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
             d["y"].append(y)
             d["base"].append(off)
             d["x"].append(c.size / scale)
-            d["text"].append(f"{c.address:#x}<br>free {format_bytes(c.size)}<br>bin {c.bin}")
+            where = (pool_names[c.bin] if pool_names and 0 <= c.bin < 2 else f"bin {c.bin}")
+            d["text"].append(f"{c.address:#x}<br>free {format_bytes(c.size)}<br>{where}")
     fig = go.Figure()
     for key, d in cats.items():
         fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
                     marker={"color": _C[key], "line": {"width": 0}},
                     hovertext=d["text"], hoverinfo="text")
     _layout(fig, title, max(220, 60 + 40 * len(names)), barmode="overlay",
-            xaxis={"title": {"text": "offset in region"}, "ticksuffix": " " + unit,
+            xaxis={"title": {"text": f"offset in {w['region']}"}, "ticksuffix": " " + unit,
                    "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 56, "b": 40})
+            margin={"l": 160, "r": 20, "t": 56, "b": 40}, legend=_TOP_LEGEND)
     return fig
 
 
@@ -240,8 +268,9 @@ def _chunkmap_downsampled(dump: Any, title: str) -> Any:
     colour = np.argmax(stack, axis=0)
     colour[stack.sum(axis=0) == 0] = 2             # a column nothing covers: shown as free
     keys = ("in use", "waste", "free")
+    words = _words(dump)
     unit, scale = style.unit_for(int(sizes.max()) if n_rows else 1)
-    names = [f"region {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
+    names = [f"{words['region']} {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
     cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
                                         for k in keys}
     for r in range(n_rows):
@@ -258,19 +287,19 @@ def _chunkmap_downsampled(dump: Any, title: str) -> Any:
             d["x"].append((hi - lo) / scale)
             d["text"].append(f"{starts[r] + lo:#x} to {starts[r] + hi:#x} "
                              f"({format_bytes(hi - lo)})<br>{u:.0%} in use, {w:.0%} waste, "
-                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} chunk(s) begin "
-                             "here")
+                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} {words['chunk']}(s) "
+                             "begin here")
     fig = go.Figure()
     for key, d in cats.items():
         fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
                     marker={"color": _C[key], "line": {"width": 0}},
                     hovertext=d["text"], hoverinfo="text")
-    title = (f"{title}<br><sup>{n:,} chunks drawn as {cols:,} columns per region: each "
-             "column in the colour of what covers most of it</sup>")
+    title = (f"{title}<br><sup>{n:,} {words['chunk']}s drawn as {cols:,} columns per "
+             f"{words['region']}: each column in the colour of what covers most of it</sup>")
     _layout(fig, title, max(220, min(60 + 40 * n_rows, 4000)), barmode="overlay",
-            xaxis={"title": {"text": "offset in region"}, "ticksuffix": " " + unit,
+            xaxis={"title": {"text": f"offset in {words['region']}"}, "ticksuffix": " " + unit,
                    "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 72, "b": 40})
+            margin={"l": 160, "r": 20, "t": 72, "b": 40}, legend=_TOP_LEGEND)
     return fig
 
 
@@ -292,39 +321,56 @@ def _settings_marks(trace: Any, n_calls: int) -> list[dict]:
     return out
 
 
-def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int = 16 << 30,
+def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int | None = None,
                  replay_options: dict | None = None, sweep_table: Any = None,
                  fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
-    from .analysis import bin_occupancy, chunk_map_at_peak, heatmap
+    from .analysis import chunk_map_at_peak, heatmap
     from .events import EventKind
     from .trace.replay import replay
     from .trace.whatif import sweep
 
     opts = {k: v for k, v in (replay_options or {}).items() if v is not None}
-    result = replay(trace, device_bytes=device_bytes, record=True, per_call=True, **opts)
+    if device_bytes is not None:
+        opts["device_bytes"] = device_bytes
+    result = replay(trace, record=True, per_call=True, **opts)
     if result.calls == 0:
         raise GpudashError("the trace has no events for this device: nothing to report")
+    torch = result.allocator == "torch"
+    device_bytes = result.options["device_bytes"]
     recording = result.recording
     sections: list[tuple[str, Any]] = []
     sections.append(("timeline", timeline_figure(
         result.per_call, limit=result.memory_limit, ooms=result.ooms,
-        settings=_settings_marks(trace, result.calls))))
+        settings=_settings_marks(trace, result.calls),
+        names=("reserved", "allocated") if result.allocator == "torch" else ("pool", "in use"))))
     served = bool(np.any(np.asarray(recording.columns["kind"]) == int(EventKind.ALLOC)))
     if served:   # the state views need memory that was allocated at some point
         hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
         edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
         sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
                                                    x_title="call")))
-        peak = chunk_map_at_peak(recording)
+        if torch:   # the model's own pools and segments, from the trace's calls
+            same = {k: v for k, v in result.options.items()
+                    if k in ("device_bytes", "fraction", "conf", "torch_version", "device")}
+            peak = chunk_map_at_peak(trace, options=same, device=same.get("device"))
+            title_map = (f"Segment map at the peak ({format_bytes(peak.stats.bytes_in_use)} "
+                         "allocated)")
+        else:
+            peak = chunk_map_at_peak(recording)
+            title_map = f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in use)"
         sections.append(("bins", bins_figure(peak)))
-        sections.append(("chunkmap", chunkmap_figure(
-            peak, title=f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in "
-                        "use)")))
+        sections.append(("chunkmap", chunkmap_figure(peak, title=title_map)))
     if sweep_table is None:
-        sweep_table = sweep(trace, fractions=fractions,
-                            allow_growth=(opts.get("allow_growth", True),),
-                            device_bytes=device_bytes, jobs=1)
+        if torch:   # PyTorch's question: would expandable segments fit in less?
+            sweep_table = sweep(trace, fractions=fractions, device_bytes=device_bytes, jobs=1,
+                                device=result.options.get("device"))
+        else:
+            sweep_table = sweep(trace, fractions=fractions,
+                                allow_growth=(opts.get("allow_growth", True),),
+                                device_bytes=device_bytes, jobs=1,
+                                **{k: v for k, v in opts.items()
+                                   if k in ("device", "garbage_collection")})
 
     parts = []
     for i, (name, fig) in enumerate(sections):
@@ -334,17 +380,43 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     verdict = ("fits: no allocation ran out of memory" if result.fits else
                f"OUT OF MEMORY: {result.oom_count} allocation(s) refused, the first at call "
                f"{result.first_oom[0]} ({format_bytes(result.first_oom[1])})")
-    summary = [
-        ("device", format_bytes(device_bytes)),
-        ("memory limit", format_bytes(result.memory_limit)),
-        ("allow_growth", str(result.options.get("allow_growth"))),
-        ("calls replayed", f"{result.calls:,}"),
-        ("peak in use", format_bytes(result.peak_bytes_in_use)),
-        ("peak pool", format_bytes(result.peak_pool_bytes)),
-        ("regions obtained", str(result.extensions)),
-        ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
-        ("result", verdict),
-    ]
+    if torch:
+        frac = result.options.get("fraction")
+        summary = [
+            ("device", format_bytes(device_bytes)),
+            ("allocator", "PyTorch's caching allocator (PyTorch "
+                          f"{result.options.get('torch_version')} rules)"),
+            ("PYTORCH_CUDA_ALLOC_CONF", result.options.get("conf") or "unset"),
+            ("set_per_process_memory_fraction",
+             "not set" if frac is None else f"{frac:g} ({format_bytes(result.memory_limit)})"),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak allocated", format_bytes(result.peak_bytes_in_use)),
+            ("peak reserved", format_bytes(result.peak_pool_bytes)),
+            ("segments obtained (cudaMalloc)", str(result.extensions)),
+            ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
+            ("result", verdict),
+        ]
+        if result.fidelity is not None:
+            summary.insert(5, ("replayed exactly", result.fidelity.summary()))
+    else:
+        summary = [
+            ("device", format_bytes(device_bytes)),
+            ("memory limit", format_bytes(result.memory_limit)),
+            ("allow_growth", str(result.options.get("allow_growth"))),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak in use", format_bytes(result.peak_bytes_in_use)),
+            ("peak pool", format_bytes(result.peak_pool_bytes)),
+            ("regions obtained", str(result.extensions)),
+            ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
+            ("result", verdict),
+        ]
+    summary.extend(("assumed", a) for a in result.assumed)
+    changed = _settings_marks(trace, result.calls)
+    if changed:   # a live session's recording: configure() ran while it recorded
+        summary.append(("settings changed live", "; ".join(
+            f"{m['setting']} {m['old']}→{m['new']} at call {m['x']}" for m in changed[:8])
+            + ("; ..." if len(changed) > 8 else "")
+            + ": the replay runs the settings in force when the recording began throughout"))
     if not served:
         summary.append(("state views", "none: no allocation was served in this replay, so "
                                        "there is no heatmap, chunk map or bins to draw"))

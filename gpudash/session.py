@@ -37,11 +37,11 @@ from ._errors import (
     ConfigError,
     GpudashWarning,
     InvalidPointerError,
-    OutOfMemoryError,
 )
 from ._units import format_bytes, parse_bytes
 from .bfc import AllocatorStats, BFCAllocator
 from .devices import CudaMemory, HostMemory, SimulatedDevice, cuda_device_count
+from .models import TORCH, AllocatorModel, model_for, model_of
 from .options import (
     ConfigProto,
     GPUOptions,
@@ -53,8 +53,8 @@ from .options import (
     simulated_devices_from_env,
 )
 
-__all__ = ["Session", "Device", "CudaMallocAllocator", "DEFAULT_SIMULATED_BYTES",
-           "default_session", "set_default_session"]
+__all__ = ["Session", "TorchSession", "Device", "TorchDevice", "CudaMallocAllocator",
+           "DEFAULT_SIMULATED_BYTES", "default_session", "set_default_session"]
 
 logger = logging.getLogger("gpudash")
 
@@ -179,6 +179,29 @@ class Device:
         d = self._deferred
         return d.pending_bytes + sum(b for _, _, b in d.inflight)
 
+    @property
+    def model(self) -> AllocatorModel:
+        """The allocator's model (:data:`gpudash.models.BFC` or ``TORCH``)."""
+        return model_of(self.allocator)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings in force, by the names of the model's controls: ``fraction``,
+        ``allow_growth``, ``deferred_deletion_bytes`` (effective), ``limit`` and ``total``
+        bytes."""
+        opts = self.options
+        return {"limit": self.allocator.memory_limit, "total": self.total,
+                "allow_growth": self.allocator.allow_growth,
+                "fraction": opts.per_process_gpu_memory_fraction,
+                "deferred_deletion_bytes": opts.effective_deferred_deletion_bytes}
+
+    def settings_text(self) -> str:
+        """The settings in force, in one line (``%gpudash_config``)."""
+        fraction = self.options.per_process_gpu_memory_fraction
+        return (f"{self.name} fraction={fraction:g}{' (auto)' if not fraction else ''}"
+                f", limit {format_bytes(self.memory_limit)}, "
+                f"allow_growth={self.allocator.allow_growth}, "
+                f"deferred_deletion_bytes={format_bytes(self._deferred.threshold)}")
+
     def stats(self) -> AllocatorStats:
         return self.allocator.stats()
 
@@ -281,6 +304,13 @@ class Session:
         frees once their CUDA event has completed; a simulated device's batch has nothing to
         wait for and is returned by the free that completes it. With ``poll=False`` batches
         wait for :meth:`poll` or :meth:`flush` (deterministic, for tests).
+    record_stacks : bool
+        Note the allocating Python frame of each live block (the chunk map's hover,
+        :meth:`holders`).
+    allocator : {"bfc", "torch"}, optional
+        ``"torch"`` (or ``"pytorch"``) makes a :class:`TorchSession`: PyTorch's caching
+        allocator on each device, configured from ``PYTORCH_CUDA_ALLOC_CONF`` (``config`` is
+        then that string; see :class:`TorchSession`). Default: TensorFlow's BFC.
 
     Notes
     -----
@@ -300,9 +330,18 @@ class Session:
     8589934592
     """
 
+    def __new__(cls, *args: Any, allocator: Any = None, **kwargs: Any) -> "Session":
+        # Session(..., allocator="torch") is a TorchSession: PyTorch's semantics
+        if cls is Session and allocator is not None and model_for(allocator) is TORCH:
+            cls = TorchSession
+        return super().__new__(cls)
+
     def __init__(self, config: Any = None, *, simulate: Any = None,
                  environ: Mapping[str, str] | None = None, poll: bool = True,
-                 record_stacks: bool = False) -> None:
+                 record_stacks: bool = False, allocator: Any = None) -> None:
+        if allocator is not None and model_for(allocator) is not self.model:
+            raise ConfigError(f"allocator={allocator!r} is not this session's "
+                              f"({self.model.title}); use gpudash.Session(allocator=...)")
         env = os.environ if environ is None else environ
         if not isinstance(record_stacks, bool):
             raise ConfigError(f"record_stacks must be True or False; got {record_stacks!r}")
@@ -336,18 +375,23 @@ class Session:
 
     #: The framework whose semantics this session follows (:meth:`from_env`).
     framework = "tensorflow"
+    #: The model of the devices' allocators (:mod:`gpudash.models`).
+    model: AllocatorModel = model_for("bfc")
     #: JAX's settings as read by :meth:`from_env` (None for a TensorFlow session).
     jax_settings = None
 
     @classmethod
     def from_env(cls, framework: str = "tensorflow", *, config: Any = None, simulate: Any = None,
                  environ: Mapping[str, str] | None = None, poll: bool = True,
-                 jaxlib_version: Any = None) -> "Session":
+                 jaxlib_version: Any = None, torch_version: Any = None) -> "Session":
         """A session with a framework's semantics, configured from its environment variables.
 
         Parameters
         ----------
-        framework : {"tensorflow", "jax"}
+        framework : {"tensorflow", "jax", "torch"}
+            ``"torch"`` (or ``"pytorch"``): a :class:`TorchSession`, PyTorch's caching
+            allocator configured from ``PYTORCH_ALLOC_CONF`` (PyTorch 2.9's name, which wins)
+            or ``PYTORCH_CUDA_ALLOC_CONF``; frees reach the allocator at once.
             ``"tensorflow"``: exactly ``Session(config, ...)`` (``TF_FORCE_GPU_ALLOW_GROWTH``,
             ``TF_ENABLE_GPU_GARBAGE_COLLECTION``, ``TF_DEVICE_MIN_SYS_MEMORY_IN_MB``...).
             ``"jax"``: JAX's GPU client, from ``XLA_PYTHON_CLIENT_MEM_FRACTION`` /
@@ -365,6 +409,9 @@ class Session:
             read for both frameworks).
         jaxlib_version : str, optional
             JAX only: apply this jaxlib's rules (:func:`gpudash.options.jax_settings_from_env`).
+        torch_version : str, optional
+            PyTorch only: apply this PyTorch's rules (default 2.11): the settings it accepts
+            and the decisions that changed between versions.
 
         Raises
         ------
@@ -374,8 +421,16 @@ class Session:
         """
         from .options import check_framework, jax_settings_from_env
 
-        framework = check_framework(framework, ("tensorflow", "jax"))
+        framework = check_framework(framework, ("tensorflow", "jax", "torch"))
         env = os.environ if environ is None else environ
+        if framework == "torch":
+            if config is not None:
+                raise ConfigError("Session.from_env('torch') takes its settings from "
+                                  "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF; config= is for "
+                                  "TensorFlow sessions (got a config)")
+            return TorchSession(simulate=simulate, environ=env, torch_version=torch_version)
+        if torch_version is not None:
+            raise ConfigError("torch_version= is for Session.from_env('torch')")
         if framework == "tensorflow":
             return cls(config, simulate=simulate, environ=env, poll=poll)
         if config is not None:
@@ -541,12 +596,7 @@ class Session:
             dev = devices[device]
         else:
             dev = devices[_parse_device(device, len(devices))]
-        ptr = dev.allocator.try_allocate(nbytes)
-        if not ptr and nbytes:
-            # Flush deferred frees, then the real attempt (which raises OutOfMemoryError,
-            # logged and recorded once, if memory is still short).
-            self._drain(dev)
-            ptr = dev.allocator.allocate(nbytes)
+        ptr = self._allocate_on(dev, nbytes)
         if self._track_holders and ptr:
             holder = self._current_holder()
             if holder:
@@ -554,6 +604,16 @@ class Session:
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
                         dev.allocator.name)
+        return ptr
+
+    def _allocate_on(self, dev: Device, nbytes: int) -> int:
+        """One allocation on ``dev``: if the allocator is out of memory, flush the deferred
+        frees and make the real attempt (which raises OutOfMemoryError, logged and
+        recorded once, if memory is still short)."""
+        ptr = dev.allocator.try_allocate(nbytes)
+        if not ptr and nbytes:
+            self._drain(dev)
+            ptr = dev.allocator.allocate(nbytes)
         return ptr
 
     # ------------------------------------------------------------------ holders
@@ -1002,6 +1062,264 @@ class Session:
             pass
 
 
+
+class TorchDevice(Device):
+    """One device of a :class:`TorchSession`: PyTorch's caching allocator (``cuda:<index>``).
+
+    ``options`` is None (TensorFlow's ``GPUOptions`` do not apply); :meth:`settings` gives
+    the fraction and the caching allocator's settings in force."""
+
+    @property
+    def name(self) -> str:
+        return f"cuda:{self.index}"
+
+    @property
+    def over_limit(self) -> bool:
+        """True while allocated bytes exceed the limit (after the fraction was lowered)."""
+        alloc = self.allocator
+        return alloc.bytes_in_use > alloc.memory_limit
+
+    def settings(self) -> dict[str, Any]:
+        """``fraction`` (None: never set), ``expandable_segments``, ``max_split_size_mb``,
+        ``garbage_collection_threshold``, ``conf`` (the settings string), ``limit`` and
+        ``total`` bytes."""
+        return {**TORCH.live_settings(self.allocator), "total": self.total}
+
+    def settings_text(self) -> str:
+        """``cuda:0 fraction not set, limit 16.00 GiB, PYTORCH_CUDA_ALLOC_CONF=...``."""
+        alloc = self.allocator
+        fraction = alloc.fraction
+        conf = alloc.config.as_conf()
+        return (f"{self.name} fraction {'not set' if fraction is None else f'{fraction:g}'}, "
+                f"limit {format_bytes(self.memory_limit)}, "
+                f"PYTORCH_CUDA_ALLOC_CONF={conf!r}" + ("" if conf else " (the defaults)"))
+
+
+class TorchSession(Session):
+    """A session with PyTorch's semantics: every device runs PyTorch's caching allocator
+    (:class:`~gpudash.CachingAllocator`, named ``cuda:<index>``), configured as PyTorch
+    configures it, and changed live as PyTorch allows.
+
+    Made by ``gpudash.Session(..., allocator="torch")`` or ``Session.from_env("torch")``.
+
+    Parameters
+    ----------
+    config : str, CachingAllocatorConfig or dict, optional
+        The allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` would give them
+        (``"expandable_segments:True,max_split_size_mb:128"``, a
+        :class:`~gpudash.CachingAllocatorConfig`, or a dict of its settings by name). Default:
+        the environment's ``PYTORCH_ALLOC_CONF`` (PyTorch 2.9's name, which wins) or
+        ``PYTORCH_CUDA_ALLOC_CONF``.
+    simulate, environ, record_stacks
+        As for :class:`Session` (``GPUDASH_SIMULATE`` and ``CUDA_VISIBLE_DEVICES`` are read;
+        TensorFlow's variables are not, as PyTorch ignores them).
+    poll : bool
+        No effect: PyTorch frees a block at once, so there is no deferred deletion to poll.
+    fraction : float, optional
+        ``torch.cuda.set_per_process_memory_fraction`` on every device from the start
+        (default: not set, as in PyTorch: segments may take the whole device).
+    torch_version : str, optional
+        The PyTorch whose rules apply (default 2.11).
+
+    Notes
+    -----
+    What changes live, and when (:meth:`configure`), as PyTorch applies it:
+
+    - the fraction (``torch.cuda.set_per_process_memory_fraction``, per device): new
+      segments are refused past it at once; segments already held stay, and nothing is
+      given back until :meth:`empty_cache` or a request that needs a new segment (which
+      frees the cached ones first);
+    - ``expandable_segments`` (``torch.cuda.memory._set_allocator_settings``, every device):
+      segments made from then on; segments already held stay as they are;
+    - ``max_split_size_mb``, ``garbage_collection_threshold``,
+      ``roundup_power2_divisions``: from the next request; blocks already split stay split.
+      Garbage collection acts only while a fraction is set;
+    - ``conf=`` is ``_set_allocator_settings(conf)`` itself: settings the string leaves out
+      go back to their defaults (expandable segments excepted), as in PyTorch.
+
+    TensorFlow's settings (``allow_growth``, ``deferred_deletion_bytes``) are refused by name,
+    with what PyTorch has instead. :meth:`install` (CuPy routing) is TensorFlow's only.
+
+    Examples
+    --------
+    >>> import gpudash
+    >>> with gpudash.Session("expandable_segments:True", allocator="torch",
+    ...                      simulate="16GiB") as sess:
+    ...     p = sess.allocate(1000)
+    ...     sess.configure(fraction=0.5)
+    ...     sess.devices[0].memory_limit, sess.devices[0].allocator.config.expandable_segments
+    (8589934592, True)
+    """
+
+    framework = "torch"
+    model = TORCH
+
+    def __init__(self, config: Any = None, *, simulate: Any = None,
+                 environ: Mapping[str, str] | None = None, poll: bool = True,
+                 record_stacks: bool = False, allocator: Any = "torch",
+                 fraction: float | None = None, torch_version: Any = None) -> None:
+        from ._torch_conf import CachingAllocatorConfig
+
+        env = os.environ if environ is None else environ
+        if config is None:
+            conf = CachingAllocatorConfig.from_env(env, version=torch_version)
+        elif isinstance(config, CachingAllocatorConfig):
+            conf = config.copy()
+            if torch_version is not None:
+                conf = CachingAllocatorConfig(conf.as_conf(), version=torch_version)
+        elif isinstance(config, str):
+            conf = CachingAllocatorConfig(config, version=torch_version)
+        elif isinstance(config, Mapping):
+            conf = CachingAllocatorConfig(version=torch_version, **config)
+        else:
+            raise ConfigError(
+                f"a PyTorch session's config is a PYTORCH_CUDA_ALLOC_CONF string, a "
+                f"CachingAllocatorConfig or a dict of its settings; got "
+                f"{type(config).__name__} (ConfigProto and GPUOptions are TensorFlow's)")
+        if fraction is not None:
+            TORCH.check_setting("fraction", fraction)
+        self._torch_conf = conf
+        self._torch_fraction = fraction
+        device_env = {k: env[k] for k in ("GPUDASH_SIMULATE", "CUDA_VISIBLE_DEVICES")
+                      if k in env}
+        super().__init__(ConfigProto(allow_soft_placement=True), simulate=simulate,
+                         environ=device_env, poll=False, record_stacks=record_stacks,
+                         allocator=allocator)
+
+    def _add_device(self, index: int, vid: int, backend: Any, total: int, available: int,
+                    cc_major: int) -> None:
+        from .caching import CachingAllocator
+
+        alloc = CachingAllocator(backend, self._torch_conf, fraction=self._torch_fraction,
+                                 name=f"cuda:{index}", device=index)
+        self.devices.append(TorchDevice(index, vid, backend, alloc, total, available,
+                                        cc_major, None, 1))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> Any:
+        """The caching allocator's settings in force (a ``CachingAllocatorConfig`` copy;
+        change them with :meth:`configure`)."""
+        return self._torch_conf.copy()
+
+    @property
+    def gpu_options(self) -> GPUOptions:
+        raise ConfigError("a PyTorch session has no GPUOptions (TensorFlow's); its settings "
+                          "are .config (PYTORCH_CUDA_ALLOC_CONF) and each device's fraction")
+
+    def __repr__(self) -> str:
+        kind = "simulated" if self.simulated else "cuda"
+        state = "closed" if self._closed else "open"
+        fracs = {d.allocator.fraction for d in self.devices}
+        frac = "" if fracs == {None} else f", fraction={'/'.join(map(str, fracs))}"
+        return (f"TorchSession({len(self.devices)} {kind} device(s), {state}, "
+                f"PYTORCH_CUDA_ALLOC_CONF={self._torch_conf.as_conf()!r}{frac})")
+
+    # ------------------------------------------------------------------ allocation
+    def _allocate_on(self, dev: Device, nbytes: int) -> int:
+        """PyTorch's malloc: no deferred frees to wait for (it raises PyTorch's
+        OutOfMemoryError itself)."""
+        return dev.allocator.allocate(nbytes)
+
+    def free(self, ptr: int, device: Any = None) -> None:
+        """Free at once, as PyTorch does (the block is cached for the next request of its
+        stream; :meth:`empty_cache` returns wholly free segments to the device).
+
+        Raises
+        ------
+        InvalidPointerError
+            For an address not allocated here or already freed.
+        ConfigError
+            After :meth:`close`."""
+        self.free_now(ptr, device)
+
+    # ------------------------------------------------------------------ live settings
+    def configure(self, per_process_gpu_memory_fraction: float | None = None,
+                  allow_growth: bool | None = None, deferred_deletion_bytes: int | None = None,
+                  device: Any = None, *, fraction: float | None = None,
+                  conf: str | None = None, **parts: Any) -> None:
+        """Change settings live, as PyTorch takes them (see the class notes for what takes
+        effect when).
+
+        Parameters
+        ----------
+        per_process_gpu_memory_fraction, fraction : float, optional
+            ``torch.cuda.set_per_process_memory_fraction`` (in [0, 1]), on ``device`` or
+            every device.
+        conf : str, optional
+            ``torch.cuda.memory._set_allocator_settings(conf)`` on every device.
+        **parts
+            Settings by name, the others kept: ``expandable_segments``,
+            ``max_split_size_mb`` (None: unset), ``garbage_collection_threshold`` (0: off),
+            ``roundup_power2_divisions``, ``max_non_split_rounding_mb``. PyTorch's settings
+            are process-wide: they apply to every device whatever ``device`` says.
+        allow_growth, deferred_deletion_bytes
+            TensorFlow's: refused, saying what PyTorch has instead.
+
+        Raises
+        ------
+        ConfigError
+            A bad or TensorFlow-only value, naming it; every value is checked first and
+            nothing changes unless all are good.
+        """
+        self._check_open()
+        for key, value in (("allow_growth", allow_growth),
+                           ("deferred_deletion_bytes", deferred_deletion_bytes)):
+            if value is not None:
+                TORCH.check_setting(key, value)
+        if per_process_gpu_memory_fraction is not None and fraction is not None and \
+                per_process_gpu_memory_fraction != fraction:
+            raise ConfigError(f"fraction={fraction!r} and per_process_gpu_memory_fraction="
+                              f"{per_process_gpu_memory_fraction!r} disagree: give one")
+        frac = fraction if fraction is not None else per_process_gpu_memory_fraction
+        if frac is not None:
+            TORCH.check_setting("fraction", frac)
+        for key, value in parts.items():
+            TORCH.check_setting(key, value)
+        new = self._torch_conf.copy()
+        if conf is not None:
+            new.apply(conf)
+        if parts:
+            new.update(**parts)
+        targets = self.devices if device is None else [self.device(device)]
+        with self._lock:
+            if conf is not None or parts:
+                for dev in self.devices:
+                    if conf is not None:
+                        dev.allocator.set_allocator_settings(conf)
+                    if parts:
+                        dev.allocator.configure(**parts)
+                self._torch_conf = new
+            if frac is not None:
+                for dev in targets:
+                    dev.allocator.set_memory_fraction(float(frac))
+                if device is None:
+                    self._torch_fraction = float(frac)
+
+    def empty_cache(self, device: Any = None) -> int:
+        """``torch.cuda.empty_cache()``: every wholly free cached segment (and the free pages
+        of expandable segments) goes back to its device (every device by default); the
+        bytes returned."""
+        self._check_open()
+        devices = self.devices if device is None else [self.device(device)]
+        return sum(d.allocator.release_free_regions() for d in devices)
+
+    def install(self) -> "Session":
+        """Not for a PyTorch session: CuPy routing is TensorFlow's sessions' (see below).
+
+        Raises
+        ------
+        BackendUnavailableError
+            Always: PyTorch's model gives expandable segments virtual addresses that no CUDA
+            mapping backs (gpudash maps no virtual memory), and PyTorch code allocates
+            through PyTorch's own allocator, which ``gpudash.watch("torch")`` watches."""
+        raise BackendUnavailableError(
+            "install() routes CuPy through a TensorFlow-style session (gpudash.Session()); a "
+            "PyTorch session models PyTorch's caching allocator, whose expandable segments get "
+            "virtual addresses no CUDA mapping backs here. To see PyTorch's real allocator "
+            "use gpudash.watch('torch'); to route CuPy use gpudash.Session()")
+
+
 class _PinnedBlock:
     """Pinned host memory handed to CuPy; returned to the host BFC when CuPy drops it."""
 
@@ -1033,12 +1351,15 @@ def default_session(create: bool = True, **kwargs: Any) -> Session | None:
     create : bool
         Create one when there is none (or it was closed); else return None.
     **kwargs
-        Passed to :class:`Session` when one is created.
+        Passed to :class:`Session` when one is created (``allocator="torch"`` makes a
+        :class:`TorchSession`, from the environment's ``PYTORCH_CUDA_ALLOC_CONF``).
     """
     global _default
     with _default_lock:
         if (_default is None or _default.closed) and create:
-            if "config" not in kwargs:
+            # a PyTorch session's config is a PYTORCH_CUDA_ALLOC_CONF string, no ConfigProto
+            torch = model_for(kwargs.get("allocator") or "bfc") is TORCH
+            if "config" not in kwargs and not torch:
                 kwargs["config"] = ConfigProto(allow_soft_placement=True)
             _default = Session(**kwargs)
         if _default is not None and _default.closed:

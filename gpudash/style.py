@@ -146,8 +146,10 @@ def base_layout(title: str = "", height: int = 300) -> dict:
     leaves room for the title line keeps titles and their figures uncovered.
     """
     return {
-        "title": {"text": title, "x": 0.0, "xanchor": "left", "y": 0.98, "yanchor": "top",
-                  "font": {"size": 13}},
+        # at the figure's top edge, in pixels: a tall figure (a chunk map of many regions)
+        # keeps it above the plot area too
+        "title": {"text": title, "x": 0.0, "xanchor": "left", "yref": "container", "y": 1.0,
+                  "yanchor": "top", "pad": {"t": 12}, "font": {"size": 13}},
         "height": height,
         "margin": {"l": 70, "r": 20, "t": 56, "b": 40},
         "font": {"family": FONT, "size": 11},

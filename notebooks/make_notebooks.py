@@ -273,6 +273,124 @@ write("05_frameworks.ipynb", [
     code("print(\"\\n\".join(mon.restart_lines(fraction=0.5, allow_growth=True)))"),
     md("Closing the dashboard stops the monitor: `dash.close()`."),
 ])
+write("07_pytorch.ipynb", [
+    md("# PyTorch's caching allocator: replay, explain, what would fit\n\n"
+       "PyTorch's memory snapshot (`torch.cuda.memory._record_memory_history()` then "
+       "`torch.cuda.memory._dump_snapshot('oom.pickle')`, for example in the job's "
+       "out-of-memory handler) records every decision its caching allocator made. gpudash "
+       "replays it through its model of that allocator, checks every decision, explains the "
+       "failure, and answers *what would fit* in PyTorch's own settings.\n\n"
+       "This notebook needs no GPU. The snapshots below are written by gpudash's model "
+       "(`caching_snapshot`: the same layout PyTorch writes) for a fine-tuning job whose "
+       "sequence length changes every step: once on an 80 GiB GPU, where it ran, and once on "
+       "a 24 GiB GPU, where it failed."),
+    code("import pickle, tempfile\n"
+         "from pathlib import Path\n"
+         "\n"
+         "import gpudash\n"
+         "from gpudash.trace.replay import replay\n"
+         "from gpudash.trace.torch_snapshot import load_torch_snapshot\n"
+         "from gpudash.trace.whatif import min_fraction, sweep\n"
+         "from gpudash.trace.workloads import caching_snapshot, finetune_calls\n"
+         "\n"
+         "folder = tempfile.TemporaryDirectory()\n"
+         "paths = {}\n"
+         "for gib in (80, 24):\n"
+         "    paths[gib] = Path(folder.name) / f'finetune_{gib}gib.pickle'\n"
+         "    paths[gib].write_bytes(pickle.dumps(caching_snapshot(finetune_calls(), "
+         "device_bytes=f'{gib}GiB')))\n"
+         "print({gib: f'{p.stat().st_size:,} bytes' for gib, p in paths.items()})"),
+    md("## Replayed exactly\n\n"
+       "With the snapshot's own settings, the replay takes the snapshot's segment addresses "
+       "(the driver's choice) and checks every segment event, allocation address and "
+       "out-of-memory point, and the final layout. It also says what it assumed: the GPU's "
+       "size comes from the `oom` entry here, and the rules from the oldest PyTorch that "
+       "writes these fields."),
+    code("oom = load_torch_snapshot(paths[24])\n"
+         "r = replay(oom)\n"
+         "print(r)\n"
+         "print(r.fidelity.summary())\n"
+         "for note in r.assumed + r.warnings:\n"
+         "    print('-', note)"),
+    md("## Why it failed, and what would have served it\n\n"
+       "`gpudash.explain` replays to the failure and shows PyTorch's state at that moment: "
+       "the segments and their blocks, the pools, the message PyTorch printed (rebuilt), and "
+       "each suggested setting proven by replaying the recorded calls under it."),
+    code("e = gpudash.explain(paths[24])\n"
+         "print(e)"),
+    code("e"),
+    md("## What would fit on the 24 GiB GPU?\n\n"
+       "The job that ran on 80 GiB, asked about a 24 GiB GPU: the smallest "
+       "`torch.cuda.set_per_process_memory_fraction`, with PyTorch's defaults and with "
+       "`expandable_segments:True`, and the lines to paste."),
+    code("ran = load_torch_snapshot(paths[80])\n"
+         "default = min_fraction(ran, '24GiB')\n"
+         "expandable = min_fraction(ran, '24GiB', expandable_segments=True)\n"
+         "print('defaults:', default)\n"
+         "print('expandable segments:', expandable)\n"
+         "print()\n"
+         "print('\\n'.join(expandable.paste_lines()))"),
+    md("PyTorch's defaults do not fit on 24 GiB at any fraction: the sequence lengths change "
+       "every step, and the segments cut for one step's activations are the wrong sizes for "
+       "the next. Expandable segments grow one segment instead. The table crosses more "
+       "settings; `max_split_size_mb` with expandable segments is a combination PyTorch "
+       "itself refuses (an internal assert), and the table says so."),
+    code("table = sweep(ran, [0.9, 0.95, 1.0], device_bytes='24GiB',\n"
+         "              vary={'max_split_size_mb': [None, 256]})\n"
+         "print(table.to_text())"),
+    md("The same trace can be asked under the other framework's allocator, in its words: "
+       "here TensorFlow's BFC, as a JAX or TensorFlow job with the same allocations would run "
+       "it."),
+    code("bfc = min_fraction(ran, '24GiB', allocator='bfc')\n"
+         "print(bfc)\n"
+         "print('\\n'.join(bfc.paste_lines('jax')))"),
+    md("## Live, on PyTorch's model\n\n"
+       "`%gpudash --allocator torch` opens the dashboard on a session that runs PyTorch's "
+       "caching allocator (here on a simulated 24 GiB GPU): the segment map with each "
+       "segment's pool, the two pools, allocated and reserved over time. The fine-tuning job "
+       "runs in the background for about 20 s: turn `expandable_segments` on, move the "
+       "fraction or empty the cache while it runs, and watch the segments change; each control "
+       "answers with the line that does the same in PyTorch."),
+    code("%load_ext gpudash"),
+    code("%gpudash --allocator torch --simulate 24GiB"),
+    code("from gpudash.trace.workloads import run_workload\n"
+         "\n"
+         "sess = gpudash.default_session()\n"
+         "\n"
+         "def job(stop_event=None):\n"
+         "    return run_workload(finetune_calls(steps=60), sess.allocate, sess.free, "
+         "sleep=0.001,\n"
+         "                        stop=stop_event.is_set if stop_event else None)\n"
+         "\n"
+         "task = gpudash.run_in_background(job)\n"
+         "task.widget()"),
+    md("The session's settings, in PyTorch's names, can change from code as well "
+       "(`sess.configure(expandable_segments=True)`, `sess.empty_cache()`, "
+       "`%gpudash_config expandable_segments=True`). Once the job is done, its figures:"),
+    code("if task.done:\n"
+         "    print(task.result())\n"
+         "else:\n"
+         "    print(f'{task}: still running; run this cell again when it is done')\n"
+         "print(sess)\n"
+         "print({k: v for k, v in sess.devices[0].allocator.memory_stats().items()\n"
+         "       if k in ('allocated_bytes.all.peak', 'reserved_bytes.all.peak', 'num_ooms', "
+         "'num_alloc_retries')})"),
+    md("## Real snapshots\n\n"
+       "When `../shared/reference/external/` is present (real snapshots from other people's "
+       "projects), each one is replayed exactly and its fidelity printed; without it this cell "
+       "says so."),
+    code("from gpudash.trace.torch_replay import from_snapshot, replay_exact\n"
+         "from gpudash.trace.torch_snapshot import load_torch_snapshot_dict\n"
+         "\n"
+         "external = Path('..', '..', 'shared', 'reference', 'external').resolve()\n"
+         "found = sorted(external.glob('*.p*k*l*')) if external.is_dir() else []\n"
+         "for path in found:\n"
+         "    for dev, tt in from_snapshot(load_torch_snapshot_dict(path)).items():\n"
+         "        print(f'{path.name:48} {replay_exact(tt).summary()}')\n"
+         "if not found:\n"
+         "    print('no real snapshots here (../shared/reference/external is not present)')"),
+    code("folder.cleanup()"),
+])
 write("04_cluster.ipynb", [
     md("# gpudash on a Dask cluster\n\n"
        "Every Dask worker gets its own gpudash session (`GpudashPlugin`), and streams what its "

@@ -422,3 +422,114 @@ def test_dashboard_in_notebook_7(page, lab):
     ours = [e for e in page.console_errors if "filebrowser:open-path" not in e
             and "reading 'schema'" not in e]
     assert not ours, ours
+
+
+def bins_labels(root: Any) -> list[str]:
+    """The bins view's categories, as drawn."""
+    return root.evaluate("""(r) => { const gd = r.querySelector('[data-view=bins] .js-plotly-plot');
+        return gd && gd._fullData ? Array.from(gd._fullData[0].x) : []; }""")
+
+
+def test_pytorch_dashboard_acts_on_the_session_and_answers_in_pytorch_s_words(page, lab,
+                                                                              tmp_path):
+    """%gpudash --allocator torch: segments with their pool, the two pools, allocated and
+    reserved; the fraction dragged, expandable segments toggled, max_split_size_mb typed
+    and the cache emptied with the mouse, each answered in words and seen in the map."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in (
+        "%load_ext gpudash\nimport gpudash",
+        "%gpudash --allocator torch",
+        "s = gpudash.default_session()\n"
+        "keep = [s.allocate(n) for n in (1000, 3000, 5 << 20, 30 << 20, 200 << 20, 600 << 20)]\n"
+        "s.free(keep.pop(3))  # its 30 MiB segment is wholly free: empty cache returns it\n"
+        "print(s)")]
+    nbformat.write(nb, lab.root / "torch_dashboard.ipynb")
+    open_and_run_all(page, lab, "torch_dashboard.ipynb")
+    collapse_left_sidebar(page)
+    dash = page.locator(".gd-root").first
+    dash.wait_for(state="attached")
+    wait_for_views(page, dash)
+    title = dash.locator('[data-view="chunkmap"] .gd-title')
+    page.wait_for_function("(e) => /segment map - 8 blocks in 5 segment/.test(e.textContent)",
+                           arg=title.element_handle(), timeout=15_000)
+
+    # PyTorch's words, pools and segments as a person sees them
+    assert legend_names(dash, "timeline") == ["allocated", "reserved", "limit"]
+    assert {"allocated", "free"} <= set(legend_names(dash, "chunkmap"))
+    assert bins_labels(dash) == ["small pool (≤ 1 MiB)", "large pool"]
+    assert dash.locator('[data-view="bins"] .gd-title').inner_text() == "pools"
+    labels = region_labels(dash)
+    assert [t.split(" ", 3)[-1] for t in labels] == ["small"] + ["large"] * 4, labels
+    head = dash.locator(".gd-head").inner_text()
+    for words in ("allocated", "reserved", "segments 5 (1 small, 4 large)",
+                  "num_alloc_retries 0"):
+        assert words in head, head
+    controls = [e.get_attribute("data-ctl") for e in
+                dash.locator(".gd-controls [data-ctl]").element_handles()]
+    assert controls[:6] == ["fraction", "fraction-value", "expandable", "max_split", "gc",
+                            "empty_cache"], controls
+    assert "growth" not in controls and "deferred" not in controls
+    value = dash.locator('[data-ctl="fraction-value"]')
+    assert value.inner_text() == "not set (limit 16.00 GiB)"
+
+    # the fraction, with the mouse: set_per_process_memory_fraction, the limit follows
+    slider = dash.locator('input[data-ctl="fraction"]')
+    slider.scroll_into_view_if_needed()
+    box = slider.bounding_box()
+    page.mouse.click(box["x"] + box["width"] * (0.5 - 0.01) / 0.99, box["y"] + box["height"] / 2)
+    status = dash.locator(".gd-status", has_text="set_per_process_memory_fraction")
+    status.wait_for(timeout=20_000)
+    shown = float(slider.input_value())
+    assert status.inner_text().startswith(f"fraction {shown:.3f}: limit ")
+    assert abs(float(kernel_int(page, "print(int(1000 * s.devices[0].allocator.fraction))"))
+               - 1000 * shown) <= 1
+
+    # expandable segments on: PyTorch's live setting, for the segments made from now on
+    toggle = dash.locator('button[data-ctl="expandable"]')
+    assert toggle.inner_text() == "expandable_segments: off"
+    toggle.click()
+    dash.locator(".gd-status", has_text="expandable_segments: on: segments made from now on "
+                                        "are expandable").wait_for(timeout=20_000)
+    page.wait_for_function("(e) => e.textContent === 'expandable_segments: on'",
+                           arg=toggle.element_handle(), timeout=15_000)
+    run_code_in_new_cell(page, "big = s.allocate(50 << 20)\nprint('ok')")
+    dash.scroll_into_view_if_needed()
+    page.wait_for_function("""(r) => Array.from(r.querySelectorAll(
+        '[data-view=chunkmap] .yaxislayer-above .ytick text')).some(
+        e => e.textContent.endsWith('large, expandable'))""", arg=dash.element_handle(),
+                           timeout=20_000)
+
+    # max_split_size_mb typed in: the live settings string to paste
+    field = dash.locator('input[data-ctl="max_split"]')
+    field.fill("128")
+    field.press("Enter")
+    dash.locator(".gd-status", has_text="max_split_size_mb: 128").wait_for(timeout=20_000)
+    assert "_set_allocator_settings('expandable_segments:True,max_split_size_mb:128')" in \
+        dash.locator(".gd-status").inner_text()
+
+    # empty cache: the wholly free 30 MiB segment goes, the map loses a row
+    before = len(region_labels(dash))
+    dash.locator('button[data-ctl="empty_cache"]').click()
+    done = dash.locator(".gd-status", has_text="empty_cache(): returned 30.00 MiB")
+    done.wait_for(timeout=20_000)
+    assert "each holds an allocated block" in done.inner_text()
+    page.wait_for_function("([r, n]) => r.querySelectorAll("
+                           "'[data-view=chunkmap] .yaxislayer-above .ytick text').length === n",
+                           arg=[dash.element_handle(), before - 1], timeout=20_000)
+
+    # a value PyTorch refuses: said, nothing changes
+    field.fill("5")
+    field.press("Enter")
+    dash.locator(".gd-status.err", has_text="max_split_size_mb must be").wait_for(timeout=20_000)
+    assert field.input_value() == "128"  # the value in force, shown again
+    assert kernel_int(page, "print(s.devices[0].allocator.config.max_split_size >> 20)") == 128
+
+    assert not page_problems(page), page_problems(page)
+    assert not page.console_errors, page.console_errors
+    shot = tmp_path / "dashboard_torch.png"
+    screenshot(page, dash, shot)
+    assert shot.stat().st_size > 20_000

@@ -1048,7 +1048,9 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
     a, b = addresses(client)
     dash = ClusterDashboard(client)
     try:
-        assert dash.model.wait(lambda w: a in w, 5)
+        # both workers listed (b is picked below: a row the dashboard has not shown yet
+        # cannot be picked)
+        assert dash.model.wait(lambda w: a in w and b in w, 10)
         on(client, a, _allocate, [10 * MIB])
         assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 10 * MIB, 5)
         on(client, a, _allocate, [30 * MIB])
@@ -1221,3 +1223,21 @@ def test_gpu_worker_routes_rmm_through_the_session():
         assert facts["resource"] == "CallbackMemoryResource"
         assert facts["grew"] >= 3 << 20
 
+
+
+def test_pytorch_what_ifs_on_the_cluster_equal_local(client):
+    """PyTorch's calls travel with their streams and empty_cache() calls."""
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+
+    snap = caching_snapshot(finetune_calls(steps=6, layers=6, max_len=1024),
+                            device_bytes="8GiB")
+    trace = load_torch_snapshot(snap)
+    kw = dict(fractions=(0.2, 0.4, 0.8), device_bytes="8GiB")
+    remote = sweep(trace, client=client, **kw)
+    assert remote == sweep(trace, **kw) and remote.allocator == "torch"
+    assert {r["expandable_segments"] for r in remote} == {False, True}
+    r_local = min_fraction(trace, "8GiB", tolerance=0.01)
+    r_remote = min_fraction(trace, "8GiB", tolerance=0.01, client=client)
+    assert (r_remote.fraction, r_remote.history, r_remote.allocator) == (
+        r_local.fraction, r_local.history, "torch")

@@ -701,6 +701,29 @@ def test_the_replay_command_scans_a_trace_of_many_devices_once(tmp_path, monkeyp
     assert out.count("allow_growth=True") == 2 and out.count("allow_growth=False") == 2
 
 
+def test_the_devices_metadata_is_read_once_however_many_devices_replay(monkeypatch):
+    """Each device's replay asks for its name (its caveats, its label): the metadata's
+    device list is read once, not once per device (which made a trace of 8,000 devices take
+    over 30 s)."""
+    from gpudash.trace import format as fmt
+
+    t = _many_devices(200)
+    reads = []
+    real = fmt._has_index
+    monkeypatch.setattr(fmt, "_has_index", lambda e: (reads.append(1), real(e))[1])
+    fmt._ENTRIES_SEEN.clear()
+    gt.replay_devices(t, record=False, per_call=False)
+    assert 0 < len(reads) <= 2 * 200
+
+
+def test_explain_on_json_nested_past_the_stack_is_one_line(tmp_path, capsys):
+    path = tmp_path / "nested.pickle"
+    path.write_text('{"segments": ' + "[" * 5000 + "]" * 5000 + "}")
+    assert main(["explain", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "nested too deeply" in err[0]
+
+
 def test_regions_and_peaks_of_many_devices_match_a_device_by_device_count():
     import numpy as np
 

@@ -259,3 +259,100 @@ def test_absurd_sizes_are_usage_errors_and_leave_nothing_behind(ip):
     with pytest.raises(UsageError, match="at most 9223372036854775807 bytes"):
         ip.run_line_magic("gpudash_config", "deferred=1e99999")
     assert _session().devices[0]._deferred.threshold == before
+
+
+# ------------------------------------------------------------------------------ PyTorch
+def test_gpudash_allocator_torch_makes_a_pytorch_session_and_its_dashboard(ip, capsys,
+                                                                            monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    dash = ip.run_line_magic("gpudash", "--allocator torch --simulate 8GiB --fraction 0.5")
+    sess = _session()
+    assert sess.framework == "torch" and sess.devices[0].name == "cuda:0"
+    alloc = sess.devices[0].allocator
+    assert alloc.config.as_conf() == "max_split_size_mb:64"  # read from the environment
+    assert alloc.fraction == 0.5 and sess.devices[0].memory_limit == 4 * GiB
+    assert dash.model.session is sess and dash.model.model(0).name == "torch"
+    # again, with --conf: the same session and dashboard, _set_allocator_settings live
+    assert ip.run_line_magic("gpudash", "--conf expandable_segments:True") is dash
+    assert alloc.config.as_conf() == "expandable_segments:True"
+    with pytest.raises(UsageError, match="allow_growth is TensorFlow's setting"):
+        ip.run_line_magic("gpudash", "--growth")
+    # back to TensorFlow's allocator: a new default session, said in a line
+    capsys.readouterr()
+    ip.run_line_magic("gpudash", "--allocator bfc --simulate 1GiB")
+    assert _session().model.name == "bfc" and not sess.closed
+    assert "the one with PyTorch's caching allocator stays open" in capsys.readouterr().out
+    sess.close()
+
+
+def test_gpudash_refuses_mixed_arguments(ip):
+    with pytest.raises(UsageError, match="--conf is PYTORCH_CUDA_ALLOC_CONF"):
+        ip.run_line_magic("gpudash", "--simulate 1GiB --conf expandable_segments:True")
+    with pytest.raises(UsageError, match="--allocator and --conf are for gpudash's session"):
+        ip.run_line_magic("gpudash", "--watch torch --allocator torch")
+    with pytest.raises(UsageError, match="allocator must be one of"):
+        ip.run_line_magic("gpudash", "--allocator cupy --simulate 1GiB")
+    with pytest.raises(UsageError, match="max_split_size_mb"):
+        ip.run_line_magic("gpudash", "--allocator torch --simulate 1GiB "
+                                     "--conf max_split_size_mb:5")
+    assert _session() is None
+
+
+def test_gpudash_config_takes_pytorch_s_names(ip, capsys):
+    ip.run_line_magic("gpudash", "--allocator torch --simulate 2x8GiB")
+    sess = _session()
+    capsys.readouterr()
+    ip.run_line_magic("gpudash_config", "")
+    assert capsys.readouterr().out.splitlines() == [
+        "gpudash (torch): cuda:0 fraction not set, limit 8.00 GiB, "
+        "PYTORCH_CUDA_ALLOC_CONF='' (the defaults)",
+        "gpudash (torch): cuda:1 fraction not set, limit 8.00 GiB, "
+        "PYTORCH_CUDA_ALLOC_CONF='' (the defaults)"]
+    ip.run_line_magic("gpudash_config", "fraction=0.25 device=cuda:1 expandable_segments=true "
+                                        "max_split_size_mb=128 gc=0.6")
+    out = capsys.readouterr().out
+    assert out.strip() == ("gpudash (torch): cuda:1 fraction 0.25, limit 2.00 GiB, "
+                           "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True,"
+                           "max_split_size_mb:128,garbage_collection_threshold:0.6'")
+    a0, a1 = (d.allocator for d in sess.devices)
+    assert a1.fraction == 0.25 and a0.fraction is None
+    assert a0.config == a1.config  # PyTorch's settings are process-wide
+    ip.run_line_magic("gpudash_config", "PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:4 "
+                                        "max_split_size_mb=none")
+    assert a0.config.as_conf() == "expandable_segments:True,roundup_power2_divisions:4"
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("gpudash_config", "growth=true deferred=1MiB fraction=2")
+    text = str(info.value)
+    for words in ("changed nothing", "allow_growth is TensorFlow's setting",
+                  "deferred_deletion_bytes is TensorFlow's setting", "in [0, 1]"):
+        assert words in text, words
+    with pytest.raises(UsageError, match="expandable_segments must be true or false"):
+        ip.run_line_magic("gpudash_config", "expandable_segments=maybe")
+    with pytest.raises(UsageError, match=r"in \[0, 1\]"):
+        ip.run_line_magic("gpudash_config", "fraction=2")
+    assert a1.fraction == 0.25
+
+
+def test_gpudash_track_and_its_report_on_a_pytorch_session(ip, capsys, tmp_path):
+    from html import unescape
+
+    ip.run_line_magic("gpudash", "--allocator torch --simulate 8GiB --conf "
+                                 "expandable_segments:True")
+    ip.user_ns.update(sess=_session(), MiB=MiB)
+    report = tmp_path / "cell.html"
+    ip.run_cell_magic("gpudash_track", f"--report {report}",
+                      "ptrs = [sess.allocate(n * MiB) for n in (1, 30, 100)]\n"
+                      "sess.free(ptrs.pop())\nsess.empty_cache()\n")
+    out = capsys.readouterr().out
+    assert "cuda:0: allocated +31.00 MiB (now 31.00 MiB), peak 131.00 MiB" in out, out
+    assert "reserved 42.00 MiB" in out  # a 2 MiB small page and two 20 MiB large pages
+    assert f"gpudash_track: report written to {report}" in out
+    html = unescape(report.read_text())
+    assert "PyTorch's caching allocator" in html and "expandable_segments:True" in html
+    with pytest.raises(UsageError, match="unknown arguments"):
+        ip.run_cell_magic("gpudash_track", "--bogus", "pass\n")
+    ip.run_line_magic("gpudash_cells", "on")
+    capsys.readouterr()
+    ip.run_cell("q = sess.allocate(5 * MiB)")
+    assert "gpudash: allocated +5.00 MiB" in capsys.readouterr().out
+    ip.run_line_magic("gpudash_cells", "off")

@@ -10,6 +10,7 @@ same of a real GPU.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import test_widgets_model as shared
 from browser_helpers import missing_browser_reason
 from test_widgets_dashboard import say, sent
 from test_widgets_model import wait_for
-from torch_standin import GiB, MiB, StandInTorch
+from torch_standin import GiB, MiB, ModelTorch, StandInTorch
 
 import gpudash
 from gpudash import BackendUnavailableError, ConfigError
@@ -322,3 +323,89 @@ def test_the_dashboard_s_status_line_says_when_torch_stops_answering(tmp_path_fa
     finally:
         pw.stop()
         server.stop()
+
+
+# ------------------------------------------------------------------------------ replay
+def _run(torch, steps: int = 500, seed: int = 3, device: int = 0) -> None:
+    """A program's allocations, frees, out-of-memory errors and empty_cache() calls."""
+    rng = random.Random(seed)
+    live: list[int] = []
+    for i in range(steps):
+        if live and rng.random() < 0.45:
+            torch.free(live.pop(rng.randrange(len(live))), device)
+        else:
+            try:
+                live.append(torch.allocate(rng.choice([700, 3000, 2 * MiB, 5 * MiB, 30 * MiB,
+                                                       90 * MiB, 300 * MiB]), device))
+            except gpudash.OutOfMemoryError:
+                pass
+        if i % 150 == 149:
+            torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("conf, fraction", [
+    ("", None), ("max_split_size_mb:64", 0.5), ("expandable_segments:True", 0.3),
+    ("garbage_collection_threshold:0.6", 0.3)])
+def test_what_the_monitor_watched_replays_exactly_through_the_model(conf, fraction):
+    """The stand-in's allocator is gpudash's model of PyTorch's, so the snapshot the monitor
+    reads is PyTorch's layout of a real run: its replay must match every segment event,
+    address and OOM, and end in the same layout, with the fraction PyTorch reports."""
+    torch = ModelTorch(total=4 * GiB, conf=conf or None, fraction=fraction)
+    mon = watch(torch, snapshot_interval=30, history=100_000)
+    try:
+        _run(torch)
+        alloc = torch.cuda.allocators[0]
+        result = mon.replay()
+        fid = result.fidelity
+        assert fid.start == "empty" and fid.final_layout_equal, fid.summary()
+        assert fid.segment_events_matched == fid.segment_events > 0
+        assert fid.allocs_matched == fid.allocs and fid.ooms_matched == fid.ooms
+        assert fid.ooms == alloc.memory_stats()["num_ooms"]
+        assert result.allocator == "torch" and result.options["fraction"] == fraction
+        assert result.options["conf"] == conf
+        assert result.memory_limit == alloc.memory_limit
+        assert result.peak_pool_bytes == alloc.memory_stats()["reserved_bytes.all.peak"]
+        # the snapshot read once, replayed on a smaller device: a what-if, no longer exact
+        snap = mon.snapshot()
+        other = mon.replay(snapshot=snap, exact=False, device_bytes=2 * GiB)
+        assert other.fidelity is None and other.options["device_bytes"] == 2 * GiB
+    finally:
+        mon.stop()
+    assert wait_for(lambda: not monitor_threads(), timeout=5)
+
+
+def test_a_history_ring_that_wrapped_replays_from_the_middle_and_says_so():
+    torch = ModelTorch(total=4 * GiB)
+    mon = watch(torch, snapshot_interval=30, history=300)  # far fewer entries than the run
+    try:
+        _run(torch, steps=600)
+        result = mon.replay()
+        fid = result.fidelity
+        assert fid.start == "mid-run" and "(mid-run start)" in fid.summary()
+        # the start is rebuilt from the final segments: the window replays exactly too
+        assert fid.final_layout_equal and fid.segment_events_matched == fid.segment_events
+    finally:
+        mon.stop()
+
+
+def test_replay_refuses_what_it_cannot_replay():
+    torch = ModelTorch(devices=2, total=GiB)
+    mon = watch(torch, snapshot_interval=30, history=0)  # no history turned on
+    try:
+        torch.allocate(MiB)
+        with pytest.raises(ConfigError, match="has no allocator history to replay .the "
+                                              "monitor was started with history=0"):
+            mon.replay()
+        with pytest.raises(ConfigError, match=r"watches CUDA device\(s\) \[0, 1\]; got 5"):
+            mon.replay(device=5)
+    finally:
+        mon.stop()
+    with pytest.raises(ConfigError, match="this torch monitor is stopped"):
+        mon.replay()
+    plain = StandInTorch()  # a torch without memory._snapshot()
+    mon = watch(plain, snapshot_interval=30)
+    try:
+        with pytest.raises(ConfigError, match=r"no torch.cuda.memory._snapshot\(\)"):
+            mon.replay()
+    finally:
+        mon.stop()

@@ -101,6 +101,11 @@ AFTER_RUN_ALL: dict[str, list[Any]] = {
         "print('ended:', task.join(timeout=600))",
         ("again", "if task.done:"),
     ],
+    "07_pytorch.ipynb": [
+        "print('running:', task.running)",
+        "task.join(timeout=0.5); task.cancel(); print('ended:', task.join(timeout=120))",
+        ("again", "if task.done:"),
+    ],
     "04_cluster.ipynb": [
         "print('open:', dash.comm is not None, not dash.model.closed, client.status)",
         "dash.close(); model.close(); client.close(); cluster.close(); print('closed')",
@@ -311,7 +316,7 @@ def test_quickstart_prints_a_memory_log_a_person_reads(run_notebook):
 
 
 @pytest.mark.parametrize("name", ["01_quickstart.ipynb", "03_fragmentation.ipynb",
-                                  "05_frameworks.ipynb"])
+                                  "05_frameworks.ipynb", "07_pytorch.ipynb"])
 def test_the_workload_is_live_when_run_all_is_done(run_notebook, name):
     """Under Run All no cell waits for the background workload, so the dashboard draws and
     answers while it runs (a cell that waited would hold the kernel until the workload ended:
@@ -446,6 +451,32 @@ def test_cluster_notebook_streams_configures_traces_and_sweeps(run_notebook):
                     "client.status)"].split() == ["open:", "True", "True", "running"], ex.after
     assert "closed" in ex.after["dash.close(); model.close(); client.close(); cluster.close(); "
                                 "print('closed')"], ex.after
+
+
+def test_pytorch_notebook_replays_explains_and_answers_in_pytorchs_words(run_notebook):
+    ex = run_notebook("07_pytorch.ipynb")
+    exact = ex.text("r = replay(oom)")
+    assert "segment events 303/303, addresses 6123/6123, OOMs 1/1, final layout equal" in exact
+    assert "device 24.00 GiB: from the oom entry" in exact
+    explained = ex.text("e = gpudash.explain(")
+    assert "fits with         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in explained
+    answer = ex.text("default = min_fraction(")
+    assert "defaults: MinFractionResult(no fit" in answer, answer
+    m = re.search(r"expandable segments: MinFractionResult\(fraction=([0-9.]+)", answer)
+    assert m and 0.9 < float(m.group(1)) < 1.0, answer
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in answer
+    assert "torch.cuda.set_per_process_memory_fraction(" in answer
+    table = ex.text("table = sweep(")
+    assert table.split()[:3] == ["fraction", "expandable", "max_split_size_mb"], table
+    assert "FAILS" in table and "pytorch/pytorch#123548" in table
+    jax = ex.text("allocator='bfc'")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=" in jax and "set_per_process" not in jax
+    # the live dashboard on a PyTorch session, and the job's figures in PyTorch's keys
+    dash = ex.cell("%gpudash --allocator torch")
+    assert any(WIDGET_VIEW in o.get("data", {}) for o in dash.outputs), cell_text(dash)
+    done = ex.after["if task.done:"]
+    assert "TorchSession(1 simulated device(s)" in done, done
+    assert "'reserved_bytes.all.peak':" in done and "WorkloadRun(allocs=" in done, done
 
 
 def test_running_the_notebooks_leaves_nothing_behind(run_notebook, notebook_copy):

@@ -125,7 +125,7 @@ def test_sweep_table_views_and_best(small_training):
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["fraction", "growth", "limit", "fits"]
     assert len({len(line) for line in lines[:5]}) == 1  # aligned
-    assert "409.60 MiB" in text and "(device 4.00 GiB)" in text
+    assert "409.60 MiB" in text and "(device 4.00 GiB, TensorFlow's BFC allocator)" in text
     html = table.to_html()
     assert html.startswith("<table>") and html.endswith("</table>")
     assert html.count("<tr>") == 4 and "<th>peak pool</th>" in html

@@ -178,3 +178,82 @@ class _Cuda:
         self._torch.history.append({"enabled": enabled, "max_entries": max_entries,
                                     "stacks": stacks, "time": time.monotonic(),
                                     "thread": threading.current_thread().name})
+
+
+class ModelTorch(StandInTorch):
+    """A stand-in whose CUDA allocator is gpudash's model of PyTorch's caching allocator
+    (:class:`gpudash.CachingAllocator` on a simulated device): ``memory_stats``,
+    ``memory_snapshot`` and ``memory._snapshot()`` (segments, ``device_traces`` while the
+    history is on, ``allocator_settings``) come in PyTorch's exact layout, so a watched run
+    can be replayed and its fidelity checked where no GPU is. ``allocate`` raises what the
+    model raises (gpudash's ``OutOfMemoryError``, PyTorch's message) after the
+    out-of-memory observers ran, as PyTorch calls them."""
+
+    __version__ = "2.11.0+model"
+
+    def __init__(self, devices: int = 1, total: int = 16 * GiB, conf: str | None = None,
+                 fraction: float | None = None) -> None:
+        super().__init__(devices=devices, total=total)
+        self.cuda = _ModelCuda(self, devices, total, conf, fraction)
+
+    def allocate(self, nbytes: int, device: int = 0) -> int:
+        return self.cuda.allocate(nbytes, device)
+
+    def free(self, handle: int, device: int = 0) -> None:
+        self.cuda.allocators[device].deallocate(handle)
+
+
+class _ModelCuda(_Cuda):
+    def __init__(self, torch: ModelTorch, devices: int, total: int, conf: str | None,
+                 fraction: float | None) -> None:
+        from gpudash import CachingAllocator, SimulatedDevice
+
+        super().__init__(torch, devices, total, True, True)
+        self.allocators = [CachingAllocator(SimulatedDevice(total), conf, fraction=fraction,
+                                            device=i) for i in range(devices)]
+        self.memory._snapshot = self._full_snapshot
+        self.memory_snapshot = lambda mempool_id=None, include_traces=True: self._snapshot()
+
+    def allocate(self, nbytes: int, device: int = 0) -> int:
+        from gpudash import OutOfMemoryError
+
+        alloc = self.allocators[device]
+        try:
+            return alloc.allocate(nbytes)
+        except OutOfMemoryError:
+            for observer in list(self._torch.observers):
+                observer(device, nbytes, alloc.bytes_in_use, alloc.device_total - alloc.pool_bytes)
+            raise
+
+    def memory_stats(self, device: int = 0) -> dict:
+        self._torch._call("stats")
+        return self.allocators[device].memory_stats()
+
+    def _snapshot(self) -> list[dict]:
+        self._torch._call("snapshot")
+        return [seg for a in self.allocators for seg in a.segments()]
+
+    def _full_snapshot(self) -> dict:
+        self._torch._call("snapshot")
+        snaps = [a.snapshot() for a in self.allocators]
+        return {"segments": [seg for s in snaps for seg in s["segments"]],
+                "device_traces": [s["device_traces"][i] for i, s in enumerate(snaps)],
+                "allocator_settings": snaps[0]["allocator_settings"],
+                "external_annotations": []}
+
+    def get_per_process_memory_fraction(self, i: int) -> float:
+        frac = self.allocators[i].fraction
+        return 1.0 if frac is None else frac
+
+    def set_per_process_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        self.allocators[device].set_memory_fraction(fraction)
+
+    def empty_cache(self) -> None:
+        for a in self.allocators:
+            a.empty_cache()
+
+    def _record_memory_history(self, enabled: Any = "all", max_entries: int = 0,
+                               stacks: str = "all", **kwargs: Any) -> None:
+        super()._record_memory_history(enabled, max_entries, stacks, **kwargs)
+        for a in self.allocators:
+            a.record_history(enabled is not None, max_entries or 1_000_000)

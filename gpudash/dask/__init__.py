@@ -32,7 +32,7 @@ _LAZY = {
     "WorkerFeed": "gpudash.dask.model",
     "ClusterDashboard": "gpudash.dask.dashboard",
     "configure_workers": "gpudash.dask.control",
-    "collect_traces": "gpudash.dask.control",
+    "collect_traces": "gpudash.dask.traces",
 }
 
 __all__ = list(_LAZY)

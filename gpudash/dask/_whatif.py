@@ -2,8 +2,10 @@
 and :func:`~gpudash.trace.whatif.min_fraction`).
 
 The trace's calls are scattered to every worker once (``broadcast=True``); each task replays
-one setting. A worker process turns the calls into Python lists once and reuses them for
-every replay it runs.
+one setting with :mod:`gpudash.trace.tasks` (the same units a local run uses: a sweep row, a
+bisection probe), and the bisection is :func:`gpudash.trace.tasks.bisect`, fed several levels
+at a time. A worker process turns the calls into Python lists once and reuses them for every
+replay it runs.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["sweep_rows", "bisect"]
+from ..trace.tasks import bisect, probe, sweep_row
+
+__all__ = ["sweep_rows", "bisect_on"]
 
 
 class _Calls:
     """The calls of one trace, as shipped to workers (numpy arrays pickle compactly)."""
 
-    def __init__(self, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
+    def __init__(self, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray, streams: Any,
                  n_events: int) -> None:
         self.token = uuid.uuid4().hex
         self.op = np.asarray(op)
         self.key = np.asarray(key)
         self.nbytes = np.asarray(nbytes)
+        self.streams = None if streams is None else np.asarray(streams)  # PyTorch's only
         self.n_events = int(n_events)
 
 
@@ -38,28 +43,20 @@ def _lists(calls: _Calls) -> tuple:
     if lists is None:
         _CACHE.clear()
         lists = _CACHE[calls.token] = (calls.op.tolist(), calls.key.tolist(),
-                                       calls.nbytes.tolist(), calls.n_events)
+                                       calls.nbytes.tolist(), calls.streams, calls.n_events)
     return lists
 
 
 def _sweep_task(settings: dict, calls: _Calls) -> dict:
-    from ..trace.whatif import _sweep_one
-
-    return _sweep_one(settings, _lists(calls))
+    return sweep_row(settings, _lists(calls))
 
 
 def _fits_task(settings: dict, calls: _Calls, max_ooms: int | None) -> int:
-    from ..trace.replay import _replay_lists
-
-    ops, keys, nbytes, n_events = _lists(calls)
-    r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=False,
-                      max_ooms=max_ooms, progress=None)
-    return int(r.oom_count)
+    return probe(settings, _lists(calls), max_ooms)
 
 
-def _scatter(client: Any, op: np.ndarray, key: np.ndarray, nbytes: np.ndarray,
-             n_events: int) -> Any:
-    [future] = client.scatter([_Calls(op, key, nbytes, n_events)], broadcast=True, hash=False)
+def _scatter(client: Any, calls: tuple) -> Any:
+    [future] = client.scatter([_Calls(*calls)], broadcast=True, hash=False)
     return future
 
 
@@ -70,14 +67,13 @@ def _check_client(client: Any) -> None:
         raise TypeError(f"client must be a distributed.Client; got {type(client).__name__}")
 
 
-def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarray,
-               nbytes: np.ndarray, n_events: int,
+def sweep_rows(client: Any, settings: list[dict], calls: tuple,
                report: Callable[[int, int], None] | None) -> list[dict]:
     """One replay per setting as Dask tasks; the rows in the order of ``settings``."""
     from distributed import as_completed
 
     _check_client(client)
-    calls = _scatter(client, op, key, nbytes, n_events)
+    calls = _scatter(client, calls)
     token = uuid.uuid4().hex[:8]
     futures = [client.submit(_sweep_task, s, calls, key=f"gpudash-sweep-{token}-{i}",
                              pure=False) for i, s in enumerate(settings)]
@@ -98,19 +94,18 @@ def sweep_rows(client: Any, settings: list[dict], op: np.ndarray, key: np.ndarra
     return [r for r in rows if r is not None]
 
 
-def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
-           key: np.ndarray, nbytes: np.ndarray, n_events: int, lo: float, hi: float,
-           tolerance: float, max_ooms: int | None, history: list,
-           report: Callable[[], None] | None) -> float | None:
+def bisect_on(client: Any, make_settings: Callable[[float], dict], calls: tuple, lo: float,
+              hi: float, tolerance: float, max_ooms: int | None, history: list,
+              step: Callable[[], None] | None) -> float | None:
     """:func:`~gpudash.trace.whatif.min_fraction`'s bisection, replays as Dask tasks.
 
     Speculative: each round replays the next ``d`` levels of the bisection tree at once
     (``2**d - 1`` replays, ``d`` as large as the cluster's threads allow), then follows the
-    path the sequential bisection would take. The fractions tried, the history and the
-    result are exactly those of the local run.
+    path the sequential bisection would take (:func:`gpudash.trace.tasks.bisect`). The
+    fractions tried, the history and the result are exactly those of the local run.
     """
     _check_client(client)
-    calls = _scatter(client, op, key, nbytes, n_events)
+    shipped = _scatter(client, calls)
     threads = max(1, sum(client.nthreads().values()))
     depth = max(1, int(math.log2(threads + 1)))
     token = uuid.uuid4().hex[:8]
@@ -120,7 +115,7 @@ def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
         futures = []
         for f in fractions:
             count[0] += 1
-            futures.append(client.submit(_fits_task, make_settings(f), calls, max_ooms,
+            futures.append(client.submit(_fits_task, make_settings(f), shipped, max_ooms,
                                          key=f"gpudash-bisect-{token}-{count[0]}",
                                          pure=False))
         try:
@@ -131,41 +126,7 @@ def bisect(client: Any, make_settings: Callable[[float], dict], op: np.ndarray,
             for fut in futures:
                 fut.release()
 
-    def note(frac: float, ooms: int) -> None:
-        history.append((frac, ooms))
-        if report is not None:
-            report()
-
     try:
-        first = run([hi])[hi]
-        note(hi, first)
-        if first:
-            return None
-        good, bad = hi, lo
-        while good - bad > tolerance:
-            # the tree of midpoints the next `depth` steps may visit
-            nodes: list[float] = []
-            frontier = [(good, bad)]
-            for _ in range(depth):
-                nxt = []
-                for g, b in frontier:
-                    if g - b <= tolerance:
-                        continue
-                    mid = (g + b) / 2.0
-                    nodes.append(mid)
-                    nxt += [(mid, b), (g, mid)]
-                frontier = nxt
-            results = run(nodes)
-            for _ in range(depth):
-                if good - bad <= tolerance:
-                    break
-                mid = (good + bad) / 2.0
-                ooms = results[mid]
-                note(mid, ooms)
-                if ooms == 0:
-                    good = mid
-                else:
-                    bad = mid
-        return good
+        return bisect(run, lo, hi, tolerance, history, step, depth=depth)
     finally:
-        calls.release()
+        shipped.release()

@@ -245,6 +245,75 @@ class TorchMonitor(Monitor):
                    names={"fraction": "set_per_process_memory_fraction"})
         return out
 
+    # ------------------------------------------------------------------ replay
+    def snapshot(self) -> dict:
+        """PyTorch's own memory snapshot now (``torch.cuda.memory._snapshot()``): every
+        device's segments and blocks, the allocator history this monitor turned on
+        (``device_traces``) and the allocator's settings (PyTorch 2.4 on)."""
+        if self._closed:  # stop() turned the history off, which clears it in PyTorch
+            raise ConfigError("this torch monitor is stopped (its allocator history went with "
+                              "it); create a new one with gpudash.watch('torch')")
+        get = getattr(getattr(self._torch.cuda, "memory", None), "_snapshot", None)
+        if get is None:
+            raise ConfigError(f"torch {getattr(self._torch, '__version__', '?')} has no "
+                              "torch.cuda.memory._snapshot() to read the allocator's history "
+                              "from (PyTorch 2.1 on has)")
+        return get()
+
+    def replay(self, device: int | None = None, *, snapshot: dict | None = None,
+               **options: Any) -> Any:
+        """Replay what PyTorch's allocator did through gpudash's model of it.
+
+        Reads :meth:`snapshot` (or takes ``snapshot``), imports it
+        (:func:`gpudash.trace.torch_snapshot.load_torch_snapshot`) and replays one device
+        with :func:`gpudash.trace.replay.replay`: exactly (the snapshot's own segment
+        addresses and release points), on the device's total memory, with the fraction
+        PyTorch reports (``torch.cuda.get_per_process_memory_fraction``, where one below 1
+        was set) and the snapshot's ``allocator_settings``. The result's ``fidelity`` says
+        how closely the model followed PyTorch (segment events and final layout matched);
+        a history ring that wrapped starts mid-run, and its fidelity says so.
+
+        Parameters
+        ----------
+        device : int, optional
+            The CUDA device (its PyTorch index; default the first watched).
+        snapshot : dict, optional
+            A snapshot read earlier (:meth:`snapshot`).
+        **options
+            More :func:`~gpudash.trace.replay.replay` settings (``conf``, ``fraction``,
+            ``exact``, ``record``...); given ones win.
+
+        Raises
+        ------
+        ConfigError
+            A device this monitor does not watch, or a snapshot without history (the
+            monitor was started with ``history=0``).
+        """
+        from ..trace.replay import replay
+        from ..trace.torch_snapshot import load_torch_snapshot
+
+        i = self._ids[0] if device is None else device
+        if isinstance(i, bool) or not isinstance(i, int) or i not in self._ids:
+            raise ConfigError(f"this monitor watches CUDA device(s) {self._ids}; got {device!r}")
+        snap = self.snapshot() if snapshot is None else snapshot
+        traces = snap.get("device_traces") or []
+        if i >= len(traces) or not traces[i]:
+            why = ("the monitor was started with history=0" if not self._history_entries
+                   else "PyTorch recorded no history for it")
+            raise ConfigError(f"the snapshot of cuda:{i} has no allocator history to replay "
+                              f"({why}): watch with history > 0, or record it "
+                              "(torch.cuda.memory._record_memory_history)")
+        trace = load_torch_snapshot(snap)
+        k = self._ids.index(i)
+        settings = {"device": i, "allocator": "torch", "exact": True,
+                    "device_bytes": self.feeds[k].capacity}
+        get = getattr(self._torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get(i) if get is not None else None
+        if fraction is not None and fraction < 1.0:
+            settings["fraction"] = float(fraction)
+        settings.update(options)
+        return replay(trace, **settings)
+
     def restart_lines(self, fraction: float | None = None, allow_growth: bool | None = None,
                       form: str = "env", device: int = 0) -> list[str]:
         if fraction is None and allow_growth is None:

@@ -100,6 +100,14 @@ def trace_warnings(trace: Trace, device: int) -> list[str]:
             out.append(f"{name or f'device {device}'} has no allocation in the trace before its "
                        "out-of-memory error: the memory in use when it failed is unknown, so "
                        f"a replay starts from an empty allocator: {_CONSEQUENCE}")
+    if trace.meta.get("source") == "pytorch-snapshot":
+        # a snapshot dumped in the job's out-of-memory handler: the job ended there
+        kind = np.asarray(cols["kind"])[on]
+        ooms = np.flatnonzero(kind == int(EventKind.OOM))
+        if len(ooms) and not np.any(kind[ooms[-1] + 1:] == int(EventKind.ALLOC)):
+            out.append(f"{name or f'cuda:{device}'}'s trace ends at its out-of-memory error "
+                       "(no allocation after it): the job's calls after the failure are not "
+                       f"in it, so {_CONSEQUENCE}")
     return out
 
 

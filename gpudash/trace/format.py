@@ -121,15 +121,27 @@ def _device_entries(meta: Mapping) -> dict[int, dict]:
     """``meta["devices"]`` by index (the first entry of each index). Entries that are not
     objects with an integer ``index`` are left out, and so is a ``devices`` that is not a
     list: a trace read from a file had them refused (:func:`read_trace`), and one built in
-    memory with odd ones is still usable."""
+    memory with odd ones is still usable.
+
+    The result is shared (read it, do not change it): the last list read is remembered, so
+    asking per device of a trace with thousands of devices stays linear."""
     devs = meta.get("devices")
-    out: dict[int, dict] = {}
     if not isinstance(devs, list):
-        return out
+        return {}
+    key = (id(devs), len(devs), id(devs[0]) if devs else 0, id(devs[-1]) if devs else 0)
+    last = _ENTRIES_SEEN
+    if last and last[0] is devs and last[1] == key:
+        return last[2]
+    out: dict[int, dict] = {}
     for d in devs:
         if _has_index(d):
             out.setdefault(int(d["index"]), d)
+    _ENTRIES_SEEN[:] = [devs, key, out]
     return out
+
+
+# the last ``meta["devices"]`` list _device_entries read: [the list, its key, the entries]
+_ENTRIES_SEEN: list = []
 
 
 def _has_index(entry: Any) -> bool:

@@ -94,7 +94,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         first = text.split(b"\n", 1)[0]
         try:
             obj = json.loads(first)
-        except ValueError:
+        except (ValueError, RecursionError):   # not JSON, or nested past Python's stack
             obj = None
         if isinstance(obj, dict) and "hook" in obj:
             return "cupy-hook"

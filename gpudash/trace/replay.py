@@ -378,11 +378,12 @@ def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
             cap = _common_gpu(_peak_reserved(trace, picked))
         if cap is not None:
             s["device_bytes"], how = cap
-            s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+            s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
         else:
             s["assumed"].append(
-                f"device: {format_bytes(parse_bytes(s['device_bytes']))} assumed (the trace "
-                "does not say; pass device_bytes= or --device SIZE)")
+                f"device {format_bytes(parse_bytes(s['device_bytes']))}: gpudash's default "
+                "(the trace does not say how much the GPU had; pass device_bytes= or --device "
+                "SIZE)")
     s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
     if s["device_bytes"] <= 0:
         raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
@@ -454,13 +455,26 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
             raise ConfigError(f"{k} is not a setting of PyTorch's caching allocator{hint}; "
                               f"known: {sorted(_TORCH_DEFAULTS)}")
         s[k] = v
+    if trace is not None and index is not None and not isinstance(trace.meta.get("torch"), dict):
+        # a gpudash recording of PyTorch's model (a PyTorch session): the device's settings
+        # and capacity as recorded, where the call gives none
+        entry = index._meta.get(index.pick(s["device"])) or {}
+        opts = entry.get("options") if isinstance(entry.get("options"), Mapping) else {}
+        for key in ("conf", "fraction", "torch_version"):
+            if s[key] is None and opts.get(key) is not None:
+                s[key] = opts[key]
+        if s["device_bytes"] is None and entry.get("capacity"):
+            s["device_bytes"] = entry["capacity"]
     recorded_meta = trace.meta if trace is not None and trace_model(trace) is TORCH else {}
     torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
                                                            dict) else {}
     version = s["torch_version"]
+    guessed = None
     if version is None:
         try:
             version = parse_torch_version(torch_meta.get("version") or None)
+            if torch_meta.get("version"):
+                guessed = version
         except ConfigError:
             version = None
     conf = s["conf"]
@@ -504,7 +518,12 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
         if cap is None:
             cap = _common_gpu(_peak_reserved(trace, s["device"]) if trace is not None else 0)
         s["device_bytes"], how = cap
-        s["assumed"].append(f"device: {format_bytes(s['device_bytes'])}, {how}")
+        s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
+    if guessed is not None:
+        s["assumed"].append(
+            f"PyTorch {guessed[0]}.{guessed[1]}'s rules: the oldest PyTorch whose snapshot has "
+            "the fields this one has (a snapshot does not record the version; pass "
+            "torch_version= or --torch-version)")
     exact = s["exact"]
     recorded = bool(torch_meta)
     overridden = s["fraction"] is not None or parts or explicit.get("conf", _UNSET) not in (
@@ -581,8 +600,8 @@ def _common_gpu(need: int) -> tuple[int, str]:
                -(-need // (1 << 30)))
     held = (f"the smallest common GPU size that holds the {format_bytes(need)} the trace's "
             "segments held at most" if need else "gpudash's default")
-    return gib << 30, (f"assumed: {held} (the trace does not say how much the GPU had; "
-                       "pass device_bytes= or --device SIZE)")
+    return gib << 30, (f"{held} (the trace does not say how much the GPU had; pass "
+                       "device_bytes= or --device SIZE)")
 
 
 def _peak_reserved(trace: Trace, device: int) -> int:
@@ -944,6 +963,13 @@ class _Engine:
         self.skipped_frees += skipped
         self.pos = stop
 
+    def dump(self) -> MemoryDump:
+        """The allocator's state as gpudash's neutral :class:`~gpudash.MemoryDump` (PyTorch's
+        with its pools as ``extra["layout"] == "pools"``)."""
+        if self.model is TORCH:
+            return self.alloc.memory_dump()
+        return self.alloc.snapshot()
+
     def flush_held(self) -> None:
         """Apply the frees deferred deletion still holds."""
         for q in self.held:
@@ -1210,11 +1236,38 @@ def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.
     return calls.op, calls.key, calls.nbytes, n_events
 
 
+def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None, *,
+                 with_rows: bool = False) -> tuple:
+    """The calls a replay with ``settings`` makes, for either model: ``(op, key, nbytes,
+    streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none); with
+    ``with_rows``, the trace row of each call after them."""
+    dev = settings["device"]
+    if with_rows:
+        if settings["allocator"] == "torch":
+            return torch_calls(trace, dev, with_rows=True)
+        calls = trace.calls(dev)
+        n_events = int(np.count_nonzero(trace.columns["device"] == dev))
+        return calls.op, calls.key, calls.nbytes, None, n_events, calls.row
+    if settings["allocator"] == "torch":
+        return torch_calls(trace, dev) if index is None else index.torch_calls(dev)
+    op, key, nbytes, n_events = (_calls_lists(trace, dev) if index is None
+                                 else index.calls(dev))
+    return op, key, nbytes, None, n_events
+
+
+def limit_for(settings: dict, fraction: float | None) -> int:
+    """The limit a replay with ``settings`` gets at ``fraction``: TensorFlow's rule for BFC
+    (None or 0: its default), ``fraction * device`` for PyTorch's
+    ``set_per_process_memory_fraction`` (None: the whole device)."""
+    return model_for(settings["allocator"]).limit(settings["device_bytes"], fraction,
+                                                  int(settings.get("cc_major") or 8))
+
+
 #: The op of an ``empty_cache()`` call in a PyTorch trace's call list.
 EMPTY_CACHE = 9
 
 
-def torch_calls(trace: Trace, device: int) -> tuple:
+def torch_calls(trace: Trace, device: int, *, with_rows: bool = False) -> tuple:
     """The calls a replay through PyTorch's allocator makes for ``device``:
     ``(op, key, nbytes, stream, n_events)`` as numpy columns.
 
@@ -1226,28 +1279,36 @@ def torch_calls(trace: Trace, device: int) -> tuple:
     driver refused memory looks the same and is replayed as a call too: it only returns
     cached memory, so it never makes a replay fail (gpudash's exact replay tells the two
     apart; see :mod:`gpudash.trace.torch_replay`).
+
+    With ``with_rows``, a sixth column: the trace row of each call (an ``empty_cache()``
+    call: the first release row of its run).
     """
     calls = trace.calls(device)
     n_events = int(np.count_nonzero(trace.columns["device"] == device))
-    return _torch_calls(trace, device, calls.op, calls.key, calls.nbytes, calls.row, n_events)
+    out = _torch_calls(trace, device, calls.op, calls.key, calls.nbytes, calls.row, n_events,
+                       with_rows=with_rows)
+    return out
 
 
 def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
-                 nbytes: np.ndarray, rows: np.ndarray, n_events: int) -> tuple:
+                 nbytes: np.ndarray, rows: np.ndarray, n_events: int,
+                 with_rows: bool = False) -> tuple:
     from ..events import EventKind
 
     c = trace.columns
     streams = trace.streams()[rows] if trace.stream is not None else None
     rel = np.flatnonzero((c["kind"] == int(EventKind.RELEASE)) & (c["device"] == device))
     if not len(rel):
-        return op, key, nbytes, streams, n_events
+        return (op, key, nbytes, streams, n_events) + ((rows,) if with_rows else ())
     # the call each release precedes; one empty_cache() per run (same next call)
     at = np.searchsorted(rows, rel)
-    runs = np.unique(at)
+    runs, first = np.unique(at, return_index=True)
+    first_rel = rel[first]
     before_oom = np.zeros(len(runs), dtype=bool)
     inside = runs < len(op)
     before_oom[inside] = op[runs[inside]] == 7
     runs = runs[~before_oom]
+    first_rel = first_rel[~before_oom]
     n = len(op) + len(runs)
     pos = runs + np.arange(len(runs))            # where each empty_cache() lands
     keep = np.ones(n, dtype=bool)
@@ -1260,7 +1321,12 @@ def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
     if streams is not None:
         new_streams = np.zeros(n, dtype=streams.dtype)
         new_streams[keep] = streams
-    return new_op, new_key, new_nbytes, new_streams, n_events
+    if not with_rows:
+        return new_op, new_key, new_nbytes, new_streams, n_events
+    new_rows = np.empty(n, dtype=rows.dtype)
+    new_rows[keep] = rows
+    new_rows[pos] = first_rel
+    return new_op, new_key, new_nbytes, new_streams, n_events, new_rows
 
 
 def replay(trace: Trace, *, allocator: str | None = _UNSET,
@@ -1408,18 +1474,11 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
 
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
-    streams = None
     if settings["allocator"] == "torch" and settings["exact"]:
         result = _replay_exact(trace, settings, record=record, per_call=per_call,
                                progress=report)
     else:
-        if settings["allocator"] == "torch":
-            ops, keys, nbytes, streams, n_events = (
-                torch_calls(trace, dev) if index is None else index.torch_calls(dev))
-        elif index is None:
-            ops, keys, nbytes, n_events = _calls_lists(trace, dev)
-        else:
-            ops, keys, nbytes, n_events = index.calls(dev)
+        ops, keys, nbytes, streams, n_events = _model_calls(trace, settings, index)
         result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
                                per_call=per_call, max_ooms=max_ooms, progress=report,
                                streams=streams)
@@ -1437,8 +1496,8 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     sample = [[], [], []] if per_call else None
     rec: list = []
     t0 = time.perf_counter()
-    fid = replay_exact(tt, conf=settings["conf"], device_total=settings["device_bytes"],
-                       sample=sample, progress=progress,
+    fid = replay_exact(tt, conf=settings["conf"], fraction=settings["fraction"],
+                       device_total=settings["device_bytes"], sample=sample, progress=progress,
                        attach=(lambda a: rec.append(_Collected(a))) if record else None)
     elapsed = time.perf_counter() - t0
     alloc = fid.allocator

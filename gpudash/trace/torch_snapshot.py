@@ -40,6 +40,7 @@ from typing import IO, Any
 from .._errors import TraceFormatError
 from ..events import EventKind
 from .format import Trace, _device_entries, _EventBuilder, _open_new, _open_regular, _source_name
+from .torch_trace import compact_segments
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -295,7 +296,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             entries.append((t, 1, dev, i, e))
 
     # ---- what existed before the first entry: rebuilt as exact replay rebuilds it
-    from .torch_replay import from_snapshot, start_state
+    from .torch_trace import from_snapshot, start_state
 
     per_device = from_snapshot(snap, name)
     initial: list[tuple[int, int, int, int, dict]] = []
@@ -374,15 +375,11 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
             "version": ".".join(map(str, next(iter(per_device.values())).version))
             if per_device else "",
             "prefix": prefix,
-            "final": {str(dev): _compact_segments(tt.final)
+            "final": {str(dev): compact_segments(tt.final)
                       for dev, tt in per_device.items() if tt.final is not None},
         },
     }
     return b.build(meta)
-
-
-_STATE_CODES = {"inactive": 0, "active_allocated": 1, "active_pending_free": 2,
-                "active_awaiting_free": 2}
 
 
 def _stream(entry: dict, where: str) -> int:
@@ -394,45 +391,6 @@ def _stream(entry: dict, where: str) -> int:
         raise TraceFormatError(f"{where}: expected an integer stream (a cudaStream_t value), "
                                f"found {s!r:.60}")
     return s - (1 << 64) if s >= 1 << 63 else s
-
-
-def _compact_segments(final: list[dict] | None) -> list[list]:
-    """A device's final segments, as replay compares them: ``[address, total_size, small,
-    expandable, stream, [[size, state, requested], ...]]`` with state 0 inactive, 1
-    allocated, 2 pending free (JSON-friendly; :func:`expand_segments` reads it back)."""
-    out = []
-    for seg in final or ():
-        blocks = []
-        for blk in seg.get("blocks") or []:
-            state = blk.get("state")
-            if state is None:
-                state = "active_allocated" if blk.get("allocated") else "inactive"
-            req = blk.get("requested_size")
-            if req is None:
-                hist = blk.get("history") or []
-                req = hist[-1].get("real_size", 0) if hist and isinstance(hist[-1], dict) else 0
-            blocks.append([int(blk["size"]), _STATE_CODES.get(state, 0), int(req or 0)])
-        out.append([int(seg["address"]), int(seg["total_size"]),
-                    int(seg.get("segment_type") == "small"), int(bool(seg.get("is_expandable"))),
-                    int(seg.get("stream") or 0), blocks])
-    return out
-
-
-def expand_segments(compact: list, device: int) -> list[dict]:
-    """:func:`_compact_segments`' form back as PyTorch's segment dicts."""
-    names = {0: "inactive", 1: "active_allocated", 2: "active_pending_free"}
-    out = []
-    for address, total, small, expandable, stream, blocks in compact:
-        addr = address
-        bl = []
-        for size, state, req in blocks:
-            bl.append({"address": addr, "size": size, "requested_size": req,
-                       "state": names.get(state, "inactive")})
-            addr += size
-        out.append({"device": device, "address": address, "total_size": total,
-                    "segment_type": "small" if small else "large",
-                    "is_expandable": bool(expandable), "stream": stream, "blocks": bl})
-    return out
 
 
 def _jsonable(obj: Any, name: str = "<dict>") -> Any:

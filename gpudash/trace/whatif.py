@@ -1,12 +1,15 @@
 """What-if questions over a trace: the smallest memory fraction that fits, and settings sweeps.
 
-Both replay the trace (:func:`gpudash.trace.replay.replay`) without recording:
+Both replay the trace (:func:`gpudash.trace.replay.replay`) without recording, through the
+allocator model of the trace's framework (``allocator=`` picks the other one):
 
-- :func:`min_fraction` bisects ``per_process_gpu_memory_fraction`` for the smallest value at
-  which no allocation is refused;
-- :func:`sweep` replays a grid of fractions x ``allow_growth`` settings, in this process, in
-  worker processes (``jobs``) or as tasks on a Dask cluster (``client``), and returns a
-  :class:`SweepTable`.
+- :func:`min_fraction` bisects the fraction for the smallest value at which no allocation is
+  refused: TensorFlow's ``per_process_gpu_memory_fraction`` (JAX's
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``) or PyTorch's
+  ``torch.cuda.set_per_process_memory_fraction``;
+- :func:`sweep` replays a grid of fractions x the model's second setting (``allow_growth``
+  for BFC, ``expandable_segments`` for PyTorch), in this process, in worker processes
+  (``jobs``) or as tasks on a Dask cluster (``client``), and returns a :class:`SweepTable`.
 
 A caveat on bisection: for the BFC allocator "fits" is not always monotone in the fraction.
 With growth, regions double from 2 MiB and the last one is cut to what the limit leaves, so
@@ -36,9 +39,19 @@ import numpy as np
 from .._errors import ConfigError
 from .._units import format_bytes
 from ..bfc import _check_number
+from ..models import TORCH, model_for
 from .caveats import trace_warnings
 from .format import Trace
-from .replay import _calls_lists, _progress_fn, _replay_lists, resolve_settings
+from .replay import (
+    _UNSET,
+    _model,
+    _model_calls,
+    _progress_fn,
+    _settings_for_meta,
+    limit_for,
+    resolve_settings,
+)
+from .tasks import bisect, probe, sweep_row
 
 __all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
 
@@ -73,6 +86,14 @@ class MinFractionResult:
         What the trace lacks to answer for the job that made it
         (:func:`~gpudash.trace.caveats.trace_warnings`); with any, ``fraction`` is a lower
         bound.
+    allocator : str
+        The model replayed: ``"bfc"`` or ``"torch"``; ``fraction`` is then TensorFlow's
+        ``per_process_gpu_memory_fraction`` or PyTorch's
+        ``set_per_process_memory_fraction``.
+    assumed : list of str
+        What the replays assumed that the trace does not say (the device's size...).
+    settings : dict
+        The other settings of the replays (as :attr:`ReplayResult.options` has them).
     """
 
     fraction: float | None
@@ -83,19 +104,41 @@ class MinFractionResult:
     device_bytes: int = 0
     tolerance: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    allocator: str = "bfc"
+    assumed: list[str] = field(default_factory=list)
+    settings: dict = field(default_factory=dict, repr=False)
 
     @property
     def fits(self) -> bool:
         """True when some fraction up to ``hi`` fits."""
         return self.fraction is not None
 
+    def paste_lines(self, framework: str | None = None) -> list[str]:
+        """The lines that apply :attr:`fraction` in ``framework`` (default: the model's own:
+        TensorFlow for BFC, PyTorch for PyTorch's): ``GPUOptions`` / JAX's environment, or
+        ``torch.cuda.set_per_process_memory_fraction`` and ``PYTORCH_CUDA_ALLOC_CONF``.
+        Empty when nothing fits."""
+        if self.fraction is None:
+            return []
+        model = model_for(self.allocator)
+        fw = framework or model.frameworks[0]
+        if model is TORCH:
+            from .._torch_conf import CachingAllocatorConfig
+
+            conf = CachingAllocatorConfig(self.settings.get("conf") or None,
+                                          version=self.settings.get("torch_version"))
+            return model.paste_lines(fw, self.fraction, {"conf": conf}, self.device_bytes)
+        return model.paste_lines(fw, self.fraction, self.settings, self.device_bytes)
+
     def __repr__(self) -> str:
         note = (f", an incomplete trace: a lower bound ({len(self.warnings)} warning(s): "
                 ".warnings)" if self.warnings else "")
+        if self.assumed:
+            note += f", assumed: {'; '.join(self.assumed)}"
         if self.fraction is None:
             return (f"MinFractionResult(no fit up to the largest fraction tried, "
-                    f"replays={self.replays}{note})")
-        return (f"MinFractionResult(fraction={self.fraction:.4f}, "
+                    f"{self.allocator}, replays={self.replays}{note})")
+        return (f"MinFractionResult(fraction={self.fraction:.4f}, {self.allocator}, "
                 f"limit={format_bytes(self.limit_bytes or 0)} of "
                 f"{format_bytes(self.device_bytes)}, replays={self.replays}{note})")
 
@@ -104,16 +147,21 @@ class MinFractionResult:
 MIN_TOLERANCE = 1e-15
 
 
-def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: float = 0.005,
-                 lo: float = 0.0, hi: float = 1.0, count_ooms: bool = False,
-                 progress: Any = None, client: Any = None, **options: Any) -> MinFractionResult:
-    """The smallest ``per_process_gpu_memory_fraction`` at which the trace replays without OOM.
+def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
+                 tolerance: float = 0.005, lo: float = 0.0, hi: float = 1.0,
+                 count_ooms: bool = False, progress: Any = None, client: Any = None,
+                 **options: Any) -> MinFractionResult:
+    """The smallest memory fraction at which the trace replays without OOM: TensorFlow's
+    ``per_process_gpu_memory_fraction`` for BFC, PyTorch's
+    ``torch.cuda.set_per_process_memory_fraction`` for its caching allocator.
 
     Parameters
     ----------
     trace : Trace
-    device_bytes : int or str, default "16GiB"
-        Size of the simulated device.
+    device_bytes : int or str, optional
+        Size of the simulated device. Default: what the trace says (a PyTorch OOM entry,
+        a TensorFlow log's limit...), else an assumption the result names in ``assumed``
+        (16 GiB for BFC; for PyTorch the smallest common GPU that held the trace).
     tolerance : float, default 0.005
         Bisection stops when the failing and fitting fractions are this close (absolute).
     lo : float, default 0.0
@@ -132,8 +180,10 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
         the cluster has the threads, and follows the same path: the result and history
         are those of the local run.
     **options
-        Other :func:`~gpudash.trace.replay.replay` settings (``allow_growth``,
-        ``garbage_collection``, ``deferred_deletion_bytes``, ``device``, ``options``...).
+        Other :func:`~gpudash.trace.replay.replay` settings: ``allocator``, and the model's
+        own (``allow_growth``, ``garbage_collection``, ``deferred_deletion_bytes``... for
+        BFC; ``conf``, ``expandable_segments``, ``max_split_size_mb``... for PyTorch),
+        ``device``, ``options``.
 
     Returns
     -------
@@ -165,115 +215,77 @@ def min_fraction(trace: Trace, device_bytes: int | str = "16GiB", *, tolerance: 
         raise ValueError("min_fraction chooses the fraction itself; do not pass fraction= or "
                          "memory_limit=")
     extra = options.pop("options", None)
-    base = resolve_settings(trace, extra, device_bytes=device_bytes, **options)
+    base = _base_settings(trace, extra, device_bytes, options)
     dev_bytes = base["device_bytes"]
-    ops, keys, nbytes, n_events = _calls_lists(trace, base["device"])
+    ops, keys, nbytes, streams, n_events = _model_calls(trace, base)
     report = _progress_fn(progress, "min_fraction")
     total = 1 + max(1, math.ceil(math.log2(max((hi - lo) / tolerance, 1.0))))
     history: list[tuple[float, int]] = []
     warnings = trace_warnings(trace, base["device"])
-    if client is not None:
-        result = _min_fraction_dask(client, trace, base, lo, hi, tolerance, count_ooms, report,
-                                    total, history)
-        result.tolerance, result.warnings = tolerance, warnings
-        return result
-
-    def fits(frac: float) -> bool:
-        s = dict(base, fraction=frac,
-                 memory_limit=_limit_for(dev_bytes, frac, int(base["cc_major"])))
-        r = _replay_lists(s, ops, keys, nbytes, n_events, record=False, per_call=False,
-                          max_ooms=None if count_ooms else 1, progress=None)
-        history.append((frac, r.oom_count))
-        if report is not None:
-            report(min(len(history), total - 1), total)
-        return r.fits
-
-    if not fits(hi):
-        if report is not None:
-            report(total, total)
-        return MinFractionResult(None, None, len(history), history, False, dev_bytes,
-                                 tolerance, warnings)
-    good, bad = hi, lo
-    while good - bad > tolerance:
-        mid = (good + bad) / 2.0
-        if not bad < mid < good:  # as fine as floats go
-            break
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    if report is not None:
-        report(total, total)
-    fitted = [f for f, n in history if n == 0]
-    failed = [f for f, n in history if n > 0]
-    non_monotone = bool(fitted and failed and max(failed) > min(fitted))
-    return MinFractionResult(good, _limit_for(dev_bytes, good, int(base["cc_major"])),
-                             len(history), history, non_monotone, dev_bytes, tolerance, warnings)
-
-
-def _min_fraction_dask(client: Any, trace: Trace, base: dict, lo: float, hi: float,
-                       tolerance: float, count_ooms: bool, report: Any, total: int,
-                       history: list) -> MinFractionResult:
-    from ..dask._whatif import bisect
-
-    dev_bytes, cc = base["device_bytes"], int(base["cc_major"])
-    calls = trace.calls(base["device"])
-    n_events = int(np.count_nonzero(trace.columns["device"] == base["device"]))
+    said = {"allocator": base["allocator"], "assumed": list(base.get("assumed") or []),
+            "settings": _settings_for_meta(base)}
+    calls = (ops, keys, nbytes, streams, n_events)
+    max_ooms = None if count_ooms else 1
 
     def settings(frac: float) -> dict:
-        return dict(base, fraction=frac, memory_limit=_limit_for(dev_bytes, frac, cc))
+        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
 
     def step() -> None:
         if report is not None:
             report(min(len(history), total - 1), total)
 
-    good = bisect(client, settings, calls.op, calls.key, calls.nbytes, n_events, lo, hi,
-                  tolerance, None if count_ooms else 1, history, step)
+    if client is not None:
+        from ..dask._whatif import bisect_on
+
+        good = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms, history, step)
+    else:
+        good = bisect(lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
+                      lo, hi, tolerance, history, step)
     if report is not None:
         report(total, total)
-    if good is None:
-        return MinFractionResult(None, None, len(history), history, False, dev_bytes)
     fitted = [f for f, n in history if n == 0]
     failed = [f for f, n in history if n > 0]
     non_monotone = bool(fitted and failed and max(failed) > min(fitted))
-    return MinFractionResult(good, _limit_for(dev_bytes, good, cc), len(history), history,
-                             non_monotone, dev_bytes)
+    return MinFractionResult(good, None if good is None else limit_for(base, good),
+                             len(history), history, non_monotone, dev_bytes, tolerance,
+                             warnings, **said)
 
 
-def _limit_for(device_bytes: int, fraction: float, cc_major: int) -> int:
-    from ..options import memory_limit
-
-    return memory_limit(device_bytes, device_bytes, fraction, cc_major, environ={})
+def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
+                   **more: Any) -> dict:
+    """The settings every replay of a what-if shares: the model's own resolution (a
+    PyTorch replay is never exact here: the fraction or setting changes)."""
+    if device_bytes is not None:
+        options = dict(options, device_bytes=device_bytes)
+    if _model(trace, extra, options) is TORCH:
+        options = dict(options, exact=False)
+    return resolve_settings(trace, extra, **options, **more)
 
 
 # ---------------------------------------------------------------------------- sweep
 _ROW_KEYS = ("fraction", "allow_growth", "limit_bytes", "fits", "oom_count", "first_oom",
              "peak_pool_bytes", "peak_bytes_in_use", "worst_fragmentation", "extensions")
+# The setting each model's rows vary besides the fraction (its AllocatorModel.grid).
+_GRID = {"bfc": "allow_growth", "torch": "expandable_segments"}
+
+
+def _row_keys(allocator: str) -> tuple[str, ...]:
+    grid = _GRID[allocator]
+    return tuple(grid if k == "allow_growth" else k for k in _ROW_KEYS)
 
 # Worker-process state: the trace's calls, set once per process by _init_worker.
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, n_events: int) -> None:
-    _WORKER["calls"] = (ops, keys, nbytes, n_events)  # numpy: listed a chunk at a time
+def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, streams: Any,
+                 n_events: int) -> None:
+    # numpy: listed a chunk at a time
+    _WORKER["calls"] = (ops, keys, nbytes, streams, n_events)
 
 
-def _sweep_one(settings: dict, calls: tuple | None = None) -> dict:
-    ops, keys, nbytes, n_events = calls if calls is not None else _WORKER["calls"]
-    r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=True,
-                      max_ooms=None, progress=None)
-    return {
-        "fraction": settings["fraction"],
-        "allow_growth": settings["allow_growth"],
-        "limit_bytes": r.memory_limit,
-        "fits": r.fits,
-        "oom_count": r.oom_count,
-        "first_oom": r.first_oom[0] if r.first_oom else None,
-        "peak_pool_bytes": r.peak_pool_bytes,
-        "peak_bytes_in_use": r.peak_bytes_in_use,
-        "worst_fragmentation": r.worst_fragmentation,
-        "extensions": r.extensions,
-    }
+def _sweep_one(settings: dict) -> dict:
+    """A worker process's sweep row, over the calls :func:`_init_worker` gave it."""
+    return sweep_row(settings, _WORKER["calls"])
 
 
 def _real(name: str, value: Any) -> float:
@@ -283,18 +295,29 @@ def _real(name: str, value: Any) -> float:
 
 
 def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
-          allow_growth: bool | Iterable[bool] = (True, False), *,
-          device_bytes: int | str = "16GiB", jobs: int = 1, progress: Any = None,
-          client: Any = None, **options: Any) -> SweepTable:
-    """Replay a trace under every fraction x allow_growth setting.
+          allow_growth: bool | Iterable[bool] = _UNSET, *,
+          expandable_segments: bool | Iterable[bool] = _UNSET,
+          device_bytes: int | str | None = None, jobs: int = 1, progress: Any = None,
+          client: Any = None, vary: dict | None = None, **options: Any) -> SweepTable:
+    """Replay a trace under every fraction x the model's second setting: ``allow_growth``
+    for BFC (TensorFlow, JAX), ``expandable_segments`` for PyTorch's caching allocator.
 
     Parameters
     ----------
     trace : Trace
     fractions : iterable of float or None
-        ``per_process_gpu_memory_fraction`` values (None or 0: TensorFlow's default rule).
-    allow_growth : bool or iterable of bool
-    device_bytes : int or str, default "16GiB"
+        The fractions: TensorFlow's ``per_process_gpu_memory_fraction`` (None or 0: its
+        default rule) or PyTorch's ``set_per_process_memory_fraction`` (None: none set).
+    allow_growth : bool or iterable of bool, default (True, False)
+        BFC only.
+    expandable_segments : bool or iterable of bool, default (False, True)
+        PyTorch only (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:...``).
+    device_bytes : int or str, optional
+        The simulated device; default as :func:`min_fraction`'s.
+    vary : dict, optional
+        PyTorch only: more of its knobs to cross with the rest, each with its values
+        (``{"max_split_size_mb": [None, 128, 512], "garbage_collection_threshold": [None,
+        0.8]}``; None keeps the trace's own setting); each row names its values.
     jobs : int, default 1
         1 replays in this process; 2 or more use that many worker processes
         (:class:`~concurrent.futures.ProcessPoolExecutor`), each given the trace's calls as
@@ -306,18 +329,30 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         to each worker once); the table is the same as a local run's. ``jobs`` must then
         stay 1.
     **options
-        Other :func:`~gpudash.trace.replay.replay` settings, the same for every row.
+        Other :func:`~gpudash.trace.replay.replay` settings, the same for every row
+        (``allocator`` picks the model).
 
     Returns
     -------
     SweepTable
         One row per setting, fraction-major, in the order given.
     """
-    if isinstance(allow_growth, (bool, np.bool_)):
-        allow_growth = (bool(allow_growth),)
-    if isinstance(allow_growth, (str, bytes)) or not isinstance(allow_growth, Iterable):
-        raise ConfigError(f"allow_growth must be True, False or a list of them; got "
-                          f"{allow_growth!r}")
+    extra = options.pop("options", None)
+    probe = dict(options)
+    model = _model(trace, extra, probe)
+    own, other = (("expandable_segments", "allow_growth") if model is TORCH
+                  else ("allow_growth", "expandable_segments"))
+    values = {"allow_growth": allow_growth, "expandable_segments": expandable_segments}
+    if values[other] is not _UNSET:
+        raise ConfigError(f"{other} is not a setting of {model.title} (its sweep varies "
+                          f"{own}); pass allocator= to sweep the other model")
+    grid = values[own]
+    if grid is _UNSET:
+        grid = model.grid[own]
+    if isinstance(grid, (bool, np.bool_)):
+        grid = (bool(grid),)
+    if isinstance(grid, (str, bytes)) or not isinstance(grid, Iterable):
+        raise ConfigError(f"{own} must be True, False or a list of them; got {grid!r}")
     if fractions is None or isinstance(fractions, (int, float, np.number)) \
             and not isinstance(fractions, (bool, np.bool_)):
         fractions = [fractions]  # one fraction
@@ -325,12 +360,12 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         raise ConfigError(f"fractions must be a list of fractions; got {fractions!r}")
     fractions = [f if f is None else _real("fraction", f) for f in fractions]
     growths = []
-    for g in allow_growth:
+    for g in grid:
         if not isinstance(g, (bool, np.bool_)):  # "false" or None would be read as a truth
-            raise ConfigError(f"allow_growth values must be True or False; got {g!r}")
+            raise ConfigError(f"{own} values must be True or False; got {g!r}")
         growths.append(bool(g))
     if not fractions or not growths:
-        raise ConfigError("sweep needs at least one fraction and one allow_growth value")
+        raise ConfigError(f"sweep needs at least one fraction and one {own} value")
     if isinstance(jobs, (bool, np.bool_)) or not isinstance(jobs, (int, np.integer)) \
             or jobs < 1:
         raise ConfigError(f"jobs must be an integer >= 1; got {jobs!r}")
@@ -341,12 +376,22 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     for bad in ("fraction", "memory_limit"):
         if bad in options:
             raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
-    extra = options.pop("options", None)
-    settings = [resolve_settings(trace, extra, device_bytes=device_bytes, fraction=f,
-                                 allow_growth=g, **options)
-                for f in fractions for g in growths]
-    calls = trace.calls(settings[0]["device"])
-    n_events = int(np.count_nonzero(trace.columns["device"] == settings[0]["device"]))
+    if model is TORCH:
+        for f in fractions:
+            if f is not None and not 0.0 <= f <= 1.0:
+                raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
+                                  f"in [0, 1]; got {f!r}")
+    combos = _vary_combos(vary, model)
+    settings = []
+    for f in fractions:
+        for g in growths:
+            for combo in combos:
+                s = _base_settings(trace, extra, device_bytes, options, fraction=f,
+                                   **{own: g}, **combo)
+                if combo:
+                    s["varied"] = dict(combo)
+                settings.append(s)
+    lists = _model_calls(trace, settings[0])
     report = _progress_fn(progress, "sweep")
     total = len(settings)
     rows: list[dict | None] = [None] * total
@@ -354,20 +399,17 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     if client is not None:
         from ..dask._whatif import sweep_rows
 
-        rows = list(sweep_rows(client, settings, calls.op, calls.key, calls.nbytes, n_events,
-                               report))
+        rows = list(sweep_rows(client, settings, lists, report))
     elif jobs == 1 or total == 1:
-        lists = (calls.op, calls.key, calls.nbytes, n_events)
         for i, s in enumerate(settings):
-            rows[i] = _sweep_one(s, lists)
+            rows[i] = sweep_row(s, lists)
             done += 1
             if report is not None:
                 report(done, total)
     else:
         ctx = _mp_context()
         with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx,
-                                 initializer=_init_worker,
-                                 initargs=(calls.op, calls.key, calls.nbytes, n_events)) as ex:
+                                 initializer=_init_worker, initargs=lists) as ex:
             futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
             for fut in as_completed(futures):
                 rows[futures[fut]] = fut.result()
@@ -376,7 +418,38 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                     report(done, total)
     return SweepTable([r for r in rows if r is not None],
                       device_bytes=settings[0]["device_bytes"],
-                      warnings=trace_warnings(trace, settings[0]["device"]))
+                      warnings=trace_warnings(trace, settings[0]["device"]),
+                      allocator=model.name, assumed=settings[0].get("assumed") or [])
+
+
+#: The PyTorch knobs a sweep may vary besides the fraction and expandable_segments.
+_VARIABLE = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
+             "max_non_split_rounding_mb")
+
+
+def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
+    """The cross product of ``vary``'s values, as settings dicts ([{}] when none)."""
+    if not vary:
+        return [{}]
+    if model is not TORCH:
+        raise ConfigError("vary= crosses PyTorch's knobs (max_split_size_mb, "
+                          "garbage_collection_threshold...); this sweep runs "
+                          f"{model.title}: pass allocator='torch'")
+    if not isinstance(vary, dict):
+        raise ConfigError(f"vary must be a dict of knob -> list of values; got {vary!r}")
+    combos: list[dict] = [{}]
+    for knob, values in vary.items():
+        if knob not in _VARIABLE:
+            raise ConfigError(f"vary: {knob!r} is not a knob a sweep varies; known: "
+                              f"{', '.join(_VARIABLE)} (the fraction and expandable_segments "
+                              "have their own arguments)")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            values = [values]
+        values = list(values)
+        if not values:
+            raise ConfigError(f"vary: {knob} has no values")
+        combos = [dict(c, **{knob: v}) for c in combos for v in values]
+    return combos
 
 
 def _mp_context() -> Any:
@@ -392,23 +465,36 @@ class SweepTable:
     Parameters
     ----------
     rows : list of dict
-        Each with ``fraction``, ``allow_growth``, ``limit_bytes``, ``fits``, ``oom_count``,
-        ``first_oom`` (call index or None), ``peak_pool_bytes``, ``peak_bytes_in_use``,
-        ``worst_fragmentation`` and ``extensions``.
+        Each with ``fraction``, ``allow_growth`` (BFC) or ``expandable_segments``
+        (PyTorch), ``limit_bytes``, ``fits``, ``oom_count``, ``first_oom`` (call index or
+        None), ``peak_pool_bytes``, ``peak_bytes_in_use`` (PyTorch's peak reserved and
+        allocated), ``worst_fragmentation`` and ``extensions`` (regions, or PyTorch's
+        ``num_device_alloc``).
     device_bytes : int, optional
         The simulated device size (shown by :meth:`to_text`).
     warnings : list of str, optional
         What the trace lacks to answer for the job that made it
         (:func:`~gpudash.trace.caveats.trace_warnings`), shown with the table.
+    allocator : str, default "bfc"
+        The model of the rows, ``"bfc"`` or ``"torch"``: the table speaks its words.
+    assumed : list of str, optional
+        What the replays assumed that the trace does not say, shown with the table.
     """
 
     COLUMNS = _ROW_KEYS
 
     def __init__(self, rows: Sequence[dict], device_bytes: int | None = None,
-                 warnings: Sequence[str] = ()) -> None:
+                 warnings: Sequence[str] = (), allocator: str = "bfc",
+                 assumed: Sequence[str] = ()) -> None:
         self.rows = [dict(r) for r in rows]
         self.device_bytes = device_bytes
         self.warnings = list(warnings)
+        self.allocator = model_for(allocator).name
+        self.assumed = list(assumed)
+        self.setting = _GRID[self.allocator]
+        self.varied = [k for k in _VARIABLE if any(k in r for r in self.rows)]
+        keys = _row_keys(self.allocator)
+        self.COLUMNS = keys[:2] + tuple(self.varied) + keys[2:]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -433,7 +519,7 @@ class SweepTable:
         out = {
             "fraction": np.array([np.nan if r["fraction"] is None else r["fraction"]
                                   for r in rows], dtype=np.float64),
-            "allow_growth": np.array([r["allow_growth"] for r in rows], dtype=bool),
+            self.setting: np.array([r[self.setting] for r in rows], dtype=bool),
             "fits": np.array([r["fits"] for r in rows], dtype=bool),
             "first_oom": np.array([-1 if r["first_oom"] is None else r["first_oom"]
                                    for r in rows], dtype=np.int64),
@@ -443,29 +529,43 @@ class SweepTable:
         for k in ("limit_bytes", "oom_count", "peak_pool_bytes", "peak_bytes_in_use",
                   "extensions"):
             out[k] = np.array([r[k] for r in rows], dtype=np.int64)
-        return {k: out[k] for k in _ROW_KEYS}
+        for k in self.varied:   # None (the trace's own setting) as NaN
+            out[k] = np.array([np.nan if r.get(k) is None else float(r[k])
+                               if not isinstance(r[k], str) else np.nan for r in rows],
+                              dtype=np.float64)
+        return {k: out[k] for k in self.COLUMNS}
 
     def best(self) -> dict | None:
         """The fitting row with the smallest fraction (then the smallest peak pool), or None.
 
-        Rows at TensorFlow's default fraction count as the limit they resolved to.
+        Rows at TensorFlow's default fraction count as the limit they resolved to (and
+        PyTorch's rows without a fraction as the whole device). Ties go to growth on (BFC) or
+        expandable segments off (PyTorch's default).
         """
-        fitting = [r for r in self.rows if r["fits"]]
+        fitting = [r for r in self.rows if r["fits"] and not r.get("error")]
         if not fitting:
             return None
+        key = self.setting
+        prefer = self.allocator == "bfc"
         return min(fitting, key=lambda r: (r["limit_bytes"], r["peak_pool_bytes"],
-                                           not r["allow_growth"]))
+                                           r[key] != prefer))
 
     def _cells(self) -> tuple[list[str], list[list[str]]]:
-        head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
-                "peak in use", "worst frag", "regions"]
+        if self.allocator == "torch":
+            head = ["fraction", "expandable", *self.varied, "limit", "fits", "OOMs",
+                    "first OOM", "peak reserved", "peak allocated", "worst frag", "segments"]
+        else:
+            head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
+                    "peak in use", "worst frag", "regions"]
         body = []
         for r in self.rows:
             body.append([
-                "default" if r["fraction"] is None else f"{r['fraction']:.3g}",
-                "yes" if r["allow_growth"] else "no",
-                format_bytes(r["limit_bytes"]),
-                "yes" if r["fits"] else "NO",
+                ("none" if self.allocator == "torch" else "default") if r["fraction"] is None
+                else f"{r['fraction']:.3g}",
+                "yes" if r[self.setting] else "no",
+                *("trace's" if r.get(k) is None else str(r[k]) for k in self.varied),
+                format_bytes(r["limit_bytes"]) if not r.get("error") else "-",
+                "FAILS" if r.get("error") else "yes" if r["fits"] else "NO",
                 f"{r['oom_count']:,}",
                 "-" if r["first_oom"] is None else f"{r['first_oom']:,}",
                 format_bytes(r["peak_pool_bytes"]),
@@ -473,11 +573,23 @@ class SweepTable:
                 f"{100 * r['worst_fragmentation']:.1f} %",
                 str(r["extensions"]),
             ])
+            if r.get("error"):   # the framework fails: no figures to show
+                cut = 2 + len(self.varied) + 2
+                body[-1][cut:] = ["-"] * (len(body[-1]) - cut)
         return head, body
 
+    def _errors(self) -> list[str]:
+        """One line per distinct error of the rows the framework itself fails."""
+        seen = []
+        for r in self.rows:
+            e = r.get("error")
+            if e and e not in seen:
+                seen.append(e)
+        return [f"FAILS: {e}" for e in seen]
+
     def to_text(self, *, warnings: bool = True) -> str:
-        """An aligned plain-text table with human-readable bytes (and the trace's warnings
-        after it, unless ``warnings=False``)."""
+        """An aligned plain-text table with human-readable bytes (and what the replays
+        assumed and the trace's warnings after it, unless ``warnings=False``)."""
         head, body = self._cells()
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
@@ -485,8 +597,11 @@ class SweepTable:
         for row in body:
             lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if self.device_bytes:
-            lines.append(f"(device {format_bytes(self.device_bytes)})")
+            lines.append(f"(device {format_bytes(self.device_bytes)}, "
+                         f"{model_for(self.allocator).title})")
+        lines.extend(self._errors())
         if warnings:
+            lines.extend(f"assumed: {a}" for a in self.assumed)
             lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
@@ -499,6 +614,8 @@ class SweepTable:
         for row in body:
             out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         out.append("</tbody></table>")
+        out.extend(f"<p>{html.escape(e)}</p>" for e in self._errors())
+        out.extend(f"<p>assumed: {html.escape(a)}</p>" for a in self.assumed)
         out.extend(f'<p class="warning">warning: {html.escape(w)}</p>' for w in self.warnings)
         return "\n".join(out)
 
@@ -510,7 +627,7 @@ class SweepTable:
     def __repr__(self) -> str:
         best = self.best()
         b = "none fits" if best is None else (
-            f"best fraction={best['fraction']}, allow_growth={best['allow_growth']}")
+            f"best fraction={best['fraction']}, {self.setting}={best[self.setting]}")
         if self.warnings:
             b += f", an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
         return f"SweepTable(rows={len(self.rows)}, {b})"

@@ -1,8 +1,9 @@
-"""The bins view: TensorFlow's 21 BFC bins (256 B ... 256 MiB+).
+"""The bins view: TensorFlow's 21 BFC bins (256 B ... 256 MiB+), or PyTorch's two pools.
 
 Top: free bytes and in-use bytes per bin (MiB); bottom: free chunks per bin. Chunks are
-bucketed by ``BinNumForSize`` of their size, as ``MemoryDump`` does. Hover shows exact
-figures.
+bucketed as the allocator model says (:meth:`gpudash.models.AllocatorModel.bin_index`):
+``BinNumForSize`` of their size, as ``MemoryDump`` does, or PyTorch's pool (small: requests
+up to 1 MiB; large). Hover shows exact figures.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import traitlets
 
 from .._units import format_bytes
 from . import _figure, _ModelView
-from .model import NUM_BINS, bin_labels
 
 __all__ = ["BinsView"]
 
@@ -22,7 +22,7 @@ _MIB = float(1 << 20)
 
 
 class BinsView(_ModelView):
-    """Free chunks, free bytes and in-use bytes in each of the 21 bins.
+    """Free chunks, free bytes and in-use bytes in each of the 21 bins (PyTorch: each pool).
 
     Attributes
     ----------
@@ -44,25 +44,31 @@ class BinsView(_ModelView):
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
-        labels = bin_labels()
+        model = self.model.model(self.device)
+        labels = model.bin_labels()
+        words = model.words()
         # The rows say what they show in their y titles, not in subplot titles: those sit
         # where the legend row is (above the plot), and between the rows.
         base = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                              row_heights=[0.6, 0.4])
-        fig = _figure(self._height, "bins", base=base, barmode="group")
-        zeros = [0] * NUM_BINS
+        fig = _figure(self._height, words["bins"], base=base, barmode="group")
+        zeros = [0] * len(labels)
         fig.add_trace(go.Bar(name="free bytes", x=labels, y=zeros, marker_color="#b8d8b0",
-                             hovertemplate="bin %{x}: %{text} free<extra></extra>"),
+                             hovertemplate=f"{words['bin']} %{{x}}: %{{text}} free"
+                                           "<extra></extra>"),
                       row=1, col=1)
         fig.add_trace(go.Bar(name="in-use bytes", x=labels, y=zeros, marker_color="#1f77b4",
-                             hovertemplate="bin %{x}: %{text} in use<extra></extra>"),
+                             hovertemplate=f"{words['bin']} %{{x}}: %{{text}} "
+                                           f"{words['in_use']}<extra></extra>"),
                       row=1, col=1)
-        fig.add_trace(go.Bar(name="free chunks", x=labels, y=zeros, marker_color="#31a354",
-                             hovertemplate="bin %{x}: %{y} free chunks<extra></extra>"),
+        fig.add_trace(go.Bar(name=f"free {words['chunk']}s", x=labels, y=zeros,
+                             marker_color="#31a354",
+                             hovertemplate=f"{words['bin']} %{{x}}: %{{y}} free "
+                                           f"{words['chunk']}s<extra></extra>"),
                       row=2, col=1)
-        fig.update_xaxes(type="category", row=2, col=1, title_text="bin (chunk size)")
+        fig.update_xaxes(type="category", row=2, col=1, title_text=words["bins_axis"])
         fig.update_yaxes(title_text="MiB", row=1, col=1)
-        fig.update_yaxes(title_text="free chunks", rangemode="tozero", row=2, col=1)
+        fig.update_yaxes(title_text=f"free {words['chunk']}s", rangemode="tozero", row=2, col=1)
         self.figure = fig
         self.children = (fig,)
 
@@ -81,5 +87,6 @@ class BinsView(_ModelView):
             used_b.y = np.round(c.in_use_bytes / _MIB, 6)
             used_b.text = [format_bytes(int(v)) for v in c.in_use_bytes]
             free_n.y = c.free_chunks.astype(np.int32)
-            fig.layout.title.text = f"{state.name}: bytes and free chunks per bin"
+            w = state.model.words()
+            fig.layout.title.text = f"{state.name}: bytes and free {w['chunk']}s per {w['bin']}"
         self.redraws += 1

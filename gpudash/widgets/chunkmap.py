@@ -1,4 +1,6 @@
-"""The chunk map: every region as a horizontal bar of its chunks.
+"""The chunk map: every region as a horizontal bar of its chunks (PyTorch's caching
+allocator: every segment as a bar of its blocks, labelled with its pool and whether it is
+expandable; the words are the allocator model's).
 
 One bar trace per category (in use, rounding waste, free), each drawn from arrays, so 10,000
 chunks are three traces, not 10,000. Regions are rows (numeric y with the regions' addresses
@@ -17,7 +19,7 @@ import traitlets
 
 from .._units import format_bytes
 from . import _figure, _ModelView
-from .model import bin_of_sizes, typed_array
+from .model import typed_array
 
 __all__ = ["ChunkMapView"]
 
@@ -95,7 +97,8 @@ class ChunkMapView(_ModelView):
         used = t["in_use"]
         free = ~used
         size = t["size"]
-        bins = bin_of_sizes(size)
+        model = state.model
+        bins = model.bin_index(t)  # TensorFlow's bin of each chunk, PyTorch's pool
         a = {
             "used_ptr": t["ptr"][used], "used_offset": offset[used], "used_size": size[used],
             "used_requested": t["requested"][used], "used_alloc_id": t["alloc_id"][used],
@@ -109,9 +112,19 @@ class ChunkMapView(_ModelView):
         used_custom = np.column_stack([a["used_ptr"], a["used_size"], a["used_requested"],
                                        a["used_bin"], a["used_alloc_id"]])
         free_custom = np.column_stack([a["free_ptr"], a["free_size"], a["free_bin"]])
-        labels = [f"{p:#x} ({format_bytes(int(s))})" for p, s in regions]
+        kinds = model.region_kinds(t) or [""] * len(regions)  # PyTorch: small/large, expandable
+        labels = [f"{p:#x} ({format_bytes(int(s))})" + (f" {k}" if k else "")
+                  for (p, s), k in zip(regions, kinds)]
+        w = model.words()
         fig = self.figure
         with fig.batch_update():
+            if reset:  # the model's words (PyTorch: segments of blocks, pools)
+                fig.data[0].name = w["in_use"]
+                fig.data[0].hovertemplate = _HOVER_USED.replace(
+                    "<br>bin ", f"<br>{w['bin']} ").replace(">in use<", f">{w['in_use']}<")
+                fig.data[2].hovertemplate = _HOVER_FREE.replace("<br>bin ", f"<br>{w['bin']} ")
+                fig.layout.xaxis.title.text = f"offset in {w['region']} (MiB)"
+                fig.layout.yaxis.title.text = w["region"]
             tr_used, tr_waste, tr_free = fig.data
             tr_used.update(x=typed_array(a["used_size"] / _MIB, np.float32),
                            base=typed_array(a["used_offset"] / _MIB, np.float32),
@@ -128,6 +141,7 @@ class ChunkMapView(_ModelView):
             fig.layout.yaxis.update(tickmode="array", tickvals=list(range(len(labels))),
                                     ticktext=labels,
                                     range=[len(labels) - 0.5, -0.5] if labels else None)
-            fig.layout.title.text = (f"{state.name}: {len(labels)} region(s), "
-                                     f"{int(used.sum())} chunks in use, {int(free.sum())} free")
+            fig.layout.title.text = (f"{state.name}: {len(labels)} {w['region']}(s), "
+                                     f"{int(used.sum())} {w['chunk']}s {w['in_use']}, "
+                                     f"{int(free.sum())} free")
         self.redraws += 1

@@ -4,9 +4,17 @@ One `anywidget <https://anywidget.dev>`_ (one comm, one small ES module,
 ``static/dashboard.js``) draws, in the browser:
 
     headline (in use / pool / limit / peak / fragmentation, a banner while the pool is over
-    a limit lowered live) and controls (device, fraction, growth, deferred, buttons, pause)
+    a limit lowered live) and controls (device, the model's controls, pause, refresh rate)
     timeline      | heatmap          (one time base: seconds since the model started)
     chunk map     | bins
+
+What differs between allocators comes from the device's allocator model
+(:mod:`gpudash.models`), sent with the controls: its controls (TensorFlow's BFC: fraction,
+growth, deferred deletion, release, flush; PyTorch's caching allocator: fraction,
+``expandable_segments``, ``max_split_size_mb``, ``garbage_collection_threshold``, empty
+cache), its words (in use / allocated, pool / reserved, chunk map / segment map), its bins or
+pools, each region's kind (PyTorch: small or large pool, expandable) and its own figures in
+the headline. The page draws whatever the model lists; no view tests which allocator it has.
 
 What crosses the wire
 ---------------------
@@ -26,9 +34,11 @@ What crosses the wire
 The browser redraws on animation frames, at most once per frame, whatever arrives.
 
 Controls act through the :class:`~gpudash.widgets.LiveModel` (``configure``,
-``release_free_regions``, ``flush_deferred``) at once, and answer in words ("released 0 B: no
-region is wholly free"). A value is checked before anything is set, as ``Session.configure``
-checks it (a device the source does not have, growth ``"false"``, a fraction of ``true``):
+``release_free_regions``, ``flush_deferred``, ``empty_cache``) at once, and answer in the
+model's words ("released 0 B: no region is wholly free"; "expandable_segments: on: segments
+made from now on are expandable..."). A value is checked before anything is set, by the
+model's checks (a device the source does not have, growth ``"false"``, a fraction of ``true``,
+``max_split_size_mb`` below 20):
 the answer, shown in the status line, names the setting and the value, nothing changes, and
 the dashboard goes on. Sources that cannot be controlled (a framework watched read-only)
 get disabled controls whose tooltip says why, and a button that prints the settings to
@@ -53,8 +63,6 @@ import traitlets
 
 from .. import style
 from .._errors import ConfigError, GpudashError
-from .._units import format_bytes
-from ..options import GPUOptions
 from .model import LiveModel, bin_labels
 
 __all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
@@ -64,10 +72,6 @@ VIEWS = ("stats", "timeline", "heatmap", "chunkmap", "bins")
 
 #: A chunk table larger than this is sent at most once a second.
 LARGE_TABLE = 2000
-
-#: The controls that set a session option, and the option each sets.
-_SETTINGS = {"fraction": "per_process_gpu_memory_fraction", "growth": "allow_growth",
-             "deferred": "deferred_deletion_bytes"}
 
 _STATIC = resources.files("gpudash.widgets") / "static"
 _BUNDLE_CACHE: dict[str, Any] = {}
@@ -124,8 +128,8 @@ class Dashboard(anywidget.AnyWidget):
 
     Parameters
     ----------
-    source : Session or BFCAllocator, optional
-        What to show and control.
+    source : Session, BFCAllocator or CachingAllocator, optional
+        What to show and control (a PyTorch session: ``Session(..., allocator="torch")``).
     feeds : list of DeviceFeed, optional
         Instead of a source: one feed per device (a framework monitor's, a Dask worker's).
     rate_hz : float
@@ -252,10 +256,18 @@ class Dashboard(anywidget.AnyWidget):
             # (a Dask worker's session)
             "session": m.session is not None or (feed is not None and not disabled),
             "has_layout": m.has_layout(device),
+            "model": self._model_info(device),
             "restart": feed is not None and hasattr(feed, "restart_lines"),
             "paused": bool(m.paused),
             "rate_hz": m.rate_hz,
         }
+
+    def _model_info(self, device: int) -> dict:
+        """What the page draws differently for the device's allocator model: its controls,
+        its words, its bins or pools (:mod:`gpudash.models`)."""
+        model = self.model.model(device)
+        return {"name": model.name, "words": model.words(), "bin_labels": model.bin_labels(),
+                "controls": [c.as_dict() for c in model.controls]}
 
     def _driver_info(self, device: int) -> dict | None:
         """Who else is on the GPU, for a watched framework: NVML's processes on the device
@@ -292,6 +304,7 @@ class Dashboard(anywidget.AnyWidget):
     def _headline(self, state: Any) -> dict:
         s = state.stats
         pending, held = self.model.pending_release(state.device)
+        model = state.model
         return {
             "name": state.name, "in_use": int(s.bytes_in_use), "pool": int(s.pool_bytes),
             "limit": int(s.bytes_limit), "peak": int(s.peak_bytes_in_use),
@@ -300,6 +313,10 @@ class Dashboard(anywidget.AnyWidget):
             "chunks": int(state.num_chunks), "internal": int(state.internal_fragmentation),
             "counters": dict(state.counters),
             "pending_release": int(pending), "regions_holding": int(held),
+            "banner": model.limit_banner(int(s.pool_bytes), int(s.bytes_limit), int(pending),
+                                         int(held)),
+            # the model's own figures (PyTorch's segments, retries, OOMs by its names)
+            "extra": model.headline(state),
             "ooms": [[(o.time_ms - self.model.start_ms) / 1e3, o.rounded, o.in_use]
                      for o in state.ooms[-50:]],
             # stats the source does not report (a framework's totals): shown as unknown
@@ -320,8 +337,10 @@ class Dashboard(anywidget.AnyWidget):
             ri = np.zeros(0, dtype=np.int64)
             offset = ri
         holders = t.get("holder")
+        kinds = state.model.region_kinds(t)
         meta = {"n": n, "regions": [[int(a), int(b)] for a, b in regions[:64]],
                 "n_regions": int(len(regions)),
+                "region_kinds": None if kinds is None else kinds[:64],
                 "holders": None if holders is None else [str(h) for h in holders]}
         cols = np.empty((6, n), dtype=np.float64)
         cols[0] = ri
@@ -334,6 +353,7 @@ class Dashboard(anywidget.AnyWidget):
         binarr = np.vstack([np.asarray(getattr(bins, k), dtype=np.float64) for k in
                             ("free_bytes", "in_use_bytes", "free_chunks", "in_use_chunks",
                              "requested_bytes")])
+        meta["n_bins"] = int(binarr.shape[1])
         return meta, [_f64(cols), _f64(binarr)]
 
     def _message(self, state: Any, full: bool) -> tuple[dict, list]:
@@ -473,52 +493,25 @@ class Dashboard(anywidget.AnyWidget):
             text = "\n".join(lines) if lines else "no settings to restart with"
             print(text)
             return {"ok": True, "text": text}
-        setting = _SETTINGS.get(name)
-        if setting is not None:
-            # the session's own checks, before anything changes (a None would otherwise
+        model = m.model(dev)
+        control = model.control(name)
+        if control is None:
+            raise ConfigError(f"unknown control {name!r}")
+        if control.setting:
+            # the model's own checks, before anything changes (a None would otherwise
             # read as "no change" and be answered as if it had acted)
-            GPUOptions().copy(**{setting: value})
+            model.check_setting(control.setting, value)
         reason = m.controls_disabled(dev)
         if reason:
             raise ConfigError(reason)
-        if name == "fraction":
-            m.configure(device=dev, per_process_gpu_memory_fraction=value)
-            limit = m.device_settings(dev)["limit"]
-            return {"ok": True, "text": f"fraction {float(value):.3f}: limit "
-                                        f"{format_bytes(limit)}", **self._over_limit_text(dev)}
-        if name == "growth":
-            m.configure(device=dev, allow_growth=value)
-            return {"ok": True, "text": "growth: " + ("on" if value else "off")}
-        if name == "deferred":
-            m.configure(device=dev, deferred_deletion_bytes=value)
-            eff = m.device_settings(dev)["deferred_deletion_bytes"]
-            return {"ok": True, "text": f"deferred deletion: {format_bytes(eff or 0)}"}
-        if name == "release":
-            freed = m.release_free_regions(dev)
-            if freed:
-                return {"ok": True, "text": f"released {format_bytes(freed)}"}
-            pending, held = m.pending_release(dev)
-            why = "no region is wholly free"
-            if pending:
-                why += (f"; {format_bytes(pending)} above the limit wait in {held} region(s) "
-                        "that still hold memory in use")
-            return {"ok": True, "text": f"released 0 B: {why}"}
-        if name == "flush":
-            if m.session is None and m.feed(dev) is None:
-                raise ConfigError("flush needs a gpudash.Session (deferred frees live there)")
-            freed = m.flush_deferred(dev)
-            if freed:
-                return {"ok": True, "text": f"flushed {format_bytes(freed)} of deferred frees"}
-            return {"ok": True, "text": "flushed 0 B: no frees were waiting"}
-        raise ConfigError(f"unknown control {name!r}")
-
-    def _over_limit_text(self, dev: int) -> dict:
-        pending, held = self.model.pending_release(dev)
-        if not pending:
-            return {}
-        return {"warning": f"pool is {format_bytes(pending)} above the new limit: allocations "
-                           f"past the limit are refused, and {held} region(s) go back as they "
-                           "empty"}
+        result = None
+        if control.setting:
+            m.configure(device=dev, **{control.setting: value})
+        else:
+            if control.needs_session and m.session is None and m.feed(dev) is None:
+                raise ConfigError(f"{name} needs a gpudash.Session (deferred frees live there)")
+            result = getattr(m, control.action)(dev)
+        return {"ok": True, **model.answer(name, value, result, m.answer_facts(dev))}
 
     # ------------------------------------------------------------------ Python side
     def refresh(self) -> None:

@@ -46,6 +46,7 @@ import traitlets
 from .._errors import ConfigError
 from ..bfc import AllocatorStats
 from ..events import EventKind
+from ..models import BFC, AllocatorModel, model_of
 
 __all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark",
            "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "typed_array",
@@ -81,17 +82,7 @@ def bin_of_sizes(sizes: np.ndarray) -> np.ndarray:
 
 def bin_labels() -> list[str]:
     """Labels of the 21 bins: ``256B``, ``512B``, ``1KiB`` ... ``256MiB+``."""
-    out = []
-    for b in range(NUM_BINS):
-        n = 256 << b
-        for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-            if n >= 1 << shift:
-                label = f"{n >> shift}{unit}"
-                break
-        else:
-            label = f"{n}B"
-        out.append(label + ("+" if b == NUM_BINS - 1 else ""))
-    return out
+    return BFC.bin_labels()
 
 
 def heatmap_column(table: dict, rows: int, row_bytes: int) -> np.ndarray:
@@ -200,7 +191,8 @@ def decode_array(value: Any) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class BinCounts:
-    """Per-bin figures of one state, arrays of 21 (chunks bucketed by ``BinNumForSize``)."""
+    """Per-bin figures of one state: arrays of one value per bar of the model's bins view
+    (TensorFlow's 21 bins, chunks bucketed by ``BinNumForSize``; PyTorch's 2 pools)."""
 
     free_chunks: np.ndarray
     free_bytes: np.ndarray
@@ -209,14 +201,15 @@ class BinCounts:
     requested_bytes: np.ndarray
 
     @classmethod
-    def from_table(cls, table: dict) -> BinCounts:
-        b = bin_of_sizes(table["size"]).astype(np.intp)
+    def from_table(cls, table: dict, model: AllocatorModel = BFC) -> BinCounts:
+        b = model.bin_index(table)
+        k = len(model.bin_labels())
         used = table["in_use"]
         size = table["size"]
 
         def count(mask: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
             w = None if weights is None else weights[mask].astype(np.float64)
-            return np.bincount(b[mask], weights=w, minlength=NUM_BINS).astype(np.int64)
+            return np.bincount(b[mask], weights=w, minlength=k).astype(np.int64)
 
         free = ~used
         return cls(free_chunks=count(free), free_bytes=count(free, size),
@@ -281,6 +274,14 @@ class DeviceState:
         fractions in use, oldest first); ``heatmap[:, -1]`` belongs to this state.
     heatmap_row_bytes : int
         Bytes per heatmap row.
+    model : AllocatorModel
+        The allocator's model: what the views call things, its bins or pools, its stats
+        rows (:mod:`gpudash.models`).
+    figures : dict
+        The allocator's own statistics the views show, by the framework's names
+        (PyTorch's ``memory_stats()`` keys; empty for the BFC).
+    in_force : dict
+        The allocator's settings when the state was taken (``model.live_settings``).
     """
 
     device: int
@@ -299,6 +300,9 @@ class DeviceState:
     heatmap_time_ms: np.ndarray
     heatmap: np.ndarray
     heatmap_row_bytes: int
+    model: AllocatorModel = BFC
+    figures: dict = dataclasses.field(default_factory=dict)
+    in_force: dict = dataclasses.field(default_factory=dict)
 
     @property
     def limit(self) -> int:
@@ -409,6 +413,8 @@ class _Device:
         self.index = index
         self.name = name
         self.allocator = allocator
+        # a feed is drawn in the neutral (BFC) words: its layout is TensorFlow-binned
+        self.model = model_of(allocator) if allocator is not None else BFC
         self.session_device = session_device
         self.feed = feed
         self.sample: Any = None  # the feed's latest sample not yet built into a state
@@ -823,7 +829,10 @@ class LiveModel(traitlets.HasTraits):
             fragmentation=frag, peak_bytes_in_use=max(raw.peak_bytes_in_use, in_use),
             peak_pool_bytes=max(raw.peak_pool_bytes, pool))
         internal = in_use - int(table["requested"][used].sum())
-        return self._finish_state(dev, now_ms, stats, table, internal, pool)
+        model = dev.model
+        return self._finish_state(dev, now_ms, stats, table, internal, pool,
+                                  figures=model.figures(alloc),
+                                  in_force=model.live_settings(alloc))
 
     def _build_from_feed(self, dev: _Device) -> DeviceState:
         sample, dev.sample = dev.sample, None
@@ -843,7 +852,8 @@ class LiveModel(traitlets.HasTraits):
                                   max(int(stats.pool_bytes), layout_pool))
 
     def _finish_state(self, dev: _Device, now_ms: float, stats: AllocatorStats, table: dict,
-                      internal: int, span: int) -> DeviceState:
+                      internal: int, span: int, figures: dict | None = None,
+                      in_force: dict | None = None) -> DeviceState:
         """The part of a refresh every source shares: timeline point, heatmap column (its
         rows fit ``span`` bytes), OOM marks, counters; the new :class:`DeviceState`."""
         in_use = int(stats.bytes_in_use)
@@ -860,10 +870,12 @@ class LiveModel(traitlets.HasTraits):
         dev.version += 1
         state = DeviceState(
             device=dev.index, name=dev.name, time_ms=now_ms, version=dev.version, stats=stats,
-            table=table, bins=BinCounts.from_table(table), internal_fragmentation=internal,
+            table=table, bins=BinCounts.from_table(table, dev.model),
+            internal_fragmentation=internal,
             capacity=dev.capacity, counters=counters, timeline=dev.timeline.arrays(),
             ooms=tuple(dev.ooms), settings=settings, heatmap_time_ms=hm.t[:hm.n].copy(),
-            heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes)
+            heatmap=hm.z[:, :hm.n].copy(), heatmap_row_bytes=hm.row_bytes, model=dev.model,
+            figures=figures or {}, in_force=in_force or {})
         dev.state = state
         return state
 
@@ -871,6 +883,11 @@ class LiveModel(traitlets.HasTraits):
         """The :class:`~gpudash.widgets.feeds.DeviceFeed` of a device, or None (an
         allocator the model watches directly)."""
         return self._devices[self._index(device)].feed
+
+    def model(self, device: int = 0) -> AllocatorModel:
+        """The allocator model of a device (:mod:`gpudash.models`): its controls, words,
+        bins or pools. A framework's feed is drawn in the BFC's neutral words."""
+        return self._devices[self._index(device)].model
 
     def has_layout(self, device: int = 0) -> bool:
         """Whether the device's source gives a chunk layout (chunk map, bins, heatmap)."""
@@ -892,7 +909,7 @@ class LiveModel(traitlets.HasTraits):
         dev = self._devices[self._index(device)]
         if dev.allocator is None:
             return 0, 0
-        return dev.allocator.pending_release()
+        return dev.model.pending_release(dev.allocator)
 
     # ------------------------------------------------------------------ acting (controls)
     def _require_session(self, what: str) -> Any:
@@ -903,22 +920,34 @@ class LiveModel(traitlets.HasTraits):
 
     def device_settings(self, device: int = 0) -> dict:
         """The settings in force on a device: ``fraction``, ``allow_growth``,
-        ``deferred_deletion_bytes`` (effective), ``limit`` and ``total`` bytes."""
+        ``deferred_deletion_bytes`` (effective), ``limit`` and ``total`` bytes, and the
+        model's own (PyTorch's ``expandable_segments``, ``max_split_size_mb``,
+        ``garbage_collection_threshold``, ``conf``): what its controls show."""
         dev = self._devices[self._index(device)]
         if dev.feed is not None:
             out = {"fraction": None, "allow_growth": None, "deferred_deletion_bytes": None,
                    "limit": None, "total": dev.capacity or None}
             out.update(dev.feed.settings())
             return out
-        alloc = dev.allocator
-        out = {"limit": alloc.memory_limit, "total": dev.capacity,
-               "allow_growth": alloc.allow_growth, "fraction": None,
+        out = {"total": dev.capacity, "allow_growth": None, "fraction": None,
                "deferred_deletion_bytes": None}
+        out.update(dev.model.live_settings(dev.allocator))
         sdev = dev.session_device
         if sdev is not None:
-            opts = sdev.options
-            out["fraction"] = opts.per_process_gpu_memory_fraction
-            out["deferred_deletion_bytes"] = opts.effective_deferred_deletion_bytes
+            out.update(sdev.settings())
+        return out
+
+    def answer_facts(self, device: int = 0) -> dict:
+        """What a control's answer is worded from (:meth:`AllocatorModel.answer`): the
+        device's settings, the bytes and regions above a limit lowered live (``pending``,
+        ``held``), the regions as the chunk map draws them (``regions``) and the allocator's
+        own figures."""
+        dev = self._devices[self._index(device)]
+        pending, held = self.pending_release(device)
+        out = dict(self.device_settings(device), pending=pending, held=held)
+        if dev.allocator is not None:
+            out["regions"] = len(dev.allocator.chunk_table()["regions"])
+            out.update(dev.model.figures(dev.allocator))
         return out
 
     def configure(self, device: int | None = None, **changes: Any) -> None:
@@ -954,6 +983,12 @@ class LiveModel(traitlets.HasTraits):
             freed = self._devices[0].allocator.release_free_regions()
         self.request_refresh()
         return freed
+
+    def empty_cache(self, device: int | None = None) -> int:
+        """PyTorch's ``empty_cache()`` on a device (or all): wholly free cached segments go
+        back to the device (:meth:`release_free_regions` under PyTorch's name); bytes
+        returned."""
+        return self.release_free_regions(device)
 
     def flush_deferred(self, device: int | None = None) -> int:
         """Return the session's deferred frees to the allocators now; bytes returned."""

@@ -1,9 +1,13 @@
-"""The stats table: TensorFlow's allocator stats and fragmentation, one column per device.
+"""The stats table: the allocator's stats and fragmentation, one column per device.
 
-Rows: TensorFlow's ``AllocatorStats`` (num_allocs, bytes in use, peak, largest allocation,
+The rows are the allocator model's (:meth:`gpudash.models.AllocatorModel.stats_rows`). For
+TensorFlow's BFC: ``AllocatorStats`` (num_allocs, bytes in use, peak, largest allocation,
 limit, pool, peak pool, largest free block), then fragmentation: external (TensorFlow's
 ``1 - largest_free / free``), internal (allocated - requested of live chunks) and
-pool - in use. A device over its limit (after the fraction was lowered) gets a red banner.
+pool - in use. For PyTorch's caching allocator: ``torch.cuda.memory_stats()``'s keys
+(``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ``num_alloc_retries``...),
+the limit, reserved - allocated and fragmentation. A device over its limit (after the
+fraction was lowered) gets a red banner.
 """
 
 from __future__ import annotations
@@ -20,29 +24,9 @@ __all__ = ["StatsView", "stats_rows"]
 
 
 def stats_rows(state: Any) -> list[tuple[str, str, str]]:
-    """``(label, value, exact)`` rows for one device state."""
-    s = state.stats
-    c = state.counters
-
-    def b(n: int) -> tuple[str, str]:
-        return format_bytes(int(n)), f"{int(n):,} B"
-
-    rows = [
-        ("num_allocs", f"{s.num_allocs:,}", ""),
-        ("bytes_in_use", *b(s.bytes_in_use)),
-        ("peak_bytes_in_use", *b(s.peak_bytes_in_use)),
-        ("largest_alloc_size", *b(s.largest_alloc_size)),
-        ("bytes_limit", *b(s.bytes_limit)),
-        ("pool_bytes", *b(s.pool_bytes)),
-        ("peak_pool_bytes", *b(s.peak_pool_bytes)),
-        ("largest_free_block_bytes", *b(s.largest_free_block_bytes)),
-        ("external fragmentation", f"{s.fragmentation:.1%}", "1 - largest free / free"),
-        ("internal fragmentation", *b(state.internal_fragmentation)),
-        ("pool - in use", *b(state.reserved_unused)),
-        ("chunks", f"{state.num_chunks:,}", f"{int(state.table['in_use'].sum()):,} in use"),
-        ("OOMs", f"{c['ooms']:,}", "since the model started"),
-    ]
-    return rows
+    """``(label, value, exact)`` rows for one device state, in its allocator model's names
+    (:meth:`gpudash.models.AllocatorModel.stats_rows`)."""
+    return state.model.stats_rows(state)
 
 
 _CSS = ("<style>.gpudash-stats td,.gpudash-stats th{padding:2px 10px;text-align:right;"
@@ -90,7 +74,7 @@ class StatsView(widgets.VBox):
                 over = st.stats.bytes_in_use - st.stats.bytes_limit
                 banners.append(
                     f'<div class="gpudash-over">{html.escape(st.name)} is OVER LIMIT: '
-                    f"{format_bytes(st.stats.bytes_in_use)} in use, limit "
+                    f"{format_bytes(st.stats.bytes_in_use)} {st.model.in_use}, limit "
                     f"{format_bytes(st.stats.bytes_limit)} ({format_bytes(over)} over)</div>")
         table = [[r for r in stats_rows(st)] for st in states]
         head = "".join(f"<th>{html.escape(st.name)}</th>" for st in states)

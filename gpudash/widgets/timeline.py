@@ -1,4 +1,5 @@
-"""The timeline: bytes in use, pool bytes and the limit over time.
+"""The timeline: bytes in use, pool bytes and the limit over time (PyTorch's caching
+allocator: allocated, reserved and the limit: the lines take the allocator model's words).
 
 Out-of-memory events are red markers on the in-use line (hover: the bytes asked for);
 setting changes are vertical dotted lines with a label such as ``fraction 0.5→0.3``. The x
@@ -130,9 +131,10 @@ class TimelineView(_ModelView):
         fig = _figure(self._height, title="memory over time",
                       hovermode="x unified")
         hover = "%{y:.2f} MiB at %{x:.1f} s"
-        lines = (dict(name="in use", line=dict(color="#1f77b4", width=2), fill="tozeroy",
-                      fillcolor="rgba(31,119,180,0.15)"),
-                 dict(name="pool", line=dict(color="#2ca02c", width=1.5)),
+        words = self.model.model(self.device).words()  # PyTorch: allocated, reserved
+        lines = (dict(name=words["in_use"], line=dict(color="#1f77b4", width=2),
+                      fill="tozeroy", fillcolor="rgba(31,119,180,0.15)"),
+                 dict(name=words["pool"], line=dict(color="#2ca02c", width=1.5)),
                  dict(name="limit", line=dict(color="#d62728", width=1.5, dash="dash")))
         for style in lines:
             fig.add_trace(go.Scatter(mode="lines", line_shape="hv", hovertemplate=hover,
@@ -189,9 +191,15 @@ class TimelineView(_ModelView):
                          bgcolor="rgba(255,255,255,0.6)",
                          font=dict(size=10, color="#555")) for t, label in groups]
             s = state.stats
+            words = state.model.words()
+            if reset:  # the device's model names the lines (and their tails)
+                for i, key in ((0, "in_use"), (1, "pool")):
+                    fig.data[i].name = fig.data[4 + i].name = words[key]
+                    fig.data[i].legendgroup = fig.data[4 + i].legendgroup = words[key]
             over = " — OVER LIMIT" if state.over_limit else ""
-            fig.layout.title.text = (f"{state.name}: {format_bytes(s.bytes_in_use)} in use, "
-                                     f"pool {format_bytes(s.pool_bytes)}, limit "
+            fig.layout.title.text = (f"{state.name}: {format_bytes(s.bytes_in_use)} "
+                                     f"{words['in_use']}, {words['pool']} "
+                                     f"{format_bytes(s.pool_bytes)}, limit "
                                      f"{format_bytes(s.bytes_limit)}{over}")
         self.marked_ooms = ooms
         self.marked_settings = groups

@@ -1,8 +1,12 @@
 """What if: replay a trace at the fraction on a slider, and see where it runs out of memory.
 
-Moving the slider (on release) replays the trace through a fresh BFC allocator on a
-simulated device (:func:`gpudash.trace.replay.replay`) in a background thread, while a short
-"replaying…" status shows. The view draws:
+Moving the slider (on release) replays the trace through a fresh allocator of the trace's
+model (TensorFlow's BFC, or PyTorch's caching allocator for a PyTorch trace) on a simulated
+device (:func:`gpudash.trace.replay.replay`) in a background thread, while a short
+"replaying…" status shows. A PyTorch trace also gets an ``expandable_segments`` toggle (the
+model's :attr:`~gpudash.models.AllocatorModel.whatif_toggles`), its lines are allocated and
+reserved, and the minimum fraction comes with the
+``torch.cuda.set_per_process_memory_fraction`` line. The view draws:
 
 - a timeline over the trace's calls: bytes in use, pool bytes, the limit line, every refused
   allocation and the first one marked;
@@ -236,23 +240,37 @@ class WhatIfView(widgets.VBox):
         self._generation = 0
         self._task: Any = None
         self._min_task: Any = None
+        self._min_gen = 0  # the minimum-fraction search whose answer is shown
         self.result: Any = None
         self.heatmap_data: dict = {}
         self.error: BaseException | None = None
         self._call_ops: dict[int, np.ndarray] = {}
 
+        # the model the trace replays through: its words, its toggles, its paste line
+        from ..models import model_for, trace_model
+
+        name = self._options.get("allocator")
+        self.allocator_model = model_for(name) if name is not None else trace_model(trace)
+        self._words = self.allocator_model.words()
         self.slider = widgets.FloatSlider(
             min=0.05, max=1.0, step=0.01, value=fraction, description="fraction",
             continuous_update=False, readout_format=".2f", style={"description_width": "70px"},
+            tooltip=self.allocator_model.fraction_setting,
             layout=widgets.Layout(width="360px"))
+        self.toggles: dict[str, Any] = {}
+        for key in self.allocator_model.whatif_toggles:  # PyTorch: expandable_segments
+            toggle = widgets.ToggleButton(description=key, value=self._setting(key),
+                                          tooltip=f"replay with {key} on or off")
+            toggle.observe(lambda change, key=key: self._on_toggle(key, change), "value")
+            self.toggles[key] = toggle
         self.status = widgets.HTML()
         self.min_fraction_text = widgets.HTML("<i>minimum fraction: …</i>")
 
         tl = _new_figure(320, "replay: memory over the trace")
         C = style.COLORS
-        tl.add_scatter(name="in use", mode="lines", line=dict(color=C["in use"]),
+        tl.add_scatter(name=self._words["in_use"], mode="lines", line=dict(color=C["in use"]),
                        fill="tozeroy", fillcolor=style.FILLS["in use"])
-        tl.add_scatter(name="pool", mode="lines", line=dict(color=C["pool"]))
+        tl.add_scatter(name=self._words["pool"], mode="lines", line=dict(color=C["pool"]))
         tl.add_scatter(name="limit", mode="lines", line=dict(color=C["limit"], dash="dash"))
         tl.add_scatter(name="OOM", mode="markers", marker=dict(color=C["oom"], symbol="x",
                                                                size=7),
@@ -273,7 +291,8 @@ class WhatIfView(widgets.VBox):
         self.heatmap = hm
         self.plots = (PlotView(tl), PlotView(hm))
         super().__init__(children=(
-            widgets.HBox([self.slider, self.status]), self.min_fraction_text, *self.plots))
+            widgets.HBox([self.slider, *self.toggles.values(), self.status]),
+            self.min_fraction_text, *self.plots))
         self.slider.observe(self._on_slider_change, "value")
         self._min_timer: threading.Timer | None = None
         self.replay_now(fraction)
@@ -284,6 +303,23 @@ class WhatIfView(widgets.VBox):
             self._min_timer.start()
 
     # ------------------------------------------------------------------ replays
+    def _setting(self, key: str) -> bool:
+        """An on/off setting the replays run with (the trace's own unless given)."""
+        from ..trace.replay import resolve_settings
+
+        s = resolve_settings(self.trace, **self._options)
+        value = s.get(key)
+        return bool(getattr(s.get("conf"), key, False) if value is None else value)
+
+    def _on_toggle(self, key: str, change: dict) -> None:
+        """Replay with the setting flipped, at the slider's fraction; the minimum fraction
+        is looked for again under it."""
+        self._options[key] = bool(change["new"])
+        self.min_fraction_text.value = "<i>minimum fraction: …</i>"
+        self._on_slider_change({"new": self.slider.value})
+        if self._min_timer is not None:
+            self._start_min_fraction()
+
     def _replay(self, fraction: float) -> tuple[Any, dict]:
         from ..trace.replay import replay
 
@@ -358,11 +394,14 @@ class WhatIfView(widgets.VBox):
             first = result.first_oom
             with self.timeline.batch_update():
                 t_in, t_pool, t_limit, t_oom, t_first = self.timeline.data
+                w = self._words
                 t_in.update(x=typed_array(x, np.float64), y=typed_array(y_in / scale, np.float32),
-                            hovertemplate=f"call %{{x:.0f}}: %{{y:.2f}} {unit} in use<extra></extra>")
+                            hovertemplate=f"call %{{x:.0f}}: %{{y:.2f}} {unit} {w['in_use']}"
+                                          "<extra></extra>")
                 t_pool.update(x=typed_array(x, np.float64),
                               y=typed_array(y_pool / scale, np.float32),
-                              hovertemplate=f"call %{{x:.0f}}: pool %{{y:.2f}} {unit}<extra></extra>")
+                              hovertemplate=f"call %{{x:.0f}}: {w['pool']} %{{y:.2f}} {unit}"
+                                            "<extra></extra>")
                 t_limit.update(x=[0, max(len(calls) - 1, 1)], y=[limit / scale] * 2,
                                hovertemplate=f"limit %{{y:.2f}} {unit}<extra></extra>")
                 self.timeline.layout.yaxis.ticksuffix = " " + unit
@@ -401,10 +440,11 @@ class WhatIfView(widgets.VBox):
                     line.update(x=[first[0], first[0]], y=[0, rows * hm["row_bytes"] / hscale])
                 else:
                     line.update(x=[], y=[])
+            self.device_bytes = result.options.get("device_bytes", self.device_bytes)
             if first is None:
                 text = (f"<b style='color:#2ca02c'>fits</b> at {fraction:.2f}: limit "
-                        f"{format_bytes(limit)}, peak pool "
-                        f"{format_bytes(result.peak_pool_bytes)}, peak in use "
+                        f"{format_bytes(limit)}, peak {self._words['pool']} "
+                        f"{format_bytes(result.peak_pool_bytes)}, peak {self._words['in_use']} "
                         f"{format_bytes(result.peak_bytes_in_use)}")
             else:
                 text = (f"<b style='color:#d62728'>out of memory</b> at {fraction:.2f}: "
@@ -420,9 +460,11 @@ class WhatIfView(widgets.VBox):
     def _start_min_fraction(self) -> None:
         from ..background import run_in_background
 
+        self._min_gen += 1
         self._min_task = run_in_background(self._find_min_fraction, name="whatif-min-fraction")
 
     def _find_min_fraction(self) -> None:
+        gen = self._min_gen
         try:
             from ..trace.whatif import min_fraction
         except ImportError:
@@ -432,12 +474,25 @@ class WhatIfView(widgets.VBox):
         try:
             found = min_fraction(self.trace, **self._options)
         except Exception as exc:  # noqa: BLE001 - shown in the view
+            if gen != self._min_gen:
+                return
             self.min_fraction_text.value = (f"<i>minimum fraction: failed "
                                             f"({html.escape(type(exc).__name__)}: "
                                             f"{html.escape(str(exc))})</i>")
             return
+        if gen != self._min_gen:
+            return  # a toggle asked for a newer search
         self.min_fraction_value = found
-        self.min_fraction_text.value = _describe_min_fraction(found, self.device_bytes)
+        text = _describe_min_fraction(found, self.device_bytes)
+        value = getattr(found, "fraction", found)
+        if isinstance(value, (int, float)):   # PyTorch: the line that sets it, live
+            from ..trace.replay import resolve_settings
+
+            line = self.allocator_model.fraction_line(
+                float(value), resolve_settings(self.trace, **self._options))
+            if line:
+                text += f"<br><small><code>{html.escape(line)}</code></small>"
+        self.min_fraction_text.value = text
 
     def wait_min_fraction(self, timeout: float | None = 60) -> bool:
         """Wait for the minimum-fraction search; True once it ended (or never started)."""
@@ -456,7 +511,8 @@ class WhatIfView(widgets.VBox):
             if task is not None:
                 task.cancel()
         for w in (getattr(self, "slider", None), getattr(self, "status", None),
-                  getattr(self, "min_fraction_text", None), *getattr(self, "plots", ())):
+                  getattr(self, "min_fraction_text", None), *getattr(self, "plots", ()),
+                  *getattr(self, "toggles", {}).values()):
             if w is not None:
                 w.close()
         for child in self.children:

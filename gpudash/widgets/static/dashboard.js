@@ -37,10 +37,10 @@ function unitFor(top) {
 }
 
 // The fraction slider's readout, whatever set the fraction (the slider, %gpudash_config,
-// code): "0.30 (limit 4.80 GiB)"; "auto" for fraction 0 (all the device allows); the limit
-// reads "..." until the kernel has answered.
-function fractionText(frac, auto, limit) {
-  return (auto ? "auto" : Number(frac).toFixed(2)) +
+// code): "0.30 (limit 4.80 GiB)"; `unset` ("auto"; PyTorch's "not set") for no fraction
+// (all the device allows); the limit reads "..." until the kernel has answered.
+function fractionText(frac, auto, limit, unset) {
+  return (auto ? (unset || "auto") : Number(frac).toFixed(2)) +
     " (limit " + (limit == null ? "..." : fmtBytes(limit)) + ")";
 }
 
@@ -144,32 +144,10 @@ class View {
       sel.addEventListener("change", () => this.act("device", Number(sel.value)));
       this.ctl.device = sel;
     }
-    const lab = c.appendChild(el("label", {}, "fraction "));
-    const slider = lab.appendChild(el("input", { type: "range", min: "0.01", max: "1",
-      step: "0.01", value: "1", "data-ctl": "fraction" }));
-    const fval = lab.appendChild(el("span", { "data-ctl": "fraction-value" }, ""));
-    slider.addEventListener("input", () => {
-      // the limit follows with the kernel's answer (applyControls)
-      fval.textContent = fractionText(Number(slider.value), false, null);
-      this.act("fraction", Number(slider.value), true);
-    });
-    this.ctl.fraction = slider;
-    this.ctl.fractionValue = fval;
-    const growth = c.appendChild(el("button", { "data-ctl": "growth" }, "growth: ?"));
-    growth.addEventListener("click", () => this.act("growth", !this.growthOn));
-    this.ctl.growth = growth;
-    const dl = c.appendChild(el("label", {}, "deferred (MiB) "));
-    const deferred = dl.appendChild(el("input", { type: "number", min: "0", step: "1",
-      "data-ctl": "deferred" }));
-    deferred.addEventListener("change", () =>
-      this.act("deferred", Math.round(Number(deferred.value) * 1048576)));
-    this.ctl.deferred = deferred;
-    const release = c.appendChild(el("button", { "data-ctl": "release" }, "release free regions"));
-    release.addEventListener("click", () => this.act("release"));
-    this.ctl.release = release;
-    const flush = c.appendChild(el("button", { "data-ctl": "flush" }, "flush deferred"));
-    flush.addEventListener("click", () => this.act("flush"));
-    this.ctl.flush = flush;
+    // the allocator model's own controls (gpudash.models): built when its description
+    // arrives with the first snapshot (buildModelControls)
+    this.modelBox = c.appendChild(el("span", { style: "display:contents" }));
+    this.specs = [];
     const pause = c.appendChild(el("button", { "data-ctl": "pause" }, "updates: live"));
     pause.addEventListener("click", () => this.act("pause", !this.paused));
     this.ctl.pause = pause;
@@ -182,6 +160,69 @@ class View {
       "settings to restart with"));
     restart.addEventListener("click", () => this.act("restart"));
     this.ctl.restart = restart;
+  }
+
+  // One element per control the model lists: a fraction slider, an on/off button, a number
+  // (a byte count in its unit), a button. Each sends its value; the kernel answers in words.
+  buildModelControls(model) {
+    const box = this.modelBox;
+    while (box.firstChild) box.removeChild(box.firstChild);
+    for (const spec of this.specs) delete this.ctl[spec.name];
+    this.specs = model.controls || [];
+    this.words = model.words || {};
+    this.toggles = {};
+    this.builtFor = model.name;
+    for (const spec of this.specs) {
+      const name = spec.name;
+      if (spec.kind === "fraction") {
+        const lab = box.appendChild(el("label", {}, spec.label + " "));
+        const slider = lab.appendChild(el("input", { type: "range", min: "0.01", max: "1",
+          step: "0.01", value: "1", "data-ctl": name }));
+        const fval = lab.appendChild(el("span", { "data-ctl": name + "-value" }, ""));
+        slider.addEventListener("input", () => {
+          // the limit follows with the kernel's answer (applyControls)
+          fval.textContent = fractionText(Number(slider.value), false, null);
+          this.act(name, Number(slider.value), true);
+        });
+        this.ctl[name] = slider;
+        this.ctl[name + "Value"] = fval;
+      } else if (spec.kind === "toggle") {
+        const b = box.appendChild(el("button", { "data-ctl": name }, spec.label + ": ?"));
+        b.addEventListener("click", () => this.act(name, !this.toggles[name]));
+        this.ctl[name] = b;
+      } else if (spec.kind === "bytes" || spec.kind === "number") {
+        const lab = box.appendChild(el("label", {}, spec.label + " "));
+        const attrs = { type: "number", "data-ctl": name };
+        if (spec.kind === "bytes") { attrs.min = "0"; attrs.step = "1"; }
+        else {
+          if (spec.min != null) attrs.min = String(spec.min);
+          if (spec.max != null) attrs.max = String(spec.max);
+          if (spec.step != null) attrs.step = String(spec.step);
+          if (spec.empty) attrs.placeholder = spec.empty;
+        }
+        const input = lab.appendChild(el("input", attrs));
+        // sent on Enter (the notebook would take the key otherwise) and on leaving the
+        // field, once per value
+        const commit = () => {
+          if (input.value === input.dataset.sent) return;
+          input.dataset.sent = input.value;
+          if (spec.kind === "bytes") this.act(name, Math.round(Number(input.value) * spec.unit));
+          else this.act(name, input.value === "" ? spec.empty_value : Number(input.value));
+        };
+        input.addEventListener("change", commit);
+        input.addEventListener("keydown", (ev) => {
+          if (ev.key !== "Enter") return;
+          ev.preventDefault();
+          ev.stopPropagation();
+          commit();
+        });
+        this.ctl[name] = input;
+      } else {
+        const b = box.appendChild(el("button", { "data-ctl": name }, spec.label));
+        b.addEventListener("click", () => this.act(name));
+        this.ctl[name] = b;
+      }
+    }
   }
 
   // Send a control; `coalesce` keeps one in flight per control and sends the newest value
@@ -202,7 +243,8 @@ class View {
     }
     this.status.textContent = (msg.ok ? "" : "refused: ") + msg.text + (msg.warning ? " - " + msg.warning : "");
     this.status.classList.toggle("err", !msg.ok);
-    if (msg.controls) this.applyControls(msg.controls);
+    if (msg.controls) this.applyControls(Object.assign({}, msg.controls,
+                                                       msg.ok ? {} : { refused: msg.name }));
     // the device shown (a refused device change puts the picker back)
     if (this.ctl.device && msg.device != null) this.ctl.device.value = String(msg.device);
     if (msg.name in this.pending) {
@@ -234,35 +276,53 @@ class View {
     const s = info.settings || {};
     this.info = info;
     this.applyDriver(info.driver);
+    if (info.model && info.model.name !== this.builtFor) this.buildModelControls(info.model);
     const ctl = this.ctl;
-    const total = s.total || 0;
-    // fraction 0 (or unset) means "all the device allows": show the limit's share as "auto"
-    const auto = !s.fraction;
-    const frac = !auto ? s.fraction : (total && s.limit ? s.limit / total : null);
-    // the settings in force, unless a newer value from the slider is on its way (then its
-    // answer shows it); the handle is left alone while it has the focus (being dragged)
-    const sending = this.inflight.fraction || "fraction" in this.pending;
-    if (frac != null && !sending) {
-      if (document.activeElement !== ctl.fraction) ctl.fraction.value = String(frac);
-      ctl.fractionValue.textContent = fractionText(frac, auto, s.limit);
+    const words = this.words || {};
+    const reason = info.disabled;
+    for (const spec of this.specs) {
+      const e = ctl[spec.name];
+      const v = spec.setting ? s[spec.setting] : null;
+      if (spec.kind === "fraction") {
+        const total = s.total || 0;
+        // fraction unset (or 0: all the device allows): the limit's share, read "auto"
+        const auto = !s.fraction;
+        const frac = !auto ? s.fraction : (total && s.limit ? s.limit / total : null);
+        // the settings in force, unless a newer value from the slider is on its way (then
+        // its answer shows it); the handle is left alone while it has the focus (dragged)
+        const sending = this.inflight[spec.name] || spec.name in this.pending;
+        if (frac != null && !sending) {
+          if (document.activeElement !== e) e.value = String(frac);
+          ctl[spec.name + "Value"].textContent = fractionText(frac, auto, s.limit,
+                                                               words.unset_fraction);
+        }
+      } else if (spec.kind === "toggle") {
+        this.toggles[spec.name] = !!v;
+        e.textContent = spec.label + ": " + (v == null ? "?" : (v ? "on" : "off"));
+      } else if (spec.kind === "bytes") {
+        if (v != null && document.activeElement !== e)
+          e.value = e.dataset.sent = String(Math.round(v / spec.unit));
+      } else if (spec.kind === "number") {
+        // the value in force; after a refusal the field shows it again
+        if (document.activeElement !== e || info.refused === spec.name)
+          e.value = e.dataset.sent = v == null || v === 0 ? "" : String(v);
+      }
+      if (reason) { e.setAttribute("disabled", ""); e.title = reason; }
+      else if (spec.needs_session && !info.session) {
+        e.setAttribute("disabled", "");
+        e.title = "deferred deletion lives in a gpudash.Session";
+      } else { e.removeAttribute("disabled"); e.title = spec.tooltip || ""; }
     }
-    this.growthOn = !!s.allow_growth;
-    ctl.growth.textContent = "growth: " + (s.allow_growth == null ? "?" : (s.allow_growth ? "on" : "off"));
-    if (s.deferred_deletion_bytes != null && document.activeElement !== ctl.deferred)
-      ctl.deferred.value = String(Math.round(s.deferred_deletion_bytes / 1048576));
     this.paused = !!info.paused;
     ctl.pause.textContent = "updates: " + (this.paused ? "paused" : "live");
     ctl.rate.value = String(Math.round(info.rate_hz));
-    const reason = info.disabled;
-    for (const k of ["fraction", "growth", "deferred", "release", "flush"]) {
-      const e = ctl[k];
-      if (reason) { e.setAttribute("disabled", ""); e.title = reason; }
-      else { e.removeAttribute("disabled"); e.title = ""; }
-    }
-    if (!info.session && !reason) { ctl.flush.setAttribute("disabled", ""); ctl.deferred.setAttribute("disabled", "");
-      ctl.flush.title = ctl.deferred.title = "deferred deletion lives in a gpudash.Session"; }
     ctl.restart.style.display = info.restart ? "" : "none";
     this.hasLayout = info.has_layout !== false;
+    if (info.model) {
+      this.binLabels = info.model.bin_labels;
+      for (const [name, key] of [["chunkmap", "map"], ["bins", "bins"]])
+        if (this.cells[name] && !this.cells[name].drawn) this.cells[name].title.textContent = words[key];
+    }
   }
 
   // ------------------------------------------------------------ data in
@@ -389,17 +449,21 @@ class View {
   drawHead() {
     const h = this.headline;
     if (!h) return;
+    const w = this.words || {};
+    const inUse = w.in_use || "in use", pool = w.pool || "pool";
     const over = h.in_use > h.limit && h.limit > 0;
     const miss = new Set(h.missing || []);
     const known = (k) => !miss.has(k);
-    const items = [`<b>${esc(h.name)}</b>`, `in use <b>${fmtBytes(h.in_use)}</b>`];
-    if (known("pool_bytes")) items.push(`pool <b>${fmtBytes(h.pool)}</b>`);
+    const items = [`<b>${esc(h.name)}</b>`, `${esc(inUse)} <b>${fmtBytes(h.in_use)}</b>`];
+    if (known("pool_bytes")) items.push(`${esc(pool)} <b>${fmtBytes(h.pool)}</b>`);
     if (known("bytes_limit")) items.push(`limit <b>${h.limit ? fmtBytes(h.limit) : "-"}</b>`);
-    if (known("peak_bytes_in_use")) items.push(`peak ${fmtBytes(h.peak)}`);
+    if (known("peak_bytes_in_use")) items.push(`${esc(w.peak || "peak")} ${fmtBytes(h.peak)}`);
     if (known("largest_free_block_bytes")) items.push(`largest free ${fmtBytes(h.largest_free)}`);
     if (known("fragmentation") && known("largest_free_block_bytes"))
       items.push(`fragmentation ${(100 * h.fragmentation).toFixed(1)} %`);
-    if (this.hasLayout) items.push(`chunks ${h.chunks}`);
+    if (this.hasLayout) items.push(`${esc(w.chunk || "chunk")}s ${h.chunks}`);
+    // the model's own figures, by its names (PyTorch's segments, num_alloc_retries...)
+    for (const [label, value] of (h.extra || [])) items.push(`${esc(label)} <b>${esc(value)}</b>`);
     items.push(`OOMs ${h.counters.ooms || 0}`);
     if (miss.size) items.push(`<span class="gd-note">not reported by this source: ${
       esc([...miss].map((k) => k.replace(/_/g, " ")).join(", "))}</span>`);
@@ -415,18 +479,16 @@ class View {
       this.status.classList.remove("err");
       this.sourceError = false;
     }
-    if (h.pending_release > 0) {
+    // a pool above a limit lowered live: what happens to it, in the model's words
+    if (h.banner) {
       this.banner.style.display = "";
-      this.banner.textContent = `pool above limit: ${fmtBytes(h.pool)} held against a ` +
-        `${fmtBytes(h.limit)} limit. ${fmtBytes(h.pending_release)} wait to be returned: ` +
-        `${h.regions_holding} region(s) still hold memory in use, and each goes back when it ` +
-        `empties. Allocations that would take bytes in use past the limit are refused.`;
+      this.banner.textContent = h.banner;
     } else {
       this.banner.style.display = "none";
     }
     const t = this.cells.timeline;
-    if (t) t.title.textContent = `memory over time - in use ${fmtBytes(h.in_use)}` +
-      (known("pool_bytes") ? `, pool ${fmtBytes(h.pool)}` : "") +
+    if (t) t.title.textContent = `memory over time - ${inUse} ${fmtBytes(h.in_use)}` +
+      (known("pool_bytes") ? `, ${pool} ${fmtBytes(h.pool)}` : "") +
       (known("bytes_limit") ? `, limit ${h.limit ? fmtBytes(h.limit) : "-"}` : "");
   }
 
@@ -442,12 +504,14 @@ class View {
     const ext = (a) => a.length ? a.concat([a[a.length - 1]]) : a;  // lines reach the present
     const xs = x.length ? x.concat([now]) : x;
     const hov = `%{y:.2f} ${u.name} at %{x:.1f} s`;
+    const w = this.words || {};
+    const inUse = w.in_use || "in use", pool = w.pool || "pool";
     const traces = [
-      { type: "scatter", mode: "lines", name: "in use", x: xs, y: ext(sc(tl.used)),
+      { type: "scatter", mode: "lines", name: inUse, x: xs, y: ext(sc(tl.used)),
         line: { color: C["in use"], width: 2, shape: "hv" }, fill: "tozeroy", fillcolor: this.setup.fills["in use"],
-        hovertemplate: "in use " + hov + "<extra></extra>" },
-      { type: "scatter", mode: "lines", name: "pool", x: xs, y: ext(sc(tl.pool)),
-        line: { color: C.pool, width: 1.5, shape: "hv" }, hovertemplate: "pool " + hov + "<extra></extra>" },
+        hovertemplate: inUse + " " + hov + "<extra></extra>" },
+      { type: "scatter", mode: "lines", name: pool, x: xs, y: ext(sc(tl.pool)),
+        line: { color: C.pool, width: 1.5, shape: "hv" }, hovertemplate: pool + " " + hov + "<extra></extra>" },
       { type: "scatter", mode: "lines", name: "limit", x: xs, y: ext(sc(tl.limit)),
         line: { color: C.limit, width: 1.5, dash: "dash", shape: "hv" }, hovertemplate: "limit " + hov + "<extra></extra>" },
     ];
@@ -506,6 +570,9 @@ class View {
     const n = ch.meta.n;
     const c = ch.cols;
     const holders = ch.meta.holders;
+    const kinds = ch.meta.region_kinds;  // PyTorch: each segment's pool, expandable or not
+    const w = this.words || {};
+    const inUse = w.in_use || "in use";
     let top = 1;
     for (const r of ch.meta.regions) if (r[1] > top) top = r[1];
     const u = unitFor(top);
@@ -514,13 +581,14 @@ class View {
     for (let i = 0; i < n; i++) {
       const reg = c[i], off = c[n + i], size = c[2 * n + i], req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
       const addr = "0x" + ptr.toString(16);
-      const who = holders && holders[i] ? "<br>held by " + esc(holders[i]) : "";
+      const who = (holders && holders[i] ? "<br>held by " + esc(holders[i]) : "") +
+        (kinds && kinds[reg] != null ? `<br>${esc(kinds[reg])} ${esc(w.region || "region")}` : "");
       if (used) {
         const hv = `${addr}<br>size ${fmtBytes(size)}<br>requested ${fmtBytes(req)}${who}`;
         T.used.y.push(reg); T.used.b.push(off / u.scale); T.used.x.push(req / u.scale); T.used.h.push(hv);
         if (size > req) { T.waste.y.push(reg); T.waste.b.push((off + req) / u.scale); T.waste.x.push((size - req) / u.scale); T.waste.h.push(hv + "<br>waste " + fmtBytes(size - req)); }
       } else {
-        T.free.y.push(reg); T.free.b.push(off / u.scale); T.free.x.push(size / u.scale); T.free.h.push(`${addr}<br>free ${fmtBytes(size)}`);
+        T.free.y.push(reg); T.free.b.push(off / u.scale); T.free.x.push(size / u.scale); T.free.h.push(`${addr}<br>free ${fmtBytes(size)}${who}`);
       }
     }
     const C = this.C;
@@ -529,20 +597,27 @@ class View {
       showlegend: true });
     const regions = ch.meta.regions;
     const cell = this.cells.chunkmap;
-    cell.title.textContent = `chunk map - ${n} chunks in ${ch.meta.n_regions} region(s)`;
-    // each region by its start address and size: two regions of one size stay apart
-    this.plot("chunkmap", [mk(T.used, "in use", C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
+    const region = w.region || "region";
+    cell.title.textContent = `${w.map || "chunk map"} - ${n} ${w.chunk || "chunk"}s in ` +
+      `${ch.meta.n_regions} ${region}(s)`;
+    // each region by its start address and size (and, for PyTorch, its pool): two regions
+    // of one size stay apart
+    this.plot("chunkmap", [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
       this.legendLayout({ barmode: "overlay", bargap: 0.1,
-        xaxis: { title: { text: "offset in region" }, ticksuffix: " " + u.name, rangemode: "tozero" },
-        yaxis: { title: { text: "region" }, automargin: true, tickmode: "array", tickvals: regions.map((_, i) => i),
-          ticktext: regions.map((r) => regionLabel(r)), autorange: "reversed" } }));
+        xaxis: { title: { text: "offset in " + region }, ticksuffix: " " + u.name, rangemode: "tozero" },
+        yaxis: { title: { text: region }, automargin: true, tickmode: "array", tickvals: regions.map((_, i) => i),
+          ticktext: regions.map((r, i) => regionLabel(r) + (kinds && kinds[i] ? " " + kinds[i] : "")),
+          autorange: "reversed" } }));
   }
 
   drawBins() {
     if (!this.hasLayout) return this.none("bins", "this source reports totals only: no bins to draw");
     const b = this.chunks.bins;
-    const k = 21;
-    const labels = this.setup.bin_labels;
+    const k = this.chunks.meta.n_bins || 21;  // TensorFlow's 21 bins, PyTorch's 2 pools
+    const labels = this.binLabels || this.setup.bin_labels;
+    const w = this.words || {};
+    const inUse = w.in_use || "in use", piece = w.chunk || "chunk";
+    this.cells.bins.title.textContent = w.bins || "bins";
     let top = 1;
     for (let i = 0; i < k; i++) top = Math.max(top, b[i] + b[k + i]);
     const u = unitFor(top);
@@ -550,12 +625,16 @@ class View {
     const col = (o) => Array.from(b.subarray(o * k, (o + 1) * k));
     const free = col(0), used = col(1), fc = col(2), uc = col(3);
     this.plot("bins", [
-      { type: "bar", name: "in use", x: labels, y: used.map((v) => v / u.scale), marker: { color: C["in use"] },
-        customdata: uc.map((n, i) => `${n} chunk(s), ${fmtBytes(used[i])}`), hovertemplate: "in use: %{customdata}<extra>%{x}</extra>" },
+      { type: "bar", name: inUse, x: labels, y: used.map((v) => v / u.scale), marker: { color: C["in use"] },
+        customdata: uc.map((n, i) => `${n} ${piece}(s), ${fmtBytes(used[i])}`), hovertemplate: inUse + ": %{customdata}<extra>%{x}</extra>" },
       { type: "bar", name: "free", x: labels, y: free.map((v) => v / u.scale), marker: { color: C.free },
-        customdata: fc.map((n, i) => `${n} chunk(s), ${fmtBytes(free[i])}`), hovertemplate: "free: %{customdata}<extra>%{x}</extra>" },
-    ], this.legendLayout({ barmode: "stack", xaxis: { title: { text: "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
-      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name } }));
+        customdata: fc.map((n, i) => `${n} ${piece}(s), ${fmtBytes(free[i])}`), hovertemplate: "free: %{customdata}<extra>%{x}</extra>" },
+    ], this.legendLayout({ barmode: "stack", xaxis: { title: { text: w.bins_axis || "bin (chunk size)", standoff: 4 }, type: "category", automargin: true },
+      yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name },
+      // a few bars (PyTorch's two pools): each says its figures, so a small one still reads
+      annotations: k > 4 ? [] : labels.map((x, i) => ({ x, y: (used[i] + free[i]) / u.scale,
+        text: `${fmtBytes(used[i])} ${inUse}, ${fmtBytes(free[i])} free`, showarrow: false,
+        yanchor: "bottom", font: { size: 10, color: "#444" } })) }));
   }
 
   close() {

@@ -1,0 +1,411 @@
+"""PyTorch's out-of-memory errors explained, in PyTorch's own terms.
+
+Two sources, both read by :func:`explain_torch` (and by :func:`gpudash.explain` /
+``gpudash explain PATH``, which send PyTorch's files here):
+
+- **the message** PyTorch printed (``torch.OutOfMemoryError: CUDA out of memory. Tried to
+  allocate ...``), pasted or in a log, in any wording since 1.0 (:mod:`gpudash.torch_oom`):
+  the figures it gives, the cause they show and the setting that would have served the
+  request;
+- **a memory snapshot** with its ``oom`` entry (``torch.cuda.memory._dump_snapshot`` in the
+  job's out-of-memory handler, with ``_record_memory_history`` on): the trace is replayed
+  exactly through gpudash's model of PyTorch's caching allocator up to the failure, so the
+  explanation has the allocator's whole state at that moment (every segment and block, the
+  largest free block of the pool the request needed), the message PyTorch printed (rebuilt
+  from that state), and each suggested setting **proven** by replaying the recorded calls
+  under it on the same device.
+
+The causes, from the state at the failure (PyTorch has already released its unused cached
+segments when it raises):
+
+- **fragmentation**: the free blocks inside segments that still hold tensors ("reserved but
+  unallocated") plus what the driver has free would hold the request, but no single free
+  block and not the driver can: ``expandable_segments:True`` (PyTorch 2.1 on) lets one
+  segment grow instead, ``max_split_size_mb`` keeps large blocks whole (older PyTorch);
+- **limit**: ``set_per_process_memory_fraction`` caps what PyTorch may hold;
+- **device full**: even all the free memory would not hold it: no allocator setting helps
+  (smaller batches, activation checkpointing or a larger GPU do).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ConfigError, TraceFormatError
+from ._explanation import _ExplanationViews
+from ._units import format_bytes, parse_bytes
+
+__all__ = ["explain_torch", "TorchExplanation", "is_torch_file"]
+
+_SMALL = 1 << 20          # PyTorch's kSmallSize: requests up to 1 MiB use the small pool
+_TEXT_LIMIT = 64 << 20    # a log larger than this is read as its first 64 MiB
+
+
+@dataclass
+class TorchExplanation(_ExplanationViews):
+    """One PyTorch out-of-memory error explained (see the module docstring).
+
+    Attributes
+    ----------
+    path : str
+    source : str
+        ``"message"`` (PyTorch's printed message) or ``"snapshot"`` (a memory snapshot
+        replayed to the failure).
+    device : int or None
+        The GPU index.
+    request : int
+        The bytes PyTorch asked for: the block size (a snapshot's ``oom`` entry) or "Tried to
+        allocate" (the message: the segment PyTorch asked the driver for).
+    allocated, reserved, unallocated : int or None
+        PyTorch's memory in tensors, in its segments, and the difference (free blocks in
+        segments that still hold tensors).
+    largest_free : int or None
+        The largest free block of the pool the request needed (a snapshot only).
+    free_blocks : int or None
+        Free blocks in that pool (a snapshot only).
+    device_total, device_free : int or None
+        The GPU's memory, and what the driver had free when PyTorch gave up.
+    total_known : bool
+        ``device_total`` is the GPU's (given, or in the message); False when it was read
+        off a snapshot's ``oom`` entry as free plus PyTorch's segments (what PyTorch could
+        use: memory held outside PyTorch's allocator is then not known).
+    cause : str
+        ``"fragmentation"``, ``"limit"``, ``"another process"``, ``"device full"`` or
+        ``"unknown"``.
+    why : str
+        The cause with the figures behind it.
+    settings : list of str
+        Lines that would have served the request (PyTorch's settings).
+    proofs : list of (str, bool, str)
+        A snapshot only: ``(setting, fits, detail)`` for each setting replayed over the
+        recorded calls on the same device.
+    message : str
+        The message PyTorch printed (as read, or rebuilt from the replayed state).
+    dump : MemoryDump or None
+        A snapshot only: the allocator's state at the failure, for the figures.
+    assumed, warnings : list of str
+    index, count : int
+        Which error of the file (from 0) and how many it has.
+    """
+
+    path: str
+    source: str
+    device: int | None
+    request: int
+    allocated: int | None = None
+    reserved: int | None = None
+    unallocated: int | None = None
+    largest_free: int | None = None
+    free_blocks: int | None = None
+    device_total: int | None = None
+    device_free: int | None = None
+    total_known: bool = True
+    cause: str = "unknown"
+    why: str = ""
+    settings: list[str] = field(default_factory=list)
+    proofs: list[tuple[str, bool, str]] = field(default_factory=list)
+    message: str = ""
+    dump: Any = None
+    assumed: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    index: int = 0
+    count: int = 1
+    _oom: Any = field(default=None, repr=False)
+
+    def lines(self) -> list[tuple[str, str]]:
+        """The summary as (label, text) rows."""
+        if self._oom is not None:         # the message's own reading
+            rows = [r for r in self._oom.lines() if r[0] not in ("warning",)]
+        else:
+            pool = "small" if self.request <= _SMALL else "large"
+            rows = [("request", f"{format_bytes(self.request)} (a block of the {pool} pool)"),
+                    ("allocated", f"{format_bytes(self.allocated or 0)} in tensors"),
+                    ("reserved", f"{format_bytes(self.reserved or 0)} held in segments"),
+                    ("reserved, unused",
+                     f"{format_bytes(self.unallocated or 0)} (free blocks in segments that "
+                     f"still hold tensors); the {pool} pool has {self.free_blocks or 0:,} "
+                     f"free block(s), the largest {format_bytes(self.largest_free or 0)}")]
+            if self.device_total and self.total_known:
+                other = self.device_total - (self.reserved or 0) - (self.device_free or 0)
+                rows.append(("GPU", f"{format_bytes(self.device_total)} in all, "
+                                    f"{format_bytes(self.device_free or 0)} free; "
+                                    f"{format_bytes(max(other, 0))} held outside PyTorch's "
+                                    "allocator (CUDA context, libraries, other processes)"))
+            elif self.device_total:
+                rows.append(("GPU", f"{format_bytes(self.device_free or 0)} free when it "
+                                    f"failed; {format_bytes(self.device_total)} usable by "
+                                    "PyTorch (free plus its segments; what else held the GPU "
+                                    "is not in the snapshot)"))
+            rows.append(("cause", f"{self.cause}: {self.why}"))
+            for setting, fits, detail in self.proofs:
+                rows.append(("fits with" if fits else "still fails with",
+                             f"{setting}: {detail}"))
+            if not self.proofs:
+                rows.extend(("would serve it", s) for s in self.settings)
+        rows.extend(("assumed", a) for a in self.assumed)
+        return rows
+
+    def __str__(self) -> str:
+        which = f" (error {self.index + 1} of {self.count})" if self.count > 1 else ""
+        dev = f"GPU {self.device}" if self.device is not None else "the GPU"
+        how = ("replayed from the snapshot" if self.source == "snapshot"
+               else "from PyTorch's message")
+        head = f"{self.path}: PyTorch ran out of memory on {dev}{which}, {how}"
+        rows = self.lines()
+        width = max(len(k) for k, _ in rows)
+        body = [f"  {k:<{width}}  {v}" for k, v in rows]
+        tail = [f"  warning: {w}" for w in self.warnings]
+        if self.source == "snapshot" and self.message:
+            tail.append("  PyTorch's message at that moment (rebuilt from the replayed state):")
+            tail.append("    " + self.message)
+        return "\n".join([head, *body, *tail])
+
+    def figures(self) -> list:
+        """The segment map and pool occupancy at the failure (a snapshot only)."""
+        if self.dump is None:
+            return []
+        from .report import bins_figure, chunkmap_figure
+
+        title = (f"Segments of cuda:{self.device} when PyTorch ran out of memory "
+                 f"({format_bytes(self.allocated or 0)} allocated)")
+        return [chunkmap_figure(self.dump, title=title), bins_figure(self.dump)]
+
+
+# ------------------------------------------------------------------------------ reading
+def is_torch_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is PyTorch's: a memory snapshot (pickle or JSON) or a text with
+    PyTorch's out-of-memory message."""
+    from .trace.io import sniff_format
+
+    try:
+        fmt = sniff_format(path)
+    except (OSError, TraceFormatError):
+        return False
+    if fmt in ("torch-pickle", "torch-json"):
+        return True
+    if fmt not in (None, "tf-log"):
+        return False
+    from .torch_oom import looks_like_torch_oom
+
+    return looks_like_torch_oom(_read_text(path, 2 << 20))
+
+
+def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:
+    from .trace.format import _open_regular
+
+    with _open_regular(path) as f:
+        data = f.read(limit)
+    return data.decode("utf-8", "replace")
+
+
+def explain_torch(path: str | os.PathLike, *, index: int | None = None,
+                  device: int | str | None = None, gpu: int | None = None,
+                  conf: str | None = None, torch_version: str | None = None,
+                  prove: bool = True) -> TorchExplanation:
+    """Explain a PyTorch out-of-memory error from its message or its memory snapshot.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A log or text with PyTorch's message, or a snapshot (``.pickle`` / ``.json``).
+    index : int, optional
+        Which error (from 0; negative from the end). Default: the last.
+    device : int or str, optional
+        The GPU's total memory (``"24GiB"``), for a snapshot whose ``oom`` entry does not
+        give it.
+    gpu : int, optional
+        A snapshot's GPU index whose errors to explain (default: every GPU's, in order).
+    conf : str, optional
+        The job's ``PYTORCH_CUDA_ALLOC_CONF`` (default: the snapshot's
+        ``allocator_settings``, else PyTorch's defaults).
+    torch_version : str, optional
+        The PyTorch whose rules to follow (default: as the snapshot's fields suggest).
+    prove : bool, default True
+        Replay the recorded calls under each suggested setting (a snapshot only).
+
+    Returns
+    -------
+    TorchExplanation
+
+    Raises
+    ------
+    TraceFormatError
+        No PyTorch out-of-memory error in the file (one line naming the file).
+    """
+    from .trace.io import sniff_format
+
+    fmt = sniff_format(path)
+    if fmt in ("torch-pickle", "torch-json"):
+        return _from_snapshot(path, index=index, device=device, gpu=gpu, conf=conf,
+                              torch_version=torch_version, prove=prove)
+    from .torch_oom import read_torch_ooms
+
+    ooms = read_torch_ooms(_read_text(path))
+    if not ooms:
+        raise TraceFormatError(f"{path}: no PyTorch out-of-memory message ('CUDA out of "
+                               "memory. Tried to allocate ...') in the file")
+    pick = _pick(index, len(ooms), path, "message")
+    oom = ooms[pick]
+    cause, why, settings = oom.diagnosis()
+    return TorchExplanation(
+        path=os.fspath(path), source="message", device=oom.device, request=oom.request.value,
+        allocated=_v(oom.allocated), reserved=_v(oom.reserved),
+        unallocated=_v(oom.unallocated), device_total=_v(oom.capacity),
+        device_free=_v(oom.free), cause=cause, why=why, settings=settings, message=oom.text,
+        warnings=list(oom.warnings), index=pick, count=len(ooms), _oom=oom)
+
+
+def _v(fig: Any) -> int | None:
+    return None if fig is None else int(fig.value)
+
+
+def _pick(index: int | None, count: int, path: Any, what: str) -> int:
+    if index is None:
+        return count - 1
+    i = index + count if index < 0 else index
+    if not 0 <= i < count:
+        raise TraceFormatError(f"{path}: no {what} {index}: it has {count}")
+    return i
+
+
+def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None,
+                   conf: str | None, torch_version: str | None,
+                   prove: bool) -> TorchExplanation:
+    import numpy as np
+
+    from .events import EventKind
+    from .trace.replay import torch_capacity
+    from .trace.torch_replay import from_trace, replay_exact
+    from .trace.torch_snapshot import load_torch_snapshot
+
+    trace = load_torch_snapshot(path)
+    col = trace.columns
+    is_oom = col["kind"] == int(EventKind.OOM)
+    if gpu is not None:
+        is_oom &= col["device"] == int(gpu)
+    rows = np.flatnonzero(is_oom)
+    if not len(rows):
+        where = f" of GPU {gpu}" if gpu is not None else ""
+        raise TraceFormatError(
+            f"{path}: the snapshot has no out-of-memory entry{where} (its trace has no 'oom'): "
+            "nothing failed to explain; 'gpudash replay' and 'gpudash whatif' answer what "
+            "it needs")
+    order = rows[np.lexsort((rows, col["device"][rows]))]
+    pick = _pick(index, len(order), path, "out-of-memory entry")
+    row = int(order[pick])
+    dev = int(col["device"][row])
+    nth = int(np.count_nonzero(is_oom[:row + 1] & (col["device"][:row + 1] == dev)))
+    assumed: list[str] = []
+    known = device is not None
+    if known:
+        total = parse_bytes(device, name="device")
+    else:
+        cap = torch_capacity(trace, dev)
+        if cap is None:
+            raise ConfigError(f"{path}: the snapshot does not show the GPU's size (an old "
+                              "oom entry without device_free); pass device= (--device SIZE)")
+        total, how = cap
+        assumed.append(f"device {format_bytes(total)}: {how}")
+    tt = from_trace(trace, dev)
+    if torch_version is None and trace.meta.get("torch", {}).get("version"):
+        v = tt.version
+        assumed.append(f"PyTorch {v[0]}.{v[1]}'s rules: the oldest PyTorch whose snapshot has "
+                       "the fields this one has (pass torch_version= or --torch-version)")
+    if conf is None and not tt.settings:
+        assumed.append("PYTORCH_CUDA_ALLOC_CONF: PyTorch's defaults (the snapshot records no "
+                       "allocator_settings; pass conf= or --conf)")
+    assumed.append("no set_per_process_memory_fraction (a snapshot does not record it)")
+    res = replay_exact(tt, conf=conf, device_total=total, version=torch_version,
+                       stop_at_oom=nth)
+    alloc = res.allocator
+    warnings = []
+    if not res.exact:
+        warnings.append(f"the replay did not follow the snapshot exactly ({res.summary()}); "
+                        "the state shown is the model's")
+    request = int(res.oom_calls[-1][1]) if res.oom_calls else int(col["size"][row])
+    device_free = int(tt.addr[np.flatnonzero(tt.action == 8)[nth - 1]])
+    st = alloc.memory_stats()
+    allocated = int(st["allocated_bytes.all.current"])
+    reserved = int(st["reserved_bytes.all.current"])
+    unallocated = reserved - allocated
+    small = request <= _SMALL
+    pool = alloc._small if small else alloc._large
+    sizes = [(k >> 64) & ((1 << 64) - 1) for k in pool.keys]
+    largest = max(sizes, default=0)
+    cause, why, settings = _diagnose(request, unallocated, largest, device_free,
+                                     total if known else None, reserved, alloc.config)
+    proofs = []
+    if prove and settings:
+        proofs = _prove(trace, dev, total, alloc.config, settings, nth)
+    return TorchExplanation(
+        path=os.fspath(path), source="snapshot", device=dev, request=request,
+        allocated=allocated, reserved=reserved, unallocated=unallocated, largest_free=largest,
+        free_blocks=len(sizes), device_total=total, device_free=device_free,
+        total_known=known, cause=cause,
+        why=why, settings=settings, proofs=proofs,
+        message=alloc.oom_message(request, device_free), dump=alloc.memory_dump(),
+        assumed=assumed, warnings=warnings, index=pick, count=len(order))
+
+
+def _diagnose(request: int, unallocated: int, largest: int, device_free: int,
+              total: int | None, reserved: int, conf: Any) -> tuple[str, str, list[str]]:
+    r = format_bytes(request)
+    if largest >= request:
+        return ("unknown", f"a free block of {format_bytes(largest)} would have served the "
+                           f"{r}: the replayed state does not fail here", [])
+    if unallocated + device_free >= request:
+        why = (f"{format_bytes(unallocated)} is reserved but unallocated (free blocks inside "
+               f"segments that still hold tensors; the largest that fits this request's pool "
+               f"is {format_bytes(largest)}) and the driver had {format_bytes(device_free)} "
+               f"free: {format_bytes(unallocated + device_free)} in all, enough for the {r} "
+               "asked for, but not in one piece")
+        lines = []
+        if conf.version >= (2, 1) and not conf.expandable_segments:
+            lines.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        if request > _SMALL:
+            mss = max(32, min(1 << 14, 1 << max(5, math.ceil(math.log2(max(request, 1) /
+                                                                         (1 << 20))))))
+            if conf.max_split_size is None or conf.max_split_size > mss << 20:
+                lines.append(f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{mss}")
+        return ("fragmentation", why, lines)
+    short = request - unallocated - device_free
+    outside = ""
+    if total is not None:
+        outside = (f" ({format_bytes(max(total - reserved - device_free, 0))} of the GPU is "
+                   "held outside PyTorch's allocator)")
+    return ("device full",
+            f"the driver had {format_bytes(device_free)} free and PyTorch "
+            f"{format_bytes(unallocated)} unallocated: {format_bytes(short)} short of the {r} "
+            f"asked for{outside}; no allocator setting makes room (smaller batches, activation "
+            "checkpointing, or a larger GPU do)", [])
+
+
+def _prove(trace: Any, dev: int, total: int, conf: Any, settings: list[str],
+           nth: int) -> list[tuple[str, bool, str]]:
+    """Replay the recorded calls under each setting on the same device."""
+    from .trace.replay import replay
+
+    out = []
+    base = conf.as_conf()
+    for line in settings:
+        extra = line.split("=", 1)[1]
+        text = f"{base},{extra}" if base else extra
+        try:
+            r = replay(trace, device=dev, device_bytes=total, conf=text,
+                       torch_version=".".join(map(str, conf.version)), record=False,
+                       per_call=False)
+        except ConfigError as exc:
+            out.append((line, False, f"not applicable: {exc}"))
+            continue
+        if r.fits:
+            detail = (f"every recorded call is served (peak reserved "
+                      f"{format_bytes(r.peak_pool_bytes)} of {format_bytes(total)}), the "
+                      f"failed one included")
+        else:
+            detail = (f"{r.oom_count} call(s) still refused, the first at call "
+                      f"{r.first_oom[0]:,} ({format_bytes(r.first_oom[1])})")
+        out.append((line, r.fits, detail))
+    return out

@@ -1,0 +1,287 @@
+"""The live views on a PyTorch session, over real widgets and a recording comm: the dashboard
+and the ipywidgets views take the allocator model's controls, words, pools and stats, and
+every control acts on the session as PyTorch would and answers in words.
+
+The same dashboard on a BFC session (test_widgets_dashboard.py) keeps TensorFlow's controls
+and words; the browser side is in test_browser.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_widgets_model as shared
+from test_widgets_dashboard import act, decode, say, sent
+from test_widgets_model import GIB, MIB
+
+import gpudash
+from gpudash.models import BFC, TORCH
+from gpudash.widgets import (
+    BinsView,
+    ChunkMapView,
+    ControlsView,
+    Dashboard,
+    LiveModel,
+    StatsView,
+    TimelineView,
+)
+from gpudash.widgets.stats import stats_rows
+
+comms = shared.comms
+
+
+@pytest.fixture
+def tsess():
+    s = gpudash.Session(allocator="torch", simulate="16GiB")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def model(tsess):
+    m = LiveModel(tsess, start=False)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def dash(model):
+    d = Dashboard(model=model)
+    yield d
+    d.close()
+
+
+def _work(sess) -> list[int]:
+    """A small pool and a large one, a free block in each, an expandable-less layout."""
+    keep = [sess.allocate(n) for n in (1000, 3000, 5 * MIB, 30 * MIB, 200 * MIB)]
+    sess.free(keep.pop(1))
+    sess.free(keep.pop(2))  # the 30 MiB segment is wholly free
+    return keep
+
+
+# ------------------------------------------------------------------------------ the model
+def test_states_count_pools_and_carry_pytorch_s_figures(tsess, model):
+    _work(tsess)
+    st = model.refresh_now()[0]
+    assert st.model is TORCH and model.model(0) is TORCH
+    alloc = tsess.devices[0].allocator
+    table = alloc.chunk_table()
+    # two bars, the pools: bytes per pool as the allocator's own pool statistics
+    assert len(st.bins.free_bytes) == 2
+    stats = alloc.memory_stats()
+    used = st.bins.in_use_bytes
+    assert used[0] == stats["allocated_bytes.small_pool.current"]
+    assert used[1] == stats["allocated_bytes.large_pool.current"]
+    assert used.sum() + st.bins.free_bytes.sum() == stats["reserved_bytes.all.current"]
+    assert st.figures["num_alloc_retries"] == 0 and st.figures["segment.all.current"] == 4
+    assert st.in_force["fraction"] is None and st.in_force["conf"] == ""
+    assert TORCH.region_kinds(table) == ["small", "large", "large", "large"]
+    # a BFC state keeps its 21 bins and no figures
+    with gpudash.Session(simulate="1GiB", poll=False) as bsess, LiveModel(
+            bsess, start=False) as bmodel:
+        bsess.allocate(MIB)
+        bst = bmodel.refresh_now()[0]
+        assert bst.model is BFC and len(bst.bins.free_bytes) == 21 and bst.figures == {}
+
+
+def test_stats_rows_are_pytorch_s_names(tsess, model):
+    _work(tsess)
+    tsess.configure(fraction=0.5)
+    rows = {label: (value, exact) for label, value, exact in stats_rows(model.refresh_now()[0])}
+    alloc = tsess.devices[0].allocator
+    stats = alloc.memory_stats()
+    assert rows["allocated_bytes.all.current"][1] == \
+        f"{stats['allocated_bytes.all.current']:,} B"
+    assert rows["reserved_bytes.all.current"][1] == f"{stats['reserved_bytes.all.current']:,} B"
+    assert rows["limit"] == ("8.00 GiB", "set_per_process_memory_fraction(0.5)")
+    assert rows["segment.all.current"] == ("4", "1 small pool, 3 large pool")
+    for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+                "reserved - allocated", "inactive_split_bytes.all.current"):
+        assert key in rows, key
+    assert "bytes_in_use" not in rows and "pool_bytes" not in rows  # TensorFlow's names
+
+
+# ------------------------------------------------------------------------------ dashboard
+def test_the_snapshot_carries_the_model_its_pools_and_segment_kinds(comms, tsess, dash):
+    _work(tsess)
+    dash.model.refresh_now()
+    say(dash, {"type": "hello"})
+    (content, buffers), = sent(comms, dash, "snapshot")
+    info = content["controls"]["model"]
+    assert info["name"] == "torch"
+    assert [c["name"] for c in info["controls"]] == ["fraction", "expandable", "max_split",
+                                                     "gc", "empty_cache"]
+    assert info["words"]["in_use"] == "allocated" and info["words"]["pool"] == "reserved"
+    assert info["words"]["map"] == "segment map" and info["bin_labels"][1] == "large pool"
+    assert content["controls"]["settings"]["expandable_segments"] is False
+    chunks = content["chunks"]
+    assert chunks["n_bins"] == 2 and chunks["region_kinds"] == ["small", "large", "large",
+                                                                 "large"]
+    d = decode(dict(content, chunks=None), buffers)  # the timeline and heatmap as drawn
+    assert d["in_use"][-1] == tsess.devices[0].allocator.bytes_in_use
+    bins = np.frombuffer(buffers[4], dtype=np.float64).reshape(5, 2)
+    assert bins[1].sum() == tsess.devices[0].allocator.bytes_in_use  # in use, by pool
+    head = content["headline"]
+    assert ["segments", "4 (1 small, 3 large)"] in head["extra"]
+    assert ["num_alloc_retries", "0"] in head["extra"] and head["banner"] == ""
+    assert ["segments", "4 (1 small, 3 large)"] == head["extra"][0]
+
+
+def test_each_control_acts_as_pytorch_does_and_answers_in_words(comms, tsess, dash):
+    alloc = tsess.devices[0].allocator
+    _work(tsess)
+    reply = act(comms, dash, "fraction", 0.25)
+    assert reply["ok"] and alloc.fraction == 0.25 and alloc.memory_limit == 4 * GIB
+    assert reply["text"] == ("fraction 0.250: limit 4.00 GiB "
+                             "(torch.cuda.set_per_process_memory_fraction(0.25); segments "
+                             "held stay)")
+    assert reply["controls"]["settings"]["fraction"] == 0.25
+    reply = act(comms, dash, "expandable", True)
+    assert reply["ok"] and alloc.config.expandable_segments
+    assert reply["text"].startswith("expandable_segments: on: segments made from now on are "
+                                    "expandable")
+    assert "the 4 segment(s) held stay as they are" in reply["text"]
+    assert reply["text"].endswith("torch.cuda.memory._set_allocator_settings("
+                                  "'expandable_segments:True')")
+    p = tsess.allocate(50 * MIB)
+    assert {s["address"]: s["is_expandable"] for s in alloc.segments()}[p] is True
+    reply = act(comms, dash, "max_split", 128)
+    assert reply["ok"] and alloc.config.max_split_size == 128 * MIB
+    assert "blocks of 128 MiB or more are not split" in reply["text"]
+    assert "'expandable_segments:True,max_split_size_mb:128'" in reply["text"]
+    reply = act(comms, dash, "max_split", None)  # an empty field: unset
+    assert reply["ok"] and alloc.config.max_split_size is None
+    reply = act(comms, dash, "gc", 0.6)
+    assert reply["ok"] and alloc.config.garbage_collection_threshold == 0.6
+    assert "above 60% of the limit (2.40 GiB)" in reply["text"]
+    tsess.free(p)
+    reserved = alloc.pool_bytes
+    reply = act(comms, dash, "empty_cache")
+    assert reply["ok"] and alloc.pool_bytes < reserved
+    freed = reserved - alloc.pool_bytes
+    assert reply["text"].startswith(f"empty_cache(): returned {gpudash._units.format_bytes(freed)}")
+    assert "segment(s)" in reply["text"] and "each holds an allocated block" in reply["text"]
+
+
+def test_refused_values_change_nothing_and_say_why(comms, tsess, dash):
+    alloc = tsess.devices[0].allocator
+    for name, value, why in (("fraction", 1.5, "set_per_process_memory_fraction"),
+                             ("fraction", True, "set_per_process_memory_fraction"),
+                             ("max_split", 10, "max_split_size_mb must be >= 20"),
+                             ("max_split", 64.5, "max_split_size_mb must be an integer"),
+                             ("gc", 1.2, "garbage_collection_threshold must be in"),
+                             ("expandable", "yes", "expandable_segments must be True"),
+                             ("growth", True, "unknown control 'growth'"),
+                             ("deferred", MIB, "unknown control 'deferred'")):
+        reply = act(comms, dash, name, value)
+        assert not reply["ok"] and why in reply["text"], (name, reply["text"])
+    assert alloc.fraction is None and alloc.config.as_conf() == ""
+
+
+def test_a_fraction_below_what_is_reserved_says_what_pytorch_does(comms, tsess, dash):
+    keep = tsess.allocate(3 * GIB)
+    reply = act(comms, dash, "fraction", 0.125)  # 2 GiB below the 3 GiB reserved
+    assert reply["warning"].startswith("reserved 3.00 GiB is 1.00 GiB above the new limit: "
+                                       "PyTorch gives nothing back by itself")
+    dash.model.refresh_now()
+    say(dash, {"type": "hello"})
+    head = sent(comms, dash, "snapshot")[-1][0]["headline"]
+    assert head["pending_release"] == GIB and head["regions_holding"] == 1
+    assert head["banner"].startswith("reserved above limit: 3.00 GiB held against a 2.00 GiB "
+                                     "limit. PyTorch gives nothing back by itself")
+    tsess.free(keep)
+    reply = act(comms, dash, "empty_cache")
+    assert reply["text"] == "empty_cache(): returned 3.00 GiB"
+
+
+# ------------------------------------------------------------------------------ ipywidgets
+def test_controls_view_builds_pytorch_s_controls_and_acts(comms, tsess, model):
+    c = ControlsView(model)
+    assert set(c.controls) == {"fraction", "expandable", "max_split", "gc", "empty_cache"}
+    assert not hasattr(c, "growth") and not hasattr(c, "deferred")
+    assert c.expandable.description == "expandable segments" and c.max_split.value == ""
+    alloc = tsess.devices[0].allocator
+    c.fraction.value = 0.5
+    assert alloc.fraction == 0.5 and "fraction 0.500: limit 8.00 GiB" in c.status.value
+    c.expandable.value = True
+    assert alloc.config.expandable_segments and "expandable_segments: on" in c.status.value
+    c.max_split.value = "256"
+    assert alloc.config.max_split_size == 256 * MIB
+    c.max_split.value = "12"  # refused: snaps back, says why
+    assert "max_split_size_mb must be" in c.error.value and c.max_split.value == "256"
+    c.max_split.value = ""
+    assert alloc.config.max_split_size is None and c.error.value == ""
+    c.gc.value = "0.75"
+    assert alloc.config.garbage_collection_threshold == 0.75
+    c.gc.value = "lots"
+    assert "garbage_collection_threshold must be a number" in c.error.value
+    assert c.gc.value == "0.75"
+    tsess.free(tsess.allocate(40 * MIB))
+    c.empty_cache.click()
+    assert "empty_cache(): returned 40.00 MiB" in c.status.value  # two 20 MiB pages
+    tsess.configure(max_split_size_mb=64)  # from a cell: the field follows
+    model.refresh_now()
+    assert c.max_split.value == "64"
+    c.close()
+
+
+def test_views_speak_pytorch_s_words(comms, tsess, model):
+    _work(tsess)
+    model.refresh_now()
+    bins = BinsView(model)
+    assert list(bins.figure.data[0].x) == ["small pool (≤ 1 MiB)", "large pool"]
+    assert bins.figure.data[2].name == "free blocks"
+    assert bins.figure.layout.title.text == "cuda:0: bytes and free blocks per pool"
+    cmap = ChunkMapView(model, max_rate_hz=None)
+    labels = list(cmap.figure.layout.yaxis.ticktext)
+    assert [t.split(") ")[1] for t in labels] == ["small", "large", "large", "large"]
+    assert cmap.figure.data[0].name == "allocated"
+    assert cmap.figure.layout.title.text.startswith("cuda:0: 4 segment(s), 3 blocks allocated")
+    tl = TimelineView(model)
+    assert [t.name for t in tl.figure.data[:3]] == ["allocated", "reserved", "limit"]
+    assert "allocated, reserved" in tl.figure.layout.title.text
+    stats = StatsView(model)
+    assert "reserved_bytes.all.peak" in stats.html.value and "pool_bytes" not in stats.html.value
+    for view in (bins, cmap, tl, stats):
+        view.close()
+
+
+def test_the_what_if_view_of_a_pytorch_trace_speaks_pytorch_s_settings(comms):
+    """A PyTorch snapshot replays through PyTorch's model: allocated and reserved lines, an
+    expandable_segments toggle, and the minimum fraction with the line that sets it."""
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.widgets import WhatIfView
+
+    trace = load_torch_snapshot(caching_snapshot(finetune_calls(steps=12, layers=8),
+                                                 device_bytes="8GiB"))
+    view = WhatIfView(trace, background=False, min_fraction_delay=0)
+    try:
+        assert view.allocator_model is TORCH
+        assert [t.name for t in view.timeline.data[:3]] == ["allocated", "reserved", "limit"]
+        assert view.slider.tooltip == "torch.cuda.set_per_process_memory_fraction"
+        # the device the replay took (the snapshot's when it shows one, else assumed)
+        assert view.device_bytes == view.result.options["device_bytes"]
+        toggle = view.toggles["expandable_segments"]
+        assert toggle.value is False  # the snapshot's own setting
+        assert view.wait_min_fraction(120)
+        text = view.min_fraction_text.value
+        assert "minimum fraction that fits" in text
+        assert "torch.cuda.set_per_process_memory_fraction(" in text
+        toggle.value = True  # a what-if: the same calls with expandable segments
+        assert view.result.options["conf"] == "expandable_segments:True"
+        assert view.result.fidelity is None and "peak reserved" in view.status.value
+        assert view.wait_min_fraction(120)
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in \
+            view.min_fraction_text.value
+    finally:
+        view.close()
+    # a TensorFlow trace keeps its view: no toggles, its words
+    from gpudash.trace.workloads import fragmentation_stress
+
+    bfc = WhatIfView(fragmentation_stress(rounds=50, seed=1), background=False,
+                     min_fraction=False)
+    try:
+        assert bfc.toggles == {} and bfc.timeline.data[0].name == "in use"
+    finally:
+        bfc.close()
