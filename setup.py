@@ -6,6 +6,7 @@ installs without it and the pure-Python allocator models run: the build says so,
 ``gpudash info`` and a warning at run time.
 """
 
+import runpy
 import shutil
 import sys
 import warnings
@@ -66,7 +67,11 @@ def _extensions() -> list:
     except ImportError as exc:
         _say(f"Cython is missing ({exc}); installing the pure-Python allocator models")
         return []
-    ext = Extension("gpudash._core", ["gpudash/_core.pyx"], extra_compile_args=["-O3"])
+    # the sources' fingerprint, built in: gpudash._accel refuses an extension older than them
+    digest = runpy.run_path(str(HERE / "gpudash" / "_sourcehash.py"))["source_hash"](
+        HERE / "gpudash")
+    ext = Extension("gpudash._core", ["gpudash/_core.pyx"], extra_compile_args=["-O3"],
+                    define_macros=[("GPUDASH_SOURCE_HASH", f'"{digest}"')])
     return cythonize([ext], build_dir="build/cython", quiet=True,
                      compiler_directives={"language_level": 3})
 

@@ -2,8 +2,9 @@
 
 ``pip install`` builds :mod:`gpudash._core` (Cython) where a C compiler exists; the
 allocator modules then bind their public classes to compiled subclasses of the pure-Python
-models (:func:`compiled_class`). Without the extension, or with ``GPUDASH_PURE_PYTHON=1``,
-the pure-Python models run. ``gpudash info`` says which path runs and why
+models (:func:`compiled_class`). Without the extension, with one built from other sources
+than those beside it (:mod:`gpudash._sourcehash`), or with ``GPUDASH_PURE_PYTHON=1``, the
+pure-Python models run. ``gpudash info`` says which path runs and why
 (:func:`describe`).
 """
 
@@ -28,6 +29,12 @@ def _load() -> tuple[Any, str]:
         from . import _core
     except ImportError as exc:
         return None, f"the compiled core is not built here ({exc})"
+    from ._sourcehash import source_hash
+
+    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
+    if here is not None and here != getattr(_core, "SOURCE_HASH", None):
+        return None, ("the compiled core was built from other sources than these (rebuild it: "
+                      "pip install -e . or python setup.py build_ext --inplace)")
     return _core, ""
 
 

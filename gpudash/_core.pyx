@@ -58,6 +58,17 @@ cdef extern from *:
     int __builtin_clz(unsigned int) nogil
     int __builtin_ctz(unsigned int) nogil
 
+cdef extern from *:
+    """
+    #ifndef GPUDASH_SOURCE_HASH
+    #define GPUDASH_SOURCE_HASH ""
+    #endif
+    """
+    const char* GPUDASH_SOURCE_HASH
+
+#: The sha256 of the sources this extension was built from (gpudash._sourcehash).
+SOURCE_HASH = GPUDASH_SOURCE_HASH.decode("ascii")
+
 # Event codes (gpudash.events.EventKind)
 cdef enum:
     K_ALLOC = 1

@@ -860,6 +860,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     elif not cuda_ok:
         _say("gpudash sessions here run on a simulated 16.00 GiB device "
              "(set GPUDASH_SIMULATE=2x16GiB to change it)")
+    from . import _accel
+
+    _say(f"allocator core: {_accel.describe()}")
+    if _accel.COMPILED:
+        _say(f"  (set {_accel.ENV}=1 to run the pure-Python models instead)")
     return 0
 
 

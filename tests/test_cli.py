@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -138,6 +139,23 @@ def test_info_reports_devices_without_a_driver(capsys):
     code, out, _ = run(capsys, "info")
     assert code == 0
     assert "NVML" in out and "CUDA" in out
+
+
+@pytest.mark.parametrize("pure", ["", "1"])
+def test_info_says_which_allocator_core_runs(pure):
+    env = dict(os.environ, GPUDASH_PURE_PYTHON=pure)
+    proc = subprocess.run([sys.executable, "-m", "gpudash.cli", "info"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("allocator core:"))
+    from gpudash import _accel
+
+    if pure:
+        assert "pure Python (GPUDASH_PURE_PYTHON is set)" in line
+    elif _accel.COMPILED:
+        assert "compiled (gpudash._core" in line and "GPUDASH_PURE_PYTHON=1" in proc.stdout
+    else:
+        assert "pure Python (the compiled core is not built here" in line
 
 
 def test_lab_dry_run_names_the_quickstart(capsys):
