@@ -12,7 +12,8 @@ change it. Differential tests hold the two to the same addresses, statistics, ev
 errors (``tests/test_core_diff.py``, ``benchmarks/fuzz_core.py``).
 
 Sources: this file and the ``_csrc/*.pxi`` it includes (base: lock, journal, sorted keys,
-hash map, event expansion; bfc; caching; replay).
+hash map, event expansion; bfc; caching; replay; session: the session's lock, queue fields and
+the fast paths of ``Session.allocate`` and ``Session.free``).
 """
 
 import threading
@@ -85,13 +86,14 @@ include "_csrc/base.pxi"
 include "_csrc/bfc.pxi"
 include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"
+include "_csrc/session.pxi"
 
 
 def make_bfc_class(pure, module):
     """The compiled ``BFCAllocator``: :class:`BFCCore` first, the pure-Python model
     ``pure`` for everything the core does not replace."""
     global _PyChunk, _PyRegion, _coerce_size, _negative_size, _pointer_or_none, _logger
-    global _GC_MESSAGE
+    global _GC_MESSAGE, _BFCClass
     _PyChunk, _PyRegion = module._Chunk, module._Region
     _coerce_size, _negative_size = module._coerce_size, module._negative_size
     _pointer_or_none = module._pointer_or_none
@@ -107,6 +109,7 @@ def make_bfc_class(pure, module):
         compiled = True
         _expand_journal = staticmethod(expand_journal)
 
+    _BFCClass = BFCAllocator
     return BFCAllocator
 
 
