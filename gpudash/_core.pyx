@@ -34,6 +34,7 @@ from cpython.pythread cimport (
     PyThread_type_lock,
 )
 from libc.stdint cimport INT64_MAX, int8_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memmove, memset
 
 from . import _eventsource
@@ -57,6 +58,7 @@ cdef extern from *:
     int __builtin_clzll(unsigned long long) nogil
     int __builtin_clz(unsigned int) nogil
     int __builtin_ctz(unsigned int) nogil
+    int __builtin_ctzll(unsigned long long) nogil
 
 # Event codes (gpudash.events.EventKind)
 cdef enum:
