@@ -627,6 +627,7 @@ cdef class CachingCore:
         return [s for _, s in order]
 
     # ------------------------------------------------------------------ records
+    @cython.final
     cdef int32_t new_block(self, uint64_t ptr, int64_t size, uint64_t stream, int pool,
                            int32_t es, bint mapped) except -1:
         """_Block(ptr, size, stream, pool, es, mapped) in a free slot."""
@@ -661,6 +662,7 @@ cdef class CachingCore:
         nb.live = 1
         return s
 
+    @cython.final
     cdef int drop_block(self, int32_t s) except -1:
         cdef int32_t* nf
         self.bk[s].live = 0
@@ -676,6 +678,7 @@ cdef class CachingCore:
         self.nfree += 1
         return 0
 
+    @cython.final
     cdef inline int put(self, uint64_t ptr, int32_t s) except -1:
         """``_blocks[ptr] = block``: a new address goes last in the table's order; a block
         put at an address already there takes that entry's place."""
@@ -688,22 +691,26 @@ cdef class CachingCore:
         pm_put(&self.blocks, ptr, s)
         return 0
 
+    @cython.final
     cdef inline void unput(self, uint64_t ptr) noexcept:
         cdef int64_t v
         pm_del(&self.blocks, ptr, &v)
 
+    @cython.final
     cdef inline int32_t at(self, uint64_t ptr) noexcept:
         cdef int64_t v
         if pm_get(&self.blocks, ptr, &v):
             return <int32_t>v
         return -1
 
+    @cython.final
     cdef inline int trace(self, str action, uint64_t addr, int64_t size,
                           uint64_t stream) except -1:
         self._history.append((action, addr, size, stream, now_ns() // 1000))
         return 0
 
     # ------------------------------------------------------------------ sizes
+    @cython.final
     cdef inline int64_t round_size(self, int64_t n) noexcept:
         """round_size (the roundup_power2_divisions path)."""
         cdef int i
@@ -750,6 +757,7 @@ cdef class CachingCore:
         strm = stream & 0xFFFFFFFFFFFFFFFF
         return self.malloc_c(n, strm, raise_oom)
 
+    @cython.final
     cdef uint64_t malloc_c(self, int64_t n, uint64_t strm, bint raise_oom) except? 1:
         """_malloc of 0 < n < 1 EiB bytes on stream strm, under the lock."""
         cdef int64_t size, alloc_size, start = 0
@@ -801,6 +809,7 @@ cdef class CachingCore:
     def _malloc(self, nbytes, stream, raise_oom):
         return self.malloc(nbytes, stream, raise_oom)
 
+    @cython.final
     cdef int32_t get_free_block(self, int pool, uint64_t stream, int64_t size) except -2:
         """_get_free_block(take=True): the one best-fit candidate, taken from its pool; -1
         when there is none."""
@@ -852,14 +861,15 @@ cdef class CachingCore:
         self.version += 1
         return b
 
+    @cython.final
     cdef uint64_t alloc_found(self, int32_t blk, int pool, int64_t size, int64_t orig,
                               uint64_t stream) except? 1:
         """_alloc_found_block: split if it should be (the allocation takes the front), mark
         allocated, count."""
         cdef int t = pool + 1
         cdef int j = t << 2
-        cdef int32_t prev = self.bk[blk].prev, remaining, new
-        cdef bint already_split = prev >= 0 or self.bk[blk].next >= 0, split
+        cdef int32_t remaining, nx
+        cdef bint already_split = self.bk[blk].prev >= 0 or self.bk[blk].next >= 0, split
         cdef int64_t remainder = 0, rem = self.bk[blk].size - size, bsize, c
         cdef uint64_t rptr
         cdef int64_t* sb
@@ -870,23 +880,31 @@ cdef class CachingCore:
             split = <uint64_t>size < self.mss and rem > KSMALL_SIZE
         self.version += 1
         if split:
-            # the allocation takes the front; the old record becomes the free remainder
-            remaining = blk
-            new = self.new_block(self.bk[remaining].ptr, size, stream, pool,
-                                 self.bk[remaining].es, True)
-            blk = new
-            self.bk[new].prev = prev
-            if prev >= 0:
-                self.bk[prev].next = new
-            self.bk[new].next = remaining
-            self.bk[remaining].prev = new
-            rptr = self.bk[remaining].ptr = self.bk[remaining].ptr + <uint64_t>size
-            remainder = self.bk[remaining].size = self.bk[remaining].size - size
-            self.put(self.bk[new].ptr, new)
-            self.put(rptr, remaining)
+            # The allocation takes the front, the rest stays free. PyTorch gives the front a
+            # new record and the old one becomes the rest; here the old record stays the
+            # front's (its address, its place in the address table) and a new one is the
+            # rest's, with what the old record carried (its requested figure). The same
+            # blocks either way, one address-table entry fewer to rewrite.
+            rptr = self.bk[blk].ptr + <uint64_t>size
+            remaining = self.new_block(rptr, rem, self.bk[blk].stream, pool, self.bk[blk].es,
+                                       True)
+            nx = self.bk[blk].next
+            self.bk[remaining].prev = blk
+            self.bk[remaining].next = nx
+            if nx >= 0:
+                self.bk[nx].prev = remaining
+            self.bk[blk].next = remaining
+            self.bk[remaining].requested = self.bk[blk].requested
             self.bk[remaining].gc_base = self.calls[pool]
+            self.bk[blk].size = size
+            self.bk[blk].stream = stream
+            self.bk[blk].gc_base = 0
+            remainder = rem
+            self.ins_next += 1    # put(rptr, remaining): a new address, last in the order
+            self.bk[remaining].ins = self.ins_next
+            pm_put(&self.blocks, rptr, remaining)
             ps_insert(&self.keys[pool], bkey(&self.bk[remaining]))
-            if self.bk[new].es < 0:
+            if self.bk[blk].es < 0:
                 sb = self.st[ST_INACTIVE_SPLIT_BYTES]
                 if already_split:
                     # an already-split inactive block shrinks by `size` bytes
@@ -922,6 +940,7 @@ cdef class CachingCore:
         return b.ptr
 
     # ------------------------------------------------------------------ new memory
+    @cython.final
     cdef int32_t alloc_block(self, int pool, uint64_t stream, int64_t size,
                              int64_t alloc_size, bint is_retry) except -2:
         """_alloc_block: a new segment (or mapped pages); -1 when the device refuses."""
@@ -1484,6 +1503,7 @@ cdef class CachingCore:
     def deallocate(self, ptr):
         self.c_deallocate(ptr)
 
+    @cython.final
     cdef uint64_t replay_alloc(self, int64_t n, uint64_t stream) except? 1:
         """try_allocate(n, True, stream) for a replay's int64 size."""
         if n <= 0:
@@ -1494,6 +1514,7 @@ cdef class CachingCore:
             return 0
         return self.malloc_c(n, stream, False)
 
+    @cython.final
     cdef int replay_free(self, uint64_t p) except -1:
         """deallocate(p) for a replay's pointer (0: nothing)."""
         cdef int64_t v, start
@@ -1516,6 +1537,7 @@ cdef class CachingCore:
             lk.give()
         return 0
 
+    @cython.final
     cdef int empty_cache_c(self) except -1:
         """empty_cache()."""
         cdef int64_t start = 0
@@ -1532,6 +1554,7 @@ cdef class CachingCore:
             lk.give()
         return 0
 
+    @cython.final
     cdef int free(self, int32_t blk) except -1:
         """_free then free_block: uncount the block, merge it with free neighbours (the
         previous one first), cache it."""
@@ -1556,17 +1579,21 @@ cdef class CachingCore:
         p = self.bk[blk].prev
         n = self.bk[blk].next
         if p >= 0 and not self.bk[p].allocated and self.bk[p].mapped:
-            # try_merge_blocks(block, prev), written out: block takes prev's start
+            # try_merge_blocks(block, prev), written out: block takes prev's start. PyTorch
+            # keeps the block's record; here prev's record (its address, its place in the
+            # address table) becomes the merged block's, with the block's requested figure
+            # and stream: the same block, one address-table entry fewer to rewrite.
             ps_erase(&self.keys[pool], bkey(&self.bk[p]))
             self.unput(ptr)
-            self.bk[blk].ptr = self.bk[p].ptr
-            self.put(self.bk[p].ptr, blk)
-            pp = self.bk[blk].prev = self.bk[p].prev
-            if pp >= 0:
-                self.bk[pp].next = blk
             prev_size = self.bk[p].size
-            self.bk[blk].size += prev_size
-            self.drop_block(p)
+            self.bk[p].size = prev_size + bsize
+            nn = self.bk[p].next = n
+            if nn >= 0:
+                self.bk[nn].prev = p
+            self.bk[p].requested = req
+            self.bk[p].stream = stream
+            self.drop_block(blk)
+            blk = p
         if n >= 0 and not self.bk[n].allocated and self.bk[n].mapped:
             ps_erase(&self.keys[pool], bkey(&self.bk[n]))
             self.unput(self.bk[n].ptr)
@@ -1694,6 +1721,7 @@ cdef class CachingCore:
         finally:
             lk.give()
 
+    @cython.final
     cdef int64_t largest_free(self) noexcept:
         """_largest_free_block."""
         cdef int64_t a = ps_largest(&self.keys[0]), b = ps_largest(&self.keys[1])
