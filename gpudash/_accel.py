@@ -14,7 +14,8 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["COMPILED", "ENV", "REASON", "compiled_class", "describe"]
+__all__ = ["COMPILED", "ENV", "REASON", "compiled", "compiled_class", "compiled_methods",
+           "describe"]
 
 #: Set to 1 to run the pure-Python models even where the compiled core is built.
 ENV = "GPUDASH_PURE_PYTHON"
@@ -58,6 +59,23 @@ def compiled_class(kind: str, pure: type, module: Any) -> type:
                 "pure-Python path and silence this.", REASON, ENV)
         return pure
     return getattr(_core, f"make_{kind}_class")(pure, module)
+
+
+def compiled(name: str, default: Any) -> Any:
+    """The compiled core's ``name`` (a class gpudash builds on, such as the session's lock or
+    a base holding an object's hot fields), or ``default`` on the pure-Python path."""
+    if _core is None:
+        return default
+    return getattr(_core, name)
+
+
+def compiled_methods(kind: str, cls: type, module: Any) -> dict[str, Any]:
+    """``{name: function}``: the compiled core's fast paths for methods of ``cls`` (``kind``:
+    ``"session"``), each handing every case it does not handle to the Python method it
+    replaces; empty on the pure-Python path (the Python methods stay)."""
+    if _core is None:
+        return {}
+    return getattr(_core, f"make_{kind}_methods")(cls, module)
 
 
 def describe() -> str:

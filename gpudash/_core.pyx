@@ -12,7 +12,8 @@ change it. Differential tests hold the two to the same addresses, statistics, ev
 errors (``tests/test_core_diff.py``, ``benchmarks/fuzz_core.py``).
 
 Sources: this file and the ``_csrc/*.pxi`` it includes (base: lock, journal, sorted keys,
-hash map, event expansion; bfc; caching; replay).
+hash map, event expansion; bfc; caching; replay; session: the session's lock, queue fields and
+the fast paths of ``Session.allocate`` and ``Session.free``).
 """
 
 import threading
@@ -34,6 +35,7 @@ from cpython.pythread cimport (
     PyThread_type_lock,
 )
 from libc.stdint cimport INT64_MAX, int8_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memmove, memset
 
 from . import _eventsource
@@ -57,6 +59,7 @@ cdef extern from *:
     int __builtin_clzll(unsigned long long) nogil
     int __builtin_clz(unsigned int) nogil
     int __builtin_ctz(unsigned int) nogil
+    int __builtin_ctzll(unsigned long long) nogil
 
 cdef extern from *:
     """
@@ -96,13 +99,14 @@ include "_csrc/base.pxi"
 include "_csrc/bfc.pxi"
 include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"
+include "_csrc/session.pxi"
 
 
 def make_bfc_class(pure, module):
     """The compiled ``BFCAllocator``: :class:`BFCCore` first, the pure-Python model
     ``pure`` for everything the core does not replace."""
     global _PyChunk, _PyRegion, _coerce_size, _negative_size, _pointer_or_none, _logger
-    global _GC_MESSAGE
+    global _GC_MESSAGE, _BFCClass
     _PyChunk, _PyRegion = module._Chunk, module._Region
     _coerce_size, _negative_size = module._coerce_size, module._negative_size
     _pointer_or_none = module._pointer_or_none
@@ -118,6 +122,7 @@ def make_bfc_class(pure, module):
         compiled = True
         _expand_journal = staticmethod(expand_journal)
 
+    _BFCClass = BFCAllocator
     return BFCAllocator
 
 

@@ -77,19 +77,23 @@ def _align_up(x: int, alignment: int) -> int:
 
 
 class _BlockTable:
-    """Live blocks of one sub-allocator: ptr -> size, with the pointers kept sorted."""
+    """Live blocks of one sub-allocator: ptr -> size, with the pointers kept sorted.
+    ``version`` counts the changes (a reader's cache of the layout is good while it is
+    the same)."""
 
-    __slots__ = ("ptrs", "sizes", "used")
+    __slots__ = ("ptrs", "sizes", "used", "version")
 
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
         self.ptrs: list[int] = []
         self.used = 0
+        self.version = 0
 
     def add(self, ptr: int, nbytes: int) -> None:
         self.sizes[ptr] = nbytes
         bisect.insort(self.ptrs, ptr)
         self.used += nbytes
+        self.version += 1
 
     def remove(self, owner: str, ptr: int, nbytes: int) -> None:
         try:
@@ -110,6 +114,7 @@ class _BlockTable:
         del self.sizes[ptr]
         del self.ptrs[bisect.bisect_left(self.ptrs, ptr)]
         self.used -= size
+        self.version += 1
 
     def containing(self, addr: int, nbytes: int) -> tuple[int, int] | None:
         """The block (ptr, size) holding ``[addr, addr + nbytes)``, or None."""
@@ -130,6 +135,7 @@ class _BlockTable:
         self.sizes.clear()
         self.ptrs.clear()
         self.used = 0
+        self.version += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +213,10 @@ class SimulatedDevice:
         self._first = _align_up(base, alignment)
         self._blocks = _BlockTable()
         self._lock = threading.Lock()
+        # (blocks.version, widest gap, end): the first-fit scan's summary of the blocks,
+        # while they stay as they were: no request wider than the widest gap between them
+        # fits before the end, the cursor after the last block
+        self._fit: tuple[int, int, int] | None = None
 
     # -- the sub-allocator interface ----------------------------------------------------------
 
@@ -234,6 +244,16 @@ class SimulatedDevice:
                     f"{extra}, {limit - blocks.used} bytes left"
                 )
             align = self.alignment
+            fit = self._fit
+            if fit is None or fit[0] != blocks.version:
+                fit = self._survey()
+            if nbytes > fit[1]:
+                # no gap is wide enough: the first fit is past the last block, and a block
+                # there leaves no gap before it
+                cursor = fit[2]
+                blocks.add(cursor, nbytes)
+                self._fit = (blocks.version, fit[1], _align_up(cursor + nbytes, align))
+                return cursor
             cursor = self._first
             sizes = blocks.sizes
             for ptr in blocks.ptrs:
@@ -242,6 +262,20 @@ class SimulatedDevice:
                 cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
             blocks.add(cursor, nbytes)
             return cursor
+
+    def _survey(self) -> tuple[int, int, int]:
+        """The first-fit scan over every block: (version, widest gap, end)."""
+        blocks = self._blocks
+        align = self.alignment
+        cursor = self._first
+        sizes = blocks.sizes
+        widest = 0
+        for ptr in blocks.ptrs:
+            if ptr - cursor > widest:
+                widest = ptr - cursor
+            cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
+        self._fit = (blocks.version, widest, cursor)
+        return self._fit
 
     def free(self, ptr: int, nbytes: int) -> None:
         """Release a block returned by :meth:`alloc`.

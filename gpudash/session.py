@@ -15,6 +15,13 @@ every ``polling_inactive_delay_msecs`` otherwise.
 
 Threading: every allocator has its own lock; the session's lock guards the deferred queues
 and makes :meth:`Session.configure` atomic with respect to other configure calls.
+
+Where the compiled core (:mod:`gpudash._core`) is built, :meth:`Session.allocate` and
+:meth:`Session.free` run in C for their common case (an open session of this class on the
+compiled BFC allocator, no labels or recorded stacks, no placement log; for ``free`` one
+device and an int address): the same steps, under the same lock. Every other case, every
+error, and every subclass (:class:`TorchSession` among them) runs the Python methods, which
+stay the reference (:data:`PY_SESSION_METHODS`; ``GPUDASH_PURE_PYTHON=1`` runs only them).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from ._accel import compiled, compiled_class, compiled_methods
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -122,7 +130,25 @@ class _Deferred:
     completed_bytes: int = 0
 
 
-class Device:
+#: The pure-Python queue: the reference, and what runs without the compiled core.
+_PyDeferred = _Deferred
+#: The queue devices use: where gpudash._core is built, its subclass of the dataclass whose
+#: hot fields (``pending``, ``pending_bytes``, ``threshold``) are C fields and whose
+#: ``queued`` is the core's ``AddressSet`` (a set of ints in a C hash table).
+_Deferred = compiled_class("deferred", _PyDeferred, sys.modules[__name__])
+
+
+#: Where gpudash._core is built, the bases of Session and Device hold the fields that
+#: Session.allocate and Session.free read as C fields (``devices``, ``_lock``, ``_closed``,
+#: ``_track_holders``, ``_log_placement``; ``allocator``, ``_deferred``), and the session's
+#: lock is the core's reentrant lock; on the pure-Python path they are ``object`` and
+#: ``threading.RLock``.
+_SessionBase = compiled("SessionFields", object)
+_DeviceBase = compiled("DeviceFields", object)
+_SessionLock = compiled("RLock", threading.RLock)
+
+
+class Device(_DeviceBase):
     """One gpudash device of a session: backend, allocator, limit and deferred frees.
 
     Attributes
@@ -283,7 +309,7 @@ def _simulate_sizes(simulate: Any) -> list[int]:
     return [parse_bytes(simulate, name="the simulated device size")]
 
 
-class Session:
+class Session(_SessionBase):
     """A set of devices, each with its own BFC allocator, configured like TensorFlow.
 
     Parameters
@@ -356,7 +382,7 @@ class Session:
         self._log_placement = self._config.log_device_placement
         self._allow_growth = allow_growth_from_env(gpu.allow_growth, env)
         self._garbage_collection = garbage_collection_from_env(env)
-        self._lock = threading.RLock()
+        self._lock = _SessionLock()
         self._closed = False
         self._installed: dict | None = None
         self.devices: list[Device] = []
@@ -1061,6 +1087,24 @@ class Session:
         except Exception:  # noqa: BLE001
             pass
 
+
+#: Session's Python methods that the compiled core has fast paths for: the reference, what
+#: runs on the pure-Python path, and what each fast path hands every case but the common one.
+PY_SESSION_METHODS = {"allocate": Session.allocate, "free": Session.free}
+
+
+def _install_fast_paths() -> None:
+    """Put the compiled core's fast paths on Session, under the Python methods' names,
+    documents and signatures (``__wrapped__``); nothing on the pure-Python path."""
+    for name, fast in compiled_methods("session", Session, sys.modules[__name__]).items():
+        py = PY_SESSION_METHODS[name]
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(fast, attr, getattr(py, attr))
+        fast.__wrapped__ = py
+        setattr(Session, name, fast)
+
+
+_install_fast_paths()
 
 
 class TorchDevice(Device):

@@ -125,6 +125,270 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
     return k
 
 
+# ------------------------------------------------------------------------------ pools
+# A pool's free blocks: the keys (stream, size, address) of one sorted set, kept in bins by
+# size (four to a power of two), each bin a sorted set of its own. Every question the
+# allocator asks of a pool is about one stream: the first key of that stream at or after a
+# size, the next key of the stream, the last one below a key; answered from the bin of the
+# size and the non-empty bins next to it (a bit mask says which), they are the answers of
+# the one sorted set, which the pool's readers see (ps_sorted).
+
+cdef enum:
+    PS_BINS = 256
+    PS_WORDS = 4
+
+
+cdef struct PoolSet:
+    SSet bins[256]      # made on first use (blk NULL until then)
+    uint64_t mask[4]    # the non-empty bins
+    Py_ssize_t size
+
+
+cdef struct PPos:
+    int bin
+    int bi
+    int i
+
+
+cdef inline int ps_bin(uint64_t size) noexcept nogil:
+    """The bin of a size: four per power of two, in the order of sizes."""
+    cdef int l
+    if size < 4:
+        return <int>size
+    l = 63 - __builtin_clzll(size)
+    return (l << 2) | <int>((size >> (l - 2)) & 3)
+
+
+cdef inline int ps_next_bin(const PoolSet* p, int b) noexcept nogil:
+    """The first non-empty bin after b; -1 when none."""
+    cdef int w
+    cdef uint64_t m
+    b += 1
+    if b >= PS_BINS:
+        return -1
+    w = b >> 6
+    m = p.mask[w] & ((~<uint64_t>0) << (b & 63))
+    while True:
+        if m:
+            return (w << 6) | __builtin_ctzll(m)
+        w += 1
+        if w == PS_WORDS:
+            return -1
+        m = p.mask[w]
+
+
+cdef inline int ps_prev_bin(const PoolSet* p, int b) noexcept nogil:
+    """The last non-empty bin before b; -1 when none."""
+    cdef int w, sh
+    cdef uint64_t m
+    b -= 1
+    if b < 0:
+        return -1
+    w = b >> 6
+    sh = 63 - (b & 63)
+    m = (p.mask[w] << sh) >> sh
+    while True:
+        if m:
+            return (w << 6) | (63 - __builtin_clzll(m))
+        w -= 1
+        if w < 0:
+            return -1
+        m = p.mask[w]
+
+
+cdef void ps_free(PoolSet* p) noexcept:
+    cdef int b
+    for b in range(PS_BINS):
+        if p.bins[b].blk != NULL:
+            ss_free(&p.bins[b])
+    memset(p.mask, 0, sizeof(p.mask))
+    p.size = 0
+
+
+cdef inline int ps_insert(PoolSet* p, Key k) except -1:
+    cdef int b = ps_bin(k.b)
+    cdef SSet* s = &p.bins[b]
+    if s.blk == NULL:
+        ss_init(s)
+    ss_insert(s, k)
+    p.mask[b >> 6] |= (<uint64_t>1) << (b & 63)
+    p.size += 1
+    return 0
+
+
+cdef inline void ps_emptied(PoolSet* p, int b) noexcept:
+    p.size -= 1
+    if p.bins[b].size == 0:
+        p.mask[b >> 6] &= ~((<uint64_t>1) << (b & 63))
+
+
+cdef inline bint ps_erase(PoolSet* p, Key k) noexcept:
+    """Remove key k (``del keys[bisect_left(keys, k)]`` for a key that is there)."""
+    cdef int b = ps_bin(k.b)
+    cdef SSet* s = &p.bins[b]
+    if s.blk == NULL or not ss_erase(s, k):
+        return False
+    ps_emptied(p, b)
+    return True
+
+
+cdef inline void ps_erase_at(PoolSet* p, const PPos* at) noexcept:
+    ss_erase_at(&p.bins[at.bin], at.bi, at.i)
+    ps_emptied(p, at.bin)
+
+
+cdef inline Key* ps_at(const PoolSet* p, const PPos* at) noexcept nogil:
+    return &p.bins[at.bin].blk[at.bi][at.i]
+
+
+cdef inline bint ps_first_in(const PoolSet* p, int b, const Key* want, uint64_t stream,
+                             PPos* at) noexcept nogil:
+    """The first key of bin b at or after want, when it is of this stream."""
+    cdef const SSet* s = &p.bins[b]
+    if not ss_lower_bound(s, want, &at.bi, &at.i):
+        return False
+    if s.blk[at.bi][at.i].a != stream:
+        return False
+    at.bin = b
+    return True
+
+
+cdef inline bint ps_find(const PoolSet* p, uint64_t stream, uint64_t size,
+                         PPos* at) noexcept nogil:
+    """The first key at or after (stream, size, 0), when it is of this stream (the lower
+    bound of the one sorted set); False when there is none."""
+    cdef Key want
+    cdef int b = ps_bin(size)
+    want.a = stream
+    want.b = size
+    want.c = 0
+    if p.bins[b].size and ps_first_in(p, b, &want, stream, at):
+        return True
+    b = ps_next_bin(p, b)
+    while b >= 0:
+        if ps_first_in(p, b, &want, stream, at):
+            return True
+        b = ps_next_bin(p, b)
+    return False
+
+
+cdef inline bint ps_next_same(const PoolSet* p, uint64_t stream, PPos* at) noexcept nogil:
+    """Step to the next key of the sorted set when it is of this stream; False (``at``
+    unchanged) when it is not, or there is none."""
+    cdef PPos q = at[0]
+    cdef const SSet* s = &p.bins[q.bin]
+    cdef Key want
+    cdef int b
+    if ss_next(s, &q.bi, &q.i) and s.blk[q.bi][q.i].a == stream:
+        at[0] = q
+        return True
+    # this stream's next key, if any, is in a later bin (of larger sizes)
+    want.a = stream
+    want.b = 0
+    want.c = 0
+    b = ps_next_bin(p, at.bin)
+    while b >= 0:
+        if ps_first_in(p, b, &want, stream, &q):
+            at[0] = q
+            return True
+        b = ps_next_bin(p, b)
+    return False
+
+
+cdef inline bint ps_last_in(const PoolSet* p, int b, const Key* below, uint64_t stream,
+                            PPos* at) noexcept nogil:
+    """The last key of bin b before ``below`` (NULL: the bin's last), when it is of this
+    stream."""
+    cdef const SSet* s = &p.bins[b]
+    if s.size == 0:
+        return False
+    if below != NULL and ss_lower_bound(s, below, &at.bi, &at.i):
+        if not ss_prev(s, &at.bi, &at.i):
+            return False
+    else:
+        at.bi = s.nblk - 1
+        at.i = s.nb[at.bi] - 1
+    if s.blk[at.bi][at.i].a != stream:
+        return False
+    at.bin = b
+    return True
+
+
+cdef inline bint ps_prev_below(const PoolSet* p, uint64_t stream, const Key* probe,
+                               PPos* at) noexcept nogil:
+    """The key just before ``probe`` in the sorted set (probe of this stream), when it is of
+    this stream; False when it is not, or there is none."""
+    cdef Key below
+    cdef const Key* bound = &below
+    cdef int b = ps_bin(probe.b)
+    if ps_last_in(p, b, probe, stream, at):
+        return True
+    # the bins below hold smaller sizes: this stream's last key there, if it has any
+    below.a = stream + 1
+    below.b = 0
+    below.c = 0
+    if below.a == 0:
+        bound = NULL   # the last stream: a bin's last key is its last
+    b = ps_prev_bin(p, b)
+    while b >= 0:
+        if ps_last_in(p, b, bound, stream, at):
+            return True
+        b = ps_prev_bin(p, b)
+    return False
+
+
+cdef inline int64_t ps_largest(const PoolSet* p) noexcept nogil:
+    """The largest size of a key (0: none)."""
+    cdef int b = ps_prev_bin(p, PS_BINS), bi, i
+    cdef const SSet* s
+    cdef int64_t best = 0
+    if b < 0:
+        return 0
+    s = &p.bins[b]
+    if s.blk[0][0].a == ss_last(s).a:
+        return <int64_t>ss_last(s).b
+    for bi in range(s.nblk):
+        for i in range(s.nb[bi]):
+            if <int64_t>s.blk[bi][i].b > best:
+                best = <int64_t>s.blk[bi][i].b
+    return best
+
+
+cdef int key_cmp(const void* x, const void* y) noexcept nogil:
+    if klt(<const Key*>x, <const Key*>y):
+        return -1
+    return 1 if klt(<const Key*>y, <const Key*>x) else 0
+
+
+cdef Key* ps_sorted(const PoolSet* p) except? NULL:
+    """The keys in the sorted set's order, in a new array of p.size keys (the caller frees
+    it); NULL when there are none."""
+    cdef Key* out
+    cdef Py_ssize_t n = 0
+    cdef int b, bi
+    cdef const SSet* s
+    cdef bint one_stream = True
+    if p.size == 0:
+        return NULL
+    out = <Key*>PyMem_Malloc(p.size * sizeof(Key))
+    if out == NULL:
+        raise MemoryError()
+    b = ps_next_bin(p, -1)
+    while b >= 0:
+        s = &p.bins[b]
+        for bi in range(s.nblk):
+            memcpy(&out[n], s.blk[bi], s.nb[bi] * sizeof(Key))
+            n += s.nb[bi]
+        b = ps_next_bin(p, b)
+    for bi in range(1, n):
+        if out[bi].a != out[0].a:
+            one_stream = False
+            break
+    if not one_stream:
+        qsort(out, n, sizeof(Key), key_cmp)
+    return out
+
+
 cdef class CachingCore:
     """The compiled state and operations of :class:`gpudash.caching.CachingAllocator`."""
 
@@ -136,7 +400,7 @@ cdef class CachingCore:
     cdef int32_t cap_free
     cdef PMap blocks
     cdef int64_t ins_next
-    cdef SSet keys[2]
+    cdef PoolSet keys[2]            # the pools' free blocks (stream, size, address)
     cdef SSet unmapped[2]
     cdef int64_t calls[2]
     cdef SSet segs                  # (0, base, size) of cudaMalloc segments
@@ -175,7 +439,6 @@ cdef class CachingCore:
         if self.bk == NULL or self.free_slots == NULL or self.es == NULL:
             raise MemoryError()
         for p in range(2):
-            ss_init(&self.keys[p])
             ss_init(&self.unmapped[p])
         ss_init(&self.segs)
         pm_init(&self.blocks, 64)
@@ -195,7 +458,7 @@ cdef class CachingCore:
                 PyMem_Free(self.es[e].handles)
             PyMem_Free(self.es)
         for p in range(2):
-            ss_free(&self.keys[p])
+            ps_free(&self.keys[p])
             ss_free(&self.unmapped[p])
         ss_free(&self.segs)
         pm_free(&self.blocks)
@@ -292,6 +555,7 @@ cdef class CachingCore:
         cdef int p, bi, i
         cdef size_t j
         cdef Key* k
+        cdef Key* sk
         cdef TES* t
         cdef SSet* ss
         cdef TBlock* b
@@ -302,11 +566,13 @@ cdef class CachingCore:
             pool = _PyPool(p == 0)
             pool.calls = self.calls[p]
             keys = []
-            ss = &self.keys[p]
-            for bi in range(ss.nblk):
-                for i in range(ss.nb[bi]):
-                    k = &ss.blk[bi][i]
+            sk = ps_sorted(&self.keys[p])
+            try:
+                for j in range(<size_t>self.keys[p].size):
+                    k = &sk[j]
                     keys.append(((<object>k.a) << 128) | ((<object>k.b) << 64) | k.c)
+            finally:
+                PyMem_Free(sk)
             pool.keys = keys
             unmapped = []
             ss = &self.unmapped[p]
@@ -361,6 +627,7 @@ cdef class CachingCore:
         return [s for _, s in order]
 
     # ------------------------------------------------------------------ records
+    @cython.final
     cdef int32_t new_block(self, uint64_t ptr, int64_t size, uint64_t stream, int pool,
                            int32_t es, bint mapped) except -1:
         """_Block(ptr, size, stream, pool, es, mapped) in a free slot."""
@@ -395,6 +662,7 @@ cdef class CachingCore:
         nb.live = 1
         return s
 
+    @cython.final
     cdef int drop_block(self, int32_t s) except -1:
         cdef int32_t* nf
         self.bk[s].live = 0
@@ -410,6 +678,7 @@ cdef class CachingCore:
         self.nfree += 1
         return 0
 
+    @cython.final
     cdef inline int put(self, uint64_t ptr, int32_t s) except -1:
         """``_blocks[ptr] = block``: a new address goes last in the table's order; a block
         put at an address already there takes that entry's place."""
@@ -422,22 +691,26 @@ cdef class CachingCore:
         pm_put(&self.blocks, ptr, s)
         return 0
 
+    @cython.final
     cdef inline void unput(self, uint64_t ptr) noexcept:
         cdef int64_t v
         pm_del(&self.blocks, ptr, &v)
 
+    @cython.final
     cdef inline int32_t at(self, uint64_t ptr) noexcept:
         cdef int64_t v
         if pm_get(&self.blocks, ptr, &v):
             return <int32_t>v
         return -1
 
+    @cython.final
     cdef inline int trace(self, str action, uint64_t addr, int64_t size,
                           uint64_t stream) except -1:
         self._history.append((action, addr, size, stream, now_ns() // 1000))
         return 0
 
     # ------------------------------------------------------------------ sizes
+    @cython.final
     cdef inline int64_t round_size(self, int64_t n) noexcept:
         """round_size (the roundup_power2_divisions path)."""
         cdef int i
@@ -484,6 +757,7 @@ cdef class CachingCore:
         strm = stream & 0xFFFFFFFFFFFFFFFF
         return self.malloc_c(n, strm, raise_oom)
 
+    @cython.final
     cdef uint64_t malloc_c(self, int64_t n, uint64_t strm, bint raise_oom) except? 1:
         """_malloc of 0 < n < 1 EiB bytes on stream strm, under the lock."""
         cdef int64_t size, alloc_size, start = 0
@@ -535,38 +809,31 @@ cdef class CachingCore:
     def _malloc(self, nbytes, stream, raise_oom):
         return self.malloc(nbytes, stream, raise_oom)
 
+    @cython.final
     cdef int32_t get_free_block(self, int pool, uint64_t stream, int64_t size) except -2:
         """_get_free_block(take=True): the one best-fit candidate, taken from its pool; -1
         when there is none."""
-        cdef SSet* ks = &self.keys[pool]
-        cdef Key want
-        cdef int bi, i, bj, j
+        cdef PoolSet* ks = &self.keys[pool]
+        cdef PPos at, nxt
         cdef int32_t b, nb, nx
         cdef int64_t cur_exp, nexp, v
         cdef Key* key
         if self._gc_on:
             self.calls[pool] += 1
             self.version += 1
-        want.a = stream
-        want.b = <uint64_t>size
-        want.c = 0
-        if not ss_lower_bound(ks, &want, &bi, &i):
+        if not ps_find(ks, stream, <uint64_t>size, &at):
             return -1
-        key = ss_at(ks, bi, i)
-        if key.a != stream:
-            return -1
+        key = ps_at(ks, &at)
         pm_get(&self.blocks, key.c, &v)
         b = <int32_t>v
         if self.bk[b].es >= 0:
-            bj, j = bi, i
+            nxt = at
             if self.expandable_on:
                 nx = self.bk[b].next
                 cur_exp = self.bk[b].size + (self.bk[nx].size if nx >= 0 and
                                              not self.bk[nx].mapped else 0)
-                while self.bk[b].es >= 0 and ss_next(ks, &bj, &j):
-                    key = ss_at(ks, bj, j)
-                    if key.a != stream:
-                        break
+                while self.bk[b].es >= 0 and ps_next_same(ks, stream, &nxt):
+                    key = ps_at(ks, &nxt)
                     pm_get(&self.blocks, key.c, &v)
                     nb = <int32_t>v
                     nx = self.bk[nb].next
@@ -574,36 +841,35 @@ cdef class CachingCore:
                                                not self.bk[nx].mapped else 0)
                     if not nexp < cur_exp:
                         break
-                    b, bi, i, cur_exp = nb, bj, j, nexp
+                    b, at, cur_exp = nb, nxt, nexp
             else:
                 while True:
-                    if not ss_next(ks, &bj, &j):
+                    if not ps_next_same(ks, stream, &nxt):
                         return -1
-                    key = ss_at(ks, bj, j)
-                    if key.a != stream:
-                        return -1
+                    key = ps_at(ks, &nxt)
                     pm_get(&self.blocks, key.c, &v)
                     if self.bk[v].es < 0:
                         break
-                bi, i = bj, j
+                at = nxt
                 b = <int32_t>v
         if <uint64_t>self.bk[b].size >= self.mss or <uint64_t>size >= self.mss:
             if <uint64_t>size < self.mss and <uint64_t>self.bk[b].size >= self.mss:
                 return -1
             if <uint64_t>size >= self.mss and self.bk[b].size >= size + self.tol:
                 return -1
-        ss_erase_at(ks, bi, i)
+        ps_erase_at(ks, &at)
         self.version += 1
         return b
 
+    @cython.final
     cdef uint64_t alloc_found(self, int32_t blk, int pool, int64_t size, int64_t orig,
                               uint64_t stream) except? 1:
         """_alloc_found_block: split if it should be (the allocation takes the front), mark
         allocated, count."""
         cdef int t = pool + 1
         cdef int j = t << 2
-        cdef int32_t prev = self.bk[blk].prev, remaining, new
-        cdef bint already_split = prev >= 0 or self.bk[blk].next >= 0, split
+        cdef int32_t remaining, nx
+        cdef bint already_split = self.bk[blk].prev >= 0 or self.bk[blk].next >= 0, split
         cdef int64_t remainder = 0, rem = self.bk[blk].size - size, bsize, c
         cdef uint64_t rptr
         cdef int64_t* sb
@@ -614,23 +880,31 @@ cdef class CachingCore:
             split = <uint64_t>size < self.mss and rem > KSMALL_SIZE
         self.version += 1
         if split:
-            # the allocation takes the front; the old record becomes the free remainder
-            remaining = blk
-            new = self.new_block(self.bk[remaining].ptr, size, stream, pool,
-                                 self.bk[remaining].es, True)
-            blk = new
-            self.bk[new].prev = prev
-            if prev >= 0:
-                self.bk[prev].next = new
-            self.bk[new].next = remaining
-            self.bk[remaining].prev = new
-            rptr = self.bk[remaining].ptr = self.bk[remaining].ptr + <uint64_t>size
-            remainder = self.bk[remaining].size = self.bk[remaining].size - size
-            self.put(self.bk[new].ptr, new)
-            self.put(rptr, remaining)
+            # The allocation takes the front, the rest stays free. PyTorch gives the front a
+            # new record and the old one becomes the rest; here the old record stays the
+            # front's (its address, its place in the address table) and a new one is the
+            # rest's, with what the old record carried (its requested figure). The same
+            # blocks either way, one address-table entry fewer to rewrite.
+            rptr = self.bk[blk].ptr + <uint64_t>size
+            remaining = self.new_block(rptr, rem, self.bk[blk].stream, pool, self.bk[blk].es,
+                                       True)
+            nx = self.bk[blk].next
+            self.bk[remaining].prev = blk
+            self.bk[remaining].next = nx
+            if nx >= 0:
+                self.bk[nx].prev = remaining
+            self.bk[blk].next = remaining
+            self.bk[remaining].requested = self.bk[blk].requested
             self.bk[remaining].gc_base = self.calls[pool]
-            ss_insert(&self.keys[pool], bkey(&self.bk[remaining]))
-            if self.bk[new].es < 0:
+            self.bk[blk].size = size
+            self.bk[blk].stream = stream
+            self.bk[blk].gc_base = 0
+            remainder = rem
+            self.ins_next += 1    # put(rptr, remaining): a new address, last in the order
+            self.bk[remaining].ins = self.ins_next
+            pm_put(&self.blocks, rptr, remaining)
+            ps_insert(&self.keys[pool], bkey(&self.bk[remaining]))
+            if self.bk[blk].es < 0:
                 sb = self.st[ST_INACTIVE_SPLIT_BYTES]
                 if already_split:
                     # an already-split inactive block shrinks by `size` bytes
@@ -666,6 +940,7 @@ cdef class CachingCore:
         return b.ptr
 
     # ------------------------------------------------------------------ new memory
+    @cython.final
     cdef int32_t alloc_block(self, int pool, uint64_t stream, int64_t size,
                              int64_t alloc_size, bint is_retry) except -2:
         """_alloc_block: a new segment (or mapped pages); -1 when the device refuses."""
@@ -731,7 +1006,7 @@ cdef class CachingCore:
         if self.mss_set and size >= self.mss_val:
             st_dec1(self.over_seg, 1)
         blk = self.at(ptr)
-        ss_erase(&self.keys[pool], bkey(&self.bk[blk]))
+        ps_erase(&self.keys[pool], bkey(&self.bk[blk]))
         self.unput(ptr)
         k.a = 0
         k.b = ptr
@@ -743,14 +1018,14 @@ cdef class CachingCore:
 
     cdef list pool_slots(self, int pool):
         """The blocks of a pool's key list, in its order (``list(pool.keys)``)."""
-        cdef int bi, i
-        cdef int64_t v
-        cdef SSet* s = &self.keys[pool]
+        cdef size_t j
+        cdef Key* sk = ps_sorted(&self.keys[pool])
         out = []
-        for bi in range(s.nblk):
-            for i in range(s.nb[bi]):
-                pm_get(&self.blocks, s.blk[bi][i].c, &v)
-                out.append(s.blk[bi][i].c)
+        try:
+            for j in range(<size_t>self.keys[pool].size):
+                out.append(sk[j].c)
+        finally:
+            PyMem_Free(sk)
         return out
 
     cdef int garbage_collect(self) except -1:
@@ -797,41 +1072,30 @@ cdef class CachingCore:
         stream, the smallest that covers the request, else from the largest down."""
         cdef int64_t target, released = 0, v
         cdef Key probe
-        cdef int bi, i
-        cdef SSet* ks = &self.keys[pool]
+        cdef PPos at
+        cdef PoolSet* ks = &self.keys[pool]
         cdef int32_t b
         if not self.mss_set:
             return False
         target = size if size > self.mss_val else self.mss_val
+        if ps_find(ks, stream, <uint64_t>target, &at):
+            pm_get(&self.blocks, ps_at(ks, &at).c, &v)
+            self.release_block(<int32_t>v)
+            return True
+        # from the key just below the probe, downwards, while they are of this stream
         probe.a = stream
         probe.b = <uint64_t>target
         probe.c = 0
-        if ss_lower_bound(ks, &probe, &bi, &i) and ss_at(ks, bi, i).a == stream:
-            pm_get(&self.blocks, ss_at(ks, bi, i).c, &v)
-            self.release_block(<int32_t>v)
-            return True
-        # from the key just below the probe, downwards
         while released < target:
-            if ss_lower_bound(ks, &probe, &bi, &i):
-                if not ss_prev(ks, &bi, &i):
-                    break
-            elif ks.size:
-                bi = ks.nblk - 1
-                i = ks.nb[bi] - 1
-            else:
+            if not ps_prev_below(ks, stream, &probe, &at):
                 break
-            pm_get(&self.blocks, ss_at(ks, bi, i).c, &v)
+            pm_get(&self.blocks, ps_at(ks, &at).c, &v)
             b = <int32_t>v
-            if self.bk[b].size < self.mss_val or self.bk[b].stream != stream:
+            if self.bk[b].size < self.mss_val:
                 break
-            probe = ss_at(ks, bi, i)[0]
+            probe = ps_at(ks, &at)[0]
             released += self.bk[b].size
             self.release_block(b)
-            if not ss_lower_bound(ks, &probe, &bi, &i):
-                if not ks.size:
-                    break
-            elif bi == 0 and i == 0:
-                break
         return released >= target
 
     cdef int release_cached(self) except -1:
@@ -1064,7 +1328,7 @@ cdef class CachingCore:
                 self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
                              self.bk[to_map].size, merged_next, 0, 0, 0)
         self.bk[to_map].gc_base = self.calls[pool]
-        ss_insert(&self.keys[pool], bkey(&self.bk[to_map]))
+        ps_insert(&self.keys[pool], bkey(&self.bk[to_map]))
         return True
 
     cdef int32_t try_allocate_expandable(self, int pool, uint64_t stream,
@@ -1080,7 +1344,7 @@ cdef class CachingCore:
             if not self.map_block(new, min(remaining, self.bk[new].size), size):
                 return -1
             cand = new
-        ss_erase(&self.keys[pool], bkey(&self.bk[cand]))
+        ps_erase(&self.keys[pool], bkey(&self.bk[cand]))
         self.version += 1
         return cand
 
@@ -1093,7 +1357,7 @@ cdef class CachingCore:
         if usize == 0:
             return 0
         self.version += 1
-        ss_erase(&self.keys[pool], bkey(&self.bk[block]))
+        ps_erase(&self.keys[pool], bkey(&self.bk[block]))
         self.unput(self.bk[block].ptr)
         before = <int64_t>(uptr - self.bk[block].ptr)
         if before > 0:
@@ -1106,7 +1370,7 @@ cdef class CachingCore:
             self.bk[block].prev = bf
             self.put(self.bk[bf].ptr, bf)
             self.bk[bf].gc_base = self.calls[pool]
-            ss_insert(&self.keys[pool], bkey(&self.bk[bf]))
+            ps_insert(&self.keys[pool], bkey(&self.bk[bf]))
         after = self.bk[block].size - (before + usize)
         if after > 0:
             af = self.new_block(uptr + <uint64_t>usize, after, self.bk[block].stream, pool, e,
@@ -1119,7 +1383,7 @@ cdef class CachingCore:
             self.bk[block].next = af
             self.put(self.bk[af].ptr, af)
             self.bk[af].gc_base = self.calls[pool]
-            ss_insert(&self.keys[pool], bkey(&self.bk[af]))
+            ps_insert(&self.keys[pool], bkey(&self.bk[af]))
         self.bk[block].ptr = uptr
         self.bk[block].size = usize
         self.bk[block].mapped = 0
@@ -1165,7 +1429,7 @@ cdef class CachingCore:
             return 0
         pool = self.bk[dst].pool
         if self.bk[src].mapped:
-            ss_erase(&self.keys[pool], bkey(&self.bk[src]))
+            ps_erase(&self.keys[pool], bkey(&self.bk[src]))
         else:
             ss_erase(&self.unmapped[pool], ukey(self.bk[src].stream, self.bk[src].ptr))
         self.unput(self.bk[src].ptr)
@@ -1239,6 +1503,7 @@ cdef class CachingCore:
     def deallocate(self, ptr):
         self.c_deallocate(ptr)
 
+    @cython.final
     cdef uint64_t replay_alloc(self, int64_t n, uint64_t stream) except? 1:
         """try_allocate(n, True, stream) for a replay's int64 size."""
         if n <= 0:
@@ -1249,6 +1514,7 @@ cdef class CachingCore:
             return 0
         return self.malloc_c(n, stream, False)
 
+    @cython.final
     cdef int replay_free(self, uint64_t p) except -1:
         """deallocate(p) for a replay's pointer (0: nothing)."""
         cdef int64_t v, start
@@ -1271,6 +1537,7 @@ cdef class CachingCore:
             lk.give()
         return 0
 
+    @cython.final
     cdef int empty_cache_c(self) except -1:
         """empty_cache()."""
         cdef int64_t start = 0
@@ -1287,6 +1554,7 @@ cdef class CachingCore:
             lk.give()
         return 0
 
+    @cython.final
     cdef int free(self, int32_t blk) except -1:
         """_free then free_block: uncount the block, merge it with free neighbours (the
         previous one first), cache it."""
@@ -1311,19 +1579,23 @@ cdef class CachingCore:
         p = self.bk[blk].prev
         n = self.bk[blk].next
         if p >= 0 and not self.bk[p].allocated and self.bk[p].mapped:
-            # try_merge_blocks(block, prev), written out: block takes prev's start
-            ss_erase(&self.keys[pool], bkey(&self.bk[p]))
+            # try_merge_blocks(block, prev), written out: block takes prev's start. PyTorch
+            # keeps the block's record; here prev's record (its address, its place in the
+            # address table) becomes the merged block's, with the block's requested figure
+            # and stream: the same block, one address-table entry fewer to rewrite.
+            ps_erase(&self.keys[pool], bkey(&self.bk[p]))
             self.unput(ptr)
-            self.bk[blk].ptr = self.bk[p].ptr
-            self.put(self.bk[p].ptr, blk)
-            pp = self.bk[blk].prev = self.bk[p].prev
-            if pp >= 0:
-                self.bk[pp].next = blk
             prev_size = self.bk[p].size
-            self.bk[blk].size += prev_size
-            self.drop_block(p)
+            self.bk[p].size = prev_size + bsize
+            nn = self.bk[p].next = n
+            if nn >= 0:
+                self.bk[nn].prev = p
+            self.bk[p].requested = req
+            self.bk[p].stream = stream
+            self.drop_block(blk)
+            blk = p
         if n >= 0 and not self.bk[n].allocated and self.bk[n].mapped:
-            ss_erase(&self.keys[pool], bkey(&self.bk[n]))
+            ps_erase(&self.keys[pool], bkey(&self.bk[n]))
             self.unput(self.bk[n].ptr)
             nn = self.bk[blk].next = self.bk[n].next
             if nn >= 0:
@@ -1333,7 +1605,7 @@ cdef class CachingCore:
             self.drop_block(n)
         b = &self.bk[blk]
         b.gc_base = self.calls[pool]
-        ss_insert(&self.keys[pool], bkey(b))
+        ps_insert(&self.keys[pool], bkey(b))
         if b.es < 0:
             # inactive_split: free blocks of split segments (merged ones leave, this one
             # joins while the segment stays split)
@@ -1449,26 +1721,11 @@ cdef class CachingCore:
         finally:
             lk.give()
 
+    @cython.final
     cdef int64_t largest_free(self) noexcept:
         """_largest_free_block."""
-        cdef int64_t best = 0, s
-        cdef int p, bi, i
-        cdef SSet* ks
-        for p in range(2):
-            ks = &self.keys[p]
-            if not ks.size:
-                continue
-            if ks.blk[0][0].a == ss_last(ks).a:
-                s = <int64_t>ss_last(ks).b
-            else:
-                s = 0
-                for bi in range(ks.nblk):
-                    for i in range(ks.nb[bi]):
-                        if <int64_t>ks.blk[bi][i].b > s:
-                            s = <int64_t>ks.blk[bi][i].b
-            if s > best:
-                best = s
-        return best
+        cdef int64_t a = ps_largest(&self.keys[0]), b = ps_largest(&self.keys[1])
+        return a if a > b else b
 
     def _largest_free_block(self):
         return self.largest_free()
