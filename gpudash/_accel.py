@@ -55,8 +55,8 @@ def compiled_class(kind: str, pure: type, module: Any) -> type:
 
 
 def compiled(name: str, default: Any) -> Any:
-    """The compiled core's ``name`` (a class gpudash builds on, such as the session's lock or
-    a base holding an object's hot fields), or ``default`` on the pure-Python path."""
+    """The compiled core's ``name`` (a class gpudash uses, such as the session's lock or its
+    set of queued addresses), or ``default`` on the pure-Python path."""
     if _core is None:
         return default
     return getattr(_core, name)
