@@ -59,7 +59,7 @@ def compiled(name: str, default: Any) -> Any:
     set of queued addresses), or ``default`` on the pure-Python path."""
     if _core is None:
         return default
-    return getattr(_core, name)
+    return _from_core(name)
 
 
 def compiled_methods(kind: str, cls: type, module: Any) -> dict[str, Any]:
@@ -68,7 +68,16 @@ def compiled_methods(kind: str, cls: type, module: Any) -> dict[str, Any]:
     replaces; empty on the pure-Python path (the Python methods stay)."""
     if _core is None:
         return {}
-    return getattr(_core, f"make_{kind}_methods")(cls, module)
+    return _from_core(f"make_{kind}_methods")(cls, module)
+
+
+def _from_core(name: str) -> Any:
+    try:
+        return getattr(_core, name)
+    except AttributeError:
+        raise ImportError(f"gpudash._core has no {name}: it was built from older sources; "
+                          "rebuild it (pip install -e . or python setup.py build_ext "
+                          "--inplace)") from None
 
 
 def describe() -> str:
