@@ -62,11 +62,11 @@ def compiled_class(kind: str, pure: type, module: Any) -> type:
 
 
 def compiled(name: str, default: Any) -> Any:
-    """The compiled core's ``name`` (a class gpudash builds on, such as the session's lock or
-    a base holding an object's hot fields), or ``default`` on the pure-Python path."""
+    """The compiled core's ``name`` (a class gpudash uses, such as the session's lock or its
+    set of queued addresses), or ``default`` on the pure-Python path."""
     if _core is None:
         return default
-    return getattr(_core, name)
+    return _from_core(name)
 
 
 def compiled_methods(kind: str, cls: type, module: Any) -> dict[str, Any]:
@@ -75,7 +75,16 @@ def compiled_methods(kind: str, cls: type, module: Any) -> dict[str, Any]:
     replaces; empty on the pure-Python path (the Python methods stay)."""
     if _core is None:
         return {}
-    return getattr(_core, f"make_{kind}_methods")(cls, module)
+    return _from_core(f"make_{kind}_methods")(cls, module)
+
+
+def _from_core(name: str) -> Any:
+    try:
+        return getattr(_core, name)
+    except AttributeError:
+        raise ImportError(f"gpudash._core has no {name}: it was built from older sources; "
+                          "rebuild it (pip install -e . or python setup.py build_ext "
+                          "--inplace)") from None
 
 
 def describe() -> str:

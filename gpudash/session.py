@@ -22,6 +22,8 @@ compiled BFC allocator, no labels or recorded stacks, no placement log; for ``fr
 device and an int address): the same steps, under the same lock. Every other case, every
 error, and every subclass (:class:`TorchSession` among them) runs the Python methods, which
 stay the reference (:data:`PY_SESSION_METHODS`; ``GPUDASH_PURE_PYTHON=1`` runs only them).
+The session's lock is then the core's reentrant lock, and the set of queued addresses the
+core's set of ints.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ._accel import compiled, compiled_class, compiled_methods
+from ._accel import compiled, compiled_methods
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -117,38 +119,31 @@ class CudaMallocAllocator(BFCAllocator):
                     self._after_op(start)
 
 
-@dataclass
+#: The set of queued addresses: where gpudash._core is built, its ``AddressSet`` (a set of
+#: ints in a C hash table; a block address's low bits are all zero, which a Python set
+#: hashes poorly), else a set.
+_AddressSet = compiled("AddressSet", set)
+
+
+@dataclass(slots=True)
 class _Deferred:
     """One device's deferred-deletion queue (TensorFlow's EventMgr, per stream)."""
 
     threshold: int
     pending: list = field(default_factory=list)  # pointers freed, not yet flushed
-    queued: set = field(default_factory=set)  # every pointer pending or in flight
+    queued: set = field(default_factory=_AddressSet)  # every pointer pending or in flight
     pending_bytes: int = 0
     inflight: deque = field(default_factory=deque)  # (marker, [ptrs], bytes)
     flushes: int = 0
     completed_bytes: int = 0
 
 
-#: The pure-Python queue: the reference, and what runs without the compiled core.
-_PyDeferred = _Deferred
-#: The queue devices use: where gpudash._core is built, its subclass of the dataclass whose
-#: hot fields (``pending``, ``pending_bytes``, ``threshold``) are C fields and whose
-#: ``queued`` is the core's ``AddressSet`` (a set of ints in a C hash table).
-_Deferred = compiled_class("deferred", _PyDeferred, sys.modules[__name__])
-
-
-#: Where gpudash._core is built, the bases of Session and Device hold the fields that
-#: Session.allocate and Session.free read as C fields (``devices``, ``_lock``, ``_closed``,
-#: ``_track_holders``, ``_log_placement``; ``allocator``, ``_deferred``), and the session's
-#: lock is the core's reentrant lock; on the pure-Python path they are ``object`` and
-#: ``threading.RLock``.
-_SessionBase = compiled("SessionFields", object)
-_DeviceBase = compiled("DeviceFields", object)
+#: The session's lock: where gpudash._core is built, its reentrant lock (GIL-guarded, usable
+#: by threading.Condition), else threading.RLock.
 _SessionLock = compiled("RLock", threading.RLock)
 
 
-class Device(_DeviceBase):
+class Device:
     """One gpudash device of a session: backend, allocator, limit and deferred frees.
 
     Attributes
@@ -166,6 +161,10 @@ class Device(_DeviceBase):
     options : GPUOptions
         The settings now in force on this device.
     """
+
+    # slots: what Session.allocate and Session.free read (the compiled core's fast paths
+    # read them by offset)
+    __slots__ = ("allocator", "_deferred", "__dict__", "__weakref__")
 
     def __init__(self, index: int, visible_id: int, backend: Any, allocator: BFCAllocator,
                  total: int, available: int, cc_major: int, options: GPUOptions,
@@ -309,7 +308,7 @@ def _simulate_sizes(simulate: Any) -> list[int]:
     return [parse_bytes(simulate, name="the simulated device size")]
 
 
-class Session(_SessionBase):
+class Session:
     """A set of devices, each with its own BFC allocator, configured like TensorFlow.
 
     Parameters
@@ -355,6 +354,10 @@ class Session(_SessionBase):
     ...     sess.devices[0].memory_limit
     8589934592
     """
+
+    # slots: what allocate and free read (the compiled core's fast paths read them by offset)
+    __slots__ = ("devices", "_lock", "_closed", "_track_holders", "_log_placement", "__dict__",
+                 "__weakref__")
 
     def __new__(cls, *args: Any, allocator: Any = None, **kwargs: Any) -> "Session":
         # Session(..., allocator="torch") is a TorchSession: PyTorch's semantics

@@ -55,17 +55,20 @@ class _Reference(Session):
 
 
 def _reference_session(pure_allocator: bool, **kwargs) -> Session:
-    """A :class:`_Reference` built on the pure-Python parts: the queue's Python set and
-    ``threading.RLock`` (and the pure BFC model when ``pure_allocator``)."""
+    """A :class:`_Reference` built on the pure-Python parts: ``threading.RLock``, a Python
+    set of queued addresses (and the pure BFC model when ``pure_allocator``)."""
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(session_mod, "_SessionLock", threading.RLock)
-        mp.setattr(session_mod, "_Deferred", session_mod._PyDeferred)
         if pure_allocator:
             mp.setattr(session_mod, "BFCAllocator", PyBFCAllocator)
-        return _Reference(**kwargs)
+        sess = _Reference(**kwargs)
     finally:
         mp.undo()
+    for dev in sess.devices:
+        assert not dev._deferred.queued
+        dev._deferred.queued = set()
+    return sess
 
 
 def _outcome(f, *args, **kwargs) -> tuple:
@@ -90,6 +93,7 @@ class Twin:
         self.ref = _reference_session(pure_allocator, **kwargs)
         self.fast = Session(**kwargs)
         assert type(self.fast) is Session and type(self.fast._lock) is not type(self.ref._lock)
+        assert type(self.fast.devices[0]._deferred.queued) is not set
         self.listeners: list[tuple[Listener, Listener]] = []
         self.ops = 0
         self.log: list[str] = []
@@ -370,3 +374,35 @@ def test_the_session_lock_is_a_reentrant_lock_for_conditions():
     for t in threads:
         t.join()
     assert counter[0] == 8000
+
+
+def test_the_queued_set_behaves_as_a_set_of_addresses():
+    """The compiled queue's set of queued addresses against a Python set, for what the
+    session's Python code does with it."""
+    queued, ref = session_mod._AddressSet(), set()
+    assert type(queued) is not set
+    rng = random.Random(5)
+    values = [0, 1, (1 << 64) - 1] + [0x7F0000000000 + 256 * rng.randrange(4096)
+                                      for _ in range(3000)]
+    for v in values:
+        n = len(queued)
+        queued.add(v if rng.random() < 0.8 else np.uint64(v))
+        ref.add(v)
+        assert (len(queued) == n) == (len(ref) == n)
+        if rng.random() < 0.3:
+            gone = rng.sample(values, 5)
+            queued.difference_update(gone)
+            ref.difference_update(gone)
+        if rng.random() < 0.1:
+            w = rng.choice(values)
+            queued.discard(w)
+            ref.discard(w)
+    assert queued == ref and set(queued) == ref and len(queued) == len(ref)
+    assert all((v in queued) == (v in ref) for v in values + [-1, 1 << 64, None, "x", 2.5])
+    assert bool(queued) and np.int64(next(iter(ref))) in queued
+    with pytest.raises(ValueError, match="an address"):
+        queued.add(-1)
+    with pytest.raises(TypeError):
+        queued.add(1.5)
+    queued.clear()
+    assert not queued and repr(queued) == "AddressSet()"

@@ -1,19 +1,23 @@
-# gpudash.Session's hot path in C: the fields that allocate and free read (as C fields of the
-# bases of Session, Device and the deferred-deletion queue), the session's lock, the set of
-# queued addresses, and Session.allocate / Session.free for their common case (an open
-# TensorFlow-style session, the compiled BFC allocator, no holder tracking or placement log;
-# for free one device and an int address). Every other case, and every error, is the Python
-# method's: the fast path hands the call to it unchanged. Included by _core.pyx; bound to
-# gpudash.session by make_session_methods and make_deferred_class.
+# gpudash.Session's hot path in C: the session's lock, the set of queued addresses, and
+# Session.allocate / Session.free for their common case (an open TensorFlow-style session,
+# the compiled BFC allocator, no holder tracking or placement log; for free one device and an
+# int address), which read the __slots__ of Session, Device and the deferred-deletion queue
+# by offset. Every other case, and every error, is the Python method's: the fast path hands
+# the call to it unchanged. Included by _core.pyx; bound to gpudash.session by
+# make_session_methods.
 
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 
 cdef extern from "pythread.h":
     unsigned long PyThread_get_thread_ident() nogil
 
-# bound by make_session_methods, make_bfc_class and make_deferred_class
+# bound by make_session_methods and make_bfc_class
 cdef object _Session = None, _BFCClass = None, _DeferredClass = None
 cdef object _py_allocate = None, _py_free = None
+
+from types import MemberDescriptorType as _MemberDescriptor
 
 
 # ------------------------------------------------------------------------------ lock
@@ -238,82 +242,71 @@ cdef class AddressSet:
         return f"AddressSet({set(self.tolist())!r})" if self.m.n else "AddressSet()"
 
 
-# ------------------------------------------------------------------------------ fields
-cdef class SessionFields:
-    """The fields of a :class:`gpudash.Session` that allocate and free read, as C fields:
-    the base of Session where the compiled core is built (``object`` on the pure-Python
-    path, where they are plain attributes)."""
-
-    cdef public object devices
-    cdef public object _lock
-    cdef public bint _closed
-    cdef public bint _track_holders
-    cdef public bint _log_placement
-
-
-cdef class DeviceFields:
-    """The fields of a session's :class:`gpudash.session.Device` that allocate and free
-    read, as C fields: the base of Device where the compiled core is built."""
-
-    cdef public object allocator
-    cdef public object _deferred
-
-
-cdef class DeferredCore:
-    """The fields of a device's deferred-deletion queue (``session._Deferred``) that free
-    reads and writes, as C fields: the bytes queued and the flush threshold as int64, the
-    queue as a list, the queued addresses as an :class:`AddressSet`. ``session._Deferred``
-    is this class's subclass of the pure dataclass, which gives it its ``repr`` and
-    equality."""
-
-    cdef public list pending
-    cdef public object queued
-    cdef public int64_t threshold
-    cdef public int64_t pending_bytes
-
-
-def make_deferred_class(pure, module):
-    """``session._Deferred``: :class:`DeferredCore` first, the pure dataclass ``pure``; its
-    ``queued`` is an :class:`AddressSet`."""
-    global _DeferredClass
-
-    class _Deferred(DeferredCore, pure):
-        __doc__ = pure.__doc__
-        __module__ = pure.__module__
-        __qualname__ = pure.__qualname__
-
-        def __init__(self, *args, **kwargs):
-            pure.__init__(self, *args, **kwargs)
-            self.queued = AddressSet(self.queued)
-
-    _DeferredClass = _Deferred
-    return _Deferred
-
-
 # ------------------------------------------------------------------------------ fast paths
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+cdef int _T_OBJECT_EX = 16   # a __slots__ member (structmember.h's T_OBJECT_EX)
+cdef object _False = False
+
+# offsets of the __slots__ the fast paths read (set by make_session_methods)
+cdef Py_ssize_t _off_devices = 0, _off_lock = 0, _off_closed = 0, _off_track = 0, _off_log = 0
+cdef Py_ssize_t _off_allocator = 0, _off_deferred = 0
+cdef Py_ssize_t _off_pending = 0, _off_queued = 0, _off_pending_bytes = 0, _off_threshold = 0
+cdef object _Device = None
+
+
+cdef inline PyObject* _slot(object obj, Py_ssize_t off) noexcept:
+    """The value of a __slots__ member at ``off`` (borrowed; NULL when unset)."""
+    return (<PyObject**>((<char*><PyObject*>obj) + off))[0]
+
+
+cdef inline void _set_slot(object obj, Py_ssize_t off, object value) noexcept:
+    cdef PyObject** p = <PyObject**>((<char*><PyObject*>obj) + off)
+    cdef PyObject* old = p[0]
+    Py_INCREF(value)
+    p[0] = <PyObject*>value
+    Py_XDECREF(old)
+
+
+cdef Py_ssize_t _slot_offset(cls, str name) except -1:
+    """The offset of ``cls``'s ``__slots__`` member ``name``."""
+    descr = getattr(cls, name)
+    if type(descr) is not _MemberDescriptor or (
+            (<PyMemberDescrObject*><PyObject*>descr).d_member.type != _T_OBJECT_EX):
+        raise TypeError(f"{cls.__qualname__}.{name} is not a __slots__ member")
+    return (<PyMemberDescrObject*><PyObject*>descr).d_member.offset
+
+
 @cython.binding(True)
 def session_allocate(self, nbytes, device=0):
-    cdef SessionFields s
     cdef BFCCore alloc
     cdef uint64_t ptr
     cdef int overflow = 0
     cdef long long i
+    cdef PyObject* f = <PyObject*>_False
+    cdef PyObject* pd
     if type(self) is not _Session or type(device) is not int:
         return _py_allocate(self, nbytes, device)
-    s = <SessionFields>self
-    devices = s.devices
-    if s._closed or s._track_holders or s._log_placement or type(devices) is not list:
+    pd = _slot(self, _off_devices)
+    if (_slot(self, _off_closed) != f or _slot(self, _off_track) != f
+            or _slot(self, _off_log) != f or pd == NULL or type(<object>pd) is not list):
         return _py_allocate(self, nbytes, device)
+    devices = <object>pd
     i = PyLong_AsLongLongAndOverflow(device, &overflow)
     if overflow or i < 0 or i >= PyList_GET_SIZE(devices):
         return _py_allocate(self, nbytes, device)
     dev = <object>PyList_GET_ITEM(devices, <Py_ssize_t>i)
-    if not isinstance(dev, DeviceFields):
+    if type(dev) is not _Device:
         return _py_allocate(self, nbytes, device)
-    a = (<DeviceFields>dev).allocator
-    if type(a) is not _BFCClass:
+    pd = _slot(dev, _off_allocator)
+    if pd == NULL or type(<object>pd) is not _BFCClass:
         return _py_allocate(self, nbytes, device)
-    alloc = <BFCCore>a
+    alloc = <BFCCore><object>pd
     ptr = alloc.c_try_allocate(nbytes, False)
     if ptr or not nbytes:
         return ptr
@@ -324,54 +317,83 @@ def session_allocate(self, nbytes, device=0):
 
 @cython.binding(True)
 def session_free(self, ptr, device=None):
-    cdef SessionFields s
     cdef BFCCore alloc
-    cdef DeferredCore q
-    cdef AddressSet queued
     cdef RLock lock
-    cdef int64_t v, size
+    cdef int64_t v
     cdef uint64_t p
+    cdef PyObject* pd
+    cdef PyObject* pl
+    cdef PyObject* pq
+    cdef PyObject* pp
+    cdef PyObject* pb
+    cdef PyObject* pt
     if device is not None or type(ptr) is not int or type(self) is not _Session:
         return _py_free(self, ptr, device)
-    s = <SessionFields>self
-    devices = s.devices
-    if type(devices) is not list or PyList_GET_SIZE(devices) != 1 or type(s._lock) is not RLock:
+    pd = _slot(self, _off_devices)
+    pl = _slot(self, _off_lock)
+    if (pd == NULL or type(<object>pd) is not list or PyList_GET_SIZE(<object>pd) != 1
+            or pl == NULL or type(<object>pl) is not RLock):
         return _py_free(self, ptr, device)
-    dev = <object>PyList_GET_ITEM(devices, 0)
-    if not isinstance(dev, DeviceFields):
+    dev = <object>PyList_GET_ITEM(<object>pd, 0)
+    if type(dev) is not _Device:
         return _py_free(self, ptr, device)
-    a = (<DeviceFields>dev).allocator
-    dq = (<DeviceFields>dev)._deferred
-    if type(a) is not _BFCClass or type(dq) is not _DeferredClass:
+    pd = _slot(dev, _off_allocator)
+    pq = _slot(dev, _off_deferred)
+    if pd == NULL or type(<object>pd) is not _BFCClass or pq == NULL or (
+            type(<object>pq) is not _DeferredClass):
         return _py_free(self, ptr, device)
-    q = <DeferredCore>dq
-    if type(q.queued) is not AddressSet or q.pending is None:
-        return _py_free(self, ptr, device)
-    alloc = <BFCCore>a
+    alloc = <BFCCore><object>pd
+    d = <object>pq
     p = as_address(ptr)
     if p == 0 or not pm_get(&alloc.byptr, p, &v) or alloc.ch[v].aid < 0:
         return _py_free(self, ptr, device)  # 0, not live, closed: the Python method says
     size = alloc.ch[v].size
-    queued = <AddressSet>q.queued
-    lock = <RLock>s._lock
+    lock = <RLock><object>pl
     lock.take()
     try:
-        if not queued.c_add(p):
+        pq = _slot(d, _off_queued)
+        pp = _slot(d, _off_pending)
+        pb = _slot(d, _off_pending_bytes)
+        pt = _slot(d, _off_threshold)
+        if (pq == NULL or type(<object>pq) is not AddressSet or pp == NULL
+                or type(<object>pp) is not list or pb == NULL or pt == NULL):
+            lock.give()
+            lock = None
+            return _py_free(self, ptr, device)
+        if not (<AddressSet><object>pq).c_add(p):
             raise InvalidPointerError(
                 f"{alloc.name}: free({ptr:#x}): this address is already queued for "
                 "deletion (double free?)")
-        PyList_Append(q.pending, ptr)
-        q.pending_bytes += size
-        if q.pending_bytes >= q.threshold:
+        PyList_Append(<object>pp, ptr)
+        pending = <object>pb + size
+        _set_slot(d, _off_pending_bytes, pending)
+        if pending >= <object>pt:
             self._flush_pending(dev)
     finally:
-        lock.give()
+        if lock is not None:
+            lock.give()
 
 
 def make_session_methods(session, module):
     """``{name: function}``: the compiled fast paths of ``session``'s (gpudash.Session's)
-    methods, each handing every case but its own to the Python method it replaces."""
-    global _Session, _py_allocate, _py_free
-    _Session = session
+    methods, each handing every case but its own to the Python method it replaces. They
+    read the ``__slots__`` of Session, ``module.Device`` and ``module._Deferred`` by offset."""
+    global _Session, _Device, _DeferredClass, _py_allocate, _py_free
+    global _off_devices, _off_lock, _off_closed, _off_track, _off_log
+    global _off_allocator, _off_deferred
+    global _off_pending, _off_queued, _off_pending_bytes, _off_threshold
+    device, deferred = module.Device, module._Deferred
+    _off_devices = _slot_offset(session, "devices")
+    _off_lock = _slot_offset(session, "_lock")
+    _off_closed = _slot_offset(session, "_closed")
+    _off_track = _slot_offset(session, "_track_holders")
+    _off_log = _slot_offset(session, "_log_placement")
+    _off_allocator = _slot_offset(device, "allocator")
+    _off_deferred = _slot_offset(device, "_deferred")
+    _off_pending = _slot_offset(deferred, "pending")
+    _off_queued = _slot_offset(deferred, "queued")
+    _off_pending_bytes = _slot_offset(deferred, "pending_bytes")
+    _off_threshold = _slot_offset(deferred, "threshold")
+    _Session, _Device, _DeferredClass = session, device, deferred
     _py_allocate, _py_free = session.allocate, session.free
     return {"allocate": session_allocate, "free": session_free}
