@@ -536,23 +536,32 @@ class Trace:
         """
         c = self.columns
         kind = c["kind"]
-        mask = np.isin(kind, (_ALLOC, _FREE, _OOM))
+        mask = (kind == _ALLOC) | (kind == _FREE) | (kind == _OOM)
         if device is not None:
             mask &= c["device"] == device
         rows = np.flatnonzero(mask)
-        fast = _calls_by_id(kind[rows], c["alloc_id"][rows], c["device"][rows],
-                            c["requested"][rows])
+        every = len(rows) == len(kind)
+
+        def col(name: str) -> np.ndarray:
+            # a trace of nothing but calls (most are) needs no gather
+            return c[name] if every else c[name][rows]
+
+        fast = _calls_by_id(col("kind"), col("alloc_id"), col("device"), col("requested"))
         if fast is not None:
             op, key, nbytes = fast
-            keep = np.ones(len(rows), dtype=bool)
+            keep = None
             unmatched = 0
         else:
             op, key, nbytes, keep, unmatched = self._calls_loop(rows)
-        devs = c["device"][rows]
+        devs = col("device")
         if (len(rows) and device is None and devs.min() != devs.max()
                 and _has_duplicates(key[op == 1])):
             key = np.where(op == 7, 0, (devs.astype(np.int64) << 40) | key)
-        return Calls(op[keep], key[keep], nbytes[keep], c["time_ns"][rows][keep], devs[keep],
+        time_ns = col("time_ns")
+        if keep is None:
+            return Calls(op, key, nbytes, time_ns.copy() if every else time_ns,
+                         devs.copy() if every else devs, rows.astype(np.int64), unmatched)
+        return Calls(op[keep], key[keep], nbytes[keep], time_ns[keep], devs[keep],
                      rows[keep].astype(np.int64), unmatched)
 
     def _calls_loop(self, rows: np.ndarray) -> tuple:
@@ -640,27 +649,52 @@ def _calls_by_id(kind: np.ndarray, alloc_id: np.ndarray, device: np.ndarray,
     """Vectorised pairing for the usual case: every alloc and free has an id (> 0), ids are
     unique per device, and every free follows its alloc and is its only free. None when the
     trace is not like that (the caller then pairs row by row)."""
-    is_a, is_f = kind == _ALLOC, kind == _FREE
-    ids = alloc_id[is_a | is_f]
-    if len(ids) and (ids.min() <= 0 or ids.max() >= 1 << 47):
-        return None
-    comb = (device.astype(np.int64) << 47) | alloc_id
-    a_idx, f_idx = np.flatnonzero(is_a), np.flatnonzero(is_f)
-    a_keys = comb[a_idx]
-    order = np.argsort(a_keys, kind="stable")
-    sk = a_keys[order]
-    if _has_duplicates(sk, presorted=True):
-        return None
-    f_keys = comb[f_idx]
-    if len(f_idx):
-        if not len(sk) or _has_duplicates(f_keys):
+    a_idx, f_idx = np.flatnonzero(kind == _ALLOC), np.flatnonzero(kind == _FREE)
+    a_ids, f_ids = alloc_id[a_idx], alloc_id[f_idx]
+    for ids in (a_ids, f_ids):
+        if len(ids) and (ids.min() <= 0 or ids.max() >= 1 << 47):
             return None
-        j = np.minimum(np.searchsorted(sk, f_keys), len(sk) - 1)
-        alloc_pos = a_idx[order[j]]
-        if not ((sk[j] == f_keys) & (alloc_pos < f_idx)).all():
+    if len(device) and device.min() != device.max():
+        # ids are unique per device: the key is (device, id)
+        a_keys = (device[a_idx].astype(np.int64) << 47) | a_ids
+        f_keys = (device[f_idx].astype(np.int64) << 47) | f_ids
+    else:
+        a_keys = a_ids.astype(np.int64, copy=False)
+        f_keys = f_ids.astype(np.int64, copy=False)
+    n_a = len(a_keys)
+    if n_a and int(a_keys[-1]) - int(a_keys[0]) == n_a - 1 and (np.diff(a_keys) > 0).all():
+        # the ids count up by one from the first (a recorder's, a snapshot's): a free's
+        # alloc is at its id's offset, no sort or search
+        if len(f_idx):
+            j = f_keys - a_keys[0]
+            if not ((j >= 0) & (j < n_a)).all():
+                return None
+            seen = np.zeros(n_a, dtype=bool)
+            seen[j] = True
+            if np.count_nonzero(seen) != len(j):
+                return None   # an alloc freed twice
+            alloc_pos = a_idx[j]
+            if not (alloc_pos < f_idx).all():
+                return None
+    else:
+        order = np.argsort(a_keys, kind="stable")
+        sk = a_keys[order]
+        if _has_duplicates(sk, presorted=True):
             return None
-    op = np.where(is_a, 1, np.where(is_f, 2, 7)).astype(np.int8)
-    key = np.where(op == 7, 0, alloc_id).astype(np.int64)
+        if len(f_idx):
+            if not len(sk) or _has_duplicates(f_keys):
+                return None
+            j = np.minimum(np.searchsorted(sk, f_keys), len(sk) - 1)
+            alloc_pos = a_idx[order[j]]
+            if not ((sk[j] == f_keys) & (alloc_pos < f_idx)).all():
+                return None
+    n = len(kind)
+    op = np.full(n, 7, dtype=np.int8)
+    op[a_idx] = 1
+    op[f_idx] = 2
+    key = np.zeros(n, dtype=np.int64)
+    key[a_idx] = a_ids
+    key[f_idx] = f_ids
     nbytes = requested.astype(np.int64, copy=True)
     if len(f_idx):
         nbytes[f_idx] = requested[alloc_pos]
