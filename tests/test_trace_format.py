@@ -201,6 +201,63 @@ def test_calls_by_id_and_by_pointer_agree():
         (t[1000:].kind == A).sum() - (t[1000:].kind == F).sum() + late.unmatched_frees)
 
 
+def _calls_fields(c):
+    return [getattr(c, f).tolist() for f in ("op", "key", "nbytes", "time_ns", "row",
+                                             "device")] + [c.unmatched_frees]
+
+
+@pytest.mark.parametrize("case", ["clean", "double free", "unknown id", "free first",
+                                  "gap in ids", "two devices"])
+def test_calls_with_ids_counting_up_pair_as_by_search_and_row_by_row(case):
+    # Ids 1, 2, 3... (a recorder's, a snapshot's) pair each free with its alloc by offset;
+    # the same Calls as shuffled ids (sorted and searched) and as no ids (row by row), and
+    # a trace that offset pairing cannot take (a second free, an id never allocated, a free
+    # before its alloc) is paired row by row, its odd frees dropped and counted.
+    rng = np.random.default_rng(3)
+    rows, live, nxt = [], [], 1
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            aid, req = live.pop(int(rng.integers(len(live))))
+            rows.append([F, 4096 * aid, round_up_256(req), req, aid, 0])
+        else:
+            req = int(rng.integers(1, 5000))
+            rows.append([A, 4096 * nxt, round_up_256(req), req, nxt, 0])
+            live.append((nxt, req))
+            nxt += 1
+    frees = [i for i, r in enumerate(rows) if r[0] == F]
+    if case == "double free":
+        rows.append(list(rows[frees[3]]))
+    elif case == "unknown id":
+        rows.append([F, 4096 * (nxt + 5), 256, 1, nxt + 5, 0])
+    elif case == "free first":
+        i = frees[0]
+        first_alloc = next(j for j, r in enumerate(rows) if r[0] == A and r[4] == rows[i][4])
+        rows.insert(first_alloc, rows.pop(i))
+    elif case == "gap in ids":
+        for r in rows:
+            r[4] += 1000 * (r[4] > 50)
+    elif case == "two devices":
+        for r in rows:
+            r[5] = r[4] % 2    # odd ids on device 1
+    t = make_trace([tuple(r) for r in rows])
+    got = _calls_fields(t.calls())
+    # the same rows with the ids renamed by a random permutation: the sorted path
+    perm = rng.permutation(2000) + 1
+    cols = dict(t.columns)
+    cols["alloc_id"] = np.where(cols["alloc_id"] > 0, perm[cols["alloc_id"] % 2000], -1)
+    shuffled = _calls_fields(Trace(cols, t.meta).calls())
+    assert got[0] == shuffled[0] and got[2:] == shuffled[2:]
+    # no ids: frees paired with the live allocation at their pointer
+    cols = dict(t.columns)
+    cols["alloc_id"] = np.full(len(t), -1, dtype=np.int64)
+    by_ptr = _calls_fields(Trace(cols, t.meta).calls())
+    assert got[0] == by_ptr[0] and got[2:] == by_ptr[2:]
+    expected = {"double free": 1, "unknown id": 1, "free first": 1}.get(case, 0)
+    assert got[-1] == expected
+    assert got[0].count(2) == len(frees) + (case == "double free") + (case == "unknown id") \
+        - expected
+
+
 def test_calls_per_device_and_colliding_ids():
     rows = [(A, 100, 256, 10, 1, 0), (A, 100, 256, 11, 1, 1),
             (F, 100, 256, 10, 1, 0), (F, 100, 256, 11, 1, 1)]
