@@ -381,6 +381,38 @@ def test_worker_session_in_client_run_where_workers_share_a_loop():
             c.run(_in_use_run)
 
 
+def _topic_subscribers(topic, dask_scheduler=None):
+    return sorted(dask_scheduler._broker._topics[topic].subscribers)
+
+
+def test_a_model_starts_only_once_the_scheduler_forwards_it_the_topic(client, monkeypatch):
+    """The topic subscription goes to the scheduler on the client's batched stream, which
+    the model's first lease (another connection) can overtake: a model that started before
+    it arrived missed the workers' first messages (a recording without a worker's first
+    allocations). Here the subscription is held back half a second: the client's hub, which
+    a model's constructor makes first, returns only once the scheduler forwards the topic."""
+    from gpudash.dask.model import _Hub
+
+    assert _Hub.recording_model(client) is None   # no model of this client is open
+    assert client.id not in client.run_on_scheduler(_topic_subscribers, _wire.TOPIC)
+    send = client._send_to_scheduler
+
+    def late(msg):
+        if msg.get("op") == "subscribe-topic":
+            threading.Timer(0.5, send, args=(msg,)).start()
+        else:
+            send(msg)
+
+    monkeypatch.setattr(client, "_send_to_scheduler", late)
+    t0 = time.monotonic()
+    _Hub(client)
+    try:
+        assert client.id in client.run_on_scheduler(_topic_subscribers, _wire.TOPIC)
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        client.unsubscribe_topic(_wire.TOPIC)
+
+
 def test_model_shows_both_workers_bytes_within_two_seconds(client, model):
     a, b = addresses(client)
     assert model.wait(lambda w: {a, b} <= set(w), timeout=5)

@@ -122,7 +122,24 @@ class _Hub:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.models: list[ClusterModel] = []
+        self._token = f"gpudash-hub-{uuid.uuid4().hex[:12]}"
+        self._subscribed = threading.Event()
         client.subscribe_topic(_wire.TOPIC, self._on_event)
+        self._wait_subscribed()
+
+    def _wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Return once the scheduler forwards the topic here. The subscription travels on
+        the client's batched stream, which a call on another connection (a model's first
+        lease, a ``client.run``) can overtake: what workers publish before it arrives is
+        never forwarded, and a recording would miss a worker's first messages. So a marker
+        goes out until it comes back."""
+        end = time.monotonic() + timeout
+        while not self._subscribed.is_set() and time.monotonic() < end:
+            try:
+                self.client.log_event(_wire.TOPIC, {"hub": self._token})
+            except Exception:  # noqa: BLE001 - the client is closing: nothing to wait for
+                return
+            self._subscribed.wait(0.05)
 
     @classmethod
     def attach(cls, client: Any, model: ClusterModel) -> _Hub:
@@ -152,6 +169,10 @@ class _Hub:
         try:
             _, msg = event
         except (TypeError, ValueError):
+            return
+        if isinstance(msg, dict) and "hub" in msg:
+            if msg["hub"] == self._token:
+                self._subscribed.set()
             return
         for model in list(self.models):
             model._receive(msg)
