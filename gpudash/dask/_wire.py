@@ -6,7 +6,8 @@ session, a *summary* (allocator statistics, cumulative allocation/free/OOM count
 setting changes since the previous message, the settings in force) and, while a client asks
 for them, a *chunk table* (the layout, for the per-worker views) and *events* (the allocator's
 journal records, for traces). Tables and events travel as zlib-compressed numpy columns;
-everything else is plain msgpack-able Python.
+everything else is plain msgpack-able Python. A client's first ``ClusterModel`` also publishes
+``{"hub": token}`` there until it receives it back: then the scheduler forwards it the topic.
 
 A watched device's layout reaches the client either as a table or as the events since the
 previous one (applied to a :class:`Layout` replica): the worker sends whichever it expects to
