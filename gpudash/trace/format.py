@@ -559,8 +559,10 @@ class Trace:
             key = np.where(op == 7, 0, (devs.astype(np.int64) << 40) | key)
         time_ns = col("time_ns")
         if keep is None:
+            # rows is this call's own array (flatnonzero): no copy
             return Calls(op, key, nbytes, time_ns.copy() if every else time_ns,
-                         devs.copy() if every else devs, rows.astype(np.int64), unmatched)
+                         devs.copy() if every else devs, rows.astype(np.int64, copy=False),
+                         unmatched)
         return Calls(op[keep], key[keep], nbytes[keep], time_ns[keep], devs[keep],
                      rows[keep].astype(np.int64), unmatched)
 
