@@ -121,6 +121,8 @@ def make_bfc_class(pure, module):
         __qualname__ = "BFCAllocator"
         compiled = True
         _expand_journal = staticmethod(expand_journal)
+        _count_events = staticmethod(count_journal_events)
+        _keep_journal = staticmethod(keep_journal)
 
     _BFCClass = BFCAllocator
     return BFCAllocator
@@ -146,5 +148,7 @@ def make_caching_class(pure, module):
         __qualname__ = "CachingAllocator"
         compiled = True
         _expand_journal = staticmethod(expand_journal)
+        _count_events = staticmethod(count_journal_events)
+        _keep_journal = staticmethod(keep_journal)
 
     return CachingAllocator

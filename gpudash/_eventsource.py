@@ -13,10 +13,14 @@ work), else a flat list of op records of 8 ints each::
 
 One record per operation keeps recording cheap; :meth:`EventSource._after_op` expands an
 op's records into :class:`~gpudash.events.Event` objects for per-event callbacks, and
-:meth:`EventSource._flush_locked` expands whole batches in numpy for sinks (the Recorder, the
-live views). Subclasses provide the lock (a plain ``threading.Lock``; call ``_init_events`` after
-making it), the allocation-id counter ``_next_aid``, and two lookups: ``_region_table()``
-(sorted region starts and ends now) and ``_region_at(ptr)`` (0 outside every region).
+:meth:`EventSource._flush_locked` hands whole batches to sinks: expanded in numpy (replay's
+collector), as the journal itself (the live views, which only count) or as a
+:class:`JournalBatch` that expands when read (the Recorder).
+
+Subclasses provide the lock (a plain ``threading.Lock``; call ``_init_events`` after making
+it), the allocation-id counter ``_next_aid``, and two lookups: ``_region_table()`` (sorted
+region starts and ends now, as new lists: a batch keeps them) and ``_region_at(ptr)`` (0
+outside every region).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import numpy as np
 from ._errors import GpudashWarning
 from .events import COLUMN_DTYPES, Event, EventKind
 
-__all__ = ["EventSource", "count_events", "expand_records", "W", "JOURNAL_FLUSH", "OUTBOX_MAX"]
+__all__ = ["EventSource", "JournalBatch", "count_events", "expand_records", "W", "JOURNAL_FLUSH",
+           "OUTBOX_MAX"]
 
 W = 8  # ints per journal record
 JOURNAL_FLUSH = 8192 * W  # journal ints buffered before batch sinks receive them
@@ -165,6 +170,39 @@ def expand_records(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: Any,
     }
 
 
+class JournalBatch:
+    """One flush of an allocator's journal, kept as it came (8 ints per operation), with
+    what expanding it into event columns needs: the seq of its first event, the allocation
+    id after it, the region table at the flush and the device. :meth:`columns` expands it
+    (:func:`expand_records`, or the compiled core's). Keeping batches so costs nothing per
+    event until someone reads them, and 64 bytes per operation (an expanded event takes 60).
+    """
+
+    __slots__ = ("records", "extra", "seq0", "events", "next_aid", "region_ptrs",
+                 "region_ends", "device", "_expand")
+
+    def __init__(self, records: Any, extra: dict, seq0: int, events: int, next_aid: int,
+                 region_ptrs: list, region_ends: list, device: int,
+                 expand: Callable[..., dict]) -> None:
+        self.records = records      # int64 buffer, 8 ints per operation
+        self.extra = extra          # {seq: (setting, old, new)}
+        self.seq0 = seq0
+        self.events = events        # events the records expand into
+        self.next_aid = next_aid
+        self.region_ptrs = region_ptrs
+        self.region_ends = region_ends
+        self.device = device
+        self._expand = expand
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The batch's events as columns keyed like :data:`gpudash.events.COLUMNS`."""
+        return self._expand(self.records, self.seq0, self.next_aid, self.region_ptrs,
+                            self.region_ends, self.device)
+
+    def __len__(self) -> int:
+        return self.events
+
+
 class _Outbox:
     """Events on their way to ``subscribe`` callbacks; guarded by the allocator's lock.
 
@@ -199,6 +237,7 @@ class EventSource:
         self._callbacks: list[Callable[[Event], Any]] = []
         self._sinks: list[Callable[[dict, dict], Any]] = []
         self._raw_sinks: list[Callable[[list, dict], Any]] = []
+        self._batch_sinks: list[Callable[[JournalBatch], Any]] = []
         self._outbox = _Outbox(self._lock)
         self.device_index = 0
 
@@ -209,6 +248,7 @@ class EventSource:
         self._callbacks = []
         self._sinks = []
         self._raw_sinks = []
+        self._batch_sinks = []
         self._outbox = _Outbox(self._lock)
         self._flush_at = JOURNAL_FLUSH
 
@@ -216,9 +256,19 @@ class EventSource:
     def _expand_journal(journal: Any, seq0: int, next_aid: int, region_ptrs: Any,
                         region_ends: Any, device: int) -> dict[str, np.ndarray]:
         """:func:`expand_records` of a journal (the compiled core brings its own)."""
-        return expand_records(np.frombuffer(_array("q", journal), dtype=np.int64)
-                              .reshape(-1, W), seq0, next_aid, region_ptrs, region_ends,
+        recs = journal if isinstance(journal, np.ndarray) else \
+            np.frombuffer(_array("q", journal), dtype=np.int64)
+        return expand_records(recs.reshape(-1, W), seq0, next_aid, region_ptrs, region_ends,
                               device)
+
+    #: :func:`count_events` (the compiled core brings its own).
+    _count_events = staticmethod(count_events)
+
+    @staticmethod
+    def _keep_journal(journal: Any) -> Any:
+        """A flushed journal as a :class:`JournalBatch` keeps it: an int64 array (the
+        compiled core keeps its own journal when it is mostly full)."""
+        return np.frombuffer(_array("q", journal), dtype=np.int64)
 
     # -- hooks ---------------------------------------------------------------------------
     def _region_table(self) -> tuple[list[int], list[int]]:  # pragma: no cover - abstract
@@ -265,7 +315,7 @@ class EventSource:
 
         return unsubscribe
 
-    def _add_sink(self, sink: Callable[[Any, dict], Any], *, raw: bool = False
+    def _add_sink(self, sink: Callable[..., Any], *, raw: bool = False, batch: bool = False
                   ) -> Callable[[], None]:
         """Deliver events in batches, every few thousand events and on :meth:`flush_events`.
 
@@ -273,19 +323,23 @@ class EventSource:
         (one row per event) and ``extra`` = {seq: (setting, old, new)}. With ``raw=True``,
         ``sink(records, extra)`` gets the journal itself instead: a flat list of ints, 8 per
         operation, read-only, with no conversion at all -- for listeners that only count
-        (the live views).
+        (the live views). With ``batch=True``, ``sink(batch)`` gets a :class:`JournalBatch`:
+        the records kept as they are, expanded only when read (the Recorder).
         """
+        if raw and batch:
+            raise ValueError("a sink is raw or takes batches, not both")
+        sinks = "_raw_sinks" if raw else "_batch_sinks" if batch else "_sinks"
         with self._lock:
             if self._journal:
                 self._flush_locked()  # earlier events go to earlier listeners only
-            (self._raw_sinks if raw else self._sinks).append(sink)
+            getattr(self, sinks).append(sink)
             self._update_journal()
 
         def remove() -> None:
             self.flush_events()
             with self._lock:
                 try:
-                    (self._raw_sinks if raw else self._sinks).remove(sink)
+                    getattr(self, sinks).remove(sink)
                 except ValueError:
                     return
                 self._update_journal()
@@ -295,7 +349,7 @@ class EventSource:
     def _update_journal(self) -> None:
         if self._journal:
             self._flush_locked()
-        listening = bool(self._callbacks or self._sinks or self._raw_sinks)
+        listening = bool(self._callbacks or self._sinks or self._raw_sinks or self._batch_sinks)
         if listening and self._journal is None:
             self._journal = []
             self._counted = (0, 0)
@@ -313,7 +367,7 @@ class EventSource:
             return self._journal_seq
         pos, n = self._counted
         if pos < len(journal):
-            n += count_events(journal, pos)
+            n += self._count_events(journal, pos)
             self._counted = (len(journal), n)
         return self._journal_seq + n
 
@@ -396,10 +450,10 @@ class EventSource:
             # seq of the op's first event: count the events of the records before it.
             pos, n = self._counted
             if pos < start:
-                n += count_events(journal, pos, start)
+                n += self._count_events(journal, pos, start)
             seq = self._journal_seq + n
             events = self._expand_python(journal[start:], seq)
-            self._counted = (len(journal), n + count_events(journal, start))
+            self._counted = (len(journal), n + self._count_events(journal, start))
             # queued under the lock, so the batches are in seq order
             batch = (events, list(self._callbacks))
             outbox = self._outbox
@@ -485,10 +539,23 @@ class EventSource:
             except Exception as exc:  # noqa: BLE001 - isolate subscribers
                 warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator goes on",
                               GpudashWarning, stacklevel=3)
-        if not self._sinks:
-            self._journal_seq = seq0 + counted + count_events(journal, pos)
+        if not (self._sinks or self._batch_sinks):
+            self._journal_seq = seq0 + counted + self._count_events(journal, pos)
             return
         ptrs, ends = self._region_table()
+        if self._batch_sinks:
+            n = counted + self._count_events(journal, pos)
+            batch = JournalBatch(self._keep_journal(journal), extra, seq0, n, self._next_aid,
+                                 ptrs, ends, self.device_index, self._expand_journal)
+            self._journal_seq = seq0 + n
+            for sink in list(self._batch_sinks):
+                try:
+                    sink(batch)
+                except Exception as exc:  # noqa: BLE001 - isolate subscribers
+                    warnings.warn(f"gpudash: event sink {sink!r} raised {exc!r}; the allocator "
+                                  f"goes on", GpudashWarning, stacklevel=3)
+            if not self._sinks:
+                return
         columns = self._expand_journal(journal, seq0, self._next_aid, ptrs, ends,
                                        self.device_index)
         self._journal_seq = seq0 + len(columns["seq"])

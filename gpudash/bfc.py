@@ -1435,7 +1435,7 @@ class BFCAllocator(EventSource):
     # ------------------------------------------------------------------ events
     # ------------------------------------------------------------------ event hooks
     def _region_table(self) -> tuple[list[int], list[int]]:
-        return self._region_ptrs, [r.end for r in self._regions]
+        return list(self._region_ptrs), [r.end for r in self._regions]
 
     def _region_at(self, ptr: int) -> int:
         region = self._region_for(ptr)

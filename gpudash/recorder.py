@@ -1,10 +1,14 @@
-"""The Recorder: keeps an allocator's events in a bounded columnar buffer.
+"""The Recorder: keeps an allocator's events, bounded, and reads them as numpy columns.
 
-The allocator buffers events as plain tuples while anyone listens and hands them over in
-numpy batches (every few thousand events, and whenever a reader calls :meth:`Recorder.flush`),
-so recording costs one tuple per event on the allocation path. The Recorder copies each
-batch into fixed-size ring arrays, one per column of :data:`gpudash.events.COLUMNS`; once
-``capacity`` events are held the oldest are dropped and counted in :attr:`Recorder.dropped`.
+While anyone listens the allocator writes one record of 8 ints per operation into its
+journal, and hands the journal over in batches (every 8,192 operations, and whenever a reader
+calls :meth:`Recorder.flush`). The Recorder keeps each batch as it came, a
+:class:`~gpudash._eventsource.JournalBatch`: recording costs the record and its timestamp per
+operation, nothing more. A batch is expanded into event columns (one per column of
+:data:`gpudash.events.COLUMNS`) when someone first reads it, and kept expanded. Once
+``capacity`` events are held the oldest batches are dropped (whole; a read trims the oldest
+kept one to exactly ``capacity`` events), and the events dropped are counted in
+:attr:`Recorder.dropped`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import math
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -79,7 +84,10 @@ class Recorder:
                               f"{capacity!r}")
         capacity = int(capacity)
         self._capacity = capacity
-        self._cols = {name: np.zeros(capacity, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
+        # [events, JournalBatch or its expanded columns], oldest first; together they hold
+        # _held events, of which the last `capacity` are kept
+        self._batches: deque[list] = deque()
+        self._held = 0
         self._total = 0  # events ever received
         self._settings: dict[tuple[int, int], tuple] = {}  # (device, seq) -> (setting, old, new)
         self._lock = threading.Lock()
@@ -184,7 +192,7 @@ class Recorder:
         for alloc in _allocators_of(source):
             if any(a is alloc for a, _ in self._attached):
                 continue
-            remove = alloc._add_sink(self._receive)
+            remove = alloc._add_sink(self._receive, batch=True)
             self._attached.append((alloc, remove))
             if not any(i == id(alloc) for i, _ in self._seen):
                 self._seen.append((id(alloc), self._device_meta(alloc)))
@@ -226,36 +234,29 @@ class Recorder:
         for alloc, _ in list(self._attached):
             alloc.flush_events()
 
-    def _receive(self, columns: dict, extra: dict) -> None:
-        n = len(columns["seq"])
+    def _receive(self, batch: Any) -> None:
+        """A batch sink: keep the batch as it came (expanded now only to stream it)."""
+        n = batch.events
         if n == 0:
             return
-        cap = self._capacity
-        full = columns
+        extra = batch.extra
         with self._lock:
-            if n >= cap:
-                columns = {k: v[-cap:] for k, v in columns.items()}
-                skipped = n - cap
-                n = cap
-            else:
-                skipped = 0
-            start = (self._total + skipped) % cap
-            first = min(n, cap - start)
-            for name in COLUMNS:
-                src = columns[name]
-                dst = self._cols[name]
-                dst[start:start + first] = src[:first]
-                if first < n:
-                    dst[:n - first] = src[first:]
-            self._total += n + skipped
-            dev = int(columns["device"][0])
+            item = [n, batch]
             if self._writer is not None:
-                self._writer.append(full, settings=[
-                    {"device": dev, "seq": seq, "setting": v[0], "old": v[1], "new": v[2]}
-                    for seq, v in extra.items()])
+                item[1] = columns = batch.columns()
+                self._writer.append(columns, settings=[
+                    {"device": batch.device, "seq": seq, "setting": v[0], "old": v[1],
+                     "new": v[2]} for seq, v in extra.items()])
+            self._batches.append(item)
+            self._held += n
+            self._total += n
+            cap = self._capacity
+            batches = self._batches
+            while self._held - batches[0][0] >= cap:
+                self._held -= batches.popleft()[0]
             if extra:
                 for seq, value in extra.items():
-                    self._settings[(dev, seq)] = value
+                    self._settings[(batch.device, seq)] = value
                 if len(self._settings) > cap:
                     for key in sorted(self._settings)[: len(self._settings) - cap]:
                         del self._settings[key]
@@ -278,20 +279,26 @@ class Recorder:
 
     def __len__(self) -> int:
         self.flush()
-        return min(self._total, self._capacity)
+        return min(self._held, self._capacity)
 
     def columns(self) -> dict[str, np.ndarray]:
         """Copies of the kept events' columns, oldest first (ordered by time across
         several allocators)."""
         self.flush()
         with self._lock:
-            n = min(self._total, self._capacity)
-            start = self._total % self._capacity if self._total > self._capacity else 0
-            out = {}
-            for name in COLUMNS:
-                col = self._cols[name]
-                out[name] = np.concatenate([col[start:n], col[:start]]) if start else col[:n].copy()
-        if len(self._attached) > 1 and n:
+            n = min(self._held, self._capacity)
+            skip = self._held - n   # the oldest batch's events beyond capacity
+            parts: dict[str, list] = {name: [] for name in COLUMNS}
+            for item in self._batches:
+                cols = item[1]
+                if not isinstance(cols, dict):
+                    item[1] = cols = cols.columns()   # expanded once, kept so
+                for name in COLUMNS:
+                    parts[name].append(cols[name][skip:])
+                skip = 0
+            out = {name: np.concatenate(parts[name]) if parts[name]
+                   else np.zeros(0, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
+        if len(self._seen) > 1 and n:
             order = np.lexsort((out["seq"], out["device"], out["time_ns"]))
             out = {k: v[order] for k, v in out.items()}
         return out
@@ -343,9 +350,11 @@ class Recorder:
         """Forget every kept event."""
         self.flush()
         with self._lock:
+            self._batches.clear()
+            self._held = 0
             self._total = 0
             self._settings.clear()
 
     def __repr__(self) -> str:
-        return (f"Recorder(events={min(self._total, self._capacity)}, capacity={self._capacity}, "
+        return (f"Recorder(events={min(self._held, self._capacity)}, capacity={self._capacity}, "
                 f"dropped={self.dropped}, allocators={len(self._attached)})")

@@ -228,6 +228,47 @@ def test_the_journal_reads_as_a_list():
         j[8]
 
 
+@pytest.mark.parametrize("model", ["bfc", "torch"])
+def test_the_journal_counts_its_events_as_the_python_count_does(model):
+    """The compiled journal counts the events its records expand into as they are written
+    (push from C, extend from Python, records completed across two extends); every count
+    a flush or a seq asks for equals ``count_events`` over the same ints."""
+    import random
+
+    from gpudash._core import Journal, count_journal_events
+    from gpudash._eventsource import count_events
+
+    dev = gpudash.SimulatedDevice("8GiB")
+    a = gpudash.BFCAllocator(dev, 1 << 32, garbage_collection=True) if model == "bfc" \
+        else gpudash.CachingAllocator(dev)
+    a._add_sink(lambda records, extra: None, raw=True)
+    rng = random.Random(3)
+    live = []
+    for i in range(3000):
+        if live and rng.random() < 0.5:
+            a.deallocate(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.allocate(rng.randrange(1, 1 << 22)))
+        if i % 700 == 0:
+            a.note_setting("fraction", 0.5, 0.6)   # a record extended from Python
+    j = a._journal
+    ints = j.tolist()
+    assert count_journal_events(j) == count_events(ints, 0) > len(ints) // 8
+    for start in range(0, len(ints), 8 * 97):
+        for end in (None, min(start + 8 * 13, len(ints)), min(start + 8 * 13 + 3, len(ints))):
+            assert count_journal_events(j, start, end) == count_events(ints, start, end)
+    # records written by Python, one split over two extends
+    alloc_split = [5, 1, 4096, 256, 100, 512, 0, 0]
+    free_merged = [6, 2, 4096, 256, 100, 7, 512, 256]
+    k = Journal()
+    k.extend(alloc_split[:3])
+    assert count_journal_events(k) == 0
+    k.extend(alloc_split[3:] + free_merged)
+    assert count_journal_events(k) == count_events(alloc_split + free_merged, 0) == 5
+    with pytest.raises(ValueError):
+        count_journal_events(k, 3)
+
+
 def test_copies_of_the_compiled_allocator_are_independent():
     from gpudash.trace.replay import _clone_allocator
 

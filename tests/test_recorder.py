@@ -95,7 +95,63 @@ def test_records_every_device_of_a_session_in_time_order():
         trace = rec.to_trace()
         assert [d["name"] for d in trace.meta["devices"]] == ["GPU_0_bfc", "GPU_1_bfc"]
         rec.detach()
-        assert all(not alloc._sinks for alloc in sess.allocators)
+        assert all(not alloc._sinks and not alloc._batch_sinks for alloc in sess.allocators)
+
+
+def test_a_detached_recording_of_two_allocators_stays_in_time_order():
+    """Each allocator's events reach the Recorder in its own batches (at detach, one
+    allocator after the other); the columns are in time order all the same."""
+    a = BFCAllocator(SimulatedDevice(1 << 30, index=0), 1 << 30)
+    b = BFCAllocator(SimulatedDevice(1 << 30, index=1), 1 << 30)
+    b.device_index = 1
+    rec = Recorder([a, b])
+    for _ in range(20):
+        for x in (a, b):
+            x.deallocate(x.allocate(MiB))
+    rec.detach()
+    cols = rec.columns()
+    assert np.all(np.diff(cols["time_ns"]) >= 0)
+    assert sorted(set(cols["device"].tolist())) == [0, 1]
+
+
+def test_the_newest_events_are_kept_across_reads_and_batches():
+    """A bounded recorder read now and then (the batches it has read are kept expanded,
+    the rest as the allocator wrote them) keeps exactly the newest ``capacity`` events:
+    the tail of an unbounded recording of the same operations."""
+    a = BFCAllocator(SimulatedDevice(1 << 32), 1 << 31)
+    full = Recorder(a, capacity=1 << 20)
+    rec = Recorder(a, capacity=10_000)
+    for i in range(6):
+        _churn(a, 7000, seed=i, max_size=1 << 20)
+        cols = rec.columns()
+        assert len(cols["seq"]) == len(rec) == min(rec.total, 10_000)
+    whole = full.columns()
+    assert rec.total == len(whole["seq"]) > 30_000
+    assert rec.dropped == rec.total - 10_000
+    for name in COLUMNS:
+        np.testing.assert_array_equal(cols[name], whole[name][-10_000:], err_msg=name)
+    rec.clear()
+    assert len(rec) == 0 and rec.columns()["seq"].size == 0
+
+
+def test_a_recorder_flushed_after_every_operation_holds_only_its_events():
+    """A flush of one operation is kept as its own few ints, not in the buffer the
+    allocator had made ready for a whole batch (half a megabyte)."""
+    import tracemalloc
+
+    a = BFCAllocator(SimulatedDevice(1 << 30), 1 << 30)
+    rec = Recorder(a)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(300):
+            a.deallocate(a.allocate(1000))
+            rec.flush()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert rec.total >= 600
+    assert held < 8 << 20, held   # 300 batch buffers would be 150 MB
 
 
 def test_detach_stops_recording_and_the_journal():

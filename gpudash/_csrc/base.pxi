@@ -139,16 +139,21 @@ cdef char* _FMT_Q = "q"
 cdef class Journal:
     """The event journal: a flat int64 array, 8 ints per operation, that reads as the list
     the pure-Python models keep (``len``, indexing, slices as lists, ``extend``, ``count``,
-    iteration) and exposes its ints through the buffer protocol (``np.frombuffer``)."""
+    iteration) and exposes its ints through the buffer protocol (``np.frombuffer``).
+
+    It also counts the events its records expand into beyond one each (an alloc's split, a
+    free's merges), so that a batch's events are known without reading it again."""
 
     cdef int64_t* d
     cdef Py_ssize_t n
     cdef Py_ssize_t cap
+    cdef Py_ssize_t more   # events beyond one per whole record
     cdef int exports
 
-    def __cinit__(self, values=None):
-        self.cap = 8192
+    def __cinit__(self, values=None, Py_ssize_t cap=8192):
+        self.cap = cap if cap > 8 else 8
         self.n = 0
+        self.more = 0
         self.exports = 0
         self.d = <int64_t*>PyMem_Malloc(self.cap * sizeof(int64_t))
         if self.d == NULL:
@@ -188,10 +193,35 @@ cdef class Journal:
         p[6] = b
         p[7] = c
         self.n += 8
+        # code is a constant at every call site: this folds to one or two additions
+        if code == K_ALLOC:
+            self.more += a != 0
+        elif code == K_FREE:
+            self.more += (b > 0) + (c > 0)
         return 0
+
+    cdef Py_ssize_t more_in(self, Py_ssize_t i, Py_ssize_t stop) noexcept:
+        """Events beyond one per record in the whole records from index i (a record's
+        start) up to stop."""
+        cdef Py_ssize_t m = 0
+        cdef int64_t code
+        cdef const int64_t* d = self.d
+        while i + 8 <= stop:
+            code = d[i + 1]
+            if code == K_ALLOC:
+                m += d[i + 5] != 0
+            elif code == K_FREE:
+                m += (d[i + 6] > 0) + (d[i + 7] > 0)
+            i += 8
+        return m
+
+    cdef Py_ssize_t events(self) noexcept:
+        """The events the whole records expand into."""
+        return (self.n >> 3) + self.more
 
     def extend(self, values):
         cdef Py_ssize_t k = self.n
+        cdef Py_ssize_t first = k & ~(<Py_ssize_t>7)   # a record extend may complete
         for v in values:
             if k + 1 > self.cap:
                 self.n = k
@@ -199,6 +229,7 @@ cdef class Journal:
             self.d[k] = v
             k += 1
         self.n = k
+        self.more += self.more_in(first, k)
 
     def append(self, value):
         self.extend((value,))
@@ -267,13 +298,11 @@ cdef class Journal:
 cdef inline Journal as_journal(value):
     """What ``self._journal = value`` stores: None, or a Journal (a list's ints copied; an
     empty one made large enough for a whole batch, so that it never grows)."""
-    cdef Journal j
     if value is None or isinstance(value, Journal):
         return value
-    j = Journal(value)
-    if j.n == 0:
-        j.grow(JOURNAL_FLUSH + 64)
-    return j
+    if not value:
+        return Journal(None, JOURNAL_FLUSH + 64)
+    return Journal(value)
 
 
 # ------------------------------------------------------------------------------ sorted keys
@@ -747,6 +776,36 @@ cdef int64_t region_of(const int64_t* rp, const int64_t* re, Py_ssize_t nr,
     if lo >= 0 and ptr < re[lo]:
         return rp[lo]
     return 0
+
+
+def count_journal_events(journal, Py_ssize_t start=0, end=None):
+    """``_eventsource.count_events`` over a Journal, in C (anything else goes to it)."""
+    cdef Journal j
+    cdef Py_ssize_t stop
+    if not isinstance(journal, Journal):
+        return _eventsource.count_events(journal, start, end)
+    j = journal
+    if start < 0 or start & 7:
+        raise ValueError(f"start must be a record's first index; got {start}")
+    if start == 0 and end is None:
+        return j.events()
+    stop = j.n if end is None else min(<Py_ssize_t>end, j.n)
+    if stop > start:   # the whole records that start before stop
+        stop = min(start + ((stop - start + 7) & ~(<Py_ssize_t>7)), j.n & ~(<Py_ssize_t>7))
+    return ((stop - start) >> 3) + j.more_in(start, stop) if stop > start else 0
+
+
+def keep_journal(journal):
+    """A flushed journal as a ``JournalBatch`` keeps it: the Journal itself when at least
+    half of its buffer is used (a full batch), else a compact int64 copy (a flush of a few
+    operations must not hold a whole batch's buffer)."""
+    cdef Journal j
+    if not isinstance(journal, Journal):
+        return np.asarray(journal, dtype=np.int64)
+    j = journal
+    if 2 * j.n >= j.cap:
+        return j
+    return np.frombuffer(j, dtype=np.int64).copy()
 
 
 def expand_journal(journal, int64_t seq0, int64_t next_aid, region_ptrs, region_ends,

@@ -722,7 +722,7 @@ class _Engine:
         "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
         "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
-        "_callbacks", "_sinks", "_raw_sinks", "_outbox", "device_index",
+        "_callbacks", "_sinks", "_raw_sinks", "_batch_sinks", "_outbox", "device_index",
     })
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
@@ -1020,7 +1020,7 @@ def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
         raise NotImplementedError(f"cannot clone a BFCAllocator with fields {sorted(unknown)}")
     if getattr(a, "compiled", False):
         return a._copy_core(sub)  # the compiled core copies its C state itself
-    if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks:
+    if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks or a._batch_sinks:
         raise NotImplementedError("cannot clone an allocator that has listeners")
     new = object.__new__(type(a))
     d = new.__dict__
