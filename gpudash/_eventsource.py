@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from array import array as _array
 from collections import deque
 from threading import get_ident as _get_ident
 from typing import Any, Callable
@@ -257,7 +256,7 @@ class EventSource:
                         region_ends: Any, device: int) -> dict[str, np.ndarray]:
         """:func:`expand_records` of a journal (the compiled core brings its own)."""
         recs = journal if isinstance(journal, np.ndarray) else \
-            np.frombuffer(_array("q", journal), dtype=np.int64)
+            np.fromiter(journal, np.int64, len(journal))
         return expand_records(recs.reshape(-1, W), seq0, next_aid, region_ptrs, region_ends,
                               device)
 
@@ -265,10 +264,17 @@ class EventSource:
     _count_events = staticmethod(count_events)
 
     @staticmethod
-    def _keep_journal(journal: Any) -> Any:
-        """A flushed journal as a :class:`JournalBatch` keeps it: an int64 array (the
-        compiled core keeps its own journal when it is mostly full)."""
-        return np.frombuffer(_array("q", journal), dtype=np.int64)
+    def _keep_journal(journal: Any, pos: int) -> tuple[Any, int]:
+        """A flushed journal as a :class:`JournalBatch` keeps it, an int64 array, and the
+        events of its records from ``pos`` on (the compiled core keeps its own journal when
+        it is mostly full, and knows its events)."""
+        records = np.fromiter(journal, np.int64, len(journal))
+        r = records[pos:].reshape(-1, W)
+        code = r[:, 1]
+        is_free = code == _FREE
+        more = np.count_nonzero((code == _ALLOC) & (r[:, 5] != 0)) + \
+            np.count_nonzero(is_free & (r[:, 6] > 0)) + np.count_nonzero(is_free & (r[:, 7] > 0))
+        return records, len(code) + int(more)
 
     # -- hooks ---------------------------------------------------------------------------
     def _region_table(self) -> tuple[list[int], list[int]]:  # pragma: no cover - abstract
@@ -544,9 +550,10 @@ class EventSource:
             return
         ptrs, ends = self._region_table()
         if self._batch_sinks:
-            n = counted + self._count_events(journal, pos)
-            batch = JournalBatch(self._keep_journal(journal), extra, seq0, n, self._next_aid,
-                                 ptrs, ends, self.device_index, self._expand_journal)
+            records, n = self._keep_journal(journal, pos)
+            n += counted
+            batch = JournalBatch(records, extra, seq0, n, self._next_aid, ptrs, ends,
+                                 self.device_index, self._expand_journal)
             self._journal_seq = seq0 + n
             for sink in list(self._batch_sinks):
                 try:

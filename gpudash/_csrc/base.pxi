@@ -795,17 +795,19 @@ def count_journal_events(journal, Py_ssize_t start=0, end=None):
     return ((stop - start) >> 3) + j.more_in(start, stop) if stop > start else 0
 
 
-def keep_journal(journal):
-    """A flushed journal as a ``JournalBatch`` keeps it: the Journal itself when at least
-    half of its buffer is used (a full batch), else a compact int64 copy (a flush of a few
-    operations must not hold a whole batch's buffer)."""
+def keep_journal(journal, Py_ssize_t pos):
+    """A flushed journal as a ``JournalBatch`` keeps it, and the events of its records from
+    ``pos`` on: the Journal itself when at least half of its buffer is used (a full batch),
+    else a compact int64 copy (a flush of a few operations must not hold a whole batch's
+    buffer)."""
     cdef Journal j
     if not isinstance(journal, Journal):
-        return np.asarray(journal, dtype=np.int64)
+        return _eventsource.EventSource._keep_journal(journal, pos)
     j = journal
+    n = count_journal_events(j, pos)
     if 2 * j.n >= j.cap:
-        return j
-    return np.frombuffer(j, dtype=np.int64).copy()
+        return j, n
+    return np.frombuffer(j, dtype=np.int64).copy(), n
 
 
 def expand_journal(journal, int64_t seq0, int64_t next_aid, region_ptrs, region_ends,
