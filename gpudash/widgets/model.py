@@ -695,23 +695,30 @@ class LiveModel(traitlets.HasTraits):
         """Raw batch sink (allocating thread, allocator lock held): count, mark dirty.
 
         ``records`` is the allocator's journal, 8 ints per operation (time_ns, code, ptr,
-        size, requested, ...); only list operations run here, no numpy conversion, so a
+        size, requested, ...): a list (the pure-Python models: only list operations run
+        here) or the compiled core's journal, read in place through numpy; either way a
         dashboard costs the allocator little.
         """
         n = len(records) // 8
         if not n:
             return
-        codes = records[1::8]
-        allocs = codes.count(_ALLOC)
-        frees = codes.count(_FREE)
-        n_ooms = codes.count(_OOM)
+        if isinstance(records, list):
+            codes = records[1::8]
+            allocs, frees, n_ooms = (codes.count(k) for k in (_ALLOC, _FREE, _OOM))
+        else:
+            records = np.frombuffer(records, dtype=np.int64)
+            codes = records[1::8]
+            allocs, frees, n_ooms = (int(np.count_nonzero(codes == k))
+                                     for k in (_ALLOC, _FREE, _OOM))
         ooms = []
         if n_ooms:
-            at = [i for i, c in enumerate(codes) if c == _OOM][-MAX_MARKS:]
-            ooms = [(records[8 * i], records[8 * i + 3], records[8 * i + 4]) for i in at]
+            at = np.flatnonzero(np.asarray(codes) == _OOM)[-MAX_MARKS:].tolist()
+            ooms = [(int(records[8 * i]), int(records[8 * i + 3]), int(records[8 * i + 4]))
+                    for i in at]
         settings = []
         if extra:
-            limit_times = [records[8 * i] for i, c in enumerate(codes) if c == _LIMIT]
+            limit_times = [int(records[8 * i])
+                           for i in np.flatnonzero(np.asarray(codes) == _LIMIT).tolist()]
             for k, (seq, (setting, old, new)) in enumerate(sorted(extra.items())):
                 t = limit_times[k] if k < len(limit_times) else time.time_ns()
                 settings.append(SettingMark(t / 1e6, int(seq), str(setting), old, new))
