@@ -254,6 +254,7 @@ def test_the_journal_counts_its_events_as_the_python_count_does(model):
     j = a._journal
     ints = j.tolist()
     assert count_journal_events(j) == count_events(ints, 0) > len(ints) // 8
+    assert j.code_counts() == [ints[1::8].count(k) for k in range(9)]
     for start in range(0, len(ints), 8 * 97):
         for end in (None, min(start + 8 * 13, len(ints)), min(start + 8 * 13 + 3, len(ints))):
             assert count_journal_events(j, start, end) == count_events(ints, start, end)

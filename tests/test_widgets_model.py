@@ -411,6 +411,30 @@ def test_coalesces_100k_allocations_into_a_few_refreshes(sess):
         assert not model.errors
 
 
+def test_refreshes_go_on_while_the_main_thread_allocates_flat_out(sess):
+    """The refresher takes the allocator's lock to take in events; a thread that allocates
+    without pause must not keep it out. (A batch sink that released the GIL while the lock
+    was held woke the waiting refresher just then, every time: no refresh for as long as
+    the loop ran.)"""
+    alloc = sess.devices[0].allocator
+    fill(sess, 2000)
+    allocate, deallocate = alloc.allocate, alloc.deallocate
+    slots = [0] * 300
+    rng = random.Random(9)
+    steps = [(rng.randrange(300), rng.randrange(1, 1 << 22)) for _ in range(10_000)]
+    with LiveModel(sess, rate_hz=20.0) as model:
+        model.refresh_now()
+        before = model.refreshes
+        deadline = time.monotonic() + 10
+        while model.refreshes < before + 3 and time.monotonic() < deadline:
+            for slot, nbytes in steps:   # the loop never waits or sleeps
+                deallocate(slots[slot])
+                slots[slot] = allocate(nbytes)
+        assert model.refreshes >= before + 3
+    for p in slots:
+        deallocate(p)
+
+
 def test_pause_stops_updates_and_resume_restarts(sess):
     alloc = sess.devices[0].allocator
     with LiveModel(sess, rate_hz=20.0) as model:

@@ -257,6 +257,18 @@ cdef class Journal:
         for i in range(self.n):
             yield self.d[i]
 
+    def code_counts(self):
+        """How many records of each code (a list indexed by code, 0..8), in one pass."""
+        cdef int64_t c[9]
+        cdef Py_ssize_t i
+        cdef int64_t code
+        memset(c, 0, sizeof(c))
+        for i in range(1, self.n, 8):
+            code = self.d[i]
+            if 0 <= code <= 8:
+                c[code] += 1
+        return [c[i] for i in range(9)]
+
     def count(self, value):
         cdef Py_ssize_t i, c = 0
         for i in range(self.n):

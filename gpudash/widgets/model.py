@@ -695,9 +695,9 @@ class LiveModel(traitlets.HasTraits):
         """Raw batch sink (allocating thread, allocator lock held): count, mark dirty.
 
         ``records`` is the allocator's journal, 8 ints per operation (time_ns, code, ptr,
-        size, requested, ...): a list (the pure-Python models: only list operations run
-        here) or the compiled core's journal, read in place through numpy; either way a
-        dashboard costs the allocator little.
+        size, requested, ...): a list (the pure-Python models) or the compiled core's
+        journal, which counts its codes in C. Nothing here releases the GIL (no numpy): a
+        thread that waits for the allocator's lock must not be woken while it is held.
         """
         n = len(records) // 8
         if not n:
@@ -706,19 +706,16 @@ class LiveModel(traitlets.HasTraits):
             codes = records[1::8]
             allocs, frees, n_ooms = (codes.count(k) for k in (_ALLOC, _FREE, _OOM))
         else:
-            records = np.frombuffer(records, dtype=np.int64)
-            codes = records[1::8]
-            allocs, frees, n_ooms = (int(np.count_nonzero(codes == k))
-                                     for k in (_ALLOC, _FREE, _OOM))
+            counts = records.code_counts()
+            allocs, frees, n_ooms = counts[_ALLOC], counts[_FREE], counts[_OOM]
+            codes = records[1::8] if n_ooms or extra else []
         ooms = []
         if n_ooms:
-            at = np.flatnonzero(np.asarray(codes) == _OOM)[-MAX_MARKS:].tolist()
-            ooms = [(int(records[8 * i]), int(records[8 * i + 3]), int(records[8 * i + 4]))
-                    for i in at]
+            at = [i for i, c in enumerate(codes) if c == _OOM][-MAX_MARKS:]
+            ooms = [(records[8 * i], records[8 * i + 3], records[8 * i + 4]) for i in at]
         settings = []
         if extra:
-            limit_times = [int(records[8 * i])
-                           for i in np.flatnonzero(np.asarray(codes) == _LIMIT).tolist()]
+            limit_times = [records[8 * i] for i, c in enumerate(codes) if c == _LIMIT]
             for k, (seq, (setting, old, new)) in enumerate(sorted(extra.items())):
                 t = limit_times[k] if k < len(limit_times) else time.time_ns()
                 settings.append(SettingMark(t / 1e6, int(seq), str(setting), old, new))
