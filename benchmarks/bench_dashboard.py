@@ -200,7 +200,8 @@ def bench_throughput(pairs: int, repeat: int, background_chunks: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=10_000, help="live chunks for (a), (b)")
-    parser.add_argument("--pairs", type=int, default=200_000, help="pairs for (c)")
+    parser.add_argument("--pairs", type=int, default=2_000_000,
+                        help="pairs for (c): enough for a few refreshes at 4 Hz")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--background-chunks", type=int, default=2_000,
                         help="live chunks in the pool during (c)")
