@@ -37,8 +37,8 @@ import numpy as np
 from ._errors import GpudashWarning
 from .events import COLUMN_DTYPES, Event, EventKind
 
-__all__ = ["EventSource", "JournalBatch", "count_events", "expand_records", "W", "JOURNAL_FLUSH",
-           "OUTBOX_MAX"]
+__all__ = ["EventSource", "JournalBatch", "code_counts", "count_events", "expand_records", "W",
+           "JOURNAL_FLUSH", "OUTBOX_MAX"]
 
 W = 8  # ints per journal record
 JOURNAL_FLUSH = 8192 * W  # journal ints buffered before batch sinks receive them
@@ -79,6 +79,24 @@ def count_events(journal: list[int], start: int, end: int | None = None) -> int:
     return n
 
 
+def code_counts(journal: Any) -> list[int]:
+    """How many records of each code a journal holds (a list indexed by code, 0..8):
+    counted in C for the compiled core's journal, by list operations for a list. Neither
+    releases the GIL, so a batch sink may call it with the allocator's lock held."""
+    if isinstance(journal, list):
+        codes = journal[1::W]
+        return [codes.count(k) for k in range(9)]
+    return journal.code_counts()
+
+
+def _events_per_record(code: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which records carry a split (an alloc with ``a``) and merges (a free with ``b``,
+    ``c``), as :func:`count_events` counts them."""
+    is_free = code == _FREE
+    return (code == _ALLOC) & (a != 0), is_free & (b > 0), is_free & (c > 0)
+
+
 def _bins_of(sizes: np.ndarray) -> np.ndarray:
     """BinNumForSize over an array (exact for sizes below 2**53)."""
     v = np.maximum(sizes, 256) >> 8
@@ -98,9 +116,7 @@ def expand_records(rec: np.ndarray, seq0: int, next_aid: int, region_ptrs: Any,
     n_rec = len(code)
     is_alloc = code == _ALLOC
     is_free = code == _FREE
-    split = is_alloc & (a > 0)
-    m_next = is_free & (b > 0)
-    m_prev = is_free & (c > 0)
+    split, m_next, m_prev = _events_per_record(code, a, b, c)
     counts = 1 + split + m_next + m_prev
     total = int(counts.sum())
     rid = np.repeat(np.arange(n_rec), counts)
@@ -198,9 +214,6 @@ class JournalBatch:
         return self._expand(self.records, self.seq0, self.next_aid, self.region_ptrs,
                             self.region_ends, self.device)
 
-    def __len__(self) -> int:
-        return self.events
-
 
 class _Outbox:
     """Events on their way to ``subscribe`` callbacks; guarded by the allocator's lock.
@@ -270,11 +283,9 @@ class EventSource:
         it is mostly full, and knows its events)."""
         records = np.fromiter(journal, np.int64, len(journal))
         r = records[pos:].reshape(-1, W)
-        code = r[:, 1]
-        is_free = code == _FREE
-        more = np.count_nonzero((code == _ALLOC) & (r[:, 5] != 0)) + \
-            np.count_nonzero(is_free & (r[:, 6] > 0)) + np.count_nonzero(is_free & (r[:, 7] > 0))
-        return records, len(code) + int(more)
+        more = sum(int(np.count_nonzero(m))
+                   for m in _events_per_record(r[:, 1], r[:, 5], r[:, 6], r[:, 7]))
+        return records, len(r) + more
 
     # -- hooks ---------------------------------------------------------------------------
     def _region_table(self) -> tuple[list[int], list[int]]:  # pragma: no cover - abstract

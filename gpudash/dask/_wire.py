@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import TraceFormatError
+from .._eventsource import code_counts
 
 __all__ = ["TOPIC", "WIRE_VERSION", "encode_table", "decode_table", "encode_records",
            "decode_records", "table_stats", "Layout"]
@@ -159,8 +160,9 @@ def decode_records(n: int, data: bytes) -> np.ndarray:
 
 
 def count_allocs(records: Any) -> int:
-    """Allocations among journal records (a flat list, 8 ints per operation)."""
-    return records[1::_W].count(_ALLOC)
+    """Allocations among journal records (a flat list or the compiled core's journal, 8
+    ints per operation)."""
+    return code_counts(records)[_ALLOC]
 
 
 class Layout:

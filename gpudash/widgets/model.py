@@ -44,6 +44,7 @@ import numpy as np
 import traitlets
 
 from .._errors import ConfigError
+from .._eventsource import code_counts
 from ..bfc import AllocatorStats
 from ..events import EventKind
 from ..models import BFC, AllocatorModel, model_of
@@ -695,20 +696,16 @@ class LiveModel(traitlets.HasTraits):
         """Raw batch sink (allocating thread, allocator lock held): count, mark dirty.
 
         ``records`` is the allocator's journal, 8 ints per operation (time_ns, code, ptr,
-        size, requested, ...): a list (the pure-Python models) or the compiled core's
-        journal, which counts its codes in C. Nothing here releases the GIL (no numpy): a
-        thread that waits for the allocator's lock must not be woken while it is held.
+        size, requested, ...), counted by ``code_counts``. Nothing here releases the GIL (no
+        numpy): a thread that waits for the allocator's lock must not be woken while it is
+        held.
         """
         n = len(records) // 8
         if not n:
             return
-        if isinstance(records, list):
-            codes = records[1::8]
-            allocs, frees, n_ooms = (codes.count(k) for k in (_ALLOC, _FREE, _OOM))
-        else:
-            counts = records.code_counts()
-            allocs, frees, n_ooms = counts[_ALLOC], counts[_FREE], counts[_OOM]
-            codes = records[1::8] if n_ooms or extra else []
+        counts = code_counts(records)
+        allocs, frees, n_ooms = counts[_ALLOC], counts[_FREE], counts[_OOM]
+        codes = records[1::8] if n_ooms or extra else []
         ooms = []
         if n_ooms:
             at = [i for i, c in enumerate(codes) if c == _OOM][-MAX_MARKS:]
