@@ -341,12 +341,28 @@ cdef struct SSet:
     Py_ssize_t size
 
 
+cdef extern from *:
+    """
+    /* (xa, xb, xc) < (ya, yb, yc) without branches: a search's steps go either way at
+       random, and a mispredicted branch costs more than a few instructions. (b, c) is
+       compared as one 128-bit number where the compiler has them. */
+    static inline int gd_key_lt(uint64_t xa, uint64_t xb, uint64_t xc,
+                                uint64_t ya, uint64_t yb, uint64_t yc) {
+    #if defined(__SIZEOF_INT128__)
+        unsigned __int128 x = ((unsigned __int128)xb << 64) | xc;
+        unsigned __int128 y = ((unsigned __int128)yb << 64) | yc;
+        return (xa < ya) | ((xa == ya) & (x < y));
+    #else
+        return (xa < ya) | ((xa == ya) & ((xb < yb) | ((xb == yb) & (xc < yc))));
+    #endif
+    }
+    """
+    bint gd_key_lt(uint64_t xa, uint64_t xb, uint64_t xc,
+                   uint64_t ya, uint64_t yb, uint64_t yc) nogil
+
+
 cdef inline bint klt(const Key* x, const Key* y) noexcept nogil:
-    if x.a != y.a:
-        return x.a < y.a
-    if x.b != y.b:
-        return x.b < y.b
-    return x.c < y.c
+    return gd_key_lt(x.a, x.b, x.c, y.a, y.b, y.c)
 
 
 cdef inline bint keq(const Key* x, const Key* y) noexcept nogil:
@@ -394,22 +410,27 @@ cdef inline int ss_block_for(const SSet* s, const Key* k) noexcept nogil:
 
 
 cdef inline int lb_in(const Key* arr, int n, const Key* k) noexcept nogil:
-    cdef int lo = 0, hi = n, mid
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if klt(&arr[mid], k):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    """The first index of arr[:n] whose key is >= k (n when none): a binary search whose
+    steps are conditional moves, not branches."""
+    cdef const Key* base = arr
+    cdef int half
+    if n == 0:
+        return 0
+    while n > 1:
+        half = n >> 1
+        base = base + half if klt(&base[half - 1], k) else base
+        n -= half
+    return <int>(base - arr) + klt(base, k)
 
 
 cdef inline bint ss_lower_bound(const SSet* s, const Key* k, int* bi, int* i) noexcept nogil:
     """Position of the first key >= k; False when there is none."""
-    if s.size == 0:
-        return False
-    cdef int b = ss_block_for(s, k)
-    if b == s.nblk:
+    cdef int b = 0
+    if s.nblk > 1:
+        b = ss_block_for(s, k)
+        if b == s.nblk:
+            return False
+    elif s.size == 0 or klt(&s.blk[0][s.nb[0] - 1], k):
         return False
     bi[0] = b
     i[0] = lb_in(s.blk[b], s.nb[b], k)
@@ -439,6 +460,28 @@ cdef inline bint ss_prev(const SSet* s, int* bi, int* i) noexcept nogil:
     return True
 
 
+cdef inline void keys_up(Key* arr, int i, int n) noexcept nogil:
+    """arr[i:n] one place up (to make room at i). A few keys are copied one by one: a
+    block's moves are mostly short, and memmove's own dispatch on the length costs more."""
+    if n - i > 8:
+        memmove(&arr[i + 1], &arr[i], (n - i) * sizeof(Key))
+        return
+    while n > i:
+        arr[n] = arr[n - 1]
+        n -= 1
+
+
+cdef inline void keys_down(Key* arr, int i, int n) noexcept nogil:
+    """arr[i + 1:n] one place down (over the key at i)."""
+    if n - i > 9:
+        memmove(&arr[i], &arr[i + 1], (n - i - 1) * sizeof(Key))
+        return
+    i += 1
+    while i < n:
+        arr[i - 1] = arr[i]
+        i += 1
+
+
 cdef int ss_split(SSet* s, int b) except -1:
     cdef Key* nw
     cdef int keep
@@ -462,7 +505,7 @@ cdef int ss_split(SSet* s, int b) except -1:
     return 0
 
 
-cdef int ss_insert(SSet* s, Key k) except -1:
+cdef inline int ss_insert(SSet* s, Key k) except -1:
     cdef int b, i
     cdef Key* arr
     if s.size == 0:
@@ -470,12 +513,14 @@ cdef int ss_insert(SSet* s, Key k) except -1:
         s.nb[0] = 1
         s.size = 1
         return 0
-    b = ss_block_for(s, &k)
-    if b == s.nblk:
-        b -= 1
+    b = 0
+    if s.nblk > 1:
+        b = ss_block_for(s, &k)
+        if b == s.nblk:
+            b -= 1
     arr = s.blk[b]
     i = lb_in(arr, s.nb[b], &k)
-    memmove(&arr[i + 1], &arr[i], (s.nb[b] - i) * sizeof(Key))
+    keys_up(arr, i, s.nb[b])
     arr[i] = k
     s.nb[b] += 1
     s.size += 1
@@ -484,15 +529,18 @@ cdef int ss_insert(SSet* s, Key k) except -1:
     return 0
 
 
-cdef void ss_erase_at(SSet* s, int b, int i) noexcept:
-    cdef Key* arr = s.blk[b]
-    cdef int o
-    memmove(&arr[i], &arr[i + 1], (s.nb[b] - i - 1) * sizeof(Key))
+cdef inline void ss_erase_at(SSet* s, int b, int i) noexcept:
+    keys_down(s.blk[b], i, s.nb[b])
     s.nb[b] -= 1
     s.size -= 1
-    if s.nb[b] >= SS_LOW or s.nblk == 1:
-        return
-    # a sparse block joins a neighbour when both fit in half a block (or goes if empty)
+    if s.nb[b] < SS_LOW and s.nblk > 1:
+        ss_sparse(s, b)
+
+
+cdef void ss_sparse(SSet* s, int b) noexcept:
+    """A sparse block joins a neighbour when both fit in half a block (or goes if empty)."""
+    cdef Key* arr = s.blk[b]
+    cdef int o
     if s.nb[b] == 0:
         PyMem_Free(arr)
         memmove(&s.blk[b], &s.blk[b + 1], (s.nblk - b - 1) * sizeof(Key*))

@@ -253,6 +253,25 @@ cdef inline bint ps_first_in(const PoolSet* p, int b, const Key* want, uint64_t 
     return True
 
 
+cdef inline bint ps_first_of(const PoolSet* p, int b, uint64_t stream, PPos* at) noexcept nogil:
+    """The first key of bin b of this stream (the lower bound of (stream, 0, 0) there).
+    Mostly the bin's first key, when one stream is in use: then no search."""
+    cdef const SSet* s = &p.bins[b]
+    cdef Key want
+    cdef uint64_t a0 = s.blk[0][0].a
+    if a0 == stream:
+        at.bin = b
+        at.bi = 0
+        at.i = 0
+        return True
+    if a0 > stream:
+        return False
+    want.a = stream
+    want.b = 0
+    want.c = 0
+    return ps_first_in(p, b, &want, stream, at)
+
+
 cdef inline bint ps_find(const PoolSet* p, uint64_t stream, uint64_t size,
                          PPos* at) noexcept nogil:
     """The first key at or after (stream, size, 0), when it is of this stream (the lower
@@ -264,9 +283,10 @@ cdef inline bint ps_find(const PoolSet* p, uint64_t stream, uint64_t size,
     want.c = 0
     if p.bins[b].size and ps_first_in(p, b, &want, stream, at):
         return True
+    # a later bin holds only larger sizes: its first key of this stream
     b = ps_next_bin(p, b)
     while b >= 0:
-        if ps_first_in(p, b, &want, stream, at):
+        if ps_first_of(p, b, stream, at):
             return True
         b = ps_next_bin(p, b)
     return False
@@ -277,18 +297,14 @@ cdef inline bint ps_next_same(const PoolSet* p, uint64_t stream, PPos* at) noexc
     unchanged) when it is not, or there is none."""
     cdef PPos q = at[0]
     cdef const SSet* s = &p.bins[q.bin]
-    cdef Key want
     cdef int b
     if ss_next(s, &q.bi, &q.i) and s.blk[q.bi][q.i].a == stream:
         at[0] = q
         return True
     # this stream's next key, if any, is in a later bin (of larger sizes)
-    want.a = stream
-    want.b = 0
-    want.c = 0
     b = ps_next_bin(p, at.bin)
     while b >= 0:
-        if ps_first_in(p, b, &want, stream, &q):
+        if ps_first_of(p, b, stream, &q):
             at[0] = q
             return True
         b = ps_next_bin(p, b)
