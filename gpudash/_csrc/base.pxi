@@ -331,6 +331,7 @@ cdef enum:
     SS_CAP = 64
     SS_HALF = 32
     SS_LOW = 8
+    SS_COPY = 8   # moves of up to this many keys are copied one by one, not by memmove
 
 
 cdef struct SSet:
@@ -463,7 +464,7 @@ cdef inline bint ss_prev(const SSet* s, int* bi, int* i) noexcept nogil:
 cdef inline void keys_up(Key* arr, int i, int n) noexcept nogil:
     """arr[i:n] one place up (to make room at i). A few keys are copied one by one: a
     block's moves are mostly short, and memmove's own dispatch on the length costs more."""
-    if n - i > 8:
+    if n - i > SS_COPY:
         memmove(&arr[i + 1], &arr[i], (n - i) * sizeof(Key))
         return
     while n > i:
@@ -473,7 +474,7 @@ cdef inline void keys_up(Key* arr, int i, int n) noexcept nogil:
 
 cdef inline void keys_down(Key* arr, int i, int n) noexcept nogil:
     """arr[i + 1:n] one place down (over the key at i)."""
-    if n - i > 9:
+    if n - i - 1 > SS_COPY:
         memmove(&arr[i], &arr[i + 1], (n - i - 1) * sizeof(Key))
         return
     i += 1

@@ -254,8 +254,9 @@ cdef inline bint ps_first_in(const PoolSet* p, int b, const Key* want, uint64_t 
 
 
 cdef inline bint ps_first_of(const PoolSet* p, int b, uint64_t stream, PPos* at) noexcept nogil:
-    """The first key of bin b of this stream (the lower bound of (stream, 0, 0) there).
-    Mostly the bin's first key, when one stream is in use: then no search."""
+    """The first key of bin b (a non-empty bin) of this stream: the lower bound of
+    (stream, 0, 0) there. Mostly the bin's first key, when one stream is in use: then no
+    search."""
     cdef const SSet* s = &p.bins[b]
     cdef Key want
     cdef uint64_t a0 = s.blk[0][0].a
