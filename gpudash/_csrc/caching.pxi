@@ -18,6 +18,8 @@ cdef struct TBlock:
     int8_t allocated
     int8_t mapped
     int8_t live         # the slot holds a block
+    int16_t pbin        # while in its pool: its bin there
+    int32_t ppos        # its place in that bin; -1: not in its pool
 
 
 cdef struct TES:
@@ -126,27 +128,47 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
 
 
 # ------------------------------------------------------------------------------ pools
-# A pool's free blocks: the keys (stream, size, address) of one sorted set, kept in bins by
-# size (four to a power of two), each bin a sorted set of its own. Every question the
-# allocator asks of a pool is about one stream: the first key of that stream at or after a
-# size, the next key of the stream, the last one below a key; answered from the bin of the
-# size and the non-empty bins next to it (a bit mask says which), they are the answers of
-# the one sorted set, which the pool's readers see (ps_sorted).
+# A pool's free blocks, as PyTorch's BlockPool orders them: by (stream, size, address). They
+# are kept in bins by size (four to a power of two), each bin an unordered array of
+# entries: a block records its bin and its place there, so it joins and leaves a bin in a
+# few instructions (the bin's last entry takes the place of one that leaves), without a
+# search. A bin remembers its least entry and the next least; when both have left, the next
+# question finds them again in one pass. Every question the allocator asks of a pool is
+# about one stream: the least key of that stream at or after a size, the next key of the
+# stream, the last one below a key. The bin of the size answers from its least entry or the
+# next least, else from all its entries; the non-empty bins after it (a bit mask says which)
+# from their least entry. The answers are those of the one sorted set, which the pool's
+# readers see (ps_sorted sorts the entries). On the synthetic traces a find meets 2 to 4
+# entries in the bin of its size on average, an insert 2 to 13. The moves of entries and
+# of the remembered indexes are selections, not branches: which entry leaves a bin is data
+# the branch predictor cannot learn.
 
 cdef enum:
     PS_BINS = 256
     PS_WORDS = 4
 
 
+cdef struct PEnt:
+    Key k               # (stream, size, address)
+    int64_t slot        # the block's record
+
+
+cdef struct PBin:
+    PEnt* e
+    int32_t n
+    int32_t cap
+    int32_t lo          # the least entry's index (meaningful while n > 0); -1: not known
+    int32_t lo2         # the next least entry's index; -1: not known (or none)
+
+
 cdef struct PoolSet:
-    SSet bins[256]      # made on first use (blk NULL until then)
+    PBin bins[256]      # arrays made on first use (e NULL until then)
     uint64_t mask[4]    # the non-empty bins
     Py_ssize_t size
 
 
 cdef struct PPos:
     int bin
-    int bi
     int i
 
 
@@ -199,92 +221,201 @@ cdef inline int ps_prev_bin(const PoolSet* p, int b) noexcept nogil:
 cdef void ps_free(PoolSet* p) noexcept:
     cdef int b
     for b in range(PS_BINS):
-        if p.bins[b].blk != NULL:
-            ss_free(&p.bins[b])
+        PyMem_Free(p.bins[b].e)
+        p.bins[b].e = NULL
+        p.bins[b].n = p.bins[b].cap = 0
     memset(p.mask, 0, sizeof(p.mask))
     p.size = 0
 
 
-cdef inline int ps_insert(PoolSet* p, Key k) except -1:
-    cdef int b = ps_bin(k.b)
-    cdef SSet* s = &p.bins[b]
-    if s.blk == NULL:
-        ss_init(s)
-    ss_insert(s, k)
+cdef int pb_grow(PBin* pb) except -1:
+    cdef int32_t cap = pb.cap * 2 if pb.cap else 4
+    cdef PEnt* e = <PEnt*>PyMem_Realloc(pb.e, cap * sizeof(PEnt))
+    if e == NULL:
+        raise MemoryError()
+    if pb.cap == 0:
+        pb.lo = pb.lo2 = -1    # an empty bin knows no least entries
+    pb.e = e
+    pb.cap = cap
+    return 0
+
+
+cdef inline int ps_insert(PoolSet* p, TBlock* bk, int32_t s) except -1:
+    """Block s joins its pool (its key made from its record)."""
+    cdef TBlock* blk = &bk[s]
+    cdef int b = ps_bin(<uint64_t>blk.size)
+    cdef PBin* pb = &p.bins[b]
+    cdef int32_t i = pb.n, lo = pb.lo, lo2
+    cdef PEnt* e
+    if i == pb.cap:
+        pb_grow(pb)
+    e = &pb.e[i]
+    e.k = bkey(blk)
+    e.slot = s
+    pb.n = i + 1
+    if lo >= 0:
+        # the new entry may be the least, or the next least (when that one is known)
+        if klt(&e.k, &pb.e[lo].k):
+            pb.lo2 = lo
+            pb.lo = i
+        else:
+            lo2 = pb.lo2
+            if lo2 >= 0 and klt(&e.k, &pb.e[lo2].k):
+                pb.lo2 = i
+    else:
+        pb.lo = -(i != 0)     # the only entry of a bin is its least
     p.mask[b >> 6] |= (<uint64_t>1) << (b & 63)
+    blk.pbin = <int16_t>b
+    blk.ppos = i
     p.size += 1
     return 0
 
 
-cdef inline void ps_emptied(PoolSet* p, int b) noexcept:
+cdef inline void ps_remove(PoolSet* p, TBlock* bk, int b, int32_t i) noexcept:
+    """The entry at (b, i) leaves its bin; the bin's last entry takes its place."""
+    cdef PBin* pb = &p.bins[b]
+    cdef int32_t last = pb.n - 1, lo = pb.lo, lo2 = pb.lo2
+    cdef int64_t s = pb.e[i].slot
+    cdef bint gone = lo == i
+    # the least entries: the leaving one forgotten (the next least becomes the least), the
+    # last entry's index now i; written as selections, not branches
+    lo = lo2 if gone else lo
+    lo2 = -1 if gone or lo2 == i else lo2
+    pb.lo = i if lo == last else lo
+    pb.lo2 = i if lo2 == last else lo2
+    pb.e[i] = pb.e[last]
+    bk[pb.e[i].slot].ppos = i
+    bk[s].ppos = -1
+    pb.n = last
     p.size -= 1
-    if p.bins[b].size == 0:
-        p.mask[b >> 6] &= ~((<uint64_t>1) << (b & 63))
+    p.mask[b >> 6] &= ~((<uint64_t>(last == 0)) << (b & 63))
 
 
-cdef inline bint ps_erase(PoolSet* p, Key k) noexcept:
-    """Remove key k (``del keys[bisect_left(keys, k)]`` for a key that is there)."""
-    cdef int b = ps_bin(k.b)
-    cdef SSet* s = &p.bins[b]
-    if s.blk == NULL or not ss_erase(s, k):
+cdef inline bint ps_erase(PoolSet* p, TBlock* bk, int32_t s) noexcept:
+    """Block s leaves its pool (``del keys[bisect_left(keys, key)]``); False when it is not
+    in it."""
+    if bk[s].ppos < 0:
         return False
-    ps_emptied(p, b)
+    ps_remove(p, bk, bk[s].pbin, bk[s].ppos)
     return True
 
 
-cdef inline void ps_erase_at(PoolSet* p, const PPos* at) noexcept:
-    ss_erase_at(&p.bins[at.bin], at.bi, at.i)
-    ps_emptied(p, at.bin)
+cdef inline void ps_erase_at(PoolSet* p, TBlock* bk, const PPos* at) noexcept:
+    ps_remove(p, bk, at.bin, at.i)
 
 
 cdef inline Key* ps_at(const PoolSet* p, const PPos* at) noexcept nogil:
-    return &p.bins[at.bin].blk[at.bi][at.i]
+    return &p.bins[at.bin].e[at.i].k
 
 
-cdef inline bint ps_first_in(const PoolSet* p, int b, const Key* want, uint64_t stream,
-                             PPos* at) noexcept nogil:
-    """The first key of bin b at or after want, when it is of this stream."""
-    cdef const SSet* s = &p.bins[b]
-    if not ss_lower_bound(s, want, &at.bi, &at.i):
-        return False
-    if s.blk[at.bi][at.i].a != stream:
-        return False
+cdef inline int32_t ps_slot(const PoolSet* p, const PPos* at) noexcept nogil:
+    return <int32_t>p.bins[at.bin].e[at.i].slot
+
+
+cdef void pb_rescan(PBin* pb) noexcept nogil:
+    """Find a non-empty bin's least and next least entries again (out of line: the callers
+    inline the common case, where they are known)."""
+    cdef int32_t i, best = 0, second = -1
+    for i in range(1, pb.n):
+        if klt(&pb.e[i].k, &pb.e[best].k):
+            second = best
+            best = i
+        elif second < 0 or klt(&pb.e[i].k, &pb.e[second].k):
+            second = i
+    pb.lo = best
+    pb.lo2 = second
+
+
+cdef inline int32_t pb_lo(PBin* pb) noexcept nogil:
+    """The index of a non-empty bin's least entry (found again, with the next least, when
+    both have left)."""
+    if pb.lo < 0:
+        pb_rescan(pb)
+    return pb.lo
+
+
+cdef int32_t pb_min_from(const PBin* pb, const Key* want, bint strict) noexcept nogil:
+    """The index of the least entry of stream want.a at or after ``want`` (after it, when
+    ``strict``); -1 when none."""
+    cdef int32_t i, best = -1
+    cdef const Key* k
+    for i in range(pb.n):
+        k = &pb.e[i].k
+        if k.a != want.a:
+            continue
+        if strict:
+            if not klt(want, k):
+                continue
+        elif klt(k, want):
+            continue
+        if best < 0 or klt(k, &pb.e[best].k):
+            best = i
+    return best
+
+
+cdef int32_t pb_max_below(const PBin* pb, const Key* below) noexcept nogil:
+    """The index of the greatest entry of stream below.a before ``below``; -1 when none."""
+    cdef int32_t i, best = -1
+    cdef const Key* k
+    for i in range(pb.n):
+        k = &pb.e[i].k
+        if k.a != below.a or not klt(k, below):
+            continue
+        if best < 0 or klt(&pb.e[best].k, k):
+            best = i
+    return best
+
+
+cdef inline bint ps_first_of(PoolSet* p, int b, uint64_t stream, PPos* at) noexcept nogil:
+    """The least key of stream in bin b (a non-empty bin): mostly the bin's least entry,
+    when one stream is in use."""
+    cdef PBin* pb = &p.bins[b]
+    cdef int32_t i = pb_lo(pb)
+    cdef uint64_t a0 = pb.e[i].k.a
+    cdef Key want
+    if a0 != stream:
+        if a0 > stream:
+            return False
+        want.a = stream
+        want.b = 0
+        want.c = 0
+        i = pb_min_from(pb, &want, False)
+        if i < 0:
+            return False
     at.bin = b
+    at.i = i
     return True
 
 
-cdef inline bint ps_first_of(const PoolSet* p, int b, uint64_t stream, PPos* at) noexcept nogil:
-    """The first key of bin b (a non-empty bin) of this stream: the lower bound of
-    (stream, 0, 0) there. Mostly the bin's first key, when one stream is in use: then no
-    search."""
-    cdef const SSet* s = &p.bins[b]
-    cdef Key want
-    cdef uint64_t a0 = s.blk[0][0].a
-    if a0 == stream:
-        at.bin = b
-        at.bi = 0
-        at.i = 0
-        return True
-    if a0 > stream:
-        return False
-    want.a = stream
-    want.b = 0
-    want.c = 0
-    return ps_first_in(p, b, &want, stream, at)
-
-
-cdef inline bint ps_find(const PoolSet* p, uint64_t stream, uint64_t size,
-                         PPos* at) noexcept nogil:
+cdef inline bint ps_find(PoolSet* p, uint64_t stream, uint64_t size, PPos* at) noexcept nogil:
     """The first key at or after (stream, size, 0), when it is of this stream (the lower
     bound of the one sorted set); False when there is none."""
     cdef Key want
     cdef int b = ps_bin(size)
-    want.a = stream
-    want.b = size
-    want.c = 0
-    if p.bins[b].size and ps_first_in(p, b, &want, stream, at):
-        return True
-    # a later bin holds only larger sizes: its first key of this stream
+    cdef PBin* pb = &p.bins[b]
+    cdef int32_t i, lo2
+    cdef const Key* k
+    if pb.n:
+        # the least entry, else the next least (the least of the rest), else a search
+        i = pb_lo(pb)
+        k = &pb.e[i].k
+        if not (k.a == stream and k.b >= size):
+            lo2 = pb.lo2
+            i = -1
+            if lo2 >= 0:
+                k = &pb.e[lo2].k
+                if k.a == stream and k.b >= size:
+                    i = lo2
+            if i < 0 and pb.n > (2 if lo2 >= 0 else 1):
+                want.a = stream
+                want.b = size
+                want.c = 0
+                i = pb_min_from(pb, &want, False)
+        if i >= 0:
+            at.bin = b
+            at.i = i
+            return True
+    # a later bin holds only larger sizes: its least key of this stream
     b = ps_next_bin(p, b)
     while b >= 0:
         if ps_first_of(p, b, stream, at):
@@ -293,42 +424,22 @@ cdef inline bint ps_find(const PoolSet* p, uint64_t stream, uint64_t size,
     return False
 
 
-cdef inline bint ps_next_same(const PoolSet* p, uint64_t stream, PPos* at) noexcept nogil:
+cdef inline bint ps_next_same(PoolSet* p, uint64_t stream, PPos* at) noexcept nogil:
     """Step to the next key of the sorted set when it is of this stream; False (``at``
     unchanged) when it is not, or there is none."""
-    cdef PPos q = at[0]
-    cdef const SSet* s = &p.bins[q.bin]
+    cdef Key cur = p.bins[at.bin].e[at.i].k
+    cdef int32_t i = pb_min_from(&p.bins[at.bin], &cur, True)
     cdef int b
-    if ss_next(s, &q.bi, &q.i) and s.blk[q.bi][q.i].a == stream:
-        at[0] = q
+    if i >= 0:
+        at.i = i
         return True
     # this stream's next key, if any, is in a later bin (of larger sizes)
     b = ps_next_bin(p, at.bin)
     while b >= 0:
-        if ps_first_of(p, b, stream, &q):
-            at[0] = q
+        if ps_first_of(p, b, stream, at):
             return True
         b = ps_next_bin(p, b)
     return False
-
-
-cdef inline bint ps_last_in(const PoolSet* p, int b, const Key* below, uint64_t stream,
-                            PPos* at) noexcept nogil:
-    """The last key of bin b before ``below`` (NULL: the bin's last), when it is of this
-    stream."""
-    cdef const SSet* s = &p.bins[b]
-    if s.size == 0:
-        return False
-    if below != NULL and ss_lower_bound(s, below, &at.bi, &at.i):
-        if not ss_prev(s, &at.bi, &at.i):
-            return False
-    else:
-        at.bi = s.nblk - 1
-        at.i = s.nb[at.bi] - 1
-    if s.blk[at.bi][at.i].a != stream:
-        return False
-    at.bin = b
-    return True
 
 
 cdef inline bint ps_prev_below(const PoolSet* p, uint64_t stream, const Key* probe,
@@ -336,38 +447,38 @@ cdef inline bint ps_prev_below(const PoolSet* p, uint64_t stream, const Key* pro
     """The key just before ``probe`` in the sorted set (probe of this stream), when it is of
     this stream; False when it is not, or there is none."""
     cdef Key below
-    cdef const Key* bound = &below
     cdef int b = ps_bin(probe.b)
-    if ps_last_in(p, b, probe, stream, at):
-        return True
-    # the bins below hold smaller sizes: this stream's last key there, if it has any
-    below.a = stream + 1
-    below.b = 0
-    below.c = 0
-    if below.a == 0:
-        bound = NULL   # the last stream: a bin's last key is its last
-    b = ps_prev_bin(p, b)
-    while b >= 0:
-        if ps_last_in(p, b, bound, stream, at):
-            return True
+    cdef int32_t i = pb_max_below(&p.bins[b], probe)
+    if i < 0:
+        # the bins below hold smaller sizes: this stream's greatest key there, if any
+        below.a = stream
+        below.b = 0xFFFFFFFFFFFFFFFF
+        below.c = 0xFFFFFFFFFFFFFFFF
         b = ps_prev_bin(p, b)
-    return False
+        while b >= 0:
+            i = pb_max_below(&p.bins[b], &below)
+            if i >= 0:
+                break
+            b = ps_prev_bin(p, b)
+        if i < 0:
+            return False
+    at.bin = b
+    at.i = i
+    return True
 
 
 cdef inline int64_t ps_largest(const PoolSet* p) noexcept nogil:
     """The largest size of a key (0: none)."""
-    cdef int b = ps_prev_bin(p, PS_BINS), bi, i
-    cdef const SSet* s
+    cdef int b = ps_prev_bin(p, PS_BINS)
+    cdef int32_t i
+    cdef const PBin* pb
     cdef int64_t best = 0
     if b < 0:
         return 0
-    s = &p.bins[b]
-    if s.blk[0][0].a == ss_last(s).a:
-        return <int64_t>ss_last(s).b
-    for bi in range(s.nblk):
-        for i in range(s.nb[bi]):
-            if <int64_t>s.blk[bi][i].b > best:
-                best = <int64_t>s.blk[bi][i].b
+    pb = &p.bins[b]
+    for i in range(pb.n):
+        if <int64_t>pb.e[i].k.b > best:
+            best = <int64_t>pb.e[i].k.b
     return best
 
 
@@ -382,9 +493,9 @@ cdef Key* ps_sorted(const PoolSet* p) except? NULL:
     it); NULL when there are none."""
     cdef Key* out
     cdef Py_ssize_t n = 0
-    cdef int b, bi
-    cdef const SSet* s
-    cdef bint one_stream = True
+    cdef int b
+    cdef int32_t i
+    cdef const PBin* pb
     if p.size == 0:
         return NULL
     out = <Key*>PyMem_Malloc(p.size * sizeof(Key))
@@ -392,17 +503,12 @@ cdef Key* ps_sorted(const PoolSet* p) except? NULL:
         raise MemoryError()
     b = ps_next_bin(p, -1)
     while b >= 0:
-        s = &p.bins[b]
-        for bi in range(s.nblk):
-            memcpy(&out[n], s.blk[bi], s.nb[bi] * sizeof(Key))
-            n += s.nb[bi]
+        pb = &p.bins[b]
+        for i in range(pb.n):
+            out[n] = pb.e[i].k
+            n += 1
         b = ps_next_bin(p, b)
-    for bi in range(1, n):
-        if out[bi].a != out[0].a:
-            one_stream = False
-            break
-    if not one_stream:
-        qsort(out, n, sizeof(Key), key_cmp)
+    qsort(out, n, sizeof(Key), key_cmp)
     return out
 
 
@@ -645,8 +751,17 @@ cdef class CachingCore:
 
     # ------------------------------------------------------------------ records
     @cython.final
-    cdef int32_t new_block(self, uint64_t ptr, int64_t size, uint64_t stream, int pool,
-                           int32_t es, bint mapped) except -1:
+    cdef int grow_blocks(self) except -1:
+        cdef TBlock* nb = <TBlock*>PyMem_Realloc(self.bk, 2 * self.cap_bk * sizeof(TBlock))
+        if nb == NULL:
+            raise MemoryError()
+        self.bk = nb
+        self.cap_bk *= 2
+        return 0
+
+    @cython.final
+    cdef inline int32_t new_block(self, uint64_t ptr, int64_t size, uint64_t stream, int pool,
+                                  int32_t es, bint mapped) except -1:
         """_Block(ptr, size, stream, pool, es, mapped) in a free slot."""
         cdef int32_t s
         cdef TBlock* nb
@@ -655,11 +770,7 @@ cdef class CachingCore:
             s = self.free_slots[self.nfree]
         else:
             if self.nbk == self.cap_bk:
-                nb = <TBlock*>PyMem_Realloc(self.bk, 2 * self.cap_bk * sizeof(TBlock))
-                if nb == NULL:
-                    raise MemoryError()
-                self.bk = nb
-                self.cap_bk *= 2
+                self.grow_blocks()
             s = self.nbk
             self.nbk += 1
         nb = &self.bk[s]
@@ -677,6 +788,8 @@ cdef class CachingCore:
         nb.allocated = 0
         nb.mapped = mapped
         nb.live = 1
+        nb.pbin = 0
+        nb.ppos = -1
         return s
 
     @cython.final
@@ -833,16 +946,13 @@ cdef class CachingCore:
         cdef PoolSet* ks = &self.keys[pool]
         cdef PPos at, nxt
         cdef int32_t b, nb, nx
-        cdef int64_t cur_exp, nexp, v
-        cdef Key* key
+        cdef int64_t cur_exp, nexp
         if self._gc_on:
             self.calls[pool] += 1
             self.version += 1
         if not ps_find(ks, stream, <uint64_t>size, &at):
             return -1
-        key = ps_at(ks, &at)
-        pm_get(&self.blocks, key.c, &v)
-        b = <int32_t>v
+        b = ps_slot(ks, &at)
         if self.bk[b].es >= 0:
             nxt = at
             if self.expandable_on:
@@ -850,9 +960,7 @@ cdef class CachingCore:
                 cur_exp = self.bk[b].size + (self.bk[nx].size if nx >= 0 and
                                              not self.bk[nx].mapped else 0)
                 while self.bk[b].es >= 0 and ps_next_same(ks, stream, &nxt):
-                    key = ps_at(ks, &nxt)
-                    pm_get(&self.blocks, key.c, &v)
-                    nb = <int32_t>v
+                    nb = ps_slot(ks, &nxt)
                     nx = self.bk[nb].next
                     nexp = self.bk[nb].size + (self.bk[nx].size if nx >= 0 and
                                                not self.bk[nx].mapped else 0)
@@ -863,18 +971,17 @@ cdef class CachingCore:
                 while True:
                     if not ps_next_same(ks, stream, &nxt):
                         return -1
-                    key = ps_at(ks, &nxt)
-                    pm_get(&self.blocks, key.c, &v)
-                    if self.bk[v].es < 0:
+                    nb = ps_slot(ks, &nxt)
+                    if self.bk[nb].es < 0:
                         break
                 at = nxt
-                b = <int32_t>v
+                b = nb
         if <uint64_t>self.bk[b].size >= self.mss or <uint64_t>size >= self.mss:
             if <uint64_t>size < self.mss and <uint64_t>self.bk[b].size >= self.mss:
                 return -1
             if <uint64_t>size >= self.mss and self.bk[b].size >= size + self.tol:
                 return -1
-        ps_erase_at(ks, &at)
+        ps_erase_at(ks, self.bk, &at)
         self.version += 1
         return b
 
@@ -920,7 +1027,7 @@ cdef class CachingCore:
             self.ins_next += 1    # put(rptr, remaining): a new address, last in the order
             self.bk[remaining].ins = self.ins_next
             pm_put(&self.blocks, rptr, remaining)
-            ps_insert(&self.keys[pool], bkey(&self.bk[remaining]))
+            ps_insert(&self.keys[pool], self.bk, remaining)
             if self.bk[blk].es < 0:
                 sb = self.st[ST_INACTIVE_SPLIT_BYTES]
                 if already_split:
@@ -1023,7 +1130,7 @@ cdef class CachingCore:
         if self.mss_set and size >= self.mss_val:
             st_dec1(self.over_seg, 1)
         blk = self.at(ptr)
-        ps_erase(&self.keys[pool], bkey(&self.bk[blk]))
+        ps_erase(&self.keys[pool], self.bk, blk)
         self.unput(ptr)
         k.a = 0
         k.b = ptr
@@ -1096,8 +1203,7 @@ cdef class CachingCore:
             return False
         target = size if size > self.mss_val else self.mss_val
         if ps_find(ks, stream, <uint64_t>target, &at):
-            pm_get(&self.blocks, ps_at(ks, &at).c, &v)
-            self.release_block(<int32_t>v)
+            self.release_block(ps_slot(ks, &at))
             return True
         # from the key just below the probe, downwards, while they are of this stream
         probe.a = stream
@@ -1106,8 +1212,7 @@ cdef class CachingCore:
         while released < target:
             if not ps_prev_below(ks, stream, &probe, &at):
                 break
-            pm_get(&self.blocks, ps_at(ks, &at).c, &v)
-            b = <int32_t>v
+            b = ps_slot(ks, &at)
             if self.bk[b].size < self.mss_val:
                 break
             probe = ps_at(ks, &at)[0]
@@ -1345,7 +1450,7 @@ cdef class CachingCore:
                 self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
                              self.bk[to_map].size, merged_next, 0, 0, 0)
         self.bk[to_map].gc_base = self.calls[pool]
-        ps_insert(&self.keys[pool], bkey(&self.bk[to_map]))
+        ps_insert(&self.keys[pool], self.bk, to_map)
         return True
 
     cdef int32_t try_allocate_expandable(self, int pool, uint64_t stream,
@@ -1361,7 +1466,7 @@ cdef class CachingCore:
             if not self.map_block(new, min(remaining, self.bk[new].size), size):
                 return -1
             cand = new
-        ps_erase(&self.keys[pool], bkey(&self.bk[cand]))
+        ps_erase(&self.keys[pool], self.bk, cand)
         self.version += 1
         return cand
 
@@ -1374,7 +1479,7 @@ cdef class CachingCore:
         if usize == 0:
             return 0
         self.version += 1
-        ps_erase(&self.keys[pool], bkey(&self.bk[block]))
+        ps_erase(&self.keys[pool], self.bk, block)
         self.unput(self.bk[block].ptr)
         before = <int64_t>(uptr - self.bk[block].ptr)
         if before > 0:
@@ -1387,7 +1492,7 @@ cdef class CachingCore:
             self.bk[block].prev = bf
             self.put(self.bk[bf].ptr, bf)
             self.bk[bf].gc_base = self.calls[pool]
-            ps_insert(&self.keys[pool], bkey(&self.bk[bf]))
+            ps_insert(&self.keys[pool], self.bk, bf)
         after = self.bk[block].size - (before + usize)
         if after > 0:
             af = self.new_block(uptr + <uint64_t>usize, after, self.bk[block].stream, pool, e,
@@ -1400,7 +1505,7 @@ cdef class CachingCore:
             self.bk[block].next = af
             self.put(self.bk[af].ptr, af)
             self.bk[af].gc_base = self.calls[pool]
-            ps_insert(&self.keys[pool], bkey(&self.bk[af]))
+            ps_insert(&self.keys[pool], self.bk, af)
         self.bk[block].ptr = uptr
         self.bk[block].size = usize
         self.bk[block].mapped = 0
@@ -1446,7 +1551,7 @@ cdef class CachingCore:
             return 0
         pool = self.bk[dst].pool
         if self.bk[src].mapped:
-            ps_erase(&self.keys[pool], bkey(&self.bk[src]))
+            ps_erase(&self.keys[pool], self.bk, src)
         else:
             ss_erase(&self.unmapped[pool], ukey(self.bk[src].stream, self.bk[src].ptr))
         self.unput(self.bk[src].ptr)
@@ -1600,7 +1705,7 @@ cdef class CachingCore:
             # keeps the block's record; here prev's record (its address, its place in the
             # address table) becomes the merged block's, with the block's requested figure
             # and stream: the same block, one address-table entry fewer to rewrite.
-            ps_erase(&self.keys[pool], bkey(&self.bk[p]))
+            ps_erase(&self.keys[pool], self.bk, p)
             self.unput(ptr)
             prev_size = self.bk[p].size
             self.bk[p].size = prev_size + bsize
@@ -1612,7 +1717,7 @@ cdef class CachingCore:
             self.drop_block(blk)
             blk = p
         if n >= 0 and not self.bk[n].allocated and self.bk[n].mapped:
-            ps_erase(&self.keys[pool], bkey(&self.bk[n]))
+            ps_erase(&self.keys[pool], self.bk, n)
             self.unput(self.bk[n].ptr)
             nn = self.bk[blk].next = self.bk[n].next
             if nn >= 0:
@@ -1622,7 +1727,7 @@ cdef class CachingCore:
             self.drop_block(n)
         b = &self.bk[blk]
         b.gc_base = self.calls[pool]
-        ps_insert(&self.keys[pool], bkey(b))
+        ps_insert(&self.keys[pool], self.bk, blk)
         if b.es < 0:
             # inactive_split: free blocks of split segments (merged ones leave, this one
             # joins while the segment stays split)
@@ -1746,6 +1851,67 @@ cdef class CachingCore:
 
     def _largest_free_block(self):
         return self.largest_free()
+
+    # ------------------------------------------------------------------ invariants
+    def _check(self):
+        """The pure model's invariants over the state as it reads it, then the pools' own
+        records (check_pools)."""
+        _PyCaching._check(self)
+        self.check_pools()
+
+    cdef int check_pools(self) except -1:
+        """Every entry of a pool's bin where its block's record says, keyed as the block,
+        in the bin of its size; a bin's remembered least entries the least; exactly the
+        free mapped blocks in the pools."""
+        cdef int p, b
+        cdef int32_t i, s, lo, lo2
+        cdef Py_ssize_t count, free_mapped = 0, in_pools = 0
+        cdef PoolSet* ps
+        cdef PBin* pb
+        cdef TBlock* blk
+        cdef Key k
+        for s in range(self.nbk):
+            blk = &self.bk[s]
+            if blk.live and not blk.allocated and blk.mapped:
+                free_mapped += 1
+                assert blk.ppos >= 0, f"free block {blk.ptr:#x} is not in its pool"
+            else:
+                assert blk.ppos < 0, f"block {blk.ptr:#x} is in a pool"
+        for p in range(2):
+            ps = &self.keys[p]
+            count = 0
+            for b in range(PS_BINS):
+                pb = &ps.bins[b]
+                assert (pb.n > 0) == bool(ps.mask[b >> 6] >> (b & 63) & 1), \
+                    f"pool {p}: bin {b} and the mask of non-empty bins differ"
+                for i in range(pb.n):
+                    s = <int32_t>pb.e[i].slot
+                    assert 0 <= s < self.nbk, f"pool {p}: bin {b} names slot {s}"
+                    blk = &self.bk[s]
+                    k = bkey(blk)
+                    assert blk.live and blk.pool == p and blk.pbin == b and blk.ppos == i, \
+                        f"pool {p}: block {blk.ptr:#x} is not where its record says"
+                    assert k.a == pb.e[i].k.a and k.b == pb.e[i].k.b and k.c == pb.e[i].k.c, \
+                        f"pool {p}: the key of block {blk.ptr:#x} is not its own"
+                    assert ps_bin(k.b) == b, f"pool {p}: block {blk.ptr:#x} in bin {b}"
+                count += pb.n
+                if pb.n == 0:
+                    continue
+                lo, lo2 = pb.lo, pb.lo2
+                assert lo2 < 0 or (0 <= lo != lo2 and lo2 < pb.n), \
+                    f"pool {p}: bin {b} remembers a next least entry without the least"
+                for i in range(pb.n):
+                    if lo >= 0 and i != lo:
+                        assert klt(&pb.e[lo].k, &pb.e[i].k), \
+                            f"pool {p}: bin {b}'s least entry is not the least"
+                    if lo2 >= 0 and i != lo and i != lo2:
+                        assert klt(&pb.e[lo2].k, &pb.e[i].k), \
+                            f"pool {p}: bin {b}'s next least entry is not the next least"
+            assert count == ps.size, f"pool {p} counts {ps.size} blocks, its bins {count}"
+            in_pools += count
+        assert in_pools == free_mapped, \
+            f"{free_mapped} free mapped blocks, {in_pools} in the pools"
+        return 0
 
     # ------------------------------------------------------------------ layout
     cdef list heads(self):
