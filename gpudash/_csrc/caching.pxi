@@ -65,14 +65,26 @@ _A_SEG_UNMAP = "segment_unmap"
 _A_OOM = "oom"
 
 
-cdef inline void st_inc(int64_t* s, int t, int64_t n) noexcept:
+# A statistic of DeviceStats (current, peak, allocated, freed for the aggregate and each
+# stat type) is kept in ST_WIDTH numbers: the aggregate's current and peak, then for each
+# type (1 small, 2 large, at st_at(t)) its current, peak, allocated and a base, its freed
+# being allocated - current + base. Every change moves the aggregate and one type together,
+# so the aggregate's allocated and freed are the types' sums (st_read gives all twelve).
+cdef enum:
+    ST_WIDTH = 10
+
+
+cdef inline int st_at(int t) noexcept nogil:
+    return (t << 2) - 2
+
+
+cdef inline void st_inc(int64_t* s, int t, int64_t n) noexcept nogil:
     """_inc: a statistic up by n for the aggregate and stat type t (1 small, 2 large)."""
     cdef int64_t c = s[0] + n
-    cdef int j = t << 2
+    cdef int j = st_at(t)
     s[0] = c
     if c > s[1]:
         s[1] = c
-    s[2] += n
     c = s[j] + n
     s[j] = c
     if c > s[j + 1]:
@@ -80,12 +92,18 @@ cdef inline void st_inc(int64_t* s, int t, int64_t n) noexcept:
     s[j + 2] += n
 
 
-cdef inline void st_dec(int64_t* s, int t, int64_t n) noexcept:
-    cdef int j = t << 2
+cdef inline void st_dec(int64_t* s, int t, int64_t n) noexcept nogil:
+    """_dec: a statistic down by n (freed up by n) for the aggregate and stat type t."""
     s[0] -= n
-    s[3] += n
-    s[j] -= n
-    s[j + 3] += n
+    s[st_at(t)] -= n
+
+
+cdef list st_read(const int64_t* s):
+    """A statistic's twelve numbers as the pure model keeps them: (current, peak, allocated,
+    freed) for the aggregate, small and large."""
+    cdef int64_t a1 = s[4], a2 = s[8]
+    cdef int64_t f1 = s[4] - s[2] + s[5], f2 = s[8] - s[6] + s[9]
+    return [s[0], s[1], a1 + a2, f1 + f2, s[2], s[3], a1, f1, s[6], s[7], a2, f2]
 
 
 cdef inline void st_inc1(int64_t* s, int64_t n) noexcept:
@@ -531,7 +549,7 @@ cdef class CachingCore:
     cdef int32_t nes_slots
     cdef int32_t cap_es
     cdef list es_order              # expandable segment slots, oldest first
-    cdef int64_t st[7][12]
+    cdef int64_t st[7][10]        # ST_WIDTH numbers a statistic (st_read)
     cdef int64_t over_alloc[4]
     cdef int64_t over_seg[4]
     cdef int64_t n_retries, n_ooms, n_sync, n_dev_alloc, n_dev_free
@@ -636,7 +654,7 @@ cdef class CachingCore:
         cdef int i, j
         out = _PyStats()
         for i in range(N_STATS):
-            out.pool[_STAT_NAMES[i]] = [self.st[i][j] for j in range(12)]
+            out.pool[_STAT_NAMES[i]] = st_read(self.st[i])
         out.oversize_allocations = [self.over_alloc[j] for j in range(4)]
         out.oversize_segments = [self.over_seg[j] for j in range(4)]
         out.num_alloc_retries = self.n_retries
@@ -991,7 +1009,6 @@ cdef class CachingCore:
         """_alloc_found_block: split if it should be (the allocation takes the front), mark
         allocated, count."""
         cdef int t = pool + 1
-        cdef int j = t << 2
         cdef int32_t remaining, nx
         cdef bint already_split = self.bk[blk].prev >= 0 or self.bk[blk].next >= 0, split
         cdef int64_t remainder = 0, rem = self.bk[blk].size - size, bsize, c
@@ -1032,10 +1049,7 @@ cdef class CachingCore:
                 sb = self.st[ST_INACTIVE_SPLIT_BYTES]
                 if already_split:
                     # an already-split inactive block shrinks by `size` bytes
-                    sb[0] -= size
-                    sb[3] += size
-                    sb[j] -= size
-                    sb[j + 3] += size
+                    st_dec(sb, t, size)
                 else:
                     # a new split inactive block of `remainder` bytes
                     st_inc(sb, t, remainder)
@@ -1681,12 +1695,11 @@ cdef class CachingCore:
         """_free then free_block: uncount the block, merge it with free neighbours (the
         previous one first), cache it."""
         cdef TBlock* b = &self.bk[blk]
-        cdef int pool = b.pool, t = pool + 1, j = t << 2
+        cdef int pool = b.pool, t = pool + 1
         cdef int64_t bsize = b.size, req = b.requested, aid = b.aid
         cdef int64_t prev_size = 0, next_size = 0, net_blocks, net_bytes
         cdef uint64_t ptr = b.ptr, stream = b.stream
         cdef int32_t p, n, pp, nn
-        cdef int64_t* sb
         b.allocated = 0
         b.aid = -1
         self.version += 1
@@ -1743,11 +1756,7 @@ cdef class CachingCore:
             if net_bytes > 0:
                 st_inc(self.st[ST_INACTIVE_SPLIT_BYTES], t, net_bytes)
             elif net_bytes < 0:
-                sb = self.st[ST_INACTIVE_SPLIT_BYTES]
-                sb[0] += net_bytes
-                sb[3] -= net_bytes
-                sb[j] += net_bytes
-                sb[j + 3] -= net_bytes
+                st_dec(self.st[ST_INACTIVE_SPLIT_BYTES], t, -net_bytes)
         st_dec(self.st[ST_REQUESTED_BYTES], t, req)
         if self.jr is not None:
             self.jr.push(now_ns(), K_FREE, <int64_t>ptr, bsize, req, aid, next_size,
@@ -1819,7 +1828,7 @@ cdef class CachingCore:
         lk.take()
         try:
             for i in range(N_STATS):
-                for j in range(0, 12, 4):
+                for j in (0, st_at(1), st_at(2)):
                     self.st[i][j + 1] = self.st[i][j]
             self.over_alloc[1] = self.over_alloc[0]
             self.over_seg[1] = self.over_seg[0]
@@ -1834,9 +1843,10 @@ cdef class CachingCore:
         lk.take()
         try:
             for i in range(N_STATS):
-                for j in range(0, 12, 4):
+                for j in (st_at(1), st_at(2)):
+                    # allocated 0, freed (allocated - current + base) 0
                     self.st[i][j + 2] = 0
-                    self.st[i][j + 3] = 0
+                    self.st[i][j + 3] = self.st[i][j]
             self.over_alloc[2] = self.over_alloc[3] = 0
             self.over_seg[2] = self.over_seg[3] = 0
             self.n_retries = self.n_ooms = self.n_sync = self.n_dev_alloc = self.n_dev_free = 0
