@@ -232,7 +232,8 @@ class SimulatedDevice:
         ValueError
             If ``nbytes`` is not a positive integer.
         """
-        nbytes = _check_nbytes(nbytes)
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = _check_nbytes(nbytes)
         with self._lock:
             blocks = self._blocks
             limit = self.capacity * 2 if self.unified else self.capacity
