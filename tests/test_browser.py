@@ -209,6 +209,12 @@ def wait_for_views(page: Any, root: Any, n: int = 4, timeout_ms: int = 60_000) -
         arg=[root.element_handle(), DRAWN, n], timeout=timeout_ms, polling=100)
 
 
+def output_texts(page: Any) -> list[str]:
+    """The text of every output area of the page, shortened."""
+    return page.evaluate("""() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+        .map(e => e.innerText.slice(0, 120))""")
+
+
 def timeline_points(root: Any) -> int:
     return root.evaluate("""(r) => { const gd = r.querySelector('[data-view=timeline] .js-plotly-plot');
         return gd && gd._fullData ? gd._fullData[0].x.length : 0; }""")
@@ -305,15 +311,31 @@ def test_dashboard_draws_acts_and_survives_a_rerun_and_a_reload(page, lab, tmp_p
     assert timeline_points(second) >= points
     assert not [n for n in frames[n_frames:] if n > 300_000]
 
-    # save and reload the page: the views draw again, from the kernel's history
+    # save and reload the page: the views draw again, from the kernel's history. The kernel
+    # drops its first answer for plotly.js, as a reload during a widget restore can lose it:
+    # the page asks again.
+    run_code_in_new_cell(page, "import gpudash.widgets.dashboard as gd_dash\n"
+                               "gd_real, gd_asked = gd_dash.lib_message, []\n"
+                               "def gd_drop_first(raw=False):\n"
+                               "    gd_asked.append(raw)\n"
+                               "    if len(gd_asked) == 1:\n"
+                               "        raise RuntimeError('dropped')\n"
+                               "    return gd_real(raw=raw)\n"
+                               "gd_dash.lib_message = gd_drop_first\nprint('ok')")
     command(page, "docmanager:save")
-    page.wait_for_timeout(500)
+    page.wait_for_function(f"() => !{JS_NOTEBOOK}.context.model.dirty", timeout=30_000)
     page.reload()
     wait_for_notebook(page)
     dash = page.locator(".gd-root").first
-    dash.wait_for(state="attached", timeout=60_000)
+    try:
+        dash.wait_for(state="attached", timeout=60_000)
+    except Exception as exc:  # say what the page shows instead ("Loading widget...", ...)
+        raise AssertionError(f"no dashboard after the reload; the outputs show "
+                             f"{output_texts(page)}") from exc
     wait_for_views(page, dash)
     assert timeline_points(dash) >= points
+    assert page.evaluate("() => globalThis.__gpudash.libAsks") >= 1
+    assert kernel_int(page, "gd_dash.lib_message = gd_real\nprint(len(gd_asked))") >= 2
 
     # a limit lowered live below the pool: the banner says what waits to be returned, and
     # OVER LIMIT shows while bytes in use exceed the limit

@@ -12,13 +12,26 @@ function u8(buf) {
   return new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength);
 }
 
+// An answer can be lost: a page reloaded while its widgets were being restored from the kernel
+// can hold a model whose messages never come back. Every module that waits listens on its own
+// model; when no answer has come, the request goes again through the latest of them, after 8 s,
+// then 16 s, 32 s and so on (so a slow kernel is not sent a second request at once).
+const LIB_RETRY_MS = 8000;
+
 function loadPlotly(model) {
   const version = model.get("lib_version");
-  if (G.libs[version]) return G.libs[version];
-  G.libs[version] = new Promise((resolve, reject) => {
-    const onMsg = async (msg, buffers) => {
-      if (!msg || msg.type !== "lib") return;
-      model.off("msg:custom", onMsg);
+  let entry = G.libs[version];
+  if (!entry) {
+    let resolve, reject;
+    entry = G.libs[version] = new Promise((a, b) => { resolve = a; reject = b; });
+    entry.waiting = [];
+    entry.settled = false;
+    entry.take = async (msg, buffers) => {
+      if (entry.settled) return;
+      entry.settled = true;
+      clearTimeout(entry.timer);
+      for (const [m, fn] of entry.waiting) m.off("msg:custom", fn);
+      entry.waiting = [];
       try {
         const bytes = u8(buffers[0]);
         let text;
@@ -38,8 +51,28 @@ function loadPlotly(model) {
         reject(err);
       }
     };
+    const ask = () => {
+      const last = entry.waiting[entry.waiting.length - 1];
+      if (last) last[0].send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
+    };
+    let wait = LIB_RETRY_MS;
+    const again = () => {
+      if (entry.settled) return;
+      G.libAsks = (G.libAsks || 0) + 1;
+      ask();
+      wait *= 2;
+      entry.timer = setTimeout(again, wait);
+    };
+    entry.ask = ask;
+    entry.timer = setTimeout(again, wait);
+  }
+  if (!entry.settled && !entry.waiting.some(([m]) => m === model)) {
+    const onMsg = (msg, buffers) => {
+      if (msg && msg.type === "lib") entry.take(msg, buffers || []);
+    };
     model.on("msg:custom", onMsg);
-    model.send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
-  });
-  return G.libs[version];
+    entry.waiting.push([model, onMsg]);
+    if (entry.waiting.length === 1) entry.ask();
+  }
+  return entry;
 }
