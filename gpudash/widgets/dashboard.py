@@ -21,7 +21,8 @@ What crosses the wire
 - **plotly.js once per page.** The module asks the kernel for plotly.js (the cartesian
   partial bundle, gzip-compressed, ~0.5 MB) only when the page does not have it yet, and keeps
   it on ``window``; a second dashboard, a re-run of ``%gpudash`` or a re-render send nothing
-  again. A reloaded page fetches it once.
+  again. A reloaded page fetches it once. An answer that never comes (a page reloaded while
+  its widgets were restored can lose one) is asked for again after 8 s, 16 s, 32 s...
 - **Binary buffers.** Timeline points, heatmap columns (``uint8``) and chunk arrays go as
   numpy buffers; JSON carries only small figures.
 - **Increments.** After the first snapshot, a refresh sends the timeline points and heatmap
