@@ -3,15 +3,20 @@
 
 Each configuration of ``bench_ratios.py`` (bare, session, recorder, reference; and ``torch``,
 PyTorch's caching allocator on the same calls) runs under
-``valgrind --tool=callgrind`` twice, with ``--pairs`` and with twice as many; the difference
-of the two instruction counts, divided by the extra pairs, is what one pair costs (start-up
-and imports cancel out). Needs valgrind; takes a few minutes.
+``valgrind --tool=callgrind`` twice: once running the workload of ``--pairs`` pairs, once
+running the same workload twice over, on the same allocator; the difference of the two
+instruction counts, divided by the pairs, is what one pair costs (start-up, imports and
+drawing the workload cancel out, so the harness varies little). Needs valgrind; takes a
+few minutes.
 
 Counts are deterministic (``PYTHONHASHSEED=0``, one OpenBLAS thread): run to run they
-agree to the instruction.
+agree to the instruction. They move by about 10 a pair with ``--pairs`` (the allocators'
+and Python's own memory are in other states), so compare configurations at one size.
+Instructions are not time: a clock read through the kernel's vDSO or a page fault costs
+far more time than its few counted instructions (see ``bench_ratios.py``).
 
-That figure includes the harness: drawing each step's random slot and size and the loop
-that makes the two calls (about 5,400 instructions a pair on CPython 3.11). ``floor`` runs
+That figure includes the harness: the loop that makes the two calls (about 780
+instructions a pair on CPython 3.11). ``floor`` runs
 the same harness with two built-in functions in place of allocate and free; the table's
 ``net`` column is a configuration's figure minus the floor: what the allocator itself
 costs per pair, the figure to hold against the targets in the README.
@@ -42,31 +47,37 @@ from bench_ratios import LIMIT, make_workload, run
 import gpudash
 from gpudash import BFCAllocator, CachingAllocator, Recorder, SimulatedDevice
 from reference_bfc import ReferenceBFC
-config, pairs = sys.argv[2], int(sys.argv[3])
+config, pairs, times = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 steps = make_workload(pairs)
 if config == "floor":
-    run(abs, id, steps)
+    for _ in range(times):
+        run(abs, id, steps)
 elif config == "bare":
     a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
-    run(a.allocate, a.deallocate, steps)
+    for _ in range(times):
+        run(a.allocate, a.deallocate, steps)
 elif config == "session":
     with gpudash.Session(simulate="16GiB", config={"allow_growth": True}) as sess:
-        run(sess.allocate, sess.free, steps)
+        for _ in range(times):
+            run(sess.allocate, sess.free, steps)
 elif config == "recorder":
     a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
-    rec = Recorder(a, capacity=4 * pairs + 1000)
-    run(a.allocate, a.deallocate, steps)
+    rec = Recorder(a, capacity=4 * pairs * times + 1000)
+    for _ in range(times):
+        run(a.allocate, a.deallocate, steps)
     rec.detach()
 elif config == "torch":
     a = CachingAllocator(SimulatedDevice("16GiB"))
-    run(a.allocate, a.deallocate, steps)
+    for _ in range(times):
+        run(a.allocate, a.deallocate, steps)
 else:
     r = ReferenceBFC(LIMIT)
-    run(r.allocate, r.deallocate, steps)
+    for _ in range(times):
+        run(r.allocate, r.deallocate, steps)
 """
 
 
-def instructions(config: str, pairs: int, pure: bool = False) -> int:
+def instructions(config: str, pairs: int, times: int, pure: bool = False) -> int:
     # Deterministic counts: one hash seed, and no OpenBLAS threads (numpy starts them at
     # import; they spin for a while, and their instructions vary from run to run).
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -77,7 +88,7 @@ def instructions(config: str, pairs: int, pure: bool = False) -> int:
         out = Path(tmp) / "cg.out"
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-             sys.executable, "-c", ONE, str(HERE), config, str(pairs)],
+             sys.executable, "-c", ONE, str(HERE), config, str(pairs), str(times)],
             capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{config}: valgrind failed:\n{proc.stderr[-2000:]}")
@@ -104,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         for config in configs:
             if config == "floor" and label:
                 continue
-            lo = instructions(config, args.pairs, pure)
-            hi = instructions(config, 2 * args.pairs, pure)
+            lo = instructions(config, args.pairs, 1, pure)
+            hi = instructions(config, args.pairs, 2, pure)
             name = label + config
             per_pair[name] = (hi - lo) / args.pairs
             net = per_pair[name] - per_pair["floor"] if config != "floor" else 0.0

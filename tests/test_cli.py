@@ -154,6 +154,11 @@ def test_info_says_which_allocator_core_runs(pure, monkeypatch):
         assert "pure Python (GPUDASH_PURE_PYTHON is set)" in line
     elif _accel._load()[0] is not None:   # the core loads here
         assert "compiled (gpudash._core" in line and "GPUDASH_PURE_PYTHON=1" in proc.stdout
+        from gpudash import _core
+
+        times = next(ln for ln in proc.stdout.splitlines() if "event times:" in ln)
+        assert _core.JOURNAL_CLOCK_REASON in times
+        assert ("time-stamp counter" in times) == (_core.JOURNAL_CLOCK == "tsc")
     else:
         assert "pure Python (the compiled core is not built here" in line
 

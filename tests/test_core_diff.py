@@ -228,6 +228,65 @@ def test_the_journal_reads_as_a_list():
         j[8]
 
 
+STAMPS = r"""
+import json, sys, time
+import gpudash
+from gpudash import _core
+
+def bounds(model):
+    # each operation between two time.time_ns() readings, with pauses, read in two parts:
+    # every record's time lies between the readings around its operation, never before
+    # the record ahead of it, and a second read leaves the first read's times as they were
+    dev = gpudash.SimulatedDevice("8GiB")
+    a = gpudash.BFCAllocator(dev, 1 << 32) if model == "bfc" else gpudash.CachingAllocator(dev)
+    a._add_sink(lambda records, extra: None, raw=True)
+    spans, first = [], None
+    for i in range(400):
+        before = time.time_ns()
+        p = a.allocate(1000 + 4096 * (i % 7))
+        a.deallocate(p)
+        spans.append((before, time.time_ns()))
+        if i % 50 == 0:
+            time.sleep(0.002)
+        if i == 199:
+            first = a._journal.tolist()
+    ints = a._journal.tolist()
+    assert ints[:len(first)] == first
+    times, codes = ints[0::8], ints[1::8]
+    assert times == sorted(times)
+    ops = [t for t, c in zip(times, codes) if c in (1, 2)]   # alloc, free
+    assert len(ops) == 800
+    worst = 0
+    for k, (lo, hi) in enumerate(spans):
+        for t in ops[2 * k:2 * k + 2]:
+            worst = max(worst, lo - t, t - hi)
+    return worst
+
+print(json.dumps({"clock": _core.JOURNAL_CLOCK,
+                  "worst": max(bounds("bfc"), bounds("torch"))}))
+"""
+
+
+@pytest.mark.parametrize("clock", ["", "realtime"])
+def test_the_journals_times_are_the_wall_clock(clock):
+    """The journal stamps records with the time-stamp counter where the kernel keeps time
+    by it, and reads them as time.time_ns() values; GPUDASH_JOURNAL_CLOCK=realtime (or a
+    machine without a trustworthy counter) stamps time.time_ns() directly. Either way a
+    record's time lies within the time.time_ns() readings around its operation (50 µs of
+    slack: the wall clock may be slewed while a run lasts)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, GPUDASH_JOURNAL_CLOCK=clock)
+    proc = subprocess.run([sys.executable, "-c", STAMPS], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    if clock == "realtime":
+        assert got["clock"] == "realtime"
+    assert got["worst"] <= 50_000, got
+
+
 @pytest.mark.parametrize("model", ["bfc", "torch"])
 def test_the_journal_counts_its_events_as_the_python_count_does(model):
     """The compiled journal counts the events its records expand into as they are written

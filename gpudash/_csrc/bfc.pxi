@@ -363,7 +363,7 @@ cdef class BFCCore:
         if size > self._largest:
             self._largest = size
         if self.jr is not None:
-            self.jr.push(now_ns(), K_ALLOC, <int64_t>ptr, size, nbytes, remainder, 0, 0)
+            self.jr.push(K_ALLOC, <int64_t>ptr, size, nbytes, remainder, 0, 0, remainder != 0)
         return ptr
 
     cdef uint64_t allocate_slow(self, int64_t nbytes, int64_t rounded, int b) except? 1:
@@ -459,7 +459,7 @@ cdef class BFCCore:
                 ptr = self.allocate_slow(n, rounded, b)
             if listening:
                 if not ptr and record_oom:
-                    self.jr.push(now_ns(), K_OOM, 0, rounded, n, 0, 0, 0)
+                    self.jr.push(K_OOM, 0, rounded, n, 0, 0, 0, 0)
                 if self._flush_at == 0 or self.jr.n >= JOURNAL_FLUSH:
                     self._after_op(start)
         finally:
@@ -509,6 +509,7 @@ cdef class BFCCore:
         cdef Chunk* c = &self.ch[h]
         cdef int64_t freed, size, aid, requested, next_size = 0, prev_size = 0, start
         cdef int32_t n, p, nn
+        cdef Py_ssize_t merged = 0   # neighbours merged: the free's events beyond one
         cdef int b
         cdef Key k
         freed = size = c.size
@@ -526,6 +527,7 @@ cdef class BFCCore:
                 self.ch[nn].prev = h
             size += next_size
             self.delete_chunk(n)
+            merged = 1
         p = c.prev
         if p >= 0 and self.ch[p].aid < 0:
             prev_size = self.ch[p].size
@@ -536,6 +538,7 @@ cdef class BFCCore:
             size += prev_size
             self.delete_chunk(h)
             h = p
+            merged += 1
         c = &self.ch[h]
         c.size = size
         b = bin_of(size)
@@ -547,8 +550,8 @@ cdef class BFCCore:
         self.mask |= (<uint32_t>1) << b
         if self.jr is not None:
             start = self.jr.n
-            self.jr.push(now_ns(), K_FREE, <int64_t>ptr, freed, requested, aid, next_size,
-                         prev_size)
+            self.jr.push(K_FREE, <int64_t>ptr, freed, requested, aid, next_size,
+                         prev_size, merged)
             if self._capped and c.prev < 0 and c.next < 0:
                 self.release_region(self.region_index(c.ptr))
             if start >= self._flush_at:
@@ -781,7 +784,7 @@ cdef class BFCCore:
         pm_put(&self.byptr, ptr, h)
         self.insert_free(h)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_EXTEND, <int64_t>ptr, nbytes, rounded, 0, 0, 0)
+            self.jr.push(K_EXTEND, <int64_t>ptr, nbytes, rounded, 0, 0, 0, 0)
         return 0
 
     def _add_region(self, ptr, nbytes, rounded):
@@ -809,7 +812,7 @@ cdef class BFCCore:
         memmove(&self.regs[ri], &self.regs[ri + 1], (self.nreg - ri - 1) * sizeof(Region))
         self.nreg -= 1
         if self.jr is not None:
-            self.jr.push(now_ns(), K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0)
+            self.jr.push(K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0, 0)
         return size
 
     cdef int64_t release_region(self, int32_t ri) except -1:

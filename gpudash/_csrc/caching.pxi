@@ -1085,7 +1085,7 @@ cdef class CachingCore:
             self.trace(_A_ALLOC, b.ptr, orig, stream)
             b = &self.bk[blk]
         if self.jr is not None:
-            self.jr.push(now_ns(), K_ALLOC, <int64_t>b.ptr, bsize, orig, remainder, 0, 0)
+            self.jr.push(K_ALLOC, <int64_t>b.ptr, bsize, orig, remainder, 0, 0, remainder != 0)
         return b.ptr
 
     # ------------------------------------------------------------------ new memory
@@ -1127,7 +1127,7 @@ cdef class CachingCore:
         if self._history is not None:
             self.trace(_A_SEG_ALLOC, p, alloc_size, stream)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_EXTEND, <int64_t>p, alloc_size, size, 0, 0, 0)
+            self.jr.push(K_EXTEND, <int64_t>p, alloc_size, size, 0, 0, 0, 0)
         return blk
 
     cdef int release_block(self, int32_t blk) except -1:
@@ -1147,7 +1147,7 @@ cdef class CachingCore:
         if self._history is not None:
             self.trace(_A_SEG_FREE, ptr, size, stream)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0)
+            self.jr.push(K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0, 0)
         self._sub.free(ptr, size)
         self._reserved -= size
         st_dec(self.st[ST_SEGMENT], pool + 1, 1)
@@ -1463,17 +1463,17 @@ cdef class CachingCore:
         if self._history is not None:
             self.trace(_A_SEG_MAP, mptr, msize, self.bk[to_map].stream)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_EXTEND, <int64_t>mptr, msize, rounded, 0, 0, 0)
+            self.jr.push(K_EXTEND, <int64_t>mptr, msize, rounded, 0, 0, 0, 0)
         # the new pages join free mapped neighbours (merge events say so)
         merged_prev = self.try_merge(to_map, self.bk[to_map].prev)
         merged_next = self.try_merge(to_map, self.bk[to_map].next)
         if self.jr is not None:
             if merged_prev:
-                self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
-                             self.bk[to_map].size, merged_prev, 0, 0, 0)
+                self.jr.push(K_MERGE, <int64_t>self.bk[to_map].ptr,
+                             self.bk[to_map].size, merged_prev, 0, 0, 0, 0)
             if merged_next:
-                self.jr.push(now_ns(), K_MERGE, <int64_t>self.bk[to_map].ptr,
-                             self.bk[to_map].size, merged_next, 0, 0, 0)
+                self.jr.push(K_MERGE, <int64_t>self.bk[to_map].ptr,
+                             self.bk[to_map].size, merged_next, 0, 0, 0, 0)
         self.bk[to_map].gc_base = self.calls[pool]
         ps_insert(&self.keys[pool], self.bk, to_map)
         return True
@@ -1544,7 +1544,7 @@ cdef class CachingCore:
         if self._history is not None:
             self.trace(_A_SEG_UNMAP, uptr, usize, self.bk[block].stream)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_RELEASE, <int64_t>uptr, usize, 0, 0, 0, 0)
+            self.jr.push(K_RELEASE, <int64_t>uptr, usize, 0, 0, 0, 0, 0)
         return 0
 
     cdef int release_expandable_segment(self, int32_t block) except -1:
@@ -1709,6 +1709,7 @@ cdef class CachingCore:
         cdef int pool = b.pool, t = pool + 1
         cdef int64_t bsize = b.size, req = b.requested, aid = b.aid
         cdef int64_t prev_size = 0, next_size = 0, net_blocks, net_bytes
+        cdef Py_ssize_t merged = 0   # neighbours merged: the free's events beyond one
         cdef uint64_t ptr = b.ptr, stream = b.stream
         cdef int32_t p, n, pp, nn
         b.allocated = 0
@@ -1740,6 +1741,7 @@ cdef class CachingCore:
             self.bk[p].stream = stream
             self.drop_block(blk)
             blk = p
+            merged = 1
         if n >= 0 and not self.bk[n].allocated and self.bk[n].mapped:
             ps_erase(&self.keys[pool], self.bk, n)
             self.unput(self.bk[n].ptr)
@@ -1749,6 +1751,7 @@ cdef class CachingCore:
             next_size = self.bk[n].size
             self.bk[blk].size += next_size
             self.drop_block(n)
+            merged += 1
         b = &self.bk[blk]
         b.gc_base = self.calls[pool]
         ps_insert(&self.keys[pool], self.bk, blk)
@@ -1770,8 +1773,8 @@ cdef class CachingCore:
                 st_dec(self.st[ST_INACTIVE_SPLIT_BYTES], t, -net_bytes)
         st_dec(self.st[ST_REQUESTED_BYTES], t, req)
         if self.jr is not None:
-            self.jr.push(now_ns(), K_FREE, <int64_t>ptr, bsize, req, aid, next_size,
-                         prev_size)
+            self.jr.push(K_FREE, <int64_t>ptr, bsize, req, aid, next_size,
+                         prev_size, merged)
         return 0
 
     # ------------------------------------------------------------------ queries
@@ -1824,7 +1827,7 @@ cdef class CachingCore:
             self._history.append((_A_OOM, device_free, size, stream, now_ns() // 1000))
         self.n_ooms += 1
         if self.jr is not None:
-            self.jr.push(now_ns(), K_OOM, 0, size, nbytes, 0, 0, 0)
+            self.jr.push(K_OOM, 0, size, nbytes, 0, 0, 0, 0)
         if not build:
             return None
         message = self.oom_message(alloc_size, device_free)
