@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = ("floor", "bare", "session", "recorder", "reference", "torch")
 
 ONE = r"""
+import contextlib
 import sys
 sys.path.insert(0, sys.argv[1])
 from bench_ratios import LIMIT, make_workload, run
@@ -49,31 +50,26 @@ from gpudash import BFCAllocator, CachingAllocator, Recorder, SimulatedDevice
 from reference_bfc import ReferenceBFC
 config, pairs, times = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 steps = make_workload(pairs)
-if config == "floor":
+with contextlib.ExitStack() as stack:
+    if config == "floor":
+        calls = (abs, id)
+    elif config == "session":
+        sess = stack.enter_context(
+            gpudash.Session(simulate="16GiB", config={"allow_growth": True}))
+        calls = (sess.allocate, sess.free)
+    elif config == "torch":
+        a = CachingAllocator(SimulatedDevice("16GiB"))
+        calls = (a.allocate, a.deallocate)
+    elif config == "reference":
+        r = ReferenceBFC(LIMIT)
+        calls = (r.allocate, r.deallocate)
+    else:  # bare, recorder
+        a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
+        calls = (a.allocate, a.deallocate)
+        if config == "recorder":
+            stack.callback(Recorder(a, capacity=4 * pairs * times + 1000).detach)
     for _ in range(times):
-        run(abs, id, steps)
-elif config == "bare":
-    a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
-    for _ in range(times):
-        run(a.allocate, a.deallocate, steps)
-elif config == "session":
-    with gpudash.Session(simulate="16GiB", config={"allow_growth": True}) as sess:
-        for _ in range(times):
-            run(sess.allocate, sess.free, steps)
-elif config == "recorder":
-    a = BFCAllocator(SimulatedDevice("16GiB"), LIMIT, allow_growth=True)
-    rec = Recorder(a, capacity=4 * pairs * times + 1000)
-    for _ in range(times):
-        run(a.allocate, a.deallocate, steps)
-    rec.detach()
-elif config == "torch":
-    a = CachingAllocator(SimulatedDevice("16GiB"))
-    for _ in range(times):
-        run(a.allocate, a.deallocate, steps)
-else:
-    r = ReferenceBFC(LIMIT)
-    for _ in range(times):
-        run(r.allocate, r.deallocate, steps)
+        run(*calls, steps)
 """
 
 
