@@ -12,8 +12,9 @@ change it. Differential tests hold the two to the same addresses, statistics, ev
 errors (``tests/test_core_diff.py``, ``benchmarks/fuzz_core.py``).
 
 Sources: this file and the ``_csrc/*.pxi`` it includes (base: lock, journal, sorted keys,
-hash map, event expansion; bfc; caching; replay; session: the session's lock, queue fields and
-the fast paths of ``Session.allocate`` and ``Session.free``).
+hash map, event expansion; devices: a simulated device's first-fit placement; bfc; caching;
+replay; session: the session's lock, queue fields and the fast paths of ``Session.allocate``
+and ``Session.free``).
 """
 
 import threading
@@ -96,6 +97,7 @@ _GC_MESSAGE = ""
 _PyCaching = _PyStats = _PyBlock = _PyPool = _PyES = _stream_of = None
 
 include "_csrc/base.pxi"
+include "_csrc/devices.pxi"
 include "_csrc/bfc.pxi"
 include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._accel import compiled as _compiled
 from ._errors import BackendUnavailableError, ConfigError, InvalidPointerError
 from ._units import format_bytes, parse_bytes
 
@@ -137,6 +138,85 @@ class _BlockTable:
         self.used = 0
         self.version += 1
 
+    def __len__(self) -> int:
+        return len(self.ptrs)
+
+
+#: Addresses a simulated device hands out stay below this (a placement that would pass it
+#: is refused, as if the address space were full): both tables keep addresses in int64.
+ADDRESS_END = 1 << 62
+
+
+class _FirstFitTable(_BlockTable):
+    """A :class:`SimulatedDevice`'s live blocks and where the next one goes: first fit from
+    ``first``, every block on an ``alignment`` boundary, refused when the live blocks plus
+    ``extra`` plus the request would pass ``limit``.
+
+    This is the readable reference. The compiled core's ``FirstFit`` places blocks the same
+    way, block for block (``tests/test_core_diff.py``), and the compiled PyTorch model calls
+    it without Python for each new segment. ``placed`` and ``removed`` count the blocks that
+    :meth:`place` made and :meth:`remove` took back (not :meth:`add`'s copies)."""
+
+    __slots__ = ("first", "alignment", "limit", "extra", "placed", "removed", "_fit")
+
+    def __init__(self, first: int, alignment: int, limit: int) -> None:
+        super().__init__()
+        self.first = first
+        self.alignment = alignment
+        self.limit = limit
+        self.extra = 0     # bytes held outside the blocks that count against the limit
+        self.placed = 0
+        self.removed = 0
+        # (version, widest gap, end): the first-fit scan's summary of the blocks while
+        # they stay as they were: no request wider than the widest gap between them fits
+        # before the end, the cursor after the last block
+        self._fit: tuple[int, int, int] | None = None
+
+    def place(self, nbytes: int) -> int:
+        """The address of a new block of ``nbytes`` (> 0), now live; 0 when it does not fit
+        under the limit (or the address space)."""
+        if self.used + self.extra + nbytes > self.limit:
+            return 0
+        align = self.alignment
+        fit = self._fit
+        if fit is None or fit[0] != self.version:
+            fit = self._survey()
+        if nbytes > fit[1]:
+            # no gap is wide enough: the first fit is past the last block, and a block
+            # there leaves no gap before it
+            cursor = fit[2]
+            if cursor + nbytes > ADDRESS_END:
+                return 0
+            self.add(cursor, nbytes)
+            self._fit = (self.version, fit[1], _align_up(cursor + nbytes, align))
+        else:
+            cursor = self.first
+            sizes = self.sizes
+            for ptr in self.ptrs:
+                if ptr - cursor >= nbytes:
+                    break
+                cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
+            self.add(cursor, nbytes)
+        self.placed += 1
+        return cursor
+
+    def remove(self, owner: str, ptr: int, nbytes: int) -> None:
+        super().remove(owner, ptr, nbytes)
+        self.removed += 1
+
+    def _survey(self) -> tuple[int, int, int]:
+        """The first-fit scan over every block: (version, widest gap, end)."""
+        align = self.alignment
+        cursor = self.first
+        sizes = self.sizes
+        widest = 0
+        for ptr in self.ptrs:
+            if ptr - cursor > widest:
+                widest = ptr - cursor
+            cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
+        self._fit = (self.version, widest, cursor)
+        return self._fit
+
 
 # --------------------------------------------------------------------------------------------
 
@@ -211,12 +291,12 @@ class SimulatedDevice:
         self.unified = bool(unified)
         self.compute_capability = _check_cc(compute_capability)
         self._first = _align_up(base, alignment)
-        self._blocks = _BlockTable()
+        limit = capacity * 2 if self.unified else capacity
+        table = _FirstFitTable
+        if self._first < ADDRESS_END and limit < ADDRESS_END:
+            table = _compiled("FirstFit", _FirstFitTable)
+        self._blocks = table(self._first, alignment, limit)
         self._lock = threading.Lock()
-        # (blocks.version, widest gap, end): the first-fit scan's summary of the blocks,
-        # while they stay as they were: no request wider than the widest gap between them
-        # fits before the end, the cursor after the last block
-        self._fit: tuple[int, int, int] | None = None
 
     # -- the sub-allocator interface ----------------------------------------------------------
 
@@ -228,55 +308,41 @@ class SimulatedDevice:
         MemoryError
             When the live blocks plus ``nbytes`` would exceed the capacity (twice it when
             ``unified``). The message names the device, the request, the bytes used and the
-            capacity.
+            capacity. (Also when the block would end past address ``1 << 62``, which no
+            realistic sequence of calls reaches.)
         ValueError
             If ``nbytes`` is not a positive integer.
         """
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = _check_nbytes(nbytes)
         with self._lock:
-            blocks = self._blocks
-            limit = self.capacity * 2 if self.unified else self.capacity
-            if blocks.used + nbytes > limit:
-                extra = " (unified memory: up to 2x capacity)" if self.unified else ""
-                raise MemoryError(
-                    f"{self.name}: cannot allocate {format_bytes(nbytes)} ({nbytes} bytes): "
-                    f"{blocks.used} bytes used of {self.capacity} bytes capacity"
-                    f"{extra}, {limit - blocks.used} bytes left"
-                )
-            align = self.alignment
-            fit = self._fit
-            if fit is None or fit[0] != blocks.version:
-                fit = self._survey()
-            if nbytes > fit[1]:
-                # no gap is wide enough: the first fit is past the last block, and a block
-                # there leaves no gap before it
-                cursor = fit[2]
-                blocks.add(cursor, nbytes)
-                self._fit = (blocks.version, fit[1], _align_up(cursor + nbytes, align))
-                return cursor
-            cursor = self._first
-            sizes = blocks.sizes
-            for ptr in blocks.ptrs:
-                if ptr - cursor >= nbytes:
-                    break
-                cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
-            blocks.add(cursor, nbytes)
-            return cursor
+            ptr = self._blocks.place(nbytes)
+            if ptr:
+                return ptr
+            raise MemoryError(self._refusal(nbytes))
 
-    def _survey(self) -> tuple[int, int, int]:
-        """The first-fit scan over every block: (version, widest gap, end)."""
+    def _refusal(self, nbytes: int) -> str:
+        """Why a request of ``nbytes`` was refused, by the state now."""
         blocks = self._blocks
-        align = self.alignment
-        cursor = self._first
-        sizes = blocks.sizes
-        widest = 0
-        for ptr in blocks.ptrs:
-            if ptr - cursor > widest:
-                widest = ptr - cursor
-            cursor = max(cursor, _align_up(ptr + sizes[ptr], align))
-        self._fit = (blocks.version, widest, cursor)
-        return self._fit
+        limit = blocks.limit
+        if blocks.used + blocks.extra + nbytes > limit:
+            extra = " (unified memory: up to 2x capacity)" if self.unified else ""
+            return (f"{self.name}: cannot allocate {format_bytes(nbytes)} ({nbytes} bytes): "
+                    f"{blocks.used} bytes used of {self.capacity} bytes capacity"
+                    f"{extra}, {limit - blocks.used} bytes left")
+        return (f"{self.name}: cannot allocate {format_bytes(nbytes)} ({nbytes} bytes) "
+                f"past the end of its address space ({ADDRESS_END:#x})")
+
+    @property
+    def _placement(self) -> Any:
+        """The compiled block table, for the compiled allocators to place and free blocks
+        without Python; None on the pure-Python path, or when a subclass places blocks its
+        own way."""
+        cls = type(self)
+        if (type(self._blocks) is _FirstFitTable or cls.alloc is not SimulatedDevice.alloc
+                or cls.free is not SimulatedDevice.free):
+            return None
+        return self._blocks
 
     def free(self, ptr: int, nbytes: int) -> None:
         """Release a block returned by :meth:`alloc`.
@@ -341,7 +407,7 @@ class SimulatedDevice:
     def __repr__(self) -> str:
         unified = ", unified" if self.unified else ""
         return (f"SimulatedDevice({self.name!r}, {format_bytes(self.capacity)}, "
-                f"used={format_bytes(self.used)}, blocks={len(self._blocks.ptrs)}{unified})")
+                f"used={format_bytes(self.used)}, blocks={len(self._blocks)}{unified})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,7 +585,7 @@ class HostMemory:
     def __repr__(self) -> str:
         cap = "unlimited" if self.capacity is None else format_bytes(self.capacity)
         return (f"HostMemory({self.name!r}, {cap}, used={format_bytes(self.used)}, "
-                f"blocks={len(self._blocks.ptrs)})")
+                f"blocks={len(self._blocks)})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,4 +798,4 @@ class CudaMemory:
 
     def __repr__(self) -> str:
         return (f"CudaMemory(device_id={self.device_id}, name={self.name!r}, "
-                f"used={format_bytes(self.used)}, blocks={len(self._blocks.ptrs)})")
+                f"used={format_bytes(self.used)}, blocks={len(self._blocks)})")

@@ -342,3 +342,131 @@ def test_copies_of_the_compiled_allocator_are_independent():
     assert a.owns(ptrs[0]) and not b.owns(ptrs[0])
     a.check()
     b.check()
+
+
+# ------------------------------------------------------------------------------ placement
+def _placement_ops(seed: int, n: int):
+    """A random run of place / remove / add / clear calls on a simulated device's table,
+    sizes from a byte to a few alignments, with gaps that a first fit can reuse."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.55:
+            yield ("place", int(rng.choice([1, 511, 4096, 1 << 20, (2 << 20) + 1, 5 << 20,
+                                            int(rng.integers(1, 12 << 20))])))
+        elif r < 0.97:
+            yield ("remove", int(rng.integers(0, 1 << 30)))
+        elif r < 0.999:
+            yield ("extra", int(rng.integers(0, 64 << 20)))
+        else:
+            yield ("clear", 0)
+
+
+@pytest.mark.parametrize("alignment,limit", [(2 << 20, 256 << 20), (512, 48 << 20),
+                                             (1 << 30, 1 << 40)])
+def test_the_compiled_placement_table_places_as_the_python_one(alignment, limit):
+    from gpudash import _core
+    from gpudash.devices import _FirstFitTable
+
+    first = (0x7F0000000000 + alignment - 1) & -alignment
+    py, c = _FirstFitTable(first, alignment, limit), _core.FirstFit(first, alignment, limit)
+    live: list[tuple[int, int]] = []
+    most = refused = 0
+    for op, arg in _placement_ops(alignment ^ limit, 20_000):
+        if op == "place":
+            got = (py.place(arg), c.place(arg))
+            assert got[0] == got[1], (op, arg, got)
+            if got[0]:
+                live.append((got[0], arg))
+            refused += not got[0]
+        elif op == "remove" and live:
+            ptr, size = live.pop(arg % len(live))
+            py.remove("sim0", ptr, size)
+            c.remove("sim0", ptr, size)
+        elif op == "extra":
+            py.extra = c.extra = arg
+        elif op == "clear":
+            py.clear()
+            c.clear()
+            live.clear()
+        assert (c.used, c.version, c.placed, c.removed, len(c)) == \
+            (py.used, py.version, py.placed, py.removed, len(py))
+        most = max(most, len(py))
+    assert c.items() == py.items()
+    assert most > 10 and py.placed > 5_000
+    assert refused > 0 or limit > 1 << 32
+    # a copy made block by block places the next block where the original would
+    py2, c2 = _FirstFitTable(first, alignment, limit), _core.FirstFit(first, alignment, limit)
+    for ptr, size in py.items():
+        py2.add(ptr, size)
+        c2.add(ptr, size)
+    assert c2.place(3 << 20) == py2.place(3 << 20) and c2.items() == py2.items()
+
+
+@pytest.mark.parametrize("args", [(1, 100), (0x7F0000000000, 999), (0x7F0000000000, 100.0),
+                                  ("x", 100), (-1, 100), (1 << 70, 100)],
+                         ids=["unknown", "wrong-size", "float-size", "str", "negative",
+                              "huge"])
+def test_the_compiled_placement_table_refuses_frees_as_the_python_one(args):
+    from gpudash import _core
+    from gpudash.devices import _FirstFitTable
+
+    tables = [t(0x7F0000000000, 512, 1 << 30) for t in (_FirstFitTable, _core.FirstFit)]
+    errors = []
+    for t in tables:
+        assert t.place(1000) == 0x7F0000000000
+        try:
+            t.remove("sim0", *args)
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append((type(exc), str(exc)))
+    assert errors[0] == errors[1]
+    assert [t.items() for t in tables] == [tables[0].items()] * 2
+
+
+def test_the_compiled_pytorch_model_places_segments_on_the_devices_table():
+    dev = gpudash.SimulatedDevice("1GiB")
+    assert type(dev._placement).__name__ == "FirstFit"
+    a = gpudash.CachingAllocator(dev)
+    ptrs = [a.allocate(30 << 20) for _ in range(3)]
+    assert dev._blocks.placed == 3 and [p for p, _ in dev.blocks()] == ptrs
+    for p in ptrs:
+        a.deallocate(p)
+    a.empty_cache()
+    assert dev._blocks.removed == 3 and dev.used == 0
+    a.check()
+
+    class Refusing(gpudash.SimulatedDevice):
+        """A device of its own rules: the model must call it, not the table."""
+
+        def alloc(self, nbytes):
+            raise MemoryError("refused")
+
+    ref = Refusing("1GiB")
+    assert ref._placement is None
+    with pytest.raises(gpudash.OutOfMemoryError):
+        gpudash.CachingAllocator(ref).allocate(1 << 20)
+    assert ref.used == 0
+
+
+def test_a_replays_device_counts_the_segments_placed_without_python():
+    from gpudash.trace.replay import _CountingSub
+
+    sub = _CountingSub(gpudash.SimulatedDevice("1GiB"), extensions=5, releases=1)
+    a = gpudash.CachingAllocator(sub)
+    assert sub._placement is sub.dev._blocks
+    ptrs = [a.allocate(30 << 20) for _ in range(3)]
+    st = a.memory_stats()
+    assert (sub.extensions, st["num_device_alloc"]) == (8, 3)
+    a.deallocate(ptrs[0])
+    a.empty_cache()
+    copy = sub.clone()
+    assert (sub.releases, copy.extensions, copy.releases) == (2, 8, 2)
+    assert copy.dev.blocks() == sub.dev.blocks() and len(copy.dev.blocks()) == 2
+    # the pages of expandable segments count against the device for the table too
+    sub.create_page(950 << 20)
+    with pytest.raises(gpudash.OutOfMemoryError):
+        a.allocate(60 << 20)
+    sub.release_page(1, 950 << 20)
+    a.deallocate(a.allocate(60 << 20))
+

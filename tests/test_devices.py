@@ -114,6 +114,18 @@ def test_simulated_capacity_is_enforced():
         dev.alloc(1)
 
 
+def test_simulated_addresses_stop_at_the_end_of_the_address_space():
+    end = devices.ADDRESS_END
+    dev = SimulatedDevice(GiB, base=end - 4 * MiB)
+    assert [dev.alloc(MiB), dev.alloc(2 * MiB)] == [end - 4 * MiB, end - 2 * MiB]
+    with pytest.raises(MemoryError, match=r"past the end of its address space \(0x4000"):
+        dev.alloc(1)
+    assert dev.used == 3 * MiB
+    dev.free(end - 4 * MiB, MiB)
+    assert dev.alloc(2 * MiB) == end - 4 * MiB  # a gap before the end still fits
+    dev.check()
+
+
 def test_simulated_unified_allows_twice_the_capacity():
     dev = SimulatedDevice(8 * MiB, unified=True)
     dev.alloc(8 * MiB)

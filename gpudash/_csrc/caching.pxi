@@ -573,6 +573,8 @@ cdef class CachingCore:
     cdef uint64_t version
     cdef object mat
     cdef Journal jr
+    cdef FirstFit _ff               # the sub-allocator's compiled table (None: call it)
+    cdef object _ff_sub             # the sub-allocator _ff was found for
     cdef readonly Lock _lock
     cdef public bint _plain_round, _split_any, _gc_on, _set_fraction
     cdef public int64_t _reserved, _allowed, _next_aid, _peak_reserved, _largest, _flush_at
@@ -1102,13 +1104,19 @@ cdef class CachingCore:
             return -1
         if self.expandable_on and self.v21:
             return self.try_allocate_expandable(pool, stream, size)
-        try:
-            ptr = self._sub.alloc(alloc_size)
-        except MemoryError:
-            return -1
-        if not ptr:
-            return -1
-        p = int(ptr)
+        ff = self.placement()
+        if ff is not None:
+            p = <uint64_t>ff.c_place(alloc_size)
+            if p == 0:
+                return -1
+        else:
+            try:
+                ptr = self._sub.alloc(alloc_size)
+            except MemoryError:
+                return -1
+            if not ptr:
+                return -1
+            p = int(ptr)
         self._reserved += alloc_size
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
@@ -1130,6 +1138,18 @@ cdef class CachingCore:
             self.jr.push(K_EXTEND, <int64_t>p, alloc_size, size, 0, 0, 0, 0)
         return blk
 
+    @cython.final
+    cdef FirstFit placement(self):
+        """The sub-allocator's compiled block table when it has one (a simulated device on
+        the compiled path: ``_placement``), for a segment's cudaMalloc and cudaFree without
+        Python; None: call its ``alloc`` and ``free``."""
+        sub = self._sub
+        if sub is not self._ff_sub:
+            found = getattr(sub, "_placement", None)
+            self._ff = found if type(found) is FirstFit else None
+            self._ff_sub = sub
+        return self._ff
+
     cdef int release_block(self, int32_t blk) except -1:
         """_release_block: cudaFree of a whole free segment."""
         cdef uint64_t ptr = self.bk[blk].ptr, stream = self.bk[blk].stream
@@ -1148,7 +1168,9 @@ cdef class CachingCore:
             self.trace(_A_SEG_FREE, ptr, size, stream)
         if self.jr is not None:
             self.jr.push(K_RELEASE, <int64_t>ptr, size, 0, 0, 0, 0, 0)
-        self._sub.free(ptr, size)
+        ff = self.placement()
+        if ff is None or not ff.c_remove(<int64_t>ptr, size):
+            self._sub.free(ptr, size)
         self._reserved -= size
         st_dec(self.st[ST_SEGMENT], pool + 1, 1)
         st_dec(self.st[ST_RESERVED_BYTES], pool + 1, size)

@@ -627,23 +627,38 @@ _UNSET: Any = _Unset()
 
 # ---------------------------------------------------------------------------------- engine
 class _CountingSub:
-    """A sub-allocator that counts the regions it hands out and takes back."""
+    """The replay's sub-allocator: a simulated device, the regions it handed out and took
+    back (``extensions``, ``releases``: the device table's own counts, so that segments the
+    compiled PyTorch model places without Python count too), and the physical pages of
+    expandable segments."""
 
-    __slots__ = ("dev", "extensions", "releases", "page_bytes", "_next_page")
+    __slots__ = ("dev", "page_bytes", "_next_page", "_base")
 
-    def __init__(self, dev: SimulatedDevice) -> None:
+    def __init__(self, dev: SimulatedDevice, extensions: int = 0, releases: int = 0) -> None:
         self.dev = dev
-        self.extensions = 0
-        self.releases = 0
         self.page_bytes = 0  # physical pages of expandable segments, counted not placed
         self._next_page = 1
+        table = dev._blocks
+        self._base = (extensions - table.placed, releases - table.removed)
+
+    @property
+    def extensions(self) -> int:
+        return self.dev._blocks.placed + self._base[0]
+
+    @property
+    def releases(self) -> int:
+        return self.dev._blocks.removed + self._base[1]
+
+    @property
+    def _placement(self) -> Any:
+        """The device's compiled table (see ``SimulatedDevice._placement``): the pages'
+        bytes are the table's ``extra``, so a segment placed there meets :meth:`_room` too."""
+        return self.dev._placement
 
     def alloc(self, nbytes: int) -> int:
         if self.page_bytes and not self.dev.unified:
             self._room(nbytes)
-        ptr = self.dev.alloc(nbytes)  # raises MemoryError when it cannot
-        self.extensions += 1
-        return ptr
+        return self.dev.alloc(nbytes)  # raises MemoryError when it cannot
 
     def _room(self, nbytes: int) -> None:
         dev = self.dev
@@ -653,22 +668,27 @@ class _CountingSub:
                 f"{dev.name}: cannot allocate {nbytes} bytes: {dev.used + self.page_bytes} "
                 f"bytes used of {dev.capacity} bytes capacity, {max(0, left)} bytes left")
 
+    def _pages_changed(self) -> None:
+        # pages count against a device's capacity, not against unified memory's 2x
+        self.dev._blocks.extra = 0 if self.dev.unified else self.page_bytes
+
     def create_page(self, nbytes: int) -> int:
         """One physical page of an expandable segment (``cuMemCreate``): only its bytes
         count, since pages have no address until mapped into the segment's range."""
         if not self.dev.unified:
             self._room(nbytes)
         self.page_bytes += nbytes
+        self._pages_changed()
         handle = self._next_page
         self._next_page += 1
         return handle
 
     def release_page(self, handle: int, nbytes: int) -> None:
         self.page_bytes -= nbytes
+        self._pages_changed()
 
     def free(self, ptr: int, nbytes: int) -> None:
         self.dev.free(ptr, nbytes)
-        self.releases += 1
 
     @property
     def total(self) -> int:
@@ -681,10 +701,9 @@ class _CountingSub:
                                   compute_capability=d.compute_capability)
         for ptr, size in d.blocks():
             new_dev._blocks.add(ptr, size)
-        out = _CountingSub(new_dev)
-        out.extensions = self.extensions
-        out.releases = self.releases
+        out = _CountingSub(new_dev, self.extensions, self.releases)
         out.page_bytes = self.page_bytes
+        out._pages_changed()
         out._next_page = self._next_page
         return out
 
