@@ -362,33 +362,12 @@ def _compare_bfc_state(pair: Pair) -> None:
 
 
 # ------------------------------------------------------------------------------ PyTorch
-TORCH_SETTINGS = [
-    # (name, device capacity, conf, version, fraction, streams, refuse, live settings)
-    ("default", 2 * GIB, "", None, None, (0,), 0.0, False),
-    ("fraction+gc+mss", 8 * GIB, "garbage_collection_threshold:0.6,max_split_size_mb:100",
-     None, 0.03, (0,), 0.0, False),
-    ("roundup-2.3", 4 * GIB, "roundup_power2_divisions:[1:4,64:8,256:1,>:2]", "2.3", 0.05,
-     (0,), 0.01, False),
-    ("expandable", 4 * GIB, "expandable_segments:True", None, 0.04, (0,), 0.0, False),
-    ("expandable+gc+streams", 4 * GIB, "expandable_segments:True,"
-     "garbage_collection_threshold:0.7", None, 0.05, (0, 7, 0xDEADBEEF), 0.01, False),
-    ("streams+mss-1.13", 2 * GIB, "max_split_size_mb:64", "1.13", None, (0, 3), 0.02, False),
-    ("live-settings-2.6", 4 * GIB, "", "2.6", 0.05, (0, 5), 0.0, True),
-]
-
-_CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_size_mb:40",
-          "max_split_size_mb:200", "garbage_collection_threshold:0.5",
-          "roundup_power2_divisions:4", "roundup_power2_divisions:[256:2,>:4]",
-          "max_split_size_mb:80,garbage_collection_threshold:0.8", "",
-          "max_non_split_rounding_mb:64", "expandable_segments:True,max_split_size_mb:60"]
-
-
-class FlakyTorchDevice(FlakyDevice):
-    """FlakyDevice with the device facts PyTorch's model reads."""
-
-    @property
-    def total(self) -> int:
-        return self.dev.capacity
+def _alike_size(rng: random.Random) -> Any:
+    """Mostly a few sizes (two small, one large), else any of :func:`_torch_size`'s."""
+    r = rng.random()
+    if r < 0.95:
+        return 512 if r < 0.6 else 1024 if r < 0.7 else 3 << 20
+    return _torch_size(rng)
 
 
 def _torch_size(rng: random.Random) -> Any:
@@ -409,11 +388,63 @@ def _torch_size(rng: random.Random) -> Any:
     return rng.choice([-1, 1 << 60, 1 << 61, 2.0, None, True, np.int64(5000)])
 
 
+TORCH_SETTINGS = [
+    # (name, device capacity, conf, version, fraction, streams, refuse, live settings,
+    #  alike: a few sizes, allocated and freed in bursts)
+    ("default", 2 * GIB, "", None, None, (0,), 0.0, False, False),
+    ("fraction+gc+mss", 8 * GIB, "garbage_collection_threshold:0.6,max_split_size_mb:100",
+     None, 0.03, (0,), 0.0, False, False),
+    ("roundup-2.3", 4 * GIB, "roundup_power2_divisions:[1:4,64:8,256:1,>:2]", "2.3", 0.05,
+     (0,), 0.01, False, False),
+    ("expandable", 4 * GIB, "expandable_segments:True", None, 0.04, (0,), 0.0, False,
+     False),
+    ("expandable+gc+streams", 4 * GIB, "expandable_segments:True,"
+     "garbage_collection_threshold:0.7", None, 0.05, (0, 7, 0xDEADBEEF), 0.01, False,
+     False),
+    ("streams+mss-1.13", 2 * GIB, "max_split_size_mb:64", "1.13", None, (0, 3), 0.02, False,
+     False),
+    ("live-settings-2.6", 4 * GIB, "", "2.6", 0.05, (0, 5), 0.0, True, False),
+    # hundreds of cached blocks of one size share a bin, which the compiled pools keep
+    # sorted (from 8 entries here)
+    ("alike+streams+mss", 8 * GIB, "max_split_size_mb:20", None, None, (0, 9), 0.0, False,
+     True),
+]
+
+_CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_size_mb:40",
+          "max_split_size_mb:200", "garbage_collection_threshold:0.5",
+          "roundup_power2_divisions:4", "roundup_power2_divisions:[256:2,>:4]",
+          "max_split_size_mb:80,garbage_collection_threshold:0.8", "",
+          "max_non_split_rounding_mb:64", "expandable_segments:True,max_split_size_mb:60"]
+
+
+class FlakyTorchDevice(FlakyDevice):
+    """FlakyDevice with the device facts PyTorch's model reads."""
+
+    @property
+    def total(self) -> int:
+        return self.dev.capacity
+
+
 def fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> int:
-    """One run of PyTorch's model; the number of operations compared. Raises Mismatch."""
+    """One run of PyTorch's model; the number of operations compared. Raises Mismatch.
+    With ``alike`` settings the compiled pools sort a bin from 8 entries (256 otherwise), so
+    that bins change form often."""
+    if not setting[-1]:
+        return _fuzz_torch(ops, seed, setting, check_every)
+    from gpudash import _core
+
+    old = _core._set_sorted_bins_at(8)
+    try:
+        return _fuzz_torch(ops, seed, setting, check_every)
+    finally:
+        _core._set_sorted_bins_at(old)
+
+
+def _fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int) -> int:
     from gpudash.caching import PyCachingAllocator
 
-    name, capacity, conf, version, fraction, streams, refuse, live = setting
+    name, capacity, conf, version, fraction, streams, refuse, live, alike = setting
+    size_of = _alike_size if alike else _torch_size
     rng = random.Random(seed)
     ref_dev = FlakyTorchDevice(capacity, seed, refuse)
     fast_dev = FlakyTorchDevice(capacity, seed, refuse)
@@ -425,13 +456,18 @@ def fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> 
     listening = False
     while pair.ops < ops:
         r = rng.random()
+        if alike and rng.random() < 0.6:
+            # bursts: about 1,500 operations mostly allocating, then as many mostly freeing
+            # (the steps of a model), the live blocks kept under 3,000
+            freeing = (pair.ops // 1500) % 2 == 1 or len(live_ptrs) > 3000
+            r = 0.45 + rng.random() * 0.37 if freeing else rng.random() * 0.45
         stream = rng.choice(streams)
         if r < 0.38:
-            out = pair.call("allocate", _torch_size(rng), stream)
+            out = pair.call("allocate", size_of(rng), stream)
             if out[0] == "ok" and out[1]:
                 live_ptrs.append(out[1])
         elif r < 0.45:
-            out = pair.call("try_allocate", _torch_size(rng), True, stream)
+            out = pair.call("try_allocate", size_of(rng), True, stream)
             if out[0] == "ok" and out[1]:
                 live_ptrs.append(out[1])
         elif r < 0.82:
@@ -451,7 +487,7 @@ def fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> 
             pair.call(rng.choice(["requested_size", "allocated_size", "allocation_id",
                                   "owns"]), p)
         elif r < 0.875:
-            pair.call("cached_block_for", _torch_size(rng), stream)
+            pair.call("cached_block_for", size_of(rng), stream)
         elif r < 0.88:
             pair.call("cached_releases")
         elif r < 0.885:

@@ -470,3 +470,41 @@ def test_a_replays_device_counts_the_segments_placed_without_python():
     sub.release_page(1, 950 << 20)
     a.deallocate(a.allocate(60 << 20))
 
+
+def test_a_bin_of_hundreds_of_cached_blocks_is_sorted_and_answers_as_the_pure_model():
+    """Thousands of cached blocks of one size (every other one of a burst freed, on two
+    streams): the compiled pools keep those bins sorted past 256 entries, and every answer,
+    address and statistic stays the pure model's."""
+    from gpudash.caching import PyCachingAllocator
+
+    devs = [fuzz_core.FlakyTorchDevice(8 << 30, 1, 0.0) for _ in range(2)]
+    ref = PyCachingAllocator(devs[0], "max_split_size_mb:20")
+    fast = gpudash.CachingAllocator(devs[1], "max_split_size_mb:20")
+    pair = fuzz_core.Pair(ref, fast, devs[0], devs[1], "sorted bins")
+    most, held = 0, []
+    for rnd in range(3):
+        for size in (512, 3 << 20, 25 << 20):
+            live = [pair.call("allocate", size, stream)[1] for stream in (0, 5)
+                    for _ in range(1200 if size == 512 else 300 if size == 3 << 20 else 40)]
+            for p in live[rnd % 2::2]:
+                pair.call("deallocate", p)
+            most = max(most, fast._sorted_bins())
+            # takes from the sorted bins: least first, per stream; a larger request walks
+            # past them; an oversize one releases cached blocks (max_split_size)
+            for stream in (5, 0):
+                for n in (size, size - 100, size + 512, 60 << 20):
+                    held.append(pair.call("allocate", n, stream)[1])
+            pair.call("cached_block_for", size, 5)
+            for p in live[(rnd + 1) % 2::2]:
+                pair.call("deallocate", p)
+        pair.same("memory_stats", ref.memory_stats(), fast.memory_stats())
+        pair.same("snapshot", fuzz_core._without_times(ref.snapshot()),
+                  fuzz_core._without_times(fast.snapshot()))
+        pair.call("empty_cache")
+    fuzz_core._compare_torch_state(pair)
+    assert most >= 2 and fast._sorted_bins() > 0
+    for p in held:
+        pair.call("deallocate", p)
+    pair.call("empty_cache")
+    fuzz_core._compare_torch_state(pair)
+    assert fast._sorted_bins() == 0 and fast.memory_stats()["reserved_bytes.all.current"] == 0

@@ -19,7 +19,7 @@ cdef struct TBlock:
     int8_t mapped
     int8_t live         # the slot holds a block
     int16_t pbin        # while in its pool: its bin there
-    int32_t ppos        # its place in that bin; -1: not in its pool
+    int32_t ppos        # its place in that bin; -1: not in its pool; PPOS_SORTED: a sorted bin
 
 
 cdef struct TES:
@@ -78,18 +78,30 @@ cdef inline int st_at(int t) noexcept nogil:
     return (t << 2) - 2
 
 
-cdef inline void st_inc(int64_t* s, int t, int64_t n) noexcept nogil:
-    """_inc: a statistic up by n for the aggregate and stat type t (1 small, 2 large)."""
-    cdef int64_t c = s[0] + n
-    cdef int j = st_at(t)
-    s[0] = c
-    if c > s[1]:
-        s[1] = c
-    c = s[j] + n
-    s[j] = c
-    if c > s[j + 1]:
-        s[j + 1] = c
-    s[j + 2] += n
+cdef extern from *:
+    """
+    /* st_inc (a statistic up by n for the aggregate and stat type t), in C so that it is
+       inlined everywhere: a free or an allocation moves three to five statistics, and the
+       compiler's inlining budget for the operations that call it is otherwise spent. */
+    #if defined(__GNUC__)
+    #define GD_ALWAYS_INLINE static inline __attribute__((always_inline))
+    #else
+    #define GD_ALWAYS_INLINE static inline
+    #endif
+    GD_ALWAYS_INLINE void gd_st_inc(int64_t *s, int t, int64_t n) {
+        int64_t c = s[0] + n;
+        int j = (t << 2) - 2;
+        s[0] = c;
+        if (c > s[1]) s[1] = c;
+        c = s[j] + n;
+        s[j] = c;
+        if (c > s[j + 1]) s[j + 1] = c;
+        s[j + 2] += n;
+    }
+    """
+    # _inc: a statistic up by n for the aggregate and stat type t (1 small, 2 large): its
+    # current and peak, and the type's current, peak and allocated (st_at)
+    void st_inc "gd_st_inc"(int64_t* s, int t, int64_t n) noexcept nogil
 
 
 cdef inline void st_dec(int64_t* s, int t, int64_t n) noexcept nogil:
@@ -160,10 +172,29 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
 # entries in the bin of its size on average, an insert 2 to 13. The moves of entries and
 # of the remembered indexes are selections, not branches: which entry leaves a bin is data
 # the branch predictor cannot learn.
+#
+# A bin that grows past pb_big entries (256: many cached blocks of one size; real snapshots
+# hold 100 to 300 in one bin, a model of many small tensors thousands) keeps its keys sorted
+# instead (an SSet, as the BFC's bins), so that finding its least entries again is not a
+# pass over all of them: every question is then a binary search. Its blocks record
+# PPOS_SORTED for their place, a place in it is a negative PPos.i, and a key's block is
+# found by its address (the allocator's address table, PoolSet.addr). Its array's capacity
+# is kept equal to its entries, so that an insert meets it in the branch an array takes when
+# it is full: the hot paths of an array test nothing more. The bin goes back to an array
+# when it empties.
+
+cdef extern from *:
+    """
+    /* a condition the hot paths seldom meet (a sorted bin): its branch laid out of line */
+    #define gd_rare(x) __builtin_expect(!!(x), 0)
+    """
+    bint gd_rare(bint) nogil
+
 
 cdef enum:
     PS_BINS = 256
     PS_WORDS = 4
+    PPOS_SORTED = 0x7FFFFFFF    # TBlock.ppos of a block in a sorted bin
 
 
 cdef struct PEnt:
@@ -173,10 +204,11 @@ cdef struct PEnt:
 
 cdef struct PBin:
     PEnt* e
-    int32_t n
+    int32_t n           # entries, in either form
     int32_t cap
     int32_t lo          # the least entry's index (meaningful while n > 0); -1: not known
     int32_t lo2         # the next least entry's index; -1: not known (or none)
+    SSet* sorted        # NULL: the entries are e[:n], unordered; else their keys, sorted
 
 
 cdef struct PoolSet:
@@ -184,11 +216,13 @@ cdef struct PoolSet:
     uint64_t mask[4]    # the non-empty bins
     Py_ssize_t size
     int64_t largest     # the largest size of a key (0: none); -1: not known
+    const PMap* addr    # address -> block slot: the blocks of sorted bins
 
 
 cdef struct PPos:
     int bin
-    int i
+    int i               # the place in the bin's array; in a sorted bin's set: ~((block << 6)
+                        # | place in the block), negative, so that a test of i tells which
 
 
 cdef inline int ps_bin(uint64_t size) noexcept nogil:
@@ -243,9 +277,115 @@ cdef void ps_free(PoolSet* p) noexcept:
         PyMem_Free(p.bins[b].e)
         p.bins[b].e = NULL
         p.bins[b].n = p.bins[b].cap = 0
+        pb_unsort(&p.bins[b])
     memset(p.mask, 0, sizeof(p.mask))
     p.size = 0
     p.largest = 0
+
+
+cdef void pb_unsort(PBin* pb) noexcept:
+    """An emptied sorted bin becomes an array again."""
+    if pb.sorted != NULL:
+        ss_free(pb.sorted)
+        PyMem_Free(pb.sorted)
+        pb.sorted = NULL
+        pb.lo = pb.lo2 = -1
+        pb.cap = 0
+
+
+cdef bint pb_sort(PBin* pb, TBlock* bk) noexcept:
+    """A full bin of pb_big entries or more keeps them sorted from now on: its keys, sorted,
+    fill the sorted set's blocks half way. False (the bin stays an array) when the memory
+    for it cannot be had."""
+    cdef int32_t i, n = pb.n, nblk = (pb.n + SS_HALF - 1) // SS_HALF, j, take
+    cdef bint ok
+    cdef Key* keys = <Key*>PyMem_Malloc(n * sizeof(Key))
+    cdef SSet* ss = <SSet*>PyMem_Calloc(1, sizeof(SSet))
+    if keys == NULL or ss == NULL:
+        PyMem_Free(keys)
+        PyMem_Free(ss)
+        return False
+    for i in range(n):
+        keys[i] = pb.e[i].k
+    qsort(keys, n, sizeof(Key), key_cmp)
+    ss.cblk = nblk
+    ss.blk = <Key**>PyMem_Calloc(nblk, sizeof(Key*))
+    ss.nb = <int*>PyMem_Calloc(nblk, sizeof(int))
+    ok = ss.blk != NULL and ss.nb != NULL
+    j = 0
+    while ok and j < nblk:
+        ss.blk[j] = <Key*>PyMem_Malloc(SS_CAP * sizeof(Key))
+        ok = ss.blk[j] != NULL
+        ss.nblk = j + 1
+        if ok:
+            take = n - j * SS_HALF if n - j * SS_HALF < SS_HALF else SS_HALF
+            memcpy(ss.blk[j], &keys[j * SS_HALF], take * sizeof(Key))
+            ss.nb[j] = take
+        j += 1
+    PyMem_Free(keys)
+    if not ok:
+        if ss.blk == NULL:
+            PyMem_Free(ss.nb)
+        ss_free(ss)
+        PyMem_Free(ss)
+        return False
+    ss.size = n
+    for i in range(n):
+        bk[pb.e[i].slot].ppos = PPOS_SORTED
+    pb.sorted = ss
+    PyMem_Free(pb.e)
+    pb.e = NULL
+    pb.cap = pb.n     # a sorted bin keeps cap == n: every insert takes ps_insert's rare branch
+    return True
+
+
+cdef inline Key* pb_key(const PBin* pb, int32_t i) noexcept nogil:
+    """The key at place i of a bin (of either form)."""
+    if pb.sorted == NULL:
+        return &pb.e[i].k
+    return &pb.sorted.blk[i >> 6][i & 63]
+
+
+cdef inline int32_t ps_slot_of(const PoolSet* p, const Key* k) noexcept nogil:
+    """The block of a key in a sorted bin, by its address."""
+    cdef int64_t v = -1
+    pm_get(p.addr, k.c, &v)
+    return <int32_t>v
+
+
+cdef inline bint pb_lower(const PBin* pb, const Key* want, int32_t* i) noexcept nogil:
+    """A sorted bin's place of the first key at or after want; False when none."""
+    cdef int bi, j
+    if not ss_lower_bound(pb.sorted, want, &bi, &j):
+        return False
+    i[0] = (bi << 6) | j
+    return True
+
+
+cdef int32_t pb_next_sorted(const PBin* pb, uint64_t stream, int32_t i) noexcept nogil:
+    """The place after i in a sorted bin when its key is of this stream; -1 when not (this
+    stream's next key, if any, is in a later bin)."""
+    cdef int bi = i >> 6, j = i & 63
+    if ss_next(pb.sorted, &bi, &j) and pb.sorted.blk[bi][j].a == stream:
+        return (bi << 6) | j
+    return -1
+
+
+cdef bint ps_first_sorted(const PoolSet* p, int b, uint64_t stream, uint64_t size,
+                          PPos* at) noexcept nogil:
+    """Sorted bin b's first key at or after (stream, size, 0), when it is of this stream
+    (out of line: the common case is an array)."""
+    cdef const PBin* pb = &p.bins[b]
+    cdef int32_t i
+    cdef Key want
+    want.a = stream
+    want.b = size
+    want.c = 0
+    if not pb_lower(pb, &want, &i) or pb_key(pb, i).a != stream:
+        return False
+    at.bin = b
+    at.i = ~i
+    return True
 
 
 cdef int pb_grow(PBin* pb) except -1:
@@ -260,16 +400,69 @@ cdef int pb_grow(PBin* pb) except -1:
     return 0
 
 
+cdef inline void ps_joined(PoolSet* p, const TBlock* blk, int b) noexcept:
+    """The pool's mask, size and largest size after block blk joined bin b."""
+    cdef int64_t largest = p.largest
+    p.mask[b >> 6] |= (<uint64_t>1) << (b & 63)
+    p.size += 1
+    p.largest = blk.size if largest >= 0 and blk.size > largest else largest
+
+
+cdef int ps_insert_sorted(PoolSet* p, TBlock* bk, int32_t s, int b) except -1:
+    """ps_insert into a sorted bin (out of line: the common case is an array)."""
+    cdef PBin* pb = &p.bins[b]
+    ss_insert(pb.sorted, bkey(&bk[s]))
+    pb.n += 1
+    pb.cap = pb.n
+    bk[s].pbin = <int16_t>b
+    bk[s].ppos = PPOS_SORTED
+    ps_joined(p, &bk[s], b)
+    return 0
+
+
+# A bin's array (4, 8, 16, ... entries) that is full with at least this many is sorted
+# instead of grown. Tests set it lower (_set_sorted_bins_at), so that bins change form often.
+cdef int32_t pb_big = 256
+
+
+def _set_sorted_bins_at(int32_t n):
+    """Sort a pool's bin from now on when its full array holds ``n`` entries or more (256 by
+    default; at least 4); the old value."""
+    global pb_big
+    if n < 4:
+        raise ValueError(f"the sorted-bin size must be at least 4; got {n}")
+    old = pb_big
+    pb_big = n
+    return old
+
+
+cdef int pb_full(PoolSet* p, TBlock* bk, int32_t s, int b) except -1:
+    """An insert into bin b when its array is full (or it is sorted): the array grows (0),
+    or, at pb_big entries, the bin is sorted from now on; a sorted bin takes the key (1)."""
+    cdef PBin* pb = &p.bins[b]
+    if pb.sorted == NULL and (pb.n < pb_big or not pb_sort(pb, bk)):
+        pb_grow(pb)
+        return 0
+    ps_insert_sorted(p, bk, s, b)
+    return 1
+
+
+# ps_insert calls pb_full through this pointer: a direct call would be inlined (its only
+# caller), and ps_insert, with the sorting inside it, would grow from 150 machine
+# instructions to 550 and cost its every call more
+cdef int (*pb_full_at)(PoolSet*, TBlock*, int32_t, int) except -1
+pb_full_at = pb_full
+
+
 cdef inline int ps_insert(PoolSet* p, TBlock* bk, int32_t s) except -1:
     """Block s joins its pool (its key made from its record)."""
     cdef TBlock* blk = &bk[s]
     cdef int b = ps_bin(<uint64_t>blk.size)
     cdef PBin* pb = &p.bins[b]
     cdef int32_t i = pb.n, lo = pb.lo, lo2
-    cdef int64_t largest
     cdef PEnt* e
-    if i == pb.cap:
-        pb_grow(pb)
+    if i == pb.cap and pb_full_at(p, bk, s, b):
+        return 0
     e = &pb.e[i]
     e.k = bkey(blk)
     e.slot = s
@@ -285,12 +478,9 @@ cdef inline int ps_insert(PoolSet* p, TBlock* bk, int32_t s) except -1:
                 pb.lo2 = i
     else:
         pb.lo = -(i != 0)     # the only entry of a bin is its least
-    p.mask[b >> 6] |= (<uint64_t>1) << (b & 63)
     blk.pbin = <int16_t>b
     blk.ppos = i
-    p.size += 1
-    largest = p.largest
-    p.largest = blk.size if largest >= 0 and blk.size > largest else largest
+    ps_joined(p, blk, b)
     return 0
 
 
@@ -315,25 +505,71 @@ cdef inline void ps_remove(PoolSet* p, TBlock* bk, int b, int32_t i) noexcept:
     p.mask[b >> 6] &= ~((<uint64_t>(last == 0)) << (b & 63))
 
 
+cdef void ps_remove_sorted(PoolSet* p, TBlock* bk, int b, int32_t i, int32_t s) noexcept:
+    """The key at place i of sorted bin b, block s's, leaves it."""
+    cdef PBin* pb = &p.bins[b]
+    cdef Key* k = pb_key(pb, i)
+    p.largest = -1 if <int64_t>k.b == p.largest else p.largest
+    ss_erase_at(pb.sorted, i >> 6, i & 63)
+    bk[s].ppos = -1
+    pb.n -= 1
+    pb.cap = pb.n
+    p.size -= 1
+    if pb.n == 0:
+        pb_unsort(pb)
+        p.mask[b >> 6] &= ~((<uint64_t>1) << (b & 63))
+
+
+cdef void ps_erase_sorted(PoolSet* p, TBlock* bk, int32_t s) noexcept:
+    """ps_erase from a sorted bin: the block's key found by a search (out of line)."""
+    cdef int32_t i = 0
+    cdef Key k = bkey(&bk[s])
+    pb_lower(&p.bins[bk[s].pbin], &k, &i)
+    ps_remove_sorted(p, bk, bk[s].pbin, i, s)
+
+
+cdef void ps_drop(PoolSet* p, TBlock* bk, int32_t s) noexcept:
+    """ps_erase's work, out of line (the merges of a free call it twice)."""
+    cdef int32_t i = bk[s].ppos
+    if i == PPOS_SORTED:
+        ps_erase_sorted(p, bk, s)
+    else:
+        ps_remove(p, bk, bk[s].pbin, i)
+
+
 cdef inline bint ps_erase(PoolSet* p, TBlock* bk, int32_t s) noexcept:
     """Block s leaves its pool (``del keys[bisect_left(keys, key)]``); False when it is not
     in it."""
     if bk[s].ppos < 0:
         return False
-    ps_remove(p, bk, bk[s].pbin, bk[s].ppos)
+    ps_drop(p, bk, s)
     return True
 
 
-cdef inline void ps_erase_at(PoolSet* p, TBlock* bk, const PPos* at) noexcept:
-    ps_remove(p, bk, at.bin, at.i)
-
-
 cdef inline Key* ps_at(const PoolSet* p, const PPos* at) noexcept nogil:
-    return &p.bins[at.bin].e[at.i].k
+    return pb_key(&p.bins[at.bin], ~at.i if at.i < 0 else at.i)
+
+
+cdef int32_t ps_slot_sorted(const PoolSet* p, const PPos* at) noexcept nogil:
+    """The block of a place in a sorted bin, by its address (out of line)."""
+    return ps_slot_of(p, pb_key(&p.bins[at.bin], ~at.i))
 
 
 cdef inline int32_t ps_slot(const PoolSet* p, const PPos* at) noexcept nogil:
+    if gd_rare(at.i < 0):
+        return ps_slot_sorted(p, at)
     return <int32_t>p.bins[at.bin].e[at.i].slot
+
+
+cdef void ps_erase_at_sorted(PoolSet* p, TBlock* bk, const PPos* at) noexcept:
+    ps_remove_sorted(p, bk, at.bin, ~at.i, ps_slot_sorted(p, at))
+
+
+cdef inline void ps_erase_at(PoolSet* p, TBlock* bk, const PPos* at) noexcept:
+    if gd_rare(at.i < 0):
+        ps_erase_at_sorted(p, bk, at)
+    else:
+        ps_remove(p, bk, at.bin, at.i)
 
 
 cdef void pb_rescan(PBin* pb) noexcept nogil:
@@ -381,6 +617,17 @@ cdef int32_t pb_max_below(const PBin* pb, const Key* below) noexcept nogil:
     """The index of the greatest entry of stream below.a before ``below``; -1 when none."""
     cdef int32_t i, best = -1
     cdef const Key* k
+    cdef int bi, j
+    if pb.sorted != NULL:
+        if ss_lower_bound(pb.sorted, below, &bi, &j):
+            if not ss_prev(pb.sorted, &bi, &j):
+                return -1
+        else:
+            bi = pb.sorted.nblk - 1
+            j = pb.sorted.nb[bi] - 1
+        if pb.sorted.blk[bi][j].a != below.a:
+            return -1
+        return (bi << 6) | j
     for i in range(pb.n):
         k = &pb.e[i].k
         if k.a != below.a or not klt(k, below):
@@ -394,9 +641,13 @@ cdef inline bint ps_first_of(PoolSet* p, int b, uint64_t stream, PPos* at) noexc
     """The least key of stream in bin b (a non-empty bin): mostly the bin's least entry,
     when one stream is in use."""
     cdef PBin* pb = &p.bins[b]
-    cdef int32_t i = pb_lo(pb)
-    cdef uint64_t a0 = pb.e[i].k.a
+    cdef int32_t i
+    cdef uint64_t a0
     cdef Key want
+    if gd_rare(pb.sorted != NULL):
+        return ps_first_sorted(p, b, stream, 0, at)
+    i = pb_lo(pb)
+    a0 = pb.e[i].k.a
     if a0 != stream:
         if a0 > stream:
             return False
@@ -419,7 +670,10 @@ cdef inline bint ps_find(PoolSet* p, uint64_t stream, uint64_t size, PPos* at) n
     cdef PBin* pb = &p.bins[b]
     cdef int32_t i, lo2
     cdef const Key* k
-    if pb.n:
+    if gd_rare(pb.sorted != NULL):
+        if ps_first_sorted(p, b, stream, size, at):
+            return True
+    elif pb.n:
         # the least entry, else the next least (the least of the rest), else a search
         i = pb_lo(pb)
         k = &pb.e[i].k
@@ -451,12 +705,19 @@ cdef inline bint ps_find(PoolSet* p, uint64_t stream, uint64_t size, PPos* at) n
 cdef inline bint ps_next_same(PoolSet* p, uint64_t stream, PPos* at) noexcept nogil:
     """Step to the next key of the sorted set when it is of this stream; False (``at``
     unchanged) when it is not, or there is none."""
-    cdef Key cur = p.bins[at.bin].e[at.i].k
-    cdef int32_t i = pb_min_from(&p.bins[at.bin], &cur, True)
+    cdef PBin* pb = &p.bins[at.bin]
+    cdef int32_t i
     cdef int b
-    if i >= 0:
-        at.i = i
-        return True
+    if gd_rare(at.i < 0):
+        i = pb_next_sorted(pb, stream, ~at.i)
+        if i >= 0:
+            at.i = ~i
+            return True
+    else:
+        i = pb_min_from(pb, &pb.e[at.i].k, True)
+        if i >= 0:
+            at.i = i
+            return True
     # this stream's next key, if any, is in a later bin (of larger sizes)
     b = ps_next_bin(p, at.bin)
     while b >= 0:
@@ -487,7 +748,7 @@ cdef inline bint ps_prev_below(const PoolSet* p, uint64_t stream, const Key* pro
         if i < 0:
             return False
     at.bin = b
-    at.i = i
+    at.i = ~i if p.bins[b].sorted != NULL else i
     return True
 
 
@@ -495,18 +756,36 @@ cdef inline int64_t ps_largest(PoolSet* p) noexcept nogil:
     """The largest size of a key (0: none): remembered, and found again in the last
     non-empty bin when a key of that size has left (a sampled replay asks after every
     call)."""
-    cdef int b
+    cdef int b, bi, j
     cdef int32_t i
     cdef const PBin* pb
+    cdef const Key* k
+    cdef Key first
     cdef int64_t best = 0
     if p.largest >= 0:
         return p.largest
     b = ps_prev_bin(p, PS_BINS)
     if b >= 0:
         pb = &p.bins[b]
-        for i in range(pb.n):
-            if <int64_t>pb.e[i].k.b > best:
-                best = <int64_t>pb.e[i].k.b
+        if pb.sorted != NULL:
+            # each stream's last key has its largest size: from the last key, stream by
+            # stream down
+            bi = pb.sorted.nblk - 1
+            j = pb.sorted.nb[bi] - 1
+            while True:
+                k = &pb.sorted.blk[bi][j]
+                if <int64_t>k.b > best:
+                    best = <int64_t>k.b
+                first.a = k.a
+                first.b = 0
+                first.c = 0
+                ss_lower_bound(pb.sorted, &first, &bi, &j)
+                if not ss_prev(pb.sorted, &bi, &j):
+                    break
+        else:
+            for i in range(pb.n):
+                if <int64_t>pb.e[i].k.b > best:
+                    best = <int64_t>pb.e[i].k.b
     p.largest = best
     return best
 
@@ -522,7 +801,7 @@ cdef Key* ps_sorted(const PoolSet* p) except? NULL:
     it); NULL when there are none."""
     cdef Key* out
     cdef Py_ssize_t n = 0
-    cdef int b
+    cdef int b, j
     cdef int32_t i
     cdef const PBin* pb
     if p.size == 0:
@@ -533,9 +812,14 @@ cdef Key* ps_sorted(const PoolSet* p) except? NULL:
     b = ps_next_bin(p, -1)
     while b >= 0:
         pb = &p.bins[b]
-        for i in range(pb.n):
-            out[n] = pb.e[i].k
-            n += 1
+        if pb.sorted != NULL:
+            for j in range(pb.sorted.nblk):
+                memcpy(&out[n], pb.sorted.blk[j], pb.sorted.nb[j] * sizeof(Key))
+                n += pb.sorted.nb[j]
+        else:
+            for i in range(pb.n):
+                out[n] = pb.e[i].k
+                n += 1
         b = ps_next_bin(p, b)
     qsort(out, n, sizeof(Key), key_cmp)
     return out
@@ -596,6 +880,8 @@ cdef class CachingCore:
             ss_init(&self.unmapped[p])
         ss_init(&self.segs)
         pm_init(&self.blocks, 64)
+        for p in range(2):
+            self.keys[p].addr = &self.blocks
         self.es_order = []
         self._flush_at = JOURNAL_FLUSH
         self._next_aid = 1
@@ -1806,6 +2092,12 @@ cdef class CachingCore:
         if b < 0:
             raise self._invalid_pointer(ptr, what)
         return b
+
+    def _sorted_bins(self):
+        """How many of the two pools' bins keep their keys sorted (grown past pb_big)."""
+        cdef int p, b
+        return sum(self.keys[p].bins[b].sorted != NULL for p in range(2)
+                   for b in range(PS_BINS))
 
     def owns(self, ptr):
         cdef int64_t v
