@@ -6,14 +6,17 @@ For each synthetic trace (``training_loop``, ``fragmentation_stress``, ``finetun
 (80 GiB, no fraction, no recording, no per-call samples), alternating, best of ``--repeat``;
 and a PyTorch snapshot of ``finetune`` (made by the model) is replayed exactly, with its
 own addresses and fidelity checks, as ``replay(snapshot)`` does by default. The last column
-is PyTorch's cost per event over BFC's (the goal is at most 1.5).
+is PyTorch's cost per event over BFC's (the goal is at most 1.5). ``--snapshots`` adds real
+PyTorch snapshots (``torch.cuda.memory._dump_snapshot`` pickles), each replayed through both
+models the same way (PyTorch's as a what-if, ``exact=False``).
 
-Run: ``python benchmarks/bench_models.py [--events N] [--repeat R]``.
+Run: ``python benchmarks/bench_models.py [--events N] [--repeat R] [--snapshots PATH ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gpudash.trace.replay import replay
 from gpudash.trace.torch_snapshot import load_torch_snapshot
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--snapshots", nargs="*", default=[], metavar="PATH",
+                        help="PyTorch snapshot pickles to replay through both models too")
     args = parser.parse_args(argv)
     print(f"{'trace':<22}{'events':>10}{'BFC ev/s':>12}{'PyTorch ev/s':>14}"
           f"{'PyTorch/BFC':>13}")
@@ -56,6 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         bfc = best(t, args.repeat, allocator="bfc")
         torch = best(t, args.repeat, allocator="torch")
         ratio = bfc.events_per_second / torch.events_per_second
+        print(f"{name:<22}{bfc.events:>10,}{bfc.events_per_second:>12,.0f}"
+              f"{torch.events_per_second:>14,.0f}{ratio:>12.2f}x")
+    for path in args.snapshots:
+        t = load_torch_snapshot(path)
+        bfc = best(t, args.repeat, allocator="bfc")
+        torch = best(t, args.repeat, allocator="torch", exact=False)
+        ratio = bfc.events_per_second / torch.events_per_second
+        name = Path(path).name[:21]
         print(f"{name:<22}{bfc.events:>10,}{bfc.events_per_second:>12,.0f}"
               f"{torch.events_per_second:>14,.0f}{ratio:>12.2f}x")
     steps = max(1, args.events // 1100)

@@ -427,9 +427,12 @@ def test_the_compiled_placement_table_refuses_frees_as_the_python_one(args):
 def test_the_compiled_pytorch_model_places_segments_on_the_devices_table():
     dev = gpudash.SimulatedDevice("1GiB")
     assert type(dev._placement).__name__ == "FirstFit"
+    calls = []   # a Python-level alloc on the instance: the model does not call it
+    dev.alloc = lambda n: calls.append(n) or gpudash.SimulatedDevice.alloc(dev, n)
     a = gpudash.CachingAllocator(dev)
     ptrs = [a.allocate(30 << 20) for _ in range(3)]
     assert dev._blocks.placed == 3 and [p for p, _ in dev.blocks()] == ptrs
+    assert calls == []
     for p in ptrs:
         a.deallocate(p)
     a.empty_cache()
