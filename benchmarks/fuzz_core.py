@@ -21,7 +21,8 @@ device, negative, of the wrong type), ``try_allocate``, frees (live, double, int
 allocated, of the wrong type), batch frees, limit and setting changes while blocks are
 live, releases, preallocation, statistics resets, queries; for PyTorch's model also
 streams, ``empty_cache()``, fractions and ``set_allocator_settings``, snapshots with
-history recorded.
+history recorded, and (its ``alike`` setting) a few sizes allocated and freed in bursts, so
+that hundreds of cached blocks share a bin, which the compiled pools then keep sorted.
 
 Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|all] [--seed S]``
 (10**6 operations per model and setting by default; ``tests/test_core_diff.py`` runs it

@@ -180,8 +180,8 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
 # PPOS_SORTED for their place, a place in it is a negative PPos.i, and a key's block is
 # found by its address (the allocator's address table, PoolSet.addr). Its array's capacity
 # is kept equal to its entries, so that an insert meets it in the branch an array takes when
-# it is full: the hot paths of an array test nothing more. The bin goes back to an array
-# when it empties.
+# it is full (an insert into an array tests nothing more; a search tests the bin's form, or
+# the sign of PPos.i). The bin goes back to an array when it empties.
 
 cdef extern from *:
     """
