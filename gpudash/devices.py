@@ -325,11 +325,12 @@ class SimulatedDevice:
         """Why a request of ``nbytes`` was refused, by the state now."""
         blocks = self._blocks
         limit = blocks.limit
-        if blocks.used + blocks.extra + nbytes > limit:
+        used = blocks.used + blocks.extra
+        if used + nbytes > limit:
             extra = " (unified memory: up to 2x capacity)" if self.unified else ""
             return (f"{self.name}: cannot allocate {format_bytes(nbytes)} ({nbytes} bytes): "
-                    f"{blocks.used} bytes used of {self.capacity} bytes capacity"
-                    f"{extra}, {limit - blocks.used} bytes left")
+                    f"{used} bytes used of {self.capacity} bytes capacity"
+                    f"{extra}, {limit - used} bytes left")
         return (f"{self.name}: cannot allocate {format_bytes(nbytes)} ({nbytes} bytes) "
                 f"past the end of its address space ({ADDRESS_END:#x})")
 

@@ -689,6 +689,37 @@ cdef void ss_sparse(SSet* s, int b) noexcept:
     s.nblk -= 1
 
 
+cdef bint ss_load(SSet* s, const Key* keys, Py_ssize_t n) noexcept:
+    """Make s (not yet initialised) hold n > 0 sorted keys, its blocks filled half way;
+    False, s left empty and freed, when the memory for it cannot be had. It raises nothing,
+    so that the code around a call stays free of exception handling."""
+    cdef Py_ssize_t nblk = (n + SS_HALF - 1) // SS_HALF, j, take
+    cdef bint ok
+    s.nblk = 0
+    s.size = 0
+    s.cblk = <int>nblk
+    s.blk = <Key**>PyMem_Calloc(nblk, sizeof(Key*))
+    s.nb = <int*>PyMem_Calloc(nblk, sizeof(int))
+    ok = s.blk != NULL and s.nb != NULL
+    j = 0
+    while ok and j < nblk:
+        s.blk[j] = <Key*>PyMem_Malloc(SS_CAP * sizeof(Key))
+        ok = s.blk[j] != NULL
+        s.nblk = <int>(j + 1)
+        if ok:
+            take = n - j * SS_HALF if n - j * SS_HALF < SS_HALF else SS_HALF
+            memcpy(s.blk[j], &keys[j * SS_HALF], take * sizeof(Key))
+            s.nb[j] = <int>take
+        j += 1
+    if not ok:
+        if s.blk == NULL:
+            PyMem_Free(s.nb)
+        ss_free(s)
+        return False
+    s.size = n
+    return True
+
+
 cdef inline bint ss_erase(SSet* s, Key k) noexcept:
     """Remove the key at k's lower bound (as ``del lst[bisect_left(lst, k)]``)."""
     cdef int b, i

@@ -294,42 +294,21 @@ cdef void pb_unsort(PBin* pb) noexcept:
 
 
 cdef bint pb_sort(PBin* pb, TBlock* bk) noexcept:
-    """A full bin of pb_big entries or more keeps them sorted from now on: its keys, sorted,
-    fill the sorted set's blocks half way. False (the bin stays an array) when the memory
-    for it cannot be had."""
-    cdef int32_t i, n = pb.n, nblk = (pb.n + SS_HALF - 1) // SS_HALF, j, take
-    cdef bint ok
+    """A full bin of pb_big entries or more keeps them sorted from now on. False (the bin
+    stays an array) when the memory for it cannot be had."""
+    cdef int32_t i, n = pb.n
     cdef Key* keys = <Key*>PyMem_Malloc(n * sizeof(Key))
     cdef SSet* ss = <SSet*>PyMem_Calloc(1, sizeof(SSet))
-    if keys == NULL or ss == NULL:
-        PyMem_Free(keys)
-        PyMem_Free(ss)
-        return False
-    for i in range(n):
-        keys[i] = pb.e[i].k
-    qsort(keys, n, sizeof(Key), key_cmp)
-    ss.cblk = nblk
-    ss.blk = <Key**>PyMem_Calloc(nblk, sizeof(Key*))
-    ss.nb = <int*>PyMem_Calloc(nblk, sizeof(int))
-    ok = ss.blk != NULL and ss.nb != NULL
-    j = 0
-    while ok and j < nblk:
-        ss.blk[j] = <Key*>PyMem_Malloc(SS_CAP * sizeof(Key))
-        ok = ss.blk[j] != NULL
-        ss.nblk = j + 1
-        if ok:
-            take = n - j * SS_HALF if n - j * SS_HALF < SS_HALF else SS_HALF
-            memcpy(ss.blk[j], &keys[j * SS_HALF], take * sizeof(Key))
-            ss.nb[j] = take
-        j += 1
+    cdef bint ok = keys != NULL and ss != NULL
+    if ok:
+        for i in range(n):
+            keys[i] = pb.e[i].k
+        qsort(keys, n, sizeof(Key), key_cmp)
+        ok = ss_load(ss, keys, n)
     PyMem_Free(keys)
     if not ok:
-        if ss.blk == NULL:
-            PyMem_Free(ss.nb)
-        ss_free(ss)
         PyMem_Free(ss)
         return False
-    ss.size = n
     for i in range(n):
         bk[pb.e[i].slot].ppos = PPOS_SORTED
     pb.sorted = ss

@@ -656,9 +656,8 @@ class _CountingSub:
         return self.dev._placement
 
     def alloc(self, nbytes: int) -> int:
-        if self.page_bytes and not self.dev.unified:
-            self._room(nbytes)
-        return self.dev.alloc(nbytes)  # raises MemoryError when it cannot
+        # raises MemoryError when it cannot: the pages count there too (the table's extra)
+        return self.dev.alloc(nbytes)
 
     def _room(self, nbytes: int) -> None:
         dev = self.dev
