@@ -159,7 +159,7 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
 
 # ------------------------------------------------------------------------------ pools
 # A pool's free blocks, as PyTorch's BlockPool orders them: by (stream, size, address). They
-# are kept in bins by size (four to a power of two), each bin an unordered array of
+# are kept in bins by size (sixteen to a power of two), each bin an unordered array of
 # entries: a block records its bin and its place there, so it joins and leaves a bin in a
 # few instructions (the bin's last entry takes the place of one that leaves), without a
 # search. A bin remembers its least entry and the next least; when both have left, the next
@@ -168,10 +168,13 @@ cdef inline Key ukey(uint64_t stream, uint64_t ptr) noexcept:
 # stream, the last one below a key. The bin of the size answers from its least entry or the
 # next least, else from all its entries; the non-empty bins after it (a bit mask says which)
 # from their least entry. The answers are those of the one sorted set, which the pool's
-# readers see (ps_sorted sorts the entries). On the synthetic traces a find meets 2 to 4
-# entries in the bin of its size on average, an insert 2 to 13. The moves of entries and
-# of the remembered indexes are selections, not branches: which entry leaves a bin is data
-# the branch predictor cannot learn.
+# readers see (ps_sorted sorts the entries). Sixteen bins to a power of two, not four: the
+# sizes that share a bin then differ by less than a sixteenth, so a bin holds fewer entries
+# to look through again when its least two have left (on `finetune` those passes cost 30
+# instructions an event, 41 with four bins; 8 bins gave 585.6 instructions an event in all,
+# 16 581.0, 4 600.1); the bins of a pool take 32 KiB. The moves of entries and of the
+# remembered indexes are selections, not branches: which entry leaves a bin is data the
+# branch predictor cannot learn.
 #
 # A bin that grows past pb_big entries (256: many cached blocks of one size; real snapshots
 # hold 100 to 300 in one bin, a model of many small tensors thousands) keeps its keys sorted
@@ -192,8 +195,8 @@ cdef extern from *:
 
 
 cdef enum:
-    PS_BINS = 256
-    PS_WORDS = 4
+    PS_BINS = 1024
+    PS_WORDS = 16
     PPOS_SORTED = 0x7FFFFFFF    # TBlock.ppos of a block in a sorted bin
 
 
@@ -212,8 +215,8 @@ cdef struct PBin:
 
 
 cdef struct PoolSet:
-    PBin bins[256]      # arrays made on first use (e NULL until then)
-    uint64_t mask[4]    # the non-empty bins
+    PBin bins[1024]     # arrays made on first use (e NULL until then)
+    uint64_t mask[16]   # the non-empty bins
     Py_ssize_t size
     int64_t largest     # the largest size of a key (0: none); -1: not known
     const PMap* addr    # address -> block slot: the blocks of sorted bins
@@ -226,12 +229,12 @@ cdef struct PPos:
 
 
 cdef inline int ps_bin(uint64_t size) noexcept nogil:
-    """The bin of a size: four per power of two, in the order of sizes."""
+    """The bin of a size: sixteen per power of two, in the order of sizes."""
     cdef int l
-    if size < 4:
+    if size < 16:
         return <int>size
     l = 63 - __builtin_clzll(size)
-    return (l << 2) | <int>((size >> (l - 2)) & 3)
+    return (l << 4) | <int>((size >> (l - 4)) & 15)
 
 
 cdef inline int ps_next_bin(const PoolSet* p, int b) noexcept nogil:
@@ -1938,8 +1941,9 @@ cdef class CachingCore:
         self.c_deallocate(ptr)
 
     @cython.final
-    cdef uint64_t replay_alloc(self, int64_t n, uint64_t stream) except? 1:
-        """try_allocate(n, True, stream) for a replay's int64 size."""
+    cdef inline uint64_t replay_alloc(self, int64_t n, uint64_t stream) except? 1:
+        """try_allocate(n, True, stream) for a replay's int64 size (inline: the replay loop
+        calls it for every allocation: 11 instructions an event less on `finetune`)."""
         if n <= 0:
             if n == 0:
                 return 0
