@@ -115,14 +115,32 @@ AFTER_RUN_ALL: dict[str, list[Any]] = {
 
 def cell_text(cell: Any) -> str:
     parts = []
+    last_stream = None
     for out in cell.get("outputs", []):
         if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type in ("execute_result", "display_data"):
+            # one print may reach the notebook as several stream outputs (the kernel flushes
+            # on a timer): consecutive ones of the same stream are one text
+            if last_stream == out.name:
+                parts[-1] += out.text
+            else:
+                parts.append(out.text)
+            last_stream = out.name
+            continue
+        last_stream = None
+        if out.output_type in ("execute_result", "display_data"):
             parts.append(str(out.get("data", {}).get("text/plain", "")))
         elif out.output_type == "error":
             parts.append(f"{out.ename}: {out.evalue}")
     return "\n".join(parts)
+
+
+def test_cell_text_joins_one_print_split_across_stream_outputs():
+    cell = new_code_cell("print('same as local:', True)")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="same as local:"),
+                    nbformat.v4.new_output("stream", name="stdout", text=" True\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="warning\n"),
+                    nbformat.v4.new_output("execute_result", data={"text/plain": "1"})]
+    assert cell_text(cell) == "same as local: True\n\nwarning\n\n1"
 
 
 def _digests(folder: Path) -> dict[str, str]:
