@@ -14,8 +14,9 @@ function u8(buf) {
 
 // An answer can be lost: a page reloaded while its widgets were being restored from the kernel
 // can hold a model whose messages never come back. Every module that waits listens on its own
-// model; when no answer has come, the request goes again through the latest of them, after 8 s,
-// then 16 s, 32 s and so on (so a slow kernel is not sent a second request at once).
+// model; when no answer has come, the request goes again after 8 s, then 16 s, 32 s and so on
+// (so a slow kernel is not sent a second request at once), each time through the next of them,
+// the latest first: a model that never answers is then not asked for ever.
 const LIB_RETRY_MS = 8000;
 
 function loadPlotly(model) {
@@ -51,15 +52,17 @@ function loadPlotly(model) {
         reject(err);
       }
     };
-    const ask = () => {
-      const last = entry.waiting[entry.waiting.length - 1];
-      if (last) last[0].send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
+    let turn = 0; // the retries so far: the latest model first, then the one before, ...
+    const ask = (retry) => {
+      const n = entry.waiting.length;
+      const pick = n ? entry.waiting[n - 1 - (retry ? turn++ % n : 0)] : undefined;
+      if (pick) pick[0].send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
     };
     let wait = LIB_RETRY_MS;
     const again = () => {
       if (entry.settled) return;
       G.libAsks = (G.libAsks || 0) + 1;
-      ask();
+      ask(true);
       wait *= 2;
       entry.timer = setTimeout(again, wait);
     };
