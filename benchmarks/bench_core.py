@@ -6,8 +6,10 @@ with ``GPUDASH_PURE_PYTHON=1``; the traces are made in that process and not time
 
 - ``replay``: ``replay(trace, device_bytes="16GiB", record=False)`` of ``training_loop`` and
   ``fragmentation_stress`` (``--events`` events, default 1,000,000), events/s, best of 2;
-- ``min_fraction``: the bisection (tolerance 0.005: 9 replays) on the same traces at
-  ``--events`` and at ``--big`` events (default 10,000,000; 0 leaves it out), seconds.
+- ``min_fraction``: the bisection (tolerance 0.005: 9 fractions, fewer replays where a
+  replay's limit floor answers some) on the same traces at ``--events`` and at ``--big``
+  events (default 10,000,000; 0 leaves it out), seconds, with the replays run and the
+  fractions known without one.
 
 The instruction counts per allocate+free pair are ``bench_instructions.py``'s; PyTorch's
 model against the BFC per event is ``bench_models.py``'s.
@@ -39,7 +41,9 @@ else:
     t0 = time.perf_counter()
     m = min_fraction(t, "16GiB")
     value = time.perf_counter() - t0
-print(json.dumps({"value": value, "events": len(t), "core": _accel.describe()}))
+    note = f"{m.replays} replays, {m.known} known"
+print(json.dumps({"value": value, "events": len(t), "core": _accel.describe(),
+                  "note": note if what == "min_fraction" else ""}))
 """
 
 
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             gain = (fast["value"] / slow["value"] if what == "replay"
                     else slow["value"] / fast["value"])
             line += f"{unit(slow['value']):>16}{gain:>9.1f}x"
+        if fast["note"]:
+            line += f"  ({fast['note']})"
         print(line, flush=True)
     print(f"core: {core}")
 

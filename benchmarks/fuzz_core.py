@@ -9,7 +9,8 @@ same ones for both). Every operation must give the same result on both:
 
 - the return value, or the error (its type and its message: out-of-memory messages carry
   the whole memory log);
-- the statistics (``stats()``; for PyTorch's model also ``memory_stats()``);
+- the statistics (``stats()``; for PyTorch's model also ``memory_stats()``) and the
+  ``limit_floor``;
 - the event records (every field but the time): the journal as batch sinks receive it, and
   the events of ``subscribe`` callbacks in the stretches where one listens;
 
@@ -333,6 +334,7 @@ def fuzz_bfc(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> in
         else:
             pair.same("seq", ref.seq, fast.seq)
         pair.same("stats", ref.stats(), fast.stats())
+        pair.same("limit_floor", ref.limit_floor, fast.limit_floor)
         if pair.ops % check_every == 0:
             _compare_bfc_state(pair)
     if listening:
@@ -516,6 +518,7 @@ def _fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int) -> int:
         elif r < 0.90:
             pair.call(rng.choice(["release_free_regions", "snapshot"]))
         pair.same("stats", ref.stats(), fast.stats())
+        pair.same("limit_floor", ref.limit_floor, fast.limit_floor)
         if pair.ops % 16 == 0:
             pair.same("memory_stats", ref.memory_stats(), fast.memory_stats())
         if pair.ops % check_every == 0:

@@ -363,6 +363,10 @@ class BFCAllocator(EventSource):
         else:
             self._curr_region = rounded_bytes(memory_limit)
         self._started_backpedal = False
+        # The lowest limit at which every decision made on the limit so far goes the same
+        # way (see limit_floor); a growth that starts at 2 MiB holds for any limit >= 2 MiB.
+        self._limit_floor = (K_FIRST_GROWTH_REGION if allow_growth and fragmentation_fraction
+                             == 0.0 and memory_limit >= K_FIRST_GROWTH_REGION else memory_limit)
         # True while the pool is above a limit lowered live (see set_memory_limit): then no
         # allocation may take bytes in use past the limit, chunks are split to the rounded
         # size, and regions are returned as they empty.
@@ -442,6 +446,18 @@ class BFCAllocator(EventSource):
     @property
     def sub_allocator(self) -> Any:
         return self._sub
+
+    @property
+    def limit_floor(self) -> int:
+        """The lowest limit at which this allocator, given the same calls from the start,
+        would have done exactly what it did: every region the same, every allocation the
+        same chunk, every refusal the same. It holds for every limit from here up to
+        :attr:`memory_limit`. A decision the limit allowed raises the floor to the least
+        limit that allows it (an extension of ``n`` bytes on a pool of ``p``: ``p + n``);
+        a refusal holds under any lower limit. ``sys.maxsize`` once the limit or growth
+        changed live; the limit itself when the first region's size, or the split rule
+        (``fragmentation_fraction``), depends on it."""
+        return self._limit_floor
 
     @property
     def curr_region_allocation_bytes(self) -> int:
@@ -927,10 +943,15 @@ class BFCAllocator(EventSource):
             self._curr_region = rounded_bytes(
                 min(self._limit, K_FIRST_GROWTH_REGION) if self._allow_growth else self._limit)
             self._curr_region = max(self._curr_region, K_MIN_ALLOCATION_SIZE)
+            self._limit_floor = max(self._limit_floor, self._limit)
         while rounded > self._curr_region:
             self._curr_region *= 2
             increased = True
         nbytes = min(self._curr_region, available)
+        # the same region under any limit that leaves nbytes (cut to what is left, the same
+        # cut while the limit stays in the same 256 bytes: this limit is at most that)
+        if self._pool + nbytes > self._limit_floor:
+            self._limit_floor = self._pool + nbytes
         ptr = self._sub_alloc(nbytes)
         if ptr is None and not self._started_backpedal:
             self._started_backpedal = True
@@ -1031,6 +1052,8 @@ class BFCAllocator(EventSource):
             return False
         if rounded > self._limit - self._pool + total_free:
             return False
+        if rounded + self._pool - total_free > self._limit_floor:
+            self._limit_floor = rounded + self._pool - total_free
         logger.warning(_GC_MESSAGE)
         self._deallocate_regions(regions)
         return True
@@ -1059,6 +1082,7 @@ class BFCAllocator(EventSource):
             ptr = self._sub_alloc(available)
             if ptr is None:
                 return 0
+            self._limit_floor = max(self._limit_floor, self._pool + available)
             self._add_region(ptr, available, 0)
             if journal is not None:
                 self._after_op(start)
@@ -1109,6 +1133,7 @@ class BFCAllocator(EventSource):
             start = len(journal) if journal is not None else 0
             old = self._limit
             self._limit = nbytes
+            self._limit_floor = sys.maxsize   # what it did no longer follows from one limit
             self._max_frag = self._max_internal_fragmentation()
             if not self._allow_growth and rounded_bytes(nbytes) > self._curr_region:
                 self._curr_region = rounded_bytes(nbytes)
@@ -1146,6 +1171,7 @@ class BFCAllocator(EventSource):
             if old == allow_growth:
                 return
             self._allow_growth = allow_growth
+            self._limit_floor = sys.maxsize
             if allow_growth:
                 self._curr_region = rounded_bytes(min(self._limit, K_FIRST_GROWTH_REGION))
             else:
@@ -1421,6 +1447,8 @@ class BFCAllocator(EventSource):
         assert in_use == self._in_use, f"bytes_in_use {self._in_use} != sum of chunks {in_use}"
         assert self._peak >= self._in_use, "peak_bytes_in_use below bytes_in_use"
         assert self._peak_pool >= self._pool, "peak_pool_bytes below pool_bytes"
+        assert 0 <= self._limit_floor <= self._limit or self._limit_floor == sys.maxsize, (
+            f"limit floor {self._limit_floor} above the limit {self._limit}")
         binned: set[int] = set()
         for b, lst in enumerate(self._bins):
             assert lst == sorted(lst), f"bin {b} not in (size, address) order"

@@ -368,6 +368,7 @@ class CachingAllocator(EventSource):
         self.device_index = device
         if fraction is not None:
             self.set_memory_fraction(fraction)
+        self._limit_floor = 0   # see limit_floor; a fraction set here holds from the start
 
     def _init_state(self) -> None:
         """The empty state: the lock, pools, blocks, segments and statistics (the compiled
@@ -437,6 +438,18 @@ class CachingAllocator(EventSource):
         return self._allowed if self._set_fraction else self.device_total
 
     @property
+    def limit_floor(self) -> int:
+        """The lowest limit (``allowed_memory_maximum``) at which this allocator, given the
+        same calls from the start, would have done exactly what it did: every segment the
+        same, every block, every refusal. It holds for every limit from here up to
+        :attr:`memory_limit`. A segment the limit allowed raises the floor to the least
+        limit that allows it (``reserved + size``); a refusal holds under any lower limit.
+        The limit itself once garbage collection (``garbage_collection_threshold``, which
+        scales with the limit) has looked; ``sys.maxsize`` once the fraction changed after
+        construction; without a fraction, :attr:`memory_limit` (the device)."""
+        return self._limit_floor if self._set_fraction else self.memory_limit
+
+    @property
     def pool_bytes(self) -> int:
         """Bytes of segments held (``reserved_bytes.all.current``)."""
         return self._reserved
@@ -478,6 +491,7 @@ class CachingAllocator(EventSource):
             start = len(journal) if journal is not None else 0
             old = self._fraction
             self._allowed = int(fraction * total)
+            self._limit_floor = sys.maxsize   # what it did no longer follows from one limit
             self._set_fraction = True
             self._fraction = fraction
             self._gc_on = self._conf.garbage_collection_threshold > 0.0
@@ -829,8 +843,11 @@ class CachingAllocator(EventSource):
         st = self._stats
         if is_retry:
             st.num_alloc_retries += 1
-        if self._set_fraction and self._reserved + alloc_size > self._allowed:
-            return None
+        if self._set_fraction:
+            if self._reserved + alloc_size > self._allowed:
+                return None
+            if self._reserved + alloc_size > self._limit_floor:
+                self._limit_floor = self._reserved + alloc_size
         if self._conf.expandable_segments and self._conf.version >= (2, 1):
             return self._try_allocate_expandable(pool, stream, size)
         try:
@@ -892,6 +909,8 @@ class CachingAllocator(EventSource):
         """``garbage_collect_cached_blocks``: release aged whole free large segments until
         ``total - threshold * allowed`` bytes are reclaimed (full passes)."""
         gc_threshold = int(self._conf.garbage_collection_threshold * self._allowed)
+        if self._allowed > self._limit_floor:   # a threshold that scales with the limit
+            self._limit_floor = self._allowed
         if self._reserved <= gc_threshold:
             return
         target = self._reserved - gc_threshold
@@ -1963,6 +1982,9 @@ class CachingAllocator(EventSource):
             for name, flat in st.items():
                 assert flat[j + 1] >= flat[j], f"{name} peak below current"
         assert not self._set_fraction or self._allowed >= 0
+        assert (not self._set_fraction or 0 <= self._limit_floor <= self._allowed
+                or self._limit_floor == sys.maxsize), (
+            f"limit floor {self._limit_floor} above the limit {self._allowed}")
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

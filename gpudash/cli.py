@@ -694,6 +694,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
                  f"fits{held}: {best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
                  f"{format_bytes(total)}; bisected to within {best.tolerance:g}, "
                  f"{step}), {what}, {best.replays} replays"
+                 + (f" ({best.known} more fractions known from them)" if best.known else "")
                  + (": a lower bound for the job (see the warning)" if best.warnings else ""))
         # PyTorch: the same question with expandable segments flipped
         flipped = _say_expandable(trace, args, best, dev, kwargs, client, label) \

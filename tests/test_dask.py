@@ -881,13 +881,15 @@ def test_sweep_on_the_cluster_equals_local(client):
         sweep(trace, client=client, jobs=2, **kw)
     r_local = min_fraction(trace, "4GiB", tolerance=0.01)
     r_remote = min_fraction(trace, "4GiB", tolerance=0.01, client=client)
-    assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.limit_bytes) == (
-        r_local.fraction, r_local.history, r_local.replays, r_local.limit_bytes)
+    assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.known,
+            r_remote.limit_bytes) == (r_local.fraction, r_local.history, r_local.replays,
+                                      r_local.known, r_local.limit_bytes)
 
 
 def test_min_fraction_bisects_several_levels_at_once_with_the_same_result():
-    """With 3 threads the bisection replays two levels of its tree per round; the fractions
-    it reports, its history and its progress are still those of the local run."""
+    """With 3 threads the bisection replays three midpoints per round; the fractions it
+    reports, its history, the fractions it knew without a replay and its progress are still
+    those of the local run."""
     trace = training_loop(steps=3, layers=4, hidden=2048, seed=1)
     with LocalCluster(n_workers=1, threads_per_worker=3, processes=False,
                       dashboard_address=":0") as cluster, Client(cluster) as c:
@@ -899,8 +901,9 @@ def test_min_fraction_bisects_several_levels_at_once_with_the_same_result():
             r_remote = min_fraction(trace, "4GiB", tolerance=0.002, client=c,
                                     progress=lambda d, t: progress_remote.append((d, t)))
         keys = [t["key"] for t in stream.data if "gpudash-bisect" in str(t["key"])]
-    assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.non_monotone) == (
-        r_local.fraction, r_local.history, r_local.replays, r_local.non_monotone)
+    assert (r_remote.fraction, r_remote.history, r_remote.replays, r_remote.known,
+            r_remote.non_monotone) == (r_local.fraction, r_local.history, r_local.replays,
+                                       r_local.known, r_local.non_monotone)
     assert progress_remote == progress_local
     # speculation: more replays ran than the path needed, in fewer rounds
     assert len(keys) > r_local.replays

@@ -50,7 +50,7 @@ cdef class BFCCore:
     cdef Journal jr
     cdef readonly Lock _lock
     cdef public int64_t _limit, _max_frag, _pool, _next_aid, _num_allocs, _in_use, _peak
-    cdef public int64_t _largest, _peak_pool, _failure_logs, _waiters, _flush_at
+    cdef public int64_t _largest, _peak_pool, _failure_logs, _waiters, _flush_at, _limit_floor
     cdef public bint _started_backpedal, _capped, _allow_growth, _gc
     cdef public double _retry_timeout, _frag_fraction
     cdef public object _sub, _name, _cond
@@ -716,11 +716,15 @@ cdef class BFCCore:
             self.curr_shift = 0
             if self.curr_base < 256:
                 self.curr_base = 256
+            if self._limit > self._limit_floor:
+                self._limit_floor = self._limit
         while not self.curr_at_least(rounded):
             self.curr_shift += 1
             increased = True
         nbytes = available if self.curr_at_least(available) else (
             self.curr_base << self.curr_shift)
+        if self._pool + nbytes > self._limit_floor:   # the least limit that leaves nbytes
+            self._limit_floor = self._pool + nbytes
         ptr = self._sub_alloc(nbytes)
         if ptr is None and not self._started_backpedal:
             self._started_backpedal = True
@@ -861,6 +865,8 @@ cdef class BFCCore:
             return False
         if rounded > self._limit - self._pool + total_free:
             return False
+        if rounded + self._pool - total_free > self._limit_floor:
+            self._limit_floor = rounded + self._pool - total_free
         _logger.warning(_GC_MESSAGE)
         self.release_regions(ptrs)
         return True
@@ -947,6 +953,7 @@ cdef class BFCCore:
             self._in_use
         new._peak, new._largest, new._peak_pool = self._peak, self._largest, self._peak_pool
         new._failure_logs, new._flush_at = self._failure_logs, self._flush_at
+        new._limit_floor = self._limit_floor
         new._started_backpedal, new._capped = self._started_backpedal, self._capped
         new._allow_growth, new._gc = self._allow_growth, self._gc
         new._retry_timeout, new._frag_fraction = self._retry_timeout, self._frag_fraction

@@ -844,6 +844,7 @@ cdef class CachingCore:
     cdef readonly Lock _lock
     cdef public bint _plain_round, _split_any, _gc_on, _set_fraction
     cdef public int64_t _reserved, _allowed, _next_aid, _peak_reserved, _largest, _flush_at
+    cdef public int64_t _limit_floor
     cdef public uint64_t _va_next
     cdef public object _history
 
@@ -1368,8 +1369,11 @@ cdef class CachingCore:
         cdef Key k
         if is_retry:
             self.n_retries += 1
-        if self._set_fraction and self._reserved + alloc_size > self._allowed:
-            return -1
+        if self._set_fraction:
+            if self._reserved + alloc_size > self._allowed:
+                return -1
+            if self._reserved + alloc_size > self._limit_floor:
+                self._limit_floor = self._reserved + alloc_size
         if self.expandable_on and self.v21:
             return self.try_allocate_expandable(pool, stream, size)
         ff = self.placement()
@@ -1476,6 +1480,8 @@ cdef class CachingCore:
         cdef bint freed
         cdef int32_t b
         cdef int64_t v
+        if self._allowed > self._limit_floor:   # a threshold that scales with the limit
+            self._limit_floor = self._allowed
         if self._reserved <= gc_threshold:
             return 0
         target = self._reserved - gc_threshold

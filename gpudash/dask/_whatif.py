@@ -3,21 +3,20 @@ and :func:`~gpudash.trace.whatif.min_fraction`).
 
 The trace's calls are scattered to every worker once (``broadcast=True``); each task replays
 one setting with :mod:`gpudash.trace.tasks` (the same units a local run uses: a sweep row, a
-bisection probe), and the bisection is :func:`gpudash.trace.tasks.bisect`, fed several levels
-at a time. A worker process turns the calls into Python lists once and reuses them for every
-replay it runs.
+bisection probe), and the bisection is :func:`gpudash.trace.tasks.bisect`, fed several
+midpoints at a time. A worker process turns the calls into Python lists once and reuses them
+for every replay it runs.
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..trace.tasks import bisect, probe, sweep_row
+from ..trace.tasks import Probe, bisect, probe, sweep_row
 
 __all__ = ["sweep_rows", "bisect_on"]
 
@@ -51,8 +50,8 @@ def _sweep_task(settings: dict, calls: _Calls) -> dict:
     return sweep_row(settings, _lists(calls))
 
 
-def _fits_task(settings: dict, calls: _Calls, max_ooms: int | None) -> int:
-    return probe(settings, _lists(calls), max_ooms)
+def _fits_task(settings: dict, calls: _Calls, max_ooms: int | None) -> tuple:
+    return tuple(probe(settings, _lists(calls), max_ooms))
 
 
 def _scatter(client: Any, calls: tuple) -> Any:
@@ -96,22 +95,25 @@ def sweep_rows(client: Any, settings: list[dict], calls: tuple,
 
 def bisect_on(client: Any, make_settings: Callable[[float], dict], calls: tuple, lo: float,
               hi: float, tolerance: float, max_ooms: int | None, history: list,
-              step: Callable[[], None] | None) -> float | None:
-    """:func:`~gpudash.trace.whatif.min_fraction`'s bisection, replays as Dask tasks.
+              step: Callable[[], None] | None,
+              limit_of: Callable[[float], int] | None = None) -> tuple:
+    """:func:`~gpudash.trace.whatif.min_fraction`'s bisection, replays as Dask tasks: the
+    fraction and the count of fractions known without a replay, as
+    :func:`gpudash.trace.tasks.bisect` returns them.
 
-    Speculative: each round replays the next ``d`` levels of the bisection tree at once
-    (``2**d - 1`` replays, ``d`` as large as the cluster's threads allow), then follows the
-    path the sequential bisection would take (:func:`gpudash.trace.tasks.bisect`). The
-    fractions tried, the history and the result are exactly those of the local run.
+    Speculative: each round replays as many of the midpoints the next steps may visit as
+    the cluster has threads (none whose answer a replay on the path already gives), then
+    follows the path the sequential bisection would take
+    (:func:`gpudash.trace.tasks.bisect`). The fractions tried, the history and
+    the result are exactly those of the local run.
     """
     _check_client(client)
     shipped = _scatter(client, calls)
     threads = max(1, sum(client.nthreads().values()))
-    depth = max(1, int(math.log2(threads + 1)))
     token = uuid.uuid4().hex[:8]
     count = [0]
 
-    def run(fractions: list[float]) -> dict[float, int]:
+    def run(fractions: list[float]) -> dict[float, Probe]:
         futures = []
         for f in fractions:
             count[0] += 1
@@ -121,12 +123,12 @@ def bisect_on(client: Any, make_settings: Callable[[float], dict], calls: tuple,
         try:
             # this client's gather: distributed.wait() would look for a default client,
             # and the CLI's client is not one
-            return dict(zip(fractions, client.gather(futures)))
+            return {f: Probe(*p) for f, p in zip(fractions, client.gather(futures))}
         finally:
             for fut in futures:
                 fut.release()
 
     try:
-        return bisect(run, lo, hi, tolerance, history, step, depth=depth)
+        return bisect(run, lo, hi, tolerance, history, step, width=threads, limit_of=limit_of)
     finally:
         shipped.release()

@@ -739,7 +739,8 @@ class _Engine:
         "_max_frag", "_curr_region", "_started_backpedal", "_capped", "_lock", "_cond", "_waiters",
         "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
         "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
-        "_failure_logs", "_journal", "_journal_seq", "_journal_extra", "_counted", "_flush_at",
+        "_failure_logs", "_limit_floor", "_journal", "_journal_seq", "_journal_extra",
+        "_counted", "_flush_at",
         "_callbacks", "_sinks", "_raw_sinks", "_batch_sinks", "_outbox", "device_index",
     })
 
@@ -1145,6 +1146,16 @@ class ReplayResult:
         (:class:`gpudash.trace.torch_replay.ExactReplay`).
     assumed : list of str
         What the replay assumed that the trace does not say (the device's size...).
+    limit_floor : int or None
+        The lowest limit at which this replay runs the same, call for call: under any
+        limit from ``limit_floor`` to ``memory_limit`` (the other settings unchanged) the
+        allocator makes every decision as it did here, so the refusals, peaks and final
+        state are these. It is the least limit that allows everything the limit allowed
+        here (each region or segment obtained); what it refused, a lower limit refuses too.
+        Equal to ``memory_limit`` where a decision depends on the exact limit (BFC without
+        growth or with ``fragmentation_fraction``, PyTorch's garbage collection). None
+        where not known. :func:`~gpudash.trace.whatif.min_fraction` uses it to skip
+        replays whose answer it already has.
     """
 
     oom_count: int
@@ -1171,6 +1182,7 @@ class ReplayResult:
     snapshot: dict | None = field(default=None, repr=False)
     fidelity: Any = field(default=None, repr=False)
     assumed: list[str] = field(default_factory=list)
+    limit_floor: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -1632,7 +1644,8 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
         stopped_early=stopped, elapsed_s=elapsed,
         events_per_second=events / elapsed if elapsed > 0 else float("inf"),
         allocator=eng.model.name, snapshot=alloc.snapshot() if torch else None,
-        assumed=list(settings.get("assumed") or []))
+        assumed=list(settings.get("assumed") or []),
+        limit_floor=min(alloc.limit_floor, alloc.memory_limit))
 
 
 def _sample_array(values: list) -> np.ndarray:

@@ -13,21 +13,31 @@ lists; ``streams`` None for BFC).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import GpudashError
 from .replay import _replay_lists
 
-__all__ = ["probe", "sweep_row", "bisect"]
+__all__ = ["Probe", "probe", "sweep_row", "bisect"]
 
 
-def probe(settings: dict, calls: tuple, max_ooms: int | None) -> int:
-    """Replay ``calls`` under ``settings`` (no recording, no samples); the allocations
-    refused, counting stopped at ``max_ooms`` (None: all)."""
+class Probe(NamedTuple):
+    """One bisection replay: the allocations refused (counting stopped at ``max_ooms``), the
+    replay's limit and its :attr:`~gpudash.trace.replay.ReplayResult.limit_floor`: every
+    limit from ``floor`` to ``limit`` replays the same, with these refusals."""
+
+    ooms: int
+    limit: int
+    floor: int
+
+
+def probe(settings: dict, calls: tuple, max_ooms: int | None) -> Probe:
+    """Replay ``calls`` under ``settings`` (no recording, no samples)."""
     ops, keys, nbytes, streams, n_events = calls
     r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=False,
                       max_ooms=max_ooms, progress=None, streams=streams)
-    return int(r.oom_count)
+    floor = r.memory_limit if r.limit_floor is None else r.limit_floor
+    return Probe(int(r.oom_count), int(r.memory_limit), int(floor))
 
 
 def sweep_row(settings: dict, calls: tuple) -> dict:
@@ -69,53 +79,89 @@ def sweep_row(settings: dict, calls: tuple) -> dict:
     return row
 
 
-def bisect(run: Callable[[list[float]], dict[float, int]], lo: float, hi: float,
+def bisect(run: Callable[[list[float]], dict[float, Probe]], lo: float, hi: float,
            tolerance: float, history: list, step: Callable[[], None] | None = None,
-           depth: int = 1) -> float | None:
+           width: int = 1, limit_of: Callable[[float], int] | None = None) -> tuple:
     """The smallest fraction in ``(lo, hi]`` that fits, by bisection (None when ``hi``
-    fails).
+    fails), and how many of the fractions noted in ``history`` were known without a replay.
 
-    ``run(fractions)`` replays each fraction and returns ``{fraction: ooms}``. Each round
-    asks it for the next ``depth`` levels of the bisection tree at once (``2**depth - 1``
-    fractions: a cluster replays them side by side), then follows the path the one-at-a-time
-    bisection takes, so the fractions noted in ``history`` (``(fraction, ooms)``, in order)
-    and the result are the same whatever the depth. ``step()`` is called after each noted
-    replay.
+    ``run(fractions)`` replays each fraction and returns ``{fraction: Probe}``. Each round
+    asks it for up to ``width`` fractions at once (a cluster replays them side by side):
+    the next midpoint and those the following steps may visit, level by level, the lower
+    half first (a midpoint that fits, the costly replay, leads there). The bisection then
+    follows the path the one-at-a-time bisection takes for as long as the answers reach,
+    so the fractions noted in ``history`` (``(fraction, ooms)``, in order) and the result
+    are the same whatever the width. ``step()`` is called after each noted fraction.
+
+    With ``limit_of`` (a fraction's limit in bytes), a fraction whose limit lies between
+    the floor and the limit of a replay already noted (:class:`Probe`; a fraction above 1,
+    unified memory, only by another such) is answered by that replay and not run: its
+    replay would be the same, call for call. Only replays noted on the path count, so the
+    fractions known, like the answer, are the same whatever the width.
     """
-    def note(frac: float, ooms: int) -> None:
+    spans: list[tuple[bool, int, int, int]] = []   # (unified, floor, limit, ooms) noted
+    results: dict[float, Probe] = {}
+    inferred = 0
+
+    def known(frac: float) -> int | None:
+        if limit_of is None or not spans:
+            return None
+        limit, unified = limit_of(frac), frac > 1.0
+        for u, low, high, ooms in spans:
+            if u == unified and low <= limit <= high:
+                return ooms
+        return None
+
+    def note(frac: float) -> int:
+        nonlocal inferred
+        ooms = known(frac)
+        if ooms is None:
+            p = results[frac]
+            ooms = p.ooms
+            spans.append((frac > 1.0, p.floor, p.limit, p.ooms))
+        else:
+            inferred += 1
         history.append((frac, ooms))
         if step is not None:
             step()
+        return ooms
 
-    first = run([hi])[hi]
-    note(hi, first)
-    if first:
-        return None
+    results.update(run([hi]))
+    if note(hi):
+        return None, inferred
     good, bad = hi, lo
     while good - bad > tolerance:
-        # the tree of midpoints the next `depth` steps may visit
-        nodes: list[float] = []
-        frontier = [(good, bad)]
-        for _ in range(depth):
-            nxt = []
-            for g, b in frontier:
-                mid = (g + b) / 2.0
-                if g - b <= tolerance or not b < mid < g:
-                    continue
-                nodes.append(mid)
-                nxt += [(mid, b), (g, mid)]
-            frontier = nxt
-        if not nodes:   # as fine as floats go
+        mid = (good + bad) / 2.0
+        if not bad < mid < good:   # as fine as floats go
             break
-        results = run(nodes)
-        for _ in range(depth):
-            mid = (good + bad) / 2.0
-            if good - bad <= tolerance or not bad < mid < good:
-                break
-            ooms = results[mid]
-            note(mid, ooms)
-            if ooms == 0:
-                good = mid
-            else:
-                bad = mid
-    return good
+        if mid not in results and known(mid) is None:
+            results.update(run(_ahead(good, bad, tolerance, width, known)))
+        if note(mid) == 0:
+            good = mid
+        else:
+            bad = mid
+    return good, inferred
+
+
+def _ahead(good: float, bad: float, tolerance: float, width: int,
+           known: Callable[[float], int | None]) -> list[float]:
+    """Up to ``width`` midpoints the bisection may visit from ``(good, bad)``, level by
+    level, the lower half first, leaving out those already known (the first, the next
+    midpoint, is not)."""
+    out: list[float] = []
+    level = [(good, bad)]
+    depth = 0
+    while level and len(out) < width and depth < width:   # no deeper than width replays go
+        depth += 1
+        nxt = []
+        for g, b in level:
+            mid = (g + b) / 2.0
+            if g - b <= tolerance or not b < mid < g:
+                continue
+            if known(mid) is None:
+                out.append(mid)
+                if len(out) == width:
+                    break
+            nxt += [(mid, b), (g, mid)]
+        level = nxt
+    return out

@@ -72,10 +72,15 @@ class MinFractionResult:
     limit_bytes : int or None
         The allocator limit at that fraction.
     replays : int
-        Replays run.
+        Replays run (``len(history) - known``).
     history : list of (float, int)
-        ``(fraction, oom_count)`` of every replay, in order. Failing replays stop at their
-        first OOM unless ``count_ooms=True``, so their count is then 1 ("at least one").
+        ``(fraction, oom_count)`` of every fraction the bisection tried, in order. Failing
+        replays stop at their first OOM unless ``count_ooms=True``, so their count is then
+        1 ("at least one").
+    known : int
+        Fractions of ``history`` answered without a replay: their limit lies between the
+        :attr:`~gpudash.trace.replay.ReplayResult.limit_floor` and the limit of a replay
+        tried before, so their replay would have been that one, call for call.
     non_monotone : bool
         True when some replay failed at a larger fraction than one that fitted.
     device_bytes : int
@@ -107,6 +112,7 @@ class MinFractionResult:
     allocator: str = "bfc"
     assumed: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict, repr=False)
+    known: int = 0
 
     @property
     def fits(self) -> bool:
@@ -176,9 +182,9 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         replays); True prints to stderr.
     client : distributed.Client, optional
         Run the replays as tasks on this Dask cluster (the trace's calls are sent to each
-        worker once). The bisection evaluates the next levels of its tree at once where
-        the cluster has the threads, and follows the same path: the result and history
-        are those of the local run.
+        worker once). The bisection replays as many of the midpoints its next steps may
+        visit at once as the cluster has threads, and follows the same path: the result,
+        history and fractions known are those of the local run.
     **options
         Other :func:`~gpudash.trace.replay.replay` settings: ``allocator``, and the model's
         own (``allow_growth``, ``garbage_collection``, ``deferred_deletion_bytes``... for
@@ -234,21 +240,26 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         if report is not None:
             report(min(len(history), total - 1), total)
 
+    def limit_of(frac: float) -> int:
+        return limit_for(base, frac)
+
     if client is not None:
         from ..dask._whatif import bisect_on
 
-        good = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms, history, step)
+        good, inferred = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms,
+                                   history, step, limit_of)
     else:
-        good = bisect(lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
-                      lo, hi, tolerance, history, step)
+        good, inferred = bisect(
+            lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
+            lo, hi, tolerance, history, step, limit_of=limit_of)
     if report is not None:
         report(total, total)
     fitted = [f for f, n in history if n == 0]
     failed = [f for f, n in history if n > 0]
     non_monotone = bool(fitted and failed and max(failed) > min(fitted))
     return MinFractionResult(good, None if good is None else limit_for(base, good),
-                             len(history), history, non_monotone, dev_bytes, tolerance,
-                             warnings, **said)
+                             len(history) - inferred, history, non_monotone, dev_bytes,
+                             tolerance, warnings, **said, known=inferred)
 
 
 def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
