@@ -9,12 +9,12 @@ with ``GPUDASH_PURE_PYTHON=1``; the traces are made in that process and not time
 - ``min_fraction``: the bisection (tolerance 0.005: 9 fractions, fewer replays where a
   replay's limit floor answers some) on the same traces at ``--events`` and at ``--big``
   events (default 10,000,000; 0 leaves it out), seconds, with the replays run and the
-  fractions known without one.
+  fractions known without one; ``min_fraction/2``: the same with ``jobs=2`` (``--jobs``).
 
 The instruction counts per allocate+free pair are ``bench_instructions.py``'s; PyTorch's
 model against the BFC per event is ``bench_models.py``'s.
 
-Run: ``python benchmarks/bench_core.py [--events N] [--big M] [--pure]``.
+Run: ``python benchmarks/bench_core.py [--events N] [--big M] [--pure] [--jobs J]``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gpudash import _accel
 from gpudash.trace.replay import replay
 from gpudash.trace.whatif import min_fraction
 from gpudash.trace.workloads import fragmentation_stress, training_loop
-what, name, events = sys.argv[1], sys.argv[2], int(sys.argv[3])
+what, name, events, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 t = (training_loop(steps=max(1, events // 200)) if name == "training_loop"
      else fragmentation_stress(rounds=max(1, int(events / 6.37))))
 if what == "replay":
@@ -39,7 +39,7 @@ if what == "replay":
     value = len(t) / best
 else:
     t0 = time.perf_counter()
-    m = min_fraction(t, "16GiB")
+    m = min_fraction(t, "16GiB", jobs=jobs)
     value = time.perf_counter() - t0
     note = f"{m.replays} replays, {m.known} known"
 print(json.dumps({"value": value, "events": len(t), "core": _accel.describe(),
@@ -47,12 +47,12 @@ print(json.dumps({"value": value, "events": len(t), "core": _accel.describe(),
 """
 
 
-def measure(what: str, name: str, events: int, pure: bool) -> dict:
+def measure(what: str, name: str, events: int, pure: bool, jobs: int = 1) -> dict:
     env = dict(os.environ)
     env.pop("GPUDASH_PURE_PYTHON", None)
     if pure:
         env["GPUDASH_PURE_PYTHON"] = "1"
-    out = subprocess.run([sys.executable, "-c", ONE, what, name, str(events)], env=env,
+    out = subprocess.run([sys.executable, "-c", ONE, what, name, str(events), str(jobs)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -62,20 +62,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--big", type=int, default=10_000_000)
     ap.add_argument("--pure", action="store_true", help="also run the pure-Python models")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="also run min_fraction with this many worker processes (1: not)")
     args = ap.parse_args(argv)
-    rows = [("replay", name, args.events) for name in ("training_loop", "fragmentation_stress")]
+    rows = [("replay", name, args.events, 1)
+            for name in ("training_loop", "fragmentation_stress")]
     for n in (args.events, args.big):
         if n:
-            rows += [("min_fraction", name, n)
+            rows += [("min_fraction", name, n, j)
+                     for j in sorted({1, max(1, args.jobs)})
                      for name in ("training_loop", "fragmentation_stress")]
     head = f"{'measure':<14}{'trace':<22}{'events':>12}{'compiled':>16}"
     print(head + (f"{'pure Python':>16}{'speed-up':>10}" if args.pure else ""), flush=True)
     core = None
-    for what, name, n in rows:
-        fast = measure(what, name, n, False)
+    for what, name, n, jobs in rows:
+        if args.pure and jobs > 1:
+            continue
+        fast = measure(what, name, n, False, jobs)
         core = fast["core"]
         unit = (lambda v: f"{v:,.0f} ev/s") if what == "replay" else (lambda v: f"{v:.2f} s")
-        line = f"{what:<14}{name:<22}{fast['events']:>12,}{unit(fast['value']):>16}"
+        label = what if jobs == 1 else f"{what}/{jobs}"
+        line = f"{label:<14}{name:<22}{fast['events']:>12,}{unit(fast['value']):>16}"
         if args.pure:
             slow = measure(what, name, n, True)
             gain = (fast["value"] / slow["value"] if what == "replay"

@@ -320,7 +320,8 @@ def _parser() -> _Parser:
                       "lines to paste (default: the trace's own; lines for a PyTorch trace; "
                       "jax: replay with garbage collection off, as XLA runs its BFC)")
     p.add_argument("--jobs", type=_int_arg(1, MAX_JOBS), default=min(2, os.cpu_count() or 1),
-                   help=f"processes for the sweep, 1..{MAX_JOBS} (default: up to 2)")
+                   help=f"processes for the replays (the bisection's and the sweep's), "
+                        f"1..{MAX_JOBS} (default: up to 2)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="run the replays as tasks on this Dask scheduler "
                         "(tcp://host:8786; needs gpudash[dask]; --jobs is then ignored; "
@@ -673,7 +674,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         device_bytes = kwargs.pop("device_bytes", None)
         try:
             best = min_fraction(trace, device_bytes, device=dev, progress=True, client=client,
-                                **kwargs)
+                                jobs=1 if client is not None else args.jobs, **kwargs)
         except ConfigError as exc:
             raise _UserError(str(exc)) from None
         total = best.device_bytes
@@ -796,6 +797,7 @@ def _say_expandable(trace: Any, args: argparse.Namespace, best: Any, dev: int, k
     conf = (best.settings.get("conf") or "")
     on = "expandable_segments:True" in conf
     flipped = min_fraction(trace, best.device_bytes, device=dev, client=client,
+                           jobs=1 if client is not None else args.jobs,
                            **dict(kwargs, expandable_segments=not on))
     name = f"expandable_segments:{not on}"
     if flipped.fraction is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpudash import ConfigError
 from gpudash.trace.replay import replay
 from gpudash.trace.whatif import (
     DEFAULT_FRACTIONS,
@@ -71,6 +72,52 @@ def test_min_fraction_counts_ooms_when_asked():
         min_fraction(t, "1GiB", fraction=0.5)
     with pytest.raises(ValueError, match="tolerance"):
         min_fraction(t, "1GiB", tolerance=0)
+
+
+def test_min_fraction_in_worker_processes_follows_the_same_path():
+    """Two workers replay the next midpoint and the one below it side by side; the answer,
+    the fractions tried and those known without a replay are those of one process."""
+    t = training_loop(steps=3, layers=4, hidden=2048, seed=5)
+    seen_one: list = []
+    seen_two: list = []
+    one = min_fraction(t, "16GiB", tolerance=0.002,
+                       progress=lambda d, n: seen_one.append((d, n)))
+    two = min_fraction(t, "16GiB", tolerance=0.002, jobs=2,
+                       progress=lambda d, n: seen_two.append((d, n)))
+    assert (two.fraction, two.history, two.replays, two.known) == (
+        one.fraction, one.history, one.replays, one.known)
+    assert one.known >= 1 and seen_two == seen_one
+    torch_one = min_fraction(t, "16GiB", allocator="torch")
+    torch_two = min_fraction(t, "16GiB", allocator="torch", jobs=3)
+    assert (torch_two.fraction, torch_two.history) == (torch_one.fraction, torch_one.history)
+    with pytest.raises(ConfigError, match="jobs must be an integer"):
+        min_fraction(t, "16GiB", jobs=0)
+    with pytest.raises(ValueError, match="not both"):
+        min_fraction(t, "16GiB", jobs=2, client=object())
+
+
+def test_worker_processes_fork_only_where_no_other_thread_runs():
+    """A fork copies every lock as it is, held or not: with another thread alive the
+    workers start by forkserver, and the answer is the same."""
+    import threading
+
+    from gpudash.trace.whatif import _pool_context
+
+    t = training_loop(steps=2, layers=2, hidden=1024)
+    if threading.active_count() == 1:
+        assert _pool_context().get_start_method() == "fork"
+    one = min_fraction(t, "4GiB")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        method = _pool_context().get_start_method()
+        two = min_fraction(t, "4GiB", jobs=2)
+    finally:
+        stop.set()
+        other.join()
+    assert method != "fork"
+    assert (two.fraction, two.history) == (one.fraction, one.history)
 
 
 def test_min_fraction_progress():

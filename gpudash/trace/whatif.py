@@ -29,6 +29,7 @@ from __future__ import annotations
 import html
 import math
 import multiprocessing
+import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from .replay import (
     limit_for,
     resolve_settings,
 )
-from .tasks import bisect, probe, sweep_row
+from .tasks import Probe, bisect, probe, sweep_row
 
 __all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
 
@@ -155,8 +156,8 @@ MIN_TOLERANCE = 1e-15
 
 def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
                  tolerance: float = 0.005, lo: float = 0.0, hi: float = 1.0,
-                 count_ooms: bool = False, progress: Any = None, client: Any = None,
-                 **options: Any) -> MinFractionResult:
+                 count_ooms: bool = False, progress: Any = None, jobs: int = 1,
+                 client: Any = None, **options: Any) -> MinFractionResult:
     """The smallest memory fraction at which the trace replays without OOM: TensorFlow's
     ``per_process_gpu_memory_fraction`` for BFC, PyTorch's
     ``torch.cuda.set_per_process_memory_fraction`` for its caching allocator.
@@ -180,6 +181,13 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     progress : callable or True, optional
         ``progress(done, total)`` in replays (``total`` is the bisection's upper bound on
         replays); True prints to stderr.
+    jobs : int, default 1
+        Replay in this many worker processes: each round replays the next midpoint and
+        ``jobs - 1`` of those the following steps may visit (the lower half first), and
+        the bisection follows the same path, so the result and history are those of
+        ``jobs=1``. Workers are forked where this process runs no other thread (they start
+        in milliseconds and share the calls); else started by forkserver, and the calls
+        are sent to each (about a second, more for a long trace).
     client : distributed.Client, optional
         Run the replays as tasks on this Dask cluster (the trace's calls are sent to each
         worker once). The bisection replays as many of the midpoints its next steps may
@@ -220,6 +228,7 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     if "fraction" in options or "memory_limit" in options:
         raise ValueError("min_fraction chooses the fraction itself; do not pass fraction= or "
                          "memory_limit=")
+    jobs = _check_jobs(jobs, client)
     extra = options.pop("options", None)
     base = _base_settings(trace, extra, device_bytes, options)
     dev_bytes = base["device_bytes"]
@@ -248,6 +257,15 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
 
         good, inferred = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms,
                                    history, step, limit_of)
+    elif jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(),
+                                 initializer=_init_worker, initargs=calls) as ex:
+            def run(fracs: list[float]) -> dict:
+                futures = {f: ex.submit(_probe_one, settings(f), max_ooms) for f in fracs}
+                return {f: fut.result() for f, fut in futures.items()}
+
+            good, inferred = bisect(run, lo, hi, tolerance, history, step, width=jobs,
+                                    limit_of=limit_of)
     else:
         good, inferred = bisect(
             lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
@@ -297,6 +315,21 @@ def _init_worker(ops: np.ndarray, keys: np.ndarray, nbytes: np.ndarray, streams:
 def _sweep_one(settings: dict) -> dict:
     """A worker process's sweep row, over the calls :func:`_init_worker` gave it."""
     return sweep_row(settings, _WORKER["calls"])
+
+
+def _probe_one(settings: dict, max_ooms: int | None) -> Probe:
+    """A worker process's bisection replay, over the calls :func:`_init_worker` gave it."""
+    return probe(settings, _WORKER["calls"], max_ooms)
+
+
+def _check_jobs(jobs: Any, client: Any) -> int:
+    if isinstance(jobs, (bool, np.bool_)) or not isinstance(jobs, (int, np.integer)) \
+            or jobs < 1:
+        raise ConfigError(f"jobs must be an integer >= 1; got {jobs!r}")
+    if client is not None and jobs != 1:
+        raise ValueError(f"pass jobs= (local processes) or client= (a Dask cluster), not "
+                         f"both; got jobs={jobs} and a client")
+    return int(jobs)
 
 
 def _real(name: str, value: Any) -> float:
@@ -377,13 +410,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
         growths.append(bool(g))
     if not fractions or not growths:
         raise ConfigError(f"sweep needs at least one fraction and one {own} value")
-    if isinstance(jobs, (bool, np.bool_)) or not isinstance(jobs, (int, np.integer)) \
-            or jobs < 1:
-        raise ConfigError(f"jobs must be an integer >= 1; got {jobs!r}")
-    jobs = int(jobs)
-    if client is not None and jobs != 1:
-        raise ValueError(f"pass jobs= (local processes) or client= (a Dask cluster), not "
-                         f"both; got jobs={jobs} and a client")
+    jobs = _check_jobs(jobs, client)
     for bad in ("fraction", "memory_limit"):
         if bad in options:
             raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
@@ -418,7 +445,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
             if report is not None:
                 report(done, total)
     else:
-        ctx = _mp_context()
+        ctx = _pool_context()
         with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx,
                                  initializer=_init_worker, initargs=lists) as ex:
             futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
@@ -468,6 +495,16 @@ def _mp_context() -> Any:
     else spawn."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def _pool_context() -> Any:
+    """fork where this process runs no other thread: workers start in milliseconds and
+    share the trace's calls (a long trace's take seconds to send). Else
+    :func:`_mp_context`: a fork while another thread holds a lock would leave it held in
+    the child."""
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return _mp_context()
 
 
 class SweepTable:
