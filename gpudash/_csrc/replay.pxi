@@ -1,4 +1,5 @@
-# The replay loops of gpudash.trace.replay._Engine, over int64 columns, in C. Each mirrors
+# The replay loops of gpudash.trace.replay._Engine, over numpy columns (ops int8, the rest
+# int64), in C. Each mirrors
 # its Python loop (_run_plain, _run_deferred, _run_torch) call for call. Included by
 # _core.pyx.
 
@@ -18,12 +19,13 @@ def run_bfc(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t stop, Key
     """``_Engine._run_plain``: returns (the calls made up to, frees of unknown keys).
     ``sample``: None, or three lists that each get one int64 array (in use, pool, largest
     free after every call)."""
-    cdef const int64_t[::1] O = ops
+    cdef const int8_t[::1] O = ops
     cdef const int64_t[::1] K = keys
     cdef const int64_t[::1] N = nbytes
     cdef int64_t[::1] S0, S1, S2
     cdef Py_ssize_t i, made = 0, skipped = 0
-    cdef int64_t op, n, v
+    cdef int op
+    cdef int64_t n, v
     cdef uint64_t p
     cdef bint sampling = sample is not None
     arrays = None
@@ -70,12 +72,13 @@ def run_bfc_deferred(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t 
                      int64_t threshold, int64_t held_bytes):
     """``_Engine._run_deferred``: returns (calls made up to, frees of unknown keys,
     allocations served after applying held frees, bytes held)."""
-    cdef const int64_t[::1] O = ops
+    cdef const int8_t[::1] O = ops
     cdef const int64_t[::1] K = keys
     cdef const int64_t[::1] N = nbytes
     cdef int64_t[::1] S0, S1, S2
     cdef Py_ssize_t i, made = 0, skipped = 0, retried = 0
-    cdef int64_t op, n, v
+    cdef int op
+    cdef int64_t n, v
     cdef uint64_t p
     cdef bint sampling = sample is not None
     arrays = None
@@ -137,13 +140,14 @@ def run_torch(CachingCore a, ops, keys, nbytes, streams, Py_ssize_t start, Py_ss
               KeyMap ptrs, list oom_calls, sample, Py_ssize_t max_ooms):
     """``_Engine._run_torch``: returns (calls made up to, frees of unknown keys).
     ``streams``: None (all 0) or a uint64 array."""
-    cdef const int64_t[::1] O = ops
+    cdef const int8_t[::1] O = ops
     cdef const int64_t[::1] K = keys
     cdef const int64_t[::1] N = nbytes
     cdef const uint64_t[::1] T
     cdef int64_t[::1] S0, S1, S2
     cdef Py_ssize_t i, made = 0, skipped = 0
-    cdef int64_t op, n, v
+    cdef int op
+    cdef int64_t n, v
     cdef uint64_t p
     cdef bint sampling = sample is not None, streamed = streams is not None
     if streamed:

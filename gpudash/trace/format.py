@@ -99,6 +99,7 @@ _MAX_JSON = 1 << 30
 _ALLOC, _FREE, _EXTEND, _RELEASE, _OOM, _LIMIT = (
     int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND), int(EventKind.RELEASE),
     int(EventKind.OOM), int(EventKind.LIMIT))
+# Calls.op's codes (1, 2, 7) are these kinds' own: _calls_by_id copies the kinds
 
 
 def round_up_256(nbytes: int) -> int:
@@ -534,25 +535,14 @@ class Trace:
             ``alloc_id`` nor by pointer) is dropped and counted in ``unmatched_frees``;
             importers of logs that start mid-run produce such frees.
         """
+        op, key, nbytes, rows, keep, unmatched = self._paired_calls(device)
         c = self.columns
-        kind = c["kind"]
-        mask = (kind == _ALLOC) | (kind == _FREE) | (kind == _OOM)
-        if device is not None:
-            mask &= c["device"] == device
-        rows = np.flatnonzero(mask)
-        every = len(rows) == len(kind)
+        every = len(rows) == len(c["kind"])
 
         def col(name: str) -> np.ndarray:
             # a trace of nothing but calls (most are) needs no gather
             return c[name] if every else c[name][rows]
 
-        fast = _calls_by_id(col("kind"), col("alloc_id"), col("device"), col("requested"))
-        if fast is not None:
-            op, key, nbytes = fast
-            keep = None
-            unmatched = 0
-        else:
-            op, key, nbytes, keep, unmatched = self._calls_loop(rows)
         devs = col("device")
         if (len(rows) and device is None and devs.min() != devs.max()
                 and _has_duplicates(key[op == 1])):
@@ -565,6 +555,38 @@ class Trace:
                          unmatched)
         return Calls(op[keep], key[keep], nbytes[keep], time_ns[keep], devs[keep],
                      rows[keep].astype(np.int64), unmatched)
+
+    def _call_columns(self, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``calls(device)``'s ``op``, ``key`` and ``nbytes`` alone: what a replay needs,
+        without building the time, device and row columns (a long trace's replay would
+        wait on them)."""
+        op, key, nbytes, _, keep, _ = self._paired_calls(device, rows=False)
+        if keep is None:
+            return op, key, nbytes
+        return op[keep], key[keep], nbytes[keep]
+
+    def _paired_calls(self, device: int | None, rows: bool = True) -> tuple:
+        """The call rows (``device``'s, or all) paired: ``op, key, nbytes`` for each, the
+        rows (None with ``rows=False`` where every row is a call), and ``keep`` (None: all)
+        with the count of frees left unmatched."""
+        c = self.columns
+        kind = c["kind"]
+        mask = (kind == _ALLOC) | (kind == _FREE) | (kind == _OOM)
+        if device is not None:
+            mask &= c["device"] == device
+        every = bool(mask.all())
+        where = None if every and not rows else np.flatnonzero(mask)
+
+        def col(name: str) -> np.ndarray:
+            return c[name] if every else c[name][where]
+
+        fast = _calls_by_id(col("kind"), col("alloc_id"), col("device"), col("requested"))
+        if fast is not None:
+            return (*fast, where, None, 0)
+        if where is None:
+            where = np.flatnonzero(mask)
+        op, key, nbytes, keep, unmatched = self._calls_loop(where)
+        return op, key, nbytes, where, keep, unmatched
 
     def _calls_loop(self, rows: np.ndarray) -> tuple:
         """Pair frees with allocs one row at a time (ids missing, or frees to drop)."""
@@ -690,13 +712,12 @@ def _calls_by_id(kind: np.ndarray, alloc_id: np.ndarray, device: np.ndarray,
             alloc_pos = a_idx[order[j]]
             if not ((sk[j] == f_keys) & (alloc_pos < f_idx)).all():
                 return None
-    n = len(kind)
-    op = np.full(n, 7, dtype=np.int8)
-    op[a_idx] = 1
-    op[f_idx] = 2
-    key = np.zeros(n, dtype=np.int64)
-    key[a_idx] = a_ids
-    key[f_idx] = f_ids
+    # the call ops are the kinds' own codes (alloc 1, free 2, refused 7), and the keys the
+    # ids (0 for refusals): one copy each
+    op = kind.astype(np.int8, copy=True)
+    key = alloc_id.astype(np.int64, copy=True)
+    if len(a_idx) + len(f_idx) < len(kind):
+        key[kind == _OOM] = 0
     nbytes = requested.astype(np.int64, copy=True)
     if len(f_idx):
         nbytes[f_idx] = requested[alloc_pos]

@@ -787,10 +787,11 @@ class _Engine:
         return self._run_plain_compiled if self.compiled else self._run_plain
 
     def _int64_columns(self) -> tuple:
-        """ops, keys, nbytes (and streams) as int64 arrays for the compiled loops."""
+        """ops (int8, as a trace's calls keep them: no copy), keys and nbytes (int64), and
+        streams (uint64) as arrays for the compiled loops."""
         if self._columns is None:
-            cols = [np.ascontiguousarray(c, dtype=np.int64)
-                    for c in (self.ops, self.keys, self.nbytes)]
+            cols = [np.ascontiguousarray(self.ops, dtype=np.int8)]
+            cols += [np.ascontiguousarray(c, dtype=np.int64) for c in (self.keys, self.nbytes)]
             cols.append(None if self.streams is None else
                         np.ascontiguousarray(np.asarray(self.streams).astype(np.uint64)))
             self._columns = tuple(cols)
@@ -1261,9 +1262,9 @@ def _part(seq: Any, start: int, stop: int) -> list:
 
 def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The calls of ``device`` as numpy columns (op, key, nbytes) and its event count."""
-    calls = trace.calls(device)
+    op, key, nbytes = trace._call_columns(device)
     n_events = int(np.count_nonzero(trace.columns["device"] == device))
-    return calls.op, calls.key, calls.nbytes, n_events
+    return op, key, nbytes, n_events
 
 
 def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None, *,
