@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += [("min_fraction", name, n, j)
                      for j in sorted({1, max(1, args.jobs)})
                      for name in ("training_loop", "fragmentation_stress")]
-    head = f"{'measure':<14}{'trace':<22}{'events':>12}{'compiled':>16}"
+    head = f"{'measure':<16}{'trace':<22}{'events':>12}{'compiled':>16}"
     print(head + (f"{'pure Python':>16}{'speed-up':>10}" if args.pure else ""), flush=True)
     core = None
     for what, name, n, jobs in rows:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         core = fast["core"]
         unit = (lambda v: f"{v:,.0f} ev/s") if what == "replay" else (lambda v: f"{v:.2f} s")
         label = what if jobs == 1 else f"{what}/{jobs}"
-        line = f"{label:<14}{name:<22}{fast['events']:>12,}{unit(fast['value']):>16}"
+        line = f"{label:<16}{name:<22}{fast['events']:>12,}{unit(fast['value']):>16}"
         if args.pure:
             slow = measure(what, name, n, True)
             gain = (fast["value"] / slow["value"] if what == "replay"
