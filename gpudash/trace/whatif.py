@@ -29,6 +29,7 @@ from __future__ import annotations
 import html
 import math
 import multiprocessing
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -185,9 +186,9 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         Replay in this many worker processes: each round replays the next midpoint and
         ``jobs - 1`` of those the following steps may visit (the lower half first), and
         the bisection follows the same path, so the result and history are those of
-        ``jobs=1``. Workers are forked where this process runs no other thread (they start
-        in milliseconds and share the calls); else started by forkserver, and the calls
-        are sent to each (about a second, more for a long trace).
+        ``jobs=1``. On Linux, workers are forked where this process runs no other thread
+        (they start in milliseconds and share the calls); else started by forkserver (or
+        spawn), and the calls are sent to each (about a second, more for a long trace).
     client : distributed.Client, optional
         Run the replays as tasks on this Dask cluster (the trace's calls are sent to each
         worker once). The bisection replays as many of the midpoints its next steps may
@@ -498,11 +499,11 @@ def _mp_context() -> Any:
 
 
 def _pool_context() -> Any:
-    """fork where this process runs no other thread: workers start in milliseconds and
-    share the trace's calls (a long trace's take seconds to send). Else
+    """fork on Linux where this process runs no other thread: workers start in
+    milliseconds and share the trace's calls (a long trace's take seconds to send). Else
     :func:`_mp_context`: a fork while another thread holds a lock would leave it held in
-    the child."""
-    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+    the child, and macOS's system libraries do not survive a fork (Python spawns there)."""
+    if sys.platform.startswith("linux") and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
     return _mp_context()
 
