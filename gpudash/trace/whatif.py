@@ -180,8 +180,8 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         Replay failing settings to the end to count every OOM (slower); by default a
         failing replay stops at its first OOM.
     progress : callable or True, optional
-        ``progress(done, total)`` in replays (``total`` is the bisection's upper bound on
-        replays); True prints to stderr.
+        ``progress(done, total)`` in fractions tried, replayed or known (``total`` is the
+        bisection's upper bound on them); True prints to stderr.
     jobs : int, default 1
         Replay in this many worker processes: each round replays the next midpoint and
         ``jobs - 1`` of those the following steps may visit (the lower half first), and
