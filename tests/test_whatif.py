@@ -119,6 +119,11 @@ def test_worker_processes_fork_only_where_no_other_thread_runs():
         other.join()
     assert method != "fork"
     assert (two.fraction, two.history) == (one.fraction, one.history)
+    if method == "forkserver":   # its workers start with gpudash imported; nothing dropped
+        from multiprocessing import forkserver
+
+        preload = forkserver._forkserver._preload_modules
+        assert "gpudash.trace.whatif" in preload and "__main__" in preload
 
 
 def test_min_fraction_progress():
