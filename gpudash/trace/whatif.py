@@ -188,7 +188,8 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         the bisection follows the same path, so the result and history are those of
         ``jobs=1``. On Linux, workers are forked where this process runs no other thread
         (they start in milliseconds and share the calls); else started by forkserver (or
-        spawn), and the calls are sent to each (about a second, more for a long trace).
+        spawn), and the calls are sent to each: the first use starts the server (about a
+        second), and a long trace's calls take a while to send.
     client : distributed.Client, optional
         Run the replays as tasks on this Dask cluster (the trace's calls are sent to each
         worker once). The bisection replays as many of the midpoints its next steps may
