@@ -42,7 +42,7 @@ def test_min_fraction_of_one_6gib_allocation_on_16gib_is_three_eighths():
     assert all(n > 0 for f, n in r.history if f < 6 / 16)
     assert all(n == 0 for f, n in r.history if f >= 6 / 16)
     assert not r.non_monotone
-    assert "fraction=0.37" in repr(r)
+    assert "fraction=0.37" in repr(r) and "replays=8, known=1" in repr(r)
 
 
 def test_min_fraction_without_growth_and_a_tighter_tolerance():

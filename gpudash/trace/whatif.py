@@ -143,12 +143,13 @@ class MinFractionResult:
                 ".warnings)" if self.warnings else "")
         if self.assumed:
             note += f", assumed: {'; '.join(self.assumed)}"
+        runs = f"replays={self.replays}" + (f", known={self.known}" if self.known else "")
         if self.fraction is None:
             return (f"MinFractionResult(no fit up to the largest fraction tried, "
-                    f"{self.allocator}, replays={self.replays}{note})")
+                    f"{self.allocator}, {runs}{note})")
         return (f"MinFractionResult(fraction={self.fraction:.4f}, {self.allocator}, "
                 f"limit={format_bytes(self.limit_bytes or 0)} of "
-                f"{format_bytes(self.device_bytes)}, replays={self.replays}{note})")
+                f"{format_bytes(self.device_bytes)}, {runs}{note})")
 
 
 #: The finest ``min_fraction`` tolerance: below it a step changes no limit.
