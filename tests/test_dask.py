@@ -909,6 +909,49 @@ def test_min_fraction_bisects_several_levels_at_once_with_the_same_result():
     assert len(keys) > r_local.replays
 
 
+_REFUSED: list = []   # the fraction _fits_or_refuse fails at (set by the test below)
+
+
+def _fits_or_refuse(settings, calls, max_ooms):
+    """The bisection's task (``_fits_task``), failing at one fraction beside the path."""
+    from gpudash.dask._whatif import _lists
+    from gpudash.trace.tasks import probe
+
+    if settings["fraction"] in _REFUSED:
+        raise ValueError(f"no replay at {settings['fraction']}")
+    return tuple(probe(settings, _lists(calls), max_ooms))
+
+
+def test_min_fraction_survives_a_replay_failing_beside_its_path(monkeypatch):
+    """A replay the cluster runs ahead of the path may fail; only the path's count."""
+    from gpudash.dask import _whatif
+    from gpudash.trace import tasks
+
+    trace = training_loop(steps=3, layers=4, hidden=2048, seed=1)
+    asked: list = []
+    real_ahead = tasks._ahead
+
+    def ahead(*args):
+        out = real_ahead(*args)
+        asked.extend(out)
+        return out
+
+    monkeypatch.setattr(tasks, "_ahead", ahead)
+    r_local = min_fraction(trace, "4GiB", tolerance=0.002, jobs=3)
+    beside = [f for f in asked if f not in dict(r_local.history)]
+    assert beside   # three replays a round: some were off the path
+    _REFUSED[:] = beside
+    monkeypatch.setattr(_whatif, "_fits_task", _fits_or_refuse)
+    try:
+        with LocalCluster(n_workers=1, threads_per_worker=3, processes=False,
+                          dashboard_address=":0") as cluster, Client(cluster) as c:
+            r_remote = min_fraction(trace, "4GiB", tolerance=0.002, client=c)
+    finally:
+        _REFUSED.clear()
+    assert (r_remote.fraction, r_remote.history, r_remote.known) == (
+        r_local.fraction, r_local.history, r_local.known)
+
+
 def test_cli_whatif_on_a_scheduler(client, tmp_path, capsys):
     from gpudash.cli import main
     from gpudash.trace import save_trace

@@ -21,7 +21,7 @@ from gpudash import SimulatedDevice
 from gpudash.bfc import BFCAllocator, PyBFCAllocator
 from gpudash.caching import CachingAllocator, PyCachingAllocator
 from gpudash.trace.replay import _model_calls, limit_for, replay
-from gpudash.trace.tasks import bisect, probe
+from gpudash.trace.tasks import Probe, bisect, probe
 from gpudash.trace.whatif import _base_settings, min_fraction
 from gpudash.trace.workloads import fragmentation_stress, trace_from_calls, training_loop
 
@@ -244,3 +244,59 @@ def test_a_wider_bisection_knows_the_same_fractions(width):
     assert known1 >= 1
     # nothing a replay on the path answered was replayed again
     assert len(ran) == len(set(ran))
+
+
+def test_a_replay_that_fails_beside_the_path_changes_nothing():
+    """Replays run ahead of the path may raise (PyTorch's model refuses some settings under
+    memory pressure); the error counts only where the path reaches that fraction."""
+    asked: list = []
+
+    def make_run(broken):
+        def run(fracs):
+            asked.extend(fracs)
+            out = {}
+            for f in fracs:
+                limit = int(f * GIB)
+                out[f] = (ValueError(f"no replay at {f}") if f in broken
+                          else Probe(0 if f >= 0.3 else 1, limit, limit))
+            return out
+        return run
+
+    one: list = []
+    good, _ = bisect(make_run(set()), 0.0, 1.0, 0.01, one, width=1)
+    path = {f for f, _ in one}
+    beside = {0.75, 0.4375}   # asked for at width 3 (ahead of the path), never on it
+    assert not beside & path
+    asked.clear()
+    wide: list = []
+    assert bisect(make_run(beside), 0.0, 1.0, 0.01, wide, width=3)[0] == good
+    assert wide == one and beside <= set(asked)
+    with pytest.raises(ValueError, match="no replay at 0.25"):
+        bisect(make_run({0.25}), 0.0, 1.0, 0.01, [], width=3)
+
+
+def _probe_refusing_an_eighth(settings, max_ooms):
+    """A worker's replay (whatif._probe_one) that fails at fraction 0.125."""
+    from gpudash.trace import whatif
+
+    if settings["fraction"] == 0.125:
+        raise ValueError("no replay at 0.125")
+    return probe(settings, whatif._WORKER["calls"], max_ooms)
+
+
+def test_workers_going_ahead_of_the_path_survive_a_failing_replay(monkeypatch):
+    """min_fraction(jobs=3) replays 0.125 beside its path (0.5 is known, 0.25 fails, so the
+    path goes up); that replay failing changes nothing. Forked workers see the patched
+    replay; others would not."""
+    from gpudash.trace import whatif
+
+    if whatif._pool_context().get_start_method() != "fork":
+        pytest.skip("needs forked workers (Linux, no other thread)")
+    t = fragmentation_stress(rounds=600)
+    one = min_fraction(t, "4GiB", tolerance=0.01)
+    assert one.history[:3] == [(1.0, 0), (0.5, 0), (0.25, 1)]
+    assert 0.125 not in dict(one.history)
+    monkeypatch.setattr(whatif, "_probe_one", _probe_refusing_an_eighth)
+    three = min_fraction(t, "4GiB", tolerance=0.01, jobs=3)
+    assert (three.fraction, three.history, three.known) == (one.fraction, one.history,
+                                                            one.known)

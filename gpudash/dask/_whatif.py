@@ -113,17 +113,23 @@ def bisect_on(client: Any, make_settings: Callable[[float], dict], calls: tuple,
     token = uuid.uuid4().hex[:8]
     count = [0]
 
-    def run(fractions: list[float]) -> dict[float, Probe]:
+    def run(fractions: list[float]) -> dict[float, Any]:
         futures = []
         for f in fractions:
             count[0] += 1
             futures.append(client.submit(_fits_task, make_settings(f), shipped, max_ooms,
                                          key=f"gpudash-bisect-{token}-{count[0]}",
                                          pure=False))
+        out: dict[float, Any] = {}
         try:
-            # this client's gather: distributed.wait() would look for a default client,
-            # and the CLI's client is not one
-            return {f: Probe(*p) for f, p in zip(fractions, client.gather(futures))}
+            # each future's own result (its client's, not a default one): a replay that
+            # failed beside the bisection's path must not stop it
+            for f, fut in zip(fractions, futures):
+                try:
+                    out[f] = Probe(*fut.result())
+                except Exception as exc:   # raised by bisect if the path gets there
+                    out[f] = exc
+            return out
         finally:
             for fut in futures:
                 fut.release()

@@ -85,7 +85,9 @@ def bisect(run: Callable[[list[float]], dict[float, Probe]], lo: float, hi: floa
     """The smallest fraction in ``(lo, hi]`` that fits, by bisection (None when ``hi``
     fails), and how many of the fractions noted in ``history`` were known without a replay.
 
-    ``run(fractions)`` replays each fraction and returns ``{fraction: Probe}``. Each round
+    ``run(fractions)`` replays each fraction and returns ``{fraction: Probe}`` (or the
+    exception a replay raised: it is raised here only if the path reaches it, so a failing
+    replay beside the path changes nothing). Each round
     asks it for up to ``width`` fractions at once (a cluster replays them side by side):
     the next midpoint and those the following steps may visit, level by level, the lower
     half first (a midpoint that fits, the costly replay, leads there). The bisection then
@@ -117,6 +119,8 @@ def bisect(run: Callable[[list[float]], dict[float, Probe]], lo: float, hi: floa
         ooms = known(frac)
         if ooms is None:
             p = results[frac]
+            if isinstance(p, BaseException):
+                raise p
             ooms = p.ooms
             spans.append((frac > 1.0, p.floor, p.limit, p.ooms))
         else:

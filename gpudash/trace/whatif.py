@@ -265,7 +265,9 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
                                  initializer=_init_worker, initargs=calls) as ex:
             def run(fracs: list[float]) -> dict:
                 futures = {f: ex.submit(_probe_one, settings(f), max_ooms) for f in fracs}
-                return {f: fut.result() for f, fut in futures.items()}
+                # a replay that failed beside the path must not stop the bisection: bisect
+                # raises its error only if the path gets there
+                return {f: fut.exception() or fut.result() for f, fut in futures.items()}
 
             good, inferred = bisect(run, lo, hi, tolerance, history, step, width=jobs,
                                     limit_of=limit_of)
