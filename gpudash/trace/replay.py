@@ -786,7 +786,7 @@ class _Engine:
             return self._run_deferred_compiled if self.compiled else self._run_deferred
         return self._run_plain_compiled if self.compiled else self._run_plain
 
-    def _int64_columns(self) -> tuple:
+    def _core_columns(self) -> tuple:
         """ops (int8, as a trace's calls keep them: no copy), keys and nbytes (int64), and
         streams (uint64) as arrays for the compiled loops."""
         if self._columns is None:
@@ -800,7 +800,7 @@ class _Engine:
     def _run_plain_compiled(self, start: int, stop: int, sample: list | None,
                             max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_plain` in C (gpudash._core.run_bfc), call for call."""
-        ops, keys, nbytes, _ = self._int64_columns()
+        ops, keys, nbytes, _ = self._core_columns()
         self.pos, skipped = _core.run_bfc(self.alloc, ops, keys, nbytes, start, stop,
                                           self.ptrs, self.oom_calls, sample, max_ooms)
         self.skipped_frees += skipped
@@ -808,7 +808,7 @@ class _Engine:
     def _run_torch_compiled(self, start: int, stop: int, sample: list | None,
                             max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_torch` in C (gpudash._core.run_torch), call for call."""
-        ops, keys, nbytes, streams = self._int64_columns()
+        ops, keys, nbytes, streams = self._core_columns()
         self.pos, skipped = _core.run_torch(self.alloc, ops, keys, nbytes, streams, start,
                                             stop, self.ptrs, self.oom_calls, sample, max_ooms)
         self.skipped_frees += skipped
@@ -816,7 +816,7 @@ class _Engine:
     def _run_deferred_compiled(self, start: int, stop: int, sample: list | None,
                                max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_deferred` in C (gpudash._core.run_bfc_deferred), call for call."""
-        ops, keys, nbytes, _ = self._int64_columns()
+        ops, keys, nbytes, _ = self._core_columns()
         self.pos, skipped, retried, self.held_bytes = _core.run_bfc_deferred(
             self.alloc, ops, keys, nbytes, start, stop, self.ptrs, self.oom_calls, sample,
             max_ooms, self.held, self.settings["deferred_deletion_bytes"], self.held_bytes)
