@@ -62,6 +62,7 @@ from numpy.lib import format as npformat
 from .._errors import GpudashWarning, TraceFormatError
 from .._version import __version__
 from ..events import COLUMN_DTYPES, COLUMNS, Event, EventKind
+from .stacks import STACK_DTYPE, Stack, StackTable
 
 __all__ = [
     "Trace",
@@ -240,6 +241,11 @@ class Trace:
         every row). A free carries the holder of the allocation it frees.
     holders : sequence of str, optional
         The string table ``holder`` indexes (default empty).
+    stack : array-like of int, optional
+        The call stack each row's source recorded (PyTorch: the frames of each allocator
+        call): an index into ``stacks``, or -1 for none. Default: no stacks (None).
+    stacks : StackTable, optional
+        The interned frames and stacks ``stack`` indexes (:mod:`gpudash.trace.stacks`).
 
     Attributes
     ----------
@@ -247,12 +253,17 @@ class Trace:
         See above; always present (all -1 when the source named no holders).
     holders : list of str
         The holder string table. Slices of a trace share it; :meth:`intern_holder` appends.
+    stack : numpy.ndarray of int32 or None
+        See above; None when the source recorded no stacks (:meth:`stack_ids` is then all
+        -1, and no bytes are spent).
+    stacks : StackTable
+        The stack table. Slices of a trace share it.
 
     Raises
     ------
     TraceFormatError
         Missing or unknown columns, columns of different lengths, values that do not fit
-        a column's dtype, or holder indices outside the table.
+        a column's dtype, or holder or stack indices outside their tables.
 
     Notes
     -----
@@ -260,11 +271,13 @@ class Trace:
     traced back to its source; :meth:`concat` renumbers ``seq`` from 0.
     """
 
-    __slots__ = ("columns", "meta", "settings", "holder", "holders", "stream")
+    __slots__ = ("columns", "meta", "settings", "holder", "holders", "stream", "stack",
+                 "stacks")
 
     def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping | None = None,
                  settings: Iterable[Mapping] | None = None, *, holder: Any = None,
-                 holders: Iterable[str] | None = None, stream: Any = None) -> None:
+                 holders: Iterable[str] | None = None, stream: Any = None, stack: Any = None,
+                 stacks: StackTable | None = None) -> None:
         if columns is None:
             columns = {name: np.empty(0, dtype=COLUMN_DTYPES[name]) for name in COLUMNS}
         self.columns = _check_columns(columns)
@@ -273,6 +286,11 @@ class Trace:
         self.holders = holders if isinstance(holders, list) else list(holders or ())
         self.holder = _check_holder(holder, len(self.columns["seq"]), len(self.holders))
         self.stream = _check_stream(stream, len(self.columns["seq"]))
+        if stacks is not None and not isinstance(stacks, StackTable):
+            raise TypeError(f"stacks must be a gpudash.trace.stacks.StackTable; got "
+                            f"{type(stacks).__name__}")
+        self.stacks = stacks if stacks is not None else StackTable()
+        self.stack = _check_stack(stack, len(self.columns["seq"]), len(self.stacks))
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -316,7 +334,22 @@ class Trace:
         stream = None
         if any(t.stream is not None for t in traces):
             stream = np.concatenate([t.streams() for t in traces])
-        return cls(cols, meta, settings, holder=holder, holders=holders, stream=stream)
+        stacks, stack = StackTable(), None
+        if any(t.stack is not None for t in traces):
+            ids = []
+            for t in traces:
+                if t.stacks is stacks or not len(t.stacks):
+                    ids.append(t.stack_ids())
+                    continue
+                if not len(stacks):     # the first table is taken as it is
+                    stacks = t.stacks.copy()
+                    ids.append(t.stack_ids())
+                    continue
+                stacks, remap = stacks.merged(t.stacks)
+                ids.append(remap[t.stack_ids()])
+            stack = np.concatenate(ids)
+        return cls(cols, meta, settings, holder=holder, holders=holders, stream=stream,
+                   stack=stack, stacks=stacks)
 
     # ---------------------------------------------------------------- container protocol
     def __len__(self) -> int:
@@ -336,7 +369,9 @@ class Trace:
             return self._event(i)
         cols = {name: col[index] for name, col in self.columns.items()}
         kept = Trace(cols, self.meta, holder=self.holder[index], holders=self.holders,
-                     stream=None if self.stream is None else self.stream[index])
+                     stream=None if self.stream is None else self.stream[index],
+                     stack=None if self.stack is None else self.stack[index],
+                     stacks=self.stacks)
         if self.settings:
             rows = set(np.arange(len(self))[index].tolist())
             kept.settings = [s for s, row in self._settings_rows() if row in rows]
@@ -352,7 +387,8 @@ class Trace:
         if not (len(self) == len(other)
                 and all(np.array_equal(self.columns[n], other.columns[n]) for n in COLUMNS)
                 and self.meta == other.meta and self.settings == other.settings
-                and np.array_equal(self.streams(), other.streams())):
+                and np.array_equal(self.streams(), other.streams())
+                and _same_stacks(self, other)):
             return False
         if self.holders == other.holders:
             return bool(np.array_equal(self.holder, other.holder))
@@ -404,6 +440,22 @@ class Trace:
         if self.stream is None:
             return np.zeros(len(self), dtype=STREAM_DTYPE)
         return self.stream
+
+    def stack_ids(self) -> np.ndarray:
+        """The stack id of every row (int32; -1 where none was recorded)."""
+        if self.stack is None:
+            return np.full(len(self), -1, dtype=STACK_DTYPE)
+        return self.stack
+
+    def stack_of(self, i: int) -> Stack | None:
+        """The recorded stack of row ``i`` (frame ids into ``stacks.frames``), or None."""
+        s = -1 if self.stack is None else int(self.stack[i])
+        return self.stacks.stacks[s] if s >= 0 else None
+
+    def frames_of(self, i: int) -> list:
+        """The frames (:class:`~gpudash.trace.stacks.Frame`) of row ``i``'s stack,
+        innermost first ([] when none was recorded)."""
+        return self.stacks.frames_of(-1 if self.stack is None else int(self.stack[i]))
 
     # ---------------------------------------------------------------- holders
     def intern_holder(self, name: str) -> int:
@@ -740,6 +792,45 @@ def _check_stream(stream: Any, n: int) -> np.ndarray | None:
         raise TraceFormatError(f"trace stream column must have {n} values (one per row); got "
                                f"shape {arr.shape}")
     return arr if arr.any() else None
+
+
+def _check_stack(stack: Any, n: int, n_stacks: int) -> np.ndarray | None:
+    if stack is None:
+        return None
+    if not (isinstance(stack, np.ndarray) and stack.dtype == STACK_DTYPE):
+        try:
+            arr = np.asarray(stack)
+            if arr.size and not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"expected integers, found {arr.dtype}")
+            stack = arr.astype(STACK_DTYPE, casting="same_kind") if arr.size else \
+                np.zeros(arr.shape, dtype=STACK_DTYPE)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TraceFormatError(f"trace stack column: {exc}") from None
+    if stack.shape != (n,):
+        raise TraceFormatError(f"trace stack column must have {n} values (one per row); "
+                               f"got shape {stack.shape}")
+    if n and (stack.min() < -1 or stack.max() >= n_stacks):
+        raise TraceFormatError(
+            f"trace stack column: indices must be -1 or in [0, {n_stacks}) (the stack "
+            f"table); got {int(stack.min())}..{int(stack.max())}")
+    return stack
+
+
+def _same_stacks(a: Trace, b: Trace) -> bool:
+    """Whether every row of ``a`` and ``b`` has the same recorded stack, frame by frame."""
+    if a.stack is None and b.stack is None:
+        return True
+    sa, sb = a.stack_ids(), b.stack_ids()
+    if a.stacks == b.stacks:
+        return bool(np.array_equal(sa, sb))
+    if not np.array_equal(sa < 0, sb < 0):
+        return False
+    def resolved(t: Trace) -> list:
+        return [(tuple(t.stacks.frames_of(s)), *t.stacks.stacks[s][1:])
+                for s in range(len(t.stacks))]
+    ra, rb = resolved(a), resolved(b)
+    keep = sa >= 0
+    return all(ra[x] == rb[y] for x, y in zip(sa[keep].tolist(), sb[keep].tolist()))
 
 
 def _check_holder(holder: Any, n: int, n_holders: int) -> np.ndarray:
@@ -1213,6 +1304,8 @@ class TraceWriter:
         self._buffered = 0
         self._holders: dict[str, int] = {}     # the file's holder table
         self._new_holders: list[str] = []      # names not written yet
+        self._stacks = StackTable()            # the file's stack table
+        self._frames_written = self._stacks_written = 0
         first = MAGIC + _record(_REC_META, self.meta)
         self._file: BinaryIO | None = _open_new(self.path, overwrite)
         self._write(first)
@@ -1231,7 +1324,8 @@ class TraceWriter:
             os.fsync(self._file.fileno())
 
     def append(self, events: Trace | Mapping[str, Any], settings: Iterable[Mapping] = (), *,
-               holder: Any = None, holders: Iterable[str] = ()) -> None:
+               holder: Any = None, holders: Iterable[str] = (), stack: Any = None,
+               stacks: StackTable | None = None) -> None:
         """Buffer events (a :class:`Trace` or a dict of columns) and write when due.
 
         Parameters
@@ -1243,19 +1337,27 @@ class TraceWriter:
         holder, holders : optional
             For a dict of columns: the holder of each row (index into ``holders``, -1 for
             none) and its string table (see :class:`Trace`).
+        stack, stacks : optional
+            For a dict of columns: the stack of each row (index into ``stacks``, -1 for none)
+            and its :class:`~gpudash.trace.stacks.StackTable`.
         """
         if self._file is None:
             raise ValueError(f"TraceWriter for {self.path} is closed")
         if isinstance(events, Trace):
             cols, sets = events.columns, events.settings
             holder, holders = events.holder, events.holders
+            stack, stacks = events.stack, events.stacks
             if events.stream is not None:
                 cols = {**cols, "stream": events.stream}
         else:
             cols, sets = _check_columns(events), [dict(s) for s in settings]
             holders = list(holders)
             holder = _check_holder(holder, len(cols["seq"]), len(holders))
+            stacks = stacks if stacks is not None else StackTable()
+            stack = _check_stack(stack, len(cols["seq"]), len(stacks))
         n = len(cols["seq"])
+        if n and stack is not None:
+            cols = {**cols, "stack": self._file_stacks(stack, stacks)}
         if n:
             if holders and (holder >= 0).any():
                 table = self._holders
@@ -1275,6 +1377,25 @@ class TraceWriter:
         if (self._buffered >= self.batch_events
                 or time.monotonic() - self._last_flush >= self.flush_interval):
             self.flush()
+
+    def _file_stacks(self, stack: np.ndarray, stacks: StackTable) -> np.ndarray:
+        """``stack`` (ids into ``stacks``) as ids into the file's stack table, adding the
+        stacks it uses that the file does not have yet."""
+        table = self._stacks
+        remap = np.full(len(stacks) + 1, -1, dtype=STACK_DTYPE)
+        frames = stacks.frames
+        fmap: dict[int, int] = {}
+        for sid in np.unique(stack[stack >= 0]).tolist():
+            st = stacks.stacks[sid]
+            ids = []
+            for f in st.frames:
+                g = fmap.get(f)
+                if g is None:
+                    g = fmap[f] = table._add_frame(frames[f])
+                ids.append(g)
+            remap[sid] = table._add_stack(Stack(tuple(ids), st.compile_context,
+                                                st.user_metadata))
+        return remap[stack]
 
     def update_meta(self, **changes: Any) -> None:
         """Merge ``changes`` into the metadata (written as a record of its own)."""
@@ -1300,6 +1421,11 @@ class TraceWriter:
             self._buffer = [b if "stream" in b else
                             {**b, "stream": np.zeros(len(b["seq"]), dtype=STREAM_DTYPE)}
                             for b in self._buffer]
+        if any("stack" in b for b in self._buffer):
+            names = (*names, "stack")
+            self._buffer = [b if "stack" in b else
+                            {**b, "stack": np.full(len(b["seq"]), -1, dtype=STACK_DTYPE)}
+                            for b in self._buffer]
         if len(self._buffer) == 1:
             cols = self._buffer[0]
         else:
@@ -1314,6 +1440,9 @@ class TraceWriter:
         header = {"n": self._buffered, "columns": layout, "settings": self._buffer_settings}
         if self._new_holders:
             header["holders"] = self._new_holders
+        if len(self._stacks.stacks) > self._stacks_written:
+            header["frames"] = self._stacks.frames_json(self._frames_written)
+            header["stacks"] = self._stacks.stacks_json(self._stacks_written)
         try:
             at = self._file.tell()
         except (OSError, ValueError):
@@ -1323,6 +1452,8 @@ class TraceWriter:
         self.batches_written += 1
         self._buffer, self._buffer_settings, self._buffered = [], [], 0
         self._new_holders = []
+        self._frames_written = len(self._stacks.frames)
+        self._stacks_written = len(self._stacks.stacks)
 
     def close(self) -> None:
         """Write what is buffered and an end record, and close the file (idempotent)."""
@@ -1413,6 +1544,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     batches: list[dict[str, np.ndarray]] = []
     settings: list[dict] = []
     holders: list[str] = []
+    stacks = StackTable()
     recno, ended, n_events = 0, False, 0
     while off < len(data):
         rec_off = off
@@ -1445,7 +1577,10 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
                 raise TraceFormatError(f"{name}: record {recno} (event batch) at byte offset "
                                        f"{rec_off}: 'holders' must be a list of strings")
             holders.extend(new)
-            cols = _decode_batch(name, recno, rec_off, header, payload, len(holders))
+            _extend_stacks(stacks, header, f"{name}: record {recno} (event batch) at byte "
+                                           f"offset {rec_off}")
+            cols = _decode_batch(name, recno, rec_off, header, payload, len(holders),
+                                 len(stacks))
             new_settings = header.get("settings", [])
             if not (isinstance(new_settings, list)
                     and all(isinstance(x, dict) for x in new_settings)):
@@ -1483,18 +1618,23 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             stacklevel=2)
     _check_meta(meta, name)
     if not batches:
-        return Trace(None, meta, settings, holders=holders)
-    stream = None
+        return Trace(None, meta, settings, holders=holders, stacks=stacks)
+    stream = stack = None
     if any("stream" in b for b in batches):
         stream = np.concatenate([b.get("stream", np.zeros(len(b["seq"]), dtype=STREAM_DTYPE))
                                  for b in batches])
+    if any("stack" in b for b in batches):
+        stack = np.concatenate([b.get("stack", np.full(len(b["seq"]), -1, dtype=STACK_DTYPE))
+                                for b in batches])
     if len(batches) == 1:
         cols = dict(batches[0])
         cols.pop("stream", None)
+        cols.pop("stack", None)
     else:
         cols = {n: np.concatenate([b[n] for b in batches]) for n in (*COLUMNS, "holder")}
     holder = cols.pop("holder")
-    trace = Trace(cols, meta, settings, holder=holder, holders=holders, stream=stream)
+    trace = Trace(cols, meta, settings, holder=holder, holders=holders, stream=stream,
+                  stack=stack, stacks=stacks)
     _check_values(trace, name)
     return trace
 
@@ -1551,8 +1691,21 @@ def _column(payload: memoryview, span: tuple[int, int], col: str, where: str) ->
                                ) from None
 
 
+def _extend_stacks(stacks: StackTable, header: Any, where: str) -> None:
+    """Add a batch's new frames and stacks (``"frames"``, ``"stacks"``) to ``stacks``."""
+    if not isinstance(header, dict):
+        return
+    frames, new = header.get("frames", []), header.get("stacks", [])
+    if not (isinstance(frames, list) and isinstance(new, list)):
+        raise TraceFormatError(f"{where}: 'frames' and 'stacks' must be lists")
+    try:
+        stacks.extend_json(frames, new)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from None
+
+
 def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
-                  n_holders: int = 0) -> dict[str, np.ndarray]:
+                  n_holders: int = 0, n_stacks: int = 0) -> dict[str, np.ndarray]:
     """The batch's columns, with ``holder`` (all -1 when the batch has none)."""
     where = f"{name}: record {recno} (event batch) at byte offset {off}"
     try:
@@ -1588,4 +1741,13 @@ def _decode_batch(name: str, recno: int, off: int, header: dict, payload: bytes,
             raise TraceFormatError(f"{where}: column 'stream' should be {n} values of int64, "
                                    f"found shape {arr.shape} of {arr.dtype}")
         cols["stream"] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
+    if "stack" in layout:
+        arr = _column(payload, layout["stack"], "stack", where)
+        if arr.dtype != np.dtype(STACK_DTYPE) or arr.shape != (n,):
+            raise TraceFormatError(f"{where}: column 'stack' should be {n} values of int32, "
+                                   f"found shape {arr.shape} of {arr.dtype}")
+        if n and (arr.min() < -1 or arr.max() >= n_stacks):
+            raise TraceFormatError(f"{where}: column 'stack' indexes beyond the "
+                                   f"{n_stacks} stacks listed so far")
+        cols["stack"] = arr if arr.flags.writeable and arr.flags.aligned else arr.copy()
     return cols
