@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ._comm_routing import follow_the_page
 from ._errors import ConfigError
 
 __all__ = ["run_in_background", "BackgroundTask", "CancelledError"]
@@ -185,6 +186,7 @@ class BackgroundTask:
             button.on_click(lambda _b: self.cancel())
             self._widget = widgets.HBox([button, label])
             self._widget_parts = (button, label)
+            follow_the_page(self._widget)   # updated from the task's thread
         return self._widget
 
     def _update_widget(self) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from .._comm_routing import follow_the_page
 from .._errors import GpudashError
 from .._units import format_bytes
 from .control import configure_workers
@@ -245,6 +246,7 @@ class ClusterDashboard(widgets.VBox):
                           self.flush], layout=wrap),
             self.error, self.status])
         super().__init__([self.header, self.rows_box, self.controls, self.detail])
+        follow_the_page(self)   # its rows and figures change from the model's thread
 
         for name in ("fraction", "growth", "deferred"):
             getattr(self, name).observe(self._on_touch(name), "value")
@@ -264,7 +266,8 @@ class ClusterDashboard(widgets.VBox):
             rows_changed = False
             for address in workers:
                 if address not in self.rows:
-                    self.rows[address] = _Row(address, self.pick)
+                    self.rows[address] = row = _Row(address, self.pick)
+                    follow_the_page(row)
                     rows_changed = True
             for address, w in workers.items():
                 self.rows[address].show(w, self.model.history(address))

@@ -64,6 +64,7 @@ import traitlets
 
 from .. import style
 from .._errors import ConfigError, GpudashError
+from .._comm_routing import follow_the_page
 from .model import LiveModel, bin_labels
 
 __all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
@@ -211,6 +212,9 @@ class Dashboard(anywidget.AnyWidget):
 
         self._remove_tick = self.model.add_tick_listener(tick)
         self.on_msg(self._on_msg)
+        # it sends from the refresher thread: see _comm_routing (a reloaded page's messages were
+        # routed to a subshell the page had deleted)
+        follow_the_page(self)
         self.observe(self._on_device, "device")
 
     def _check_device(self, device: Any) -> int:

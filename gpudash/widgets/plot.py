@@ -30,6 +30,7 @@ import anywidget
 import traitlets
 
 from .._errors import GpudashError
+from .._comm_routing import follow_the_page
 from .dashboard import esm, lib_message, plotly_bundle
 
 __all__ = ["PlotView"]
@@ -72,6 +73,7 @@ class PlotView(anywidget.AnyWidget):
         super().__init__(lib_version=plotly_bundle()[0],
                          height=int(height) if height else 300, **kwargs)
         self.on_msg(self._on_msg)
+        follow_the_page(self)   # redrawn from worker threads (the what-if view's replays)
 
     def redraw(self) -> None:
         """Send the figure as it is now to the views of the page (none said hello yet: a

@@ -32,6 +32,7 @@ import numpy as np
 import traitlets
 
 from .. import style
+from .._comm_routing import follow_the_page
 from .._units import format_bytes
 from ..events import EventKind
 from . import _layout
@@ -294,6 +295,7 @@ class WhatIfView(widgets.VBox):
             widgets.HBox([self.slider, *self.toggles.values(), self.status]),
             self.min_fraction_text, *self.plots))
         self.slider.observe(self._on_slider_change, "value")
+        follow_the_page(self)   # its status and plots change from timer and replay threads
         self._min_timer: threading.Timer | None = None
         self.replay_now(fraction)
         if min_fraction:
