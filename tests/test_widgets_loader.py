@@ -17,9 +17,11 @@ LOADER = Path(gpudash.widgets.__file__).parent / "static" / "loader.js"
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(NODE is None, reason="needs Node.js to run the page's loader")
 
-# Models A and B wait for the library; B registered last. `live` models answer an ask with
-# the library (a module that exports {ok: 1}); `drop` counts asks a model loses first (the
-# kernel's first answer lost in a reload). The clock runs the retry timers in order.
+# Models A, B... wait for the library, B registered after A. Each stands in for a widget
+# model and its kernel: `busy` ms after an ask the kernel handles it: it answers with the
+# library (a module that exports {ok: 1}) unless it still has `drop` asks to lose, then says
+# idle (its status for the ask). A `mute` model's asks go nowhere: never handled. The clock
+# runs the timers in order.
 HARNESS = r"""
 const fs = require("fs");
 const [src, spec] = [fs.readFileSync(process.argv[1], "utf8"), JSON.parse(process.argv[2])];
@@ -28,18 +30,23 @@ const setT = (fn, ms) => { const t = { at: now + ms, fn }; timers.push(t); retur
 const clearT = (t) => { const i = timers.indexOf(t); if (i >= 0) timers.splice(i, 1); };
 const loadPlotly = new Function("setTimeout", "clearTimeout", src + "\nreturn loadPlotly;")(setT, clearT);
 const asks = [];
-const models = spec.models.map(({ name, live, drop }) => {
+const models = spec.models.map(({ name, mute, drop, busy }) => {
   const handlers = [];
   let lost = 0;
   const m = {
     get: () => "v1",
     on: (_ev, fn) => handlers.push(fn),
     off: (_ev, fn) => handlers.splice(handlers.indexOf(fn), 1),
-    send: () => {
+    send: (_content, callbacks) => {
       asks.push([name, now]);
-      if (!live || lost++ < drop) return;
-      const body = new TextEncoder().encode("module.exports = { ok: 1 };");
-      Promise.resolve().then(() => handlers.slice().forEach((fn) => fn({ type: "lib" }, [body])));
+      if (mute) return;
+      setT(() => {
+        if (lost++ >= (drop || 0)) {
+          const body = new TextEncoder().encode("module.exports = { ok: 1 };");
+          handlers.slice().forEach((fn) => fn({ type: "lib" }, [body]));
+        }
+        callbacks.iopub.status({ content: { execution_state: "idle" } });
+      }, busy || 0);
     },
   };
   return m;
@@ -67,23 +74,40 @@ def run_loader(models: list[dict]) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_retry_goes_through_each_waiting_model_in_turn():
-    # A's first answer is lost; B, the latest, never answers (a model restored with a page
-    # reload whose messages never come back): the retries must reach A again
-    got = run_loader([{"name": "A", "live": True, "drop": 1},
-                      {"name": "B", "live": False, "drop": 0}])
-    assert got["asks"] == [["A", 0], ["B", 8000], ["A", 24000]], got
-    assert got["loaded"] == [1, 24000], got
+def test_an_ask_the_kernel_handled_without_an_answer_is_repeated_within_a_second():
+    # the kernel's first answer is lost (a reload while it was sent; a message dropped on a
+    # deleted subshell): the model that handled it is asked again 1 s later
+    got = run_loader([{"name": "A", "drop": 1}, {"name": "B"}])
+    assert got["asks"] == [["A", 0], ["A", 1000]], got
+    assert got["loaded"] == [1, 1000], got
 
 
-def test_the_first_retry_goes_through_the_latest_model_and_an_answer_ends_the_asking():
-    got = run_loader([{"name": "A", "live": True, "drop": 1},
-                      {"name": "B", "live": True, "drop": 0}])
-    assert got["asks"] == [["A", 0], ["B", 8000]], got
-    assert got["loaded"] == [1, 8000], got
+def test_repeats_of_handled_asks_wait_longer_each_time():
+    got = run_loader([{"name": "A", "drop": 3}])
+    assert got["asks"] == [["A", 0], ["A", 1000], ["A", 3000], ["A", 7000]], got
+    assert got["loaded"] == [1, 7000], got
 
 
-def test_a_lone_model_is_asked_again_with_the_waits_doubling():
-    got = run_loader([{"name": "A", "live": True, "drop": 3}])
-    assert got["asks"] == [["A", 0], ["A", 8000], ["A", 24000], ["A", 56000]], got
-    assert got["loaded"] == [1, 56000], got
+def test_a_busy_kernel_is_asked_once_and_the_library_comes_once():
+    # a kernel running cells for 25 s takes the ask after them: asking again before would
+    # have the bundle sent twice
+    got = run_loader([{"name": "A", "busy": 25000}, {"name": "B", "busy": 25000}])
+    assert got["asks"] == [["A", 0]], got
+    assert got["loaded"] == [1, 25000], got
+
+
+def test_an_ask_that_went_nowhere_is_repeated_through_the_next_model():
+    # A has no live comm (its asks are never handled): after 30 s, B, the latest, is asked
+    got = run_loader([{"name": "A", "mute": True}, {"name": "B"}])
+    assert got["asks"] == [["A", 0], ["B", 30000]], got
+    assert got["loaded"] == [1, 30000], got
+    # the latest first, then the one before, ...: a model that never answers is not asked for
+    # ever
+    got = run_loader([{"name": "A", "mute": True}, {"name": "B", "mute": True},
+                      {"name": "C"}])
+    assert got["asks"] == [["A", 0], ["C", 30000]], got
+    assert got["loaded"] == [1, 30000], got
+    got = run_loader([{"name": "A"}, {"name": "B", "mute": True}, {"name": "C", "mute": True}])
+    assert got["asks"] == [["A", 0]], got          # A answers at once: nothing more
+    got = run_loader([{"name": "A", "mute": True}, {"name": "B"}, {"name": "C", "mute": True}])
+    assert got["asks"] == [["A", 0], ["C", 30000], ["B", 90000]], got

@@ -12,12 +12,17 @@ function u8(buf) {
   return new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength);
 }
 
-// An answer can be lost: a page reloaded while its widgets were being restored from the kernel
-// can hold a model whose messages never come back. Every module that waits listens on its own
-// model; when no answer has come, the request goes again after 8 s, then 16 s, 32 s and so on
-// (so a slow kernel is not sent a second request at once), each time through the next of them,
-// the latest first: a model that never answers is then not asked for ever.
-const LIB_RETRY_MS = 8000;
+// An ask can go unanswered. The kernel says when it has handled each one (its idle status for
+// the message): one handled without an answer (a kernel that could not read the bundle; a
+// message it dropped, as ipykernel 7 drops one routed to a deleted subshell) is asked again
+// after LIB_AGAIN_MS through the same model, the waits doubling. One not handled yet is not
+// repeated while the kernel may still take it in turn (a kernel running cells takes comm
+// messages after them: asking again would send the bundle twice), only after LIB_LOST_MS, the
+// waits doubling, and through the next model that waits, the latest first (a message that went
+// nowhere: a model without a live comm is not asked for ever).
+const LIB_AGAIN_MS = 1000;
+const LIB_LOST_MS = 30000;
+const LIB_WAIT_MAX_MS = 60000;
 
 function loadPlotly(model) {
   const version = model.get("lib_version");
@@ -52,22 +57,39 @@ function loadPlotly(model) {
         reject(err);
       }
     };
-    let turn = 0; // the retries so far: the latest model first, then the one before, ...
-    const ask = (retry) => {
-      const n = entry.waiting.length;
-      const pick = n ? entry.waiting[n - 1 - (retry ? turn++ % n : 0)] : undefined;
-      if (pick) pick[0].send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" });
-    };
-    let wait = LIB_RETRY_MS;
-    const again = () => {
+    let turn = 0; // models passed over so far: the latest first, then the one before, ...
+    let again = LIB_AGAIN_MS, lost = LIB_LOST_MS, last;
+    const ask = (next) => {
       if (entry.settled) return;
-      G.libAsks = (G.libAsks || 0) + 1;
-      ask(true);
-      wait *= 2;
-      entry.timer = setTimeout(again, wait);
+      clearTimeout(entry.timer);
+      const n = entry.waiting.length;
+      if (!n) return;
+      // a model that handled the last ask is asked again; else the next in turn but that one
+      let pick = last === undefined ? entry.waiting[n - 1] : last;
+      if (last !== undefined && (next || !entry.waiting.includes(last))) {
+        for (let k = 0; k < n; k++) {
+          pick = entry.waiting[n - 1 - (turn++ % n)];
+          if (pick !== last) break;
+        }
+      }
+      if (entry.asked) G.libAsks = (G.libAsks || 0) + 1;
+      const mine = (entry.asked = (entry.asked || 0) + 1);
+      last = pick;
+      const status = (msg) => {
+        // the latest ask only, handled, and no answer came before its idle status
+        if (mine !== entry.asked || entry.settled || !msg || !msg.content ||
+            msg.content.execution_state !== "idle") return;
+        entry.asked += 1;    // one repeat per ask
+        clearTimeout(entry.timer);
+        entry.timer = setTimeout(() => ask(false), again);
+        again = Math.min(again * 2, LIB_WAIT_MAX_MS);
+      };
+      entry.timer = setTimeout(() => ask(true), lost);
+      lost = Math.min(lost * 2, LIB_WAIT_MAX_MS);
+      pick[0].send({ type: typeof DecompressionStream === "undefined" ? "lib-raw" : "lib" },
+        { iopub: { status } });
     };
     entry.ask = ask;
-    entry.timer = setTimeout(again, wait);
   }
   if (!entry.settled && !entry.waiting.some(([m]) => m === model)) {
     const onMsg = (msg, buffers) => {
@@ -75,7 +97,7 @@ function loadPlotly(model) {
     };
     model.on("msg:custom", onMsg);
     entry.waiting.push([model, onMsg]);
-    if (entry.waiting.length === 1) entry.ask();
+    if (entry.waiting.length === 1) entry.ask(true);
   }
   return entry;
 }
