@@ -421,3 +421,66 @@ def test_holders_cross_the_wire_once_as_ids(comms, tdash):
     say(dash, {"type": "hello"})
     again = sent(comms, dash, "snapshot")[-1][0]["chunks"]["strings"]
     assert again["base"] == 0 and len(again["new"]) == 5
+
+
+# ------------------------------------------------------------------------------ in a browser
+@pytest.mark.browser
+def test_a_1000_segment_report_in_chromium_keeps_labels_apart_and_names_holders(tmp_path,
+                                                                                snap1000):
+    """The report of 1,000 segments in headless Chromium: the map's height is bounded, its
+    row labels do not overlap (first view and every row), and hovering a block shows the
+    user's frames of the stack that allocated it."""
+    from browser_helpers import launch_chromium, missing_browser_reason
+
+    why = missing_browser_reason()
+    if why:
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    trace = _with_stacks(load_torch_snapshot(snap1000))
+    path = tmp_path / "r.html"
+    path.write_text(build_report(trace, fractions=(1.0,)), encoding="utf-8")
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(path.as_uri())
+            section = page.locator('section[data-plot="chunkmap"]')
+            section.locator(".main-svg").first.wait_for(timeout=60_000)
+            section.scroll_into_view_if_needed()
+            box = section.locator(".js-plotly-plot").bounding_box()
+            assert box["height"] <= CHUNKMAP_MAX_HEIGHT + 1
+
+            def ticks() -> list[dict]:
+                return section.evaluate("""(s) => Array.from(s.querySelectorAll(
+                    '.yaxislayer-above .ytick text')).map(e => {
+                        const b = e.getBoundingClientRect();
+                        return {text: e.textContent, top: b.top, bottom: b.bottom}; })
+                    .sort((a, b) => a.top - b.top)""")
+
+            first = ticks()
+            assert len(first) >= 20 and first[0]["text"] == "segment 0 @ 0x7f0000000000"
+            assert all(b["top"] >= a["bottom"] - 0.5 for a, b in zip(first, first[1:]))
+            drag = section.locator(".nsewdrag").first.bounding_box()
+            # a block: the middle of an allocated bar in view
+            bar = section.evaluate("""(s) => { for (const p of s.querySelectorAll(
+                '.barlayer .trace:first-child .point path')) { const b = p.getBoundingClientRect();
+                if (b.width > 8 && b.height > 4 && b.top > 0) return {x: b.left + 4,
+                y: b.top + b.height / 2}; } return null; }""")
+            page.mouse.move(bar["x"], bar["y"])
+            page.wait_for_timeout(300)
+            hover = section.evaluate("""(s) => Array.from(s.querySelectorAll(
+                '.hoverlayer .hovertext text tspan')).map(e => e.textContent).join('\\n')""")
+            assert re.search(r"held by:\s*proj/model\.py:1\d forward\s*proj/train\.py:4\d step",
+                             hover), hover
+            # every row: plotly labels every n-th, apart
+            page.mouse.dblclick(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] / 2)
+            page.wait_for_timeout(800)
+            every = ticks()
+            assert 2 <= len(every) < len(first) * 2
+            assert all(b["top"] >= a["bottom"] - 0.5 for a, b in zip(every, every[1:]))
+            assert errors == []
+        finally:
+            browser.close()
