@@ -582,7 +582,8 @@ def intersects(a: dict | None, b: dict | None) -> bool:
 
 def map_state(root: Any) -> dict:
     """The segment map's plot: its rows, the y range in view and the x range (MiB)."""
-    return root.evaluate("""(r) => { const gd = r.querySelector('[data-view=chunkmap] .js-plotly-plot');
+    return root.evaluate("""(r) => {
+        const gd = r.querySelector('[data-view=chunkmap] .js-plotly-plot');
         const L = gd._fullLayout;
         return {rows: (L.yaxis.categoryarray || []).length, y: L.yaxis.range.slice(),
                 x: L.xaxis.range.slice(), xunit: L.xaxis.ticksuffix, height: gd.offsetHeight}; }""")
@@ -591,13 +592,17 @@ def map_state(root: Any) -> dict:
 def visible_bar(root: Any, area: dict) -> dict:
     """The centre of an allocated block's bar in the middle of the map's plot area."""
     return root.evaluate("""(r, a) => {
-        const paths = r.querySelectorAll('[data-view=chunkmap] .barlayer .trace:first-child .point path');
+        const paths = r.querySelectorAll(
+            '[data-view=chunkmap] .barlayer .trace:first-child .point path');
         let best = null, dist = Infinity;
         for (const p of paths) {
             const b = p.getBoundingClientRect();
             if (b.height < 4 || b.width < 4 || b.top < a.y || b.bottom > a.y + a.height) continue;
             const d = Math.abs(b.top + b.height / 2 - (a.y + a.height / 2));
-            if (d < dist) { dist = d; best = {x: b.left + Math.min(b.width / 2, 30), y: b.top + b.height / 2}; }
+            if (d < dist) {
+                dist = d;
+                best = {x: b.left + Math.min(b.width / 2, 30), y: b.top + b.height / 2};
+            }
         }
         return best; }""", area)
 
