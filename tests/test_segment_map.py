@@ -364,14 +364,18 @@ def test_the_dashboard_sends_every_segment_and_its_rows(comms, tdash):
     meta = content["chunks"]
     table = sess.devices[0].allocator.chunk_table()
     R = len(table["regions"])
-    assert meta["n_regions"] == R > 300 and len(meta["region_kinds"]) == R   # not 64
-    regions = np.frombuffer(buffers[6], dtype=np.float64).reshape(3, R)
+    assert meta["n_regions"] == R > 300
+    regions = np.frombuffer(buffers[6], dtype=np.float64).reshape(2, R)   # all, not 64
     lay = row_layout(table["regions"][:, 1])
     assert np.array_equal(regions[0].astype(np.int64), table["regions"][:, 0])
     assert np.array_equal(regions[1].astype(np.int64), table["regions"][:, 1])
-    assert np.array_equal(regions[2].astype(np.int64), lay.first_row)
     assert meta["row_bytes"] == lay.row_bytes < 6 * GIB and meta["n_rows"] == lay.total_rows
-    assert lay.wraps and meta["region_kinds"].count("large, expandable") == 1
+    # the page's rows (ceil(size / row_bytes) a region) are the layout's
+    rows = np.ceil(regions[1] / meta["row_bytes"]).astype(np.int64)
+    assert np.array_equal(rows, lay.rows)
+    kinds = [meta["kind_names"][k] for k in np.frombuffer(buffers[7], dtype=np.int8)]
+    assert kinds == TORCH.region_kinds(table) and kinds.count("large, expandable") == 1
+    assert lay.wraps and meta["kind_names"] == ["large", "large, expandable", "small"]
     head = content["headline"]["frag"]
     assert head["label"] == "reserved but unallocated" and "% of reserved" in head["text"]
 

@@ -348,15 +348,19 @@ class Dashboard(anywidget.AnyWidget):
         }
 
     def _chunk_buffers(self, state: Any) -> tuple[dict, list]:
-        """The chunk table as the page draws it: ``[cols, bins, holder ids, regions]``.
+        """The chunk table as the page draws it: ``[cols, bins, holder ids, regions,
+        kinds]``.
 
         ``cols`` (float64, 6 x n): region index, offset in the region, size, requested, in
         use, address of each chunk. ``bins`` (float64, 5 x bins). ``holder ids`` (int32, n):
         who holds each chunk, an index into the page's string table (-1: nobody named); the
         strings the page has not had come in ``meta["strings"]`` (``base``: the index of the
-        first; 0 starts the table afresh). ``regions`` (float64, 3 x regions): address,
-        size and first row of each region in the map's rows
-        (:func:`gpudash.maplayout.row_layout`, ``meta["row_bytes"]`` wide)."""
+        first; 0 starts the table afresh). ``regions`` (float64, 2 x regions): address and
+        size of each region; the page lays them out in rows of ``meta["row_bytes"]`` (chosen
+        by :func:`gpudash.maplayout.row_layout`: a region takes ``ceil(size / row_bytes)``
+        rows, in address order; ``meta["n_rows"]`` in all). ``kinds`` (int8, regions): each
+        region's kind, an index into ``meta["kind_names"]`` (-1: none;
+        ``meta["region_kinds"]`` keeps the first 64 as words, as before)."""
         t = state.table
         regions = t["regions"]
         n = len(t["size"])
@@ -369,8 +373,12 @@ class Dashboard(anywidget.AnyWidget):
         kinds = state.model.region_kinds(t)
         layout = row_layout(regions[:, 1])
         ids, strings = self._holder_ids(t.get("holder"), n)
+        # each region's kind as a code into kind_names (a few words, not one per region)
+        names = sorted(set(kinds)) if kinds is not None else []
+        code = {k: i for i, k in enumerate(names)}
         meta = {"n": n, "n_regions": int(len(regions)),
-                "region_kinds": None if kinds is None else kinds,
+                "region_kinds": None if kinds is None else kinds[:64],
+                "kind_names": names,
                 "row_bytes": int(layout.row_bytes), "n_rows": int(layout.total_rows),
                 "strings": strings}
         cols = np.empty((6, n), dtype=np.float64)
@@ -385,11 +393,13 @@ class Dashboard(anywidget.AnyWidget):
                             ("free_bytes", "in_use_bytes", "free_chunks", "in_use_chunks",
                              "requested_bytes")])
         meta["n_bins"] = int(binarr.shape[1])
-        regarr = np.empty((3, len(regions)), dtype=np.float64)
+        regarr = np.empty((2, len(regions)), dtype=np.float64)
         regarr[0] = regions[:, 0]
         regarr[1] = regions[:, 1]
-        regarr[2] = layout.first_row
-        return meta, [_f64(cols), _f64(binarr), memoryview(ids.tobytes()), _f64(regarr)]
+        kind_codes = np.array([code[k] for k in kinds] if kinds is not None else
+                              [-1] * len(regions), dtype=np.int8)
+        return meta, [_f64(cols), _f64(binarr), memoryview(ids.tobytes()), _f64(regarr),
+                      memoryview(kind_codes.tobytes())]
 
     def _holder_ids(self, holders: Any, n: int) -> tuple[np.ndarray, dict]:
         """Holders as ids into the page's string table, and the strings it lacks.

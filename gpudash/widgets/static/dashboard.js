@@ -389,7 +389,7 @@ class View {
       this.strings.length = st.base;
       for (const x of st.new) this.strings.push(x);
       this.chunks = { meta: msg.chunks, cols: f64(buffers[3]), bins: f64(buffers[4]),
-        holders: ids, regions: f64(buffers[6]) };
+        holders: ids, regions: f64(buffers[6]), kinds: new Int8Array(u8(buffers[7]).slice().buffer) };
       this.dirty.add("chunkmap"); this.dirty.add("bins");
     }
     this.dirty.add("head"); this.dirty.add("timeline"); this.dirty.add("heatmap");
@@ -603,7 +603,7 @@ class View {
     const m = ch.meta;
     const n = m.n;
     const c = ch.cols;
-    const kinds = m.region_kinds;  // PyTorch: each segment's pool, expandable or not
+    const kindNames = m.kind_names || [];  // PyTorch: a segment's pool, expandable or not
     const w = this.words || {};
     const inUse = w.in_use || "in use";
     const region = w.region || "region";
@@ -615,15 +615,19 @@ class View {
     // each row by its region's address and size (and, for PyTorch, its pool): two regions of
     // one size stay apart; a continuation row by the region's address and the offset it
     // starts at
+    // a region takes ceil(size / W) rows, in address order (gpudash.maplayout.RowLayout)
     const names = new Array(nRows);
     const first = new Float64Array(R);
+    let fr = 0;
     for (let r = 0; r < R; r++) {
-      const size = reg[R + r], fr = reg[2 * R + r];
+      const size = reg[R + r];
       first[r] = fr;
-      names[fr] = regionLabel([reg[r], size]) + (kinds && kinds[r] ? " " + kinds[r] : "");
-      const k = Math.ceil(size / W);
+      const kind = kindNames[ch.kinds[r]];
+      names[fr] = regionLabel([reg[r], size]) + (kind ? " " + kind : "");
+      const k = Math.max(1, Math.ceil(size / W));
       const at = "0x" + Number(reg[r]).toString(16) + " +";
       for (let j = 1; j < k && fr + j < nRows; j++) names[fr + j] = at + fmtShort(j * W);
+      fr += k;
     }
     const T = { used: { y: [], b: [], x: [], h: [] }, waste: { y: [], b: [], x: [], h: [] },
       free: { y: [], b: [], x: [], h: [] } };
