@@ -646,6 +646,12 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     assert state["x"][1] <= 64 and state["xunit"].strip() == "MiB"   # a row, not 6 GiB
     assert abs(state["y"][0] - (shown - 0.5)) < 1e-6 and abs(state["y"][1] + 0.5) < 1e-6
 
+    # only the rows in view and a screen either side are drawn, not 1,300 blocks
+    drawn = dash.evaluate("""(r) => { const gd = r.querySelector('[data-view=chunkmap] '
+        + '.js-plotly-plot'); return new Set(gd._fullData.slice(0, 3).flatMap(t => Array.from(
+        t.y || []))).size; }""")
+    assert shown <= drawn <= 2 * shown, (drawn, shown)
+
     # the first view: a label a row, none overlapping
     ticks = tick_boxes(dash)
     assert len(ticks) == shown >= 20, len(ticks)

@@ -629,24 +629,41 @@ class View {
       for (let j = 1; j < k && fr + j < nRows; j++) names[fr + j] = at + fmtShort(j * W);
       fr += k;
     }
+    const cell = this.cells.chunkmap;
+    const margin = { l: 64, r: 10, t: 26, b: 36 };
+    const height = Math.max(260, Math.min(MAP_MAX_PX, margin.t + margin.b + 10 + ROW_PX * nRows));
+    const plotPx = height - margin.t - margin.b;
+    const shown = Math.max(1, Math.min(nRows, Math.floor(plotPx / ROW_PX)));
+    // The rows drawn: those in view and as many again on either side (a drag of up to a
+    // screen shows drawn rows; panning or zooming further draws the rows then in view, see
+    // watchMap). A map of 1,000 rows then draws a hundred of them, not every block.
+    const view = this.mapView(cell, shown, nRows);
+    const span = view[1] - view[0];
+    const lo = Math.max(0, view[0] - span), hi = Math.min(nRows, view[1] + span);
+    this.mapDrawn = [lo, hi];
     const T = { used: { y: [], b: [], x: [], h: [] }, waste: { y: [], b: [], x: [], h: [] },
       free: { y: [], b: [], x: [], h: [] } };
-    // a part [lo, lo + len) of region ri, cut at row boundaries
-    const put = (t, ri, lo, len, hv) => {
+    // a part [a0, a0 + len) of region ri, cut at row boundaries, the rows drawn only
+    const put = (t, ri, a0, len, hv) => {
       const fr = first[ri];
-      let a = lo;
-      const end = lo + len;
+      let a = a0;
+      const end = a0 + len;
       while (a < end) {
         const row = Math.floor(a / W);
         const b = Math.min(end, (row + 1) * W);
-        t.y.push(names[fr + row]); t.b.push((a - row * W) / u.scale); t.x.push((b - a) / u.scale); t.h.push(hv);
+        if (fr + row >= lo && fr + row < hi) {
+          t.y.push(names[fr + row]); t.b.push((a - row * W) / u.scale); t.x.push((b - a) / u.scale); t.h.push(hv);
+        }
         a = b;
       }
     };
     const strings = this.strings || [];
     const ids = ch.holders;
     for (let i = 0; i < n; i++) {
-      const ri = c[i], off = c[n + i], size = c[2 * n + i], req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
+      const ri = c[i], off = c[n + i], size = c[2 * n + i];
+      const r0 = first[ri] + Math.floor(off / W), r1 = first[ri] + Math.floor((off + Math.max(size, 1) - 1) / W);
+      if (r1 < lo || r0 >= hi) continue;  // not in a row drawn
+      const req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
       const row = names[first[ri]] || "";
       const addr = "0x" + ptr.toString(16);
       const hid = ids ? ids[i] : -1;
@@ -661,23 +678,23 @@ class View {
       }
     }
     const C = this.C;
-    const cell = this.cells.chunkmap;
-    const margin = { l: 64, r: 10, t: 26, b: 36 };
-    const height = Math.max(260, Math.min(MAP_MAX_PX, margin.t + margin.b + 10 + ROW_PX * nRows));
-    const plotPx = height - margin.t - margin.b;
-    const shown = Math.max(1, Math.min(nRows, Math.floor(plotPx / ROW_PX)));
     // a white edge between blocks, unless the rows are many (zoomed out, it would be all edge)
     const edge = shown < nRows ? 0 : 0.5;
     const mk = (t, name, color) => ({ type: "bar", orientation: "h", name, y: t.y, base: t.b, x: t.x,
       marker: { color, line: { width: edge, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8,
       showlegend: true });
+    const traces = [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)];
+    // the first and last rows, invisible: a double-click ("autosize") shows every row, not
+    // only those drawn
+    if (nRows) traces.push({ type: "scatter", mode: "markers", y: [names[0], names[nRows - 1]], x: [0, 0],
+      marker: { opacity: 0 }, hoverinfo: "skip", showlegend: false });
     let title = `${w.map || "chunk map"} - ${n} ${w.chunk || "chunk"}s in ${R} ${region}(s)`;
     if (nRows > R) title += ` - rows of ${fmtShort(W)}`;
     if (shown < nRows) title += ` - rows 1-${shown} of ${nRows}: drag to pan, double-click for all`;
     cell.title.textContent = title;
     cell.title.title = title;
     if (cell.plot.style.height !== height + "px") cell.plot.style.height = height + "px";
-    this.plot("chunkmap", [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
+    this.plot("chunkmap", traces,
       this.legendLayout({ barmode: "overlay", bargap: 0.1, height, margin,
         dragmode: shown < nRows ? "pan" : "zoom",
         xaxis: { title: { text: "offset in " + region }, ticksuffix: " " + u.name, range: [0, W / u.scale] },
@@ -685,8 +702,35 @@ class View {
         yaxis: { automargin: true, type: "category", categoryorder: "array",
           categoryarray: names, range: [shown - 0.5, -0.5], nticks: Math.max(2, Math.floor(plotPx / ROW_PX)),
           tickfont: { size: 10 } } }));
+    this.watchMap(cell);
     cell.plot.dataset.rows = String(nRows);
     cell.plot.dataset.shown = String(shown);
+  }
+
+  // The rows in view, [first, last + 1): the plot's y range as the user left it (pan, zoom,
+  // double-click), else the first `shown` rows.
+  mapView(cell, shown, nRows) {
+    const L = cell.plot._fullLayout;
+    const r = L && L.yaxis && L.yaxis.range;
+    if (!cell.drawn || !r || this.mapRows !== nRows) {
+      this.mapRows = nRows;
+      return [0, Math.min(shown, nRows)];
+    }
+    const a = Math.max(0, Math.floor(Math.min(r[0], r[1]) + 0.5));
+    const b = Math.min(nRows, Math.ceil(Math.max(r[0], r[1]) + 0.5));
+    return [a, Math.max(a + 1, b)];
+  }
+
+  // Once per plot: when a pan or zoom brings rows into view that were not drawn, draw again.
+  watchMap(cell) {
+    if (cell.watched || !cell.plot.on) return;
+    cell.watched = true;
+    cell.plot.on("plotly_relayout", () => {
+      const d = this.mapDrawn;
+      if (!d || !this.chunks) return;
+      const v = this.mapView(cell, 1, this.mapRows);
+      if (v[0] < d[0] || v[1] > d[1]) { this.dirty.add("chunkmap"); this.schedule(); }
+    });
   }
 
   drawBins() {
