@@ -320,7 +320,8 @@ def measure(label: str, repo: Path, work: Path, log: Any, magic: str = "%gpudash
 _MAP_JS = """(n) => {
     const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[n];
     const gd = c.querySelector('[data-view=chunkmap] .js-plotly-plot');
-    const ticks = Array.from(c.querySelectorAll('[data-view=chunkmap] .yaxislayer-above .ytick text'))
+    const ticks = Array.from(c.querySelectorAll(
+        '[data-view=chunkmap] .yaxislayer-above .ytick text'))
         .map(e => e.getBoundingClientRect()).sort((a, b) => a.top - b.top);
     let overlaps = 0;
     for (let i = 1; i < ticks.length; i++) if (ticks[i].top < ticks[i - 1].bottom - 0.5) overlaps++;
