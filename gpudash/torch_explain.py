@@ -127,8 +127,8 @@ class TorchExplanation(_ExplanationViews):
                     ("allocated", f"{format_bytes(self.allocated or 0)} in tensors"),
                     ("reserved", f"{format_bytes(self.reserved or 0)} held in segments"),
                     ("reserved, unused",
-                     f"{self._unused_text()} (free blocks in segments that "
-                     f"still hold tensors); the {pool} pool has {self.free_blocks or 0:,} "
+                     f"{self._unused_text()}: free blocks in segments that "
+                     f"still hold tensors; the {pool} pool has {self.free_blocks or 0:,} "
                      f"free block(s), the largest {format_bytes(self.largest_free or 0)}")]
             if self.device_total and self.total_known:
                 other = self.device_total - (self.reserved or 0) - (self.device_free or 0)
@@ -166,11 +166,13 @@ class TorchExplanation(_ExplanationViews):
         return "\n".join([head, *body, *tail])
 
     def _unused_text(self) -> str:
-        """Reserved but unallocated, and its share of reserved (PyTorch's fragmentation
-        figure, :meth:`gpudash.models.AllocatorModel.fragmentation`)."""
+        """Reserved but unallocated and its share of reserved, ``"1.57 GiB, 6.6 % of
+        reserved"`` (PyTorch's fragmentation figure,
+        :meth:`gpudash.models.AllocatorModel.fragmentation`)."""
         from .models import TORCH
 
-        return TORCH.fragmentation(self.allocated or 0, self.reserved or 0, 0).text
+        f = TORCH.fragmentation(self.allocated or 0, self.reserved or 0, 0)
+        return f"{format_bytes(f.bytes or 0)}, {100.0 * f.ratio:.1f} % of reserved"
 
     def figures(self) -> list:
         """The segment map and pool occupancy at the failure (a snapshot only); hovering a

@@ -14,6 +14,7 @@ import test_widgets_model as shared
 from test_widgets_dashboard import say, sent
 
 import gpudash
+from gpudash.widgets import LiveModel
 from gpudash.maplayout import ROW_PX, row_labels, row_layout, stack_text, visible_rows
 from gpudash.models import BFC, TORCH, model_of_dump
 from gpudash.report import (
@@ -421,6 +422,12 @@ def test_holders_cross_the_wire_once_as_ids(comms, tdash):
     # 4 bytes a block and each string once, not a string per block
     last = [b for c, b in sent(comms, dash, "update") if c["chunks"]][-1]
     assert len(last[5]) == 4 * updates[-1]["chunks"]["n"]
+    # a table without holders sends no ids at all
+    with gpudash.Session(allocator="torch", simulate="1GiB", poll=False) as plain, \
+            LiveModel(plain, start=False) as other:
+        plain.allocate(MIB)
+        meta, bufs = dash._chunk_buffers(other.refresh_now()[0])
+    assert len(bufs[2]) == 0 and meta["strings"]["new"] == []
     # a snapshot starts the page's table afresh
     say(dash, {"type": "hello"})
     again = sent(comms, dash, "snapshot")[-1][0]["chunks"]["strings"]

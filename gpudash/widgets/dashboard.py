@@ -352,8 +352,9 @@ class Dashboard(anywidget.AnyWidget):
         kinds]``.
 
         ``cols`` (float64, 6 x n): region index, offset in the region, size, requested, in
-        use, address of each chunk. ``bins`` (float64, 5 x bins). ``holder ids`` (int32, n):
-        who holds each chunk, an index into the page's string table (-1: nobody named); the
+        use, address of each chunk. ``bins`` (float64, 5 x bins). ``holder ids`` (int32, n;
+        empty when no chunk has a holder): who holds each chunk, an index into the page's
+        string table (-1: nobody named); the
         strings the page has not had come in ``meta["strings"]`` (``base``: the index of the
         first; 0 starts the table afresh). ``regions`` (float64, 2 x regions): address and
         size of each region; the page lays them out in rows of ``meta["row_bytes"]`` (chosen
@@ -407,12 +408,15 @@ class Dashboard(anywidget.AnyWidget):
         Each string goes to a page once: a snapshot starts the table afresh (``base`` 0),
         an update sends only strings it has not sent since. Past :data:`MAX_STRINGS`
         strings the table starts afresh with those in use."""
-        ids = np.full(n, -1, dtype=np.int32)
+        none = np.zeros(0, dtype=np.int32)   # nobody named: no ids at all
         if holders is None or not n:
-            return ids, {"base": len(self._strings), "new": []}
+            return none, {"base": len(self._strings), "new": []}
         uniq, inv = np.unique(np.asarray(holders, dtype=object).astype(str),
                               return_inverse=True)
         named = [u for u in uniq.tolist() if u]
+        if not named:
+            return none, {"base": len(self._strings), "new": []}
+        ids = np.full(n, -1, dtype=np.int32)
         if len(self._strings) + len(named) > MAX_STRINGS:
             self._strings = {}
         base = len(self._strings)

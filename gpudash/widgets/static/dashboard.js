@@ -666,7 +666,7 @@ class View {
       const req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
       const row = names[first[ri]] || "";
       const addr = "0x" + ptr.toString(16);
-      const hid = ids ? ids[i] : -1;
+      const hid = ids && ids.length ? ids[i] : -1;
       const held = hid >= 0 && strings[hid] ? strings[hid] : "";
       const who = held ? "<br>held by:<br>&nbsp;&nbsp;" + held.split("\n").map(esc).join("<br>&nbsp;&nbsp;") : "";
       if (used) {
