@@ -166,8 +166,7 @@ def bins_figure(dump: Any) -> Any:
 
 #: A chunk map's legend: above its plot area, at the left, under the title (the mode bar
 #: takes the top right corner when the mouse is over the figure).
-_TOP_LEGEND = {"orientation": "h", "x": 0.0, "xref": "container", "xanchor": "left", "y": 1.0,
-               "yanchor": "bottom"}
+_TOP_LEGEND = {"orientation": "h", "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "bottom"}
 
 #: Chunks a chunk map draws one bar each; a dump with more is drawn downsampled.
 CHUNKMAP_MAX_CHUNKS = 5000

@@ -617,8 +617,9 @@ def hover_text_at(page: Any, root: Any, x: float, y: float) -> str:
 def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     """A PyTorch session of 1,000 segments and a 6 GiB expandable one (MANY_SEGMENTS): the
     segment map keeps its labels apart, its height bounded and its x axis a row of the
-    typical segment; it pans to the rest and shows every row on a double-click; hovering a
-    block names the line that allocated it; the legend stays clear of the mode bar."""
+    typical segment (the big one continues on rows after the others); it pans to the rest
+    and shows every row on a double-click; hovering a block names its label and the line
+    that allocated it; the legend stays clear of the mode bar."""
     import nbformat
 
     from browser_helpers import MANY_SEGMENTS
@@ -636,8 +637,9 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     cell = dash.locator('[data-view="chunkmap"]')
     cell.scroll_into_view_if_needed()
     title = cell.locator(".gd-title").inner_text()
-    m = re.fullmatch(r"segment map - (\d+) blocks in 1001 segment\(s\) - rows of 64 MiB - "
-                     r"rows 1-(\d+) of (\d+): drag to pan, double-click for all", title)
+    m = re.fullmatch(r"segment map - (\d+) blocks in 1001 segment\(s\) - rows of 64 MiB, a "
+                     r"longer segment after the others - rows 1-(\d+) of (\d+): drag to pan, "
+                     r"double-click for all", title)
     assert m, title
     shown, rows = int(m.group(2)), int(m.group(3))
     state = map_state(dash)
@@ -652,12 +654,13 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
         t.y || []))).size; }""")
     assert shown <= drawn <= 2 * shown, (drawn, shown)
 
-    # the first view: a label a row, none overlapping
+    # the first view: a label a row, none overlapping, the segments in address order
     ticks = tick_boxes(dash)
     assert len(ticks) == shown >= 20, len(ticks)
     assert not overlapping(ticks), overlapping(ticks)
-    top = min(ticks, key=lambda t: t["top"])
-    assert top["text"] == "0x600000000000 6.02 GiB large, expandable"   # the lowest address
+    texts = [t["text"] for t in sorted(ticks, key=lambda t: t["top"])]
+    assert all(re.fullmatch(r"0x7f[0-9a-f]+ \d+\.\d\d MiB large", t) for t in texts), texts
+    assert texts == sorted(texts, key=lambda t: int(t.split()[0], 16))
 
     # the legend and plotly's mode bar (shown with the mouse over the plot) apart
     drag = cell.locator(".nsewdrag").first.bounding_box()
@@ -666,13 +669,14 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     assert not intersects(cell.locator(".modebar").bounding_box(),
                           cell.locator(".legend").bounding_box())
 
-    # hover a block of the big segment: the line that allocated it
-    text = hover_text_at(page, dash, drag["x"] + drag["width"] / 2, drag["y"] + 8)
-    assert "0x600000000000 6.02 GiB large, expandable" in text, text
-    assert re.search(r"held by:\s*\S+\.py:11 <module>", text), text   # big = s.allocate
+    # hover a block: its segment, its label and the line that allocated it
+    bar = visible_bar(dash, drag)
+    text = hover_text_at(page, dash, bar["x"], bar["y"])
+    assert re.search(r"^0x7f[0-9a-f]+ \d+\.\d\d MiB large", text), text
+    assert re.search(r"held by:\s*layer \d+ @ \S+\.py:7 <module>", text), text
 
-    # drag (pan) down past the big segment's rows: other segments, their labels apart too,
-    # and each block named by its label and line
+    # drag (pan) down five screens: other segments, drawn as they come into view, their
+    # labels apart too
     for _ in range(5):
         page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] - 5)
         page.mouse.down()
@@ -680,7 +684,7 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
         page.mouse.up()
         page.wait_for_timeout(200)
     state = map_state(dash)
-    assert state["y"][1] > 97, state
+    assert state["y"][1] > 3 * shown, state
     ticks = tick_boxes(dash)
     assert not overlapping(ticks) and all(re.fullmatch(r"0x7f[0-9a-f]+ \d+\.\d\d MiB large",
                                                        t["text"]) for t in ticks), ticks
@@ -699,9 +703,24 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     page.wait_for_function("(r) => { const gd = r.querySelector('[data-view=chunkmap] "
                            ".js-plotly-plot'); return gd._fullLayout.yaxis.range[0] > 1000; }",
                            arg=dash.element_handle(), timeout=10_000)
+    # every row in view: every row drawn (once, now)
+    page.wait_for_function("""(r) => { const gd = r.querySelector('[data-view=chunkmap] '
+        + '.js-plotly-plot'); return new Set(gd._fullData.slice(0, 3).flatMap(t => Array.from(
+        t.y || []))).size > 1000; }""", arg=dash.element_handle(), timeout=10_000)
     ticks = tick_boxes(dash)
     assert 2 <= len(ticks) < 60 and not overlapping(ticks), ticks
     assert map_state(dash)["height"] <= 520
+    # the big segment: its 97 rows at the bottom; hovering it names the line of `big`
+    low = dash.evaluate("""(r) => { let best = null;
+        for (const p of r.querySelectorAll(
+                '[data-view=chunkmap] .barlayer .trace:first-child .point path')) {
+            const b = p.getBoundingClientRect();
+            if (b.width > 8 && (!best || b.bottom > best.bottom)) best = b;
+        }
+        return {x: best.left + best.width / 2, y: best.top - 4}; }""")   # a few rows up
+    text = hover_text_at(page, dash, low["x"], low["y"])
+    assert "0x600000000000 6.02 GiB large, expandable" in text, text
+    assert re.search(r"held by:\s*\S+\.py:11 <module>", text), text   # big = s.allocate
 
     assert not page_problems(page), page_problems(page)
     assert not page.console_errors, page.console_errors

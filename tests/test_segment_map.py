@@ -104,6 +104,17 @@ def test_rows_wrap_a_region_that_dwarfs_the_rest_and_stay_bounded():
     assert visible_rows(1000, 640) == 640 // ROW_PX and visible_rows(5, 640) == 5
 
 
+def test_regions_that_wrap_come_after_the_others():
+    # a 6 GiB region at the lowest address: the map opens on the typical regions
+    sizes = [6 * GIB] + [(20 + k) * MIB for k in range(40)]
+    lay = row_layout(sizes)
+    assert lay.order.tolist() == list(range(1, 41)) + [0]
+    assert lay.first_row[1] == 0 and lay.first_row[0] == 40 and lay.rows[0] > 1
+    assert lay.region_of_row().tolist() == list(range(1, 41)) + [0] * int(lay.rows[0])
+    labels = row_labels(lay, [f"r{i}" for i in range(41)])
+    assert labels[:2] == ["r1", "r2"] and labels[40] == "r0" and labels[41].startswith("r0 +")
+
+
 def test_pieces_cut_chunks_at_row_boundaries_exactly():
     lay = row_layout([10 * MIB] * 20 + [100 * MIB])     # rows of 16 MiB: 7 for the last
     assert lay.row_bytes == 16 * MIB

@@ -447,7 +447,7 @@ class View {
     return this.layout(Object.assign({
       showlegend: true, margin: { l: 64, r: 10, t: 26, b: 36 },
       // at the left: plotly's mode bar takes the top right corner when the mouse is over
-      legend: { orientation: "h", x: 0, xref: "container", xanchor: "left", y: 1, yanchor: "bottom", traceorder: "normal",
+      legend: { orientation: "h", x: 0, xanchor: "left", y: 1, yanchor: "bottom", traceorder: "normal",
         font: { size: 10 }, itemclick: false, itemdoubleclick: false,
         bgcolor: "rgba(255,255,255,0)" },
     }, extra));
@@ -456,7 +456,10 @@ class View {
   plot(name, traces, layout) {
     const cell = this.cells[name];
     const config = { displaylogo: false, responsive: true, displayModeBar: "hover",
-      modeBarButtonsToRemove: ["select2d", "lasso2d", "toImage"] };
+      // a short mode bar (zoom, pan, in, out, reset; a double-click autoscales): it stays
+      // clear of the legend at the plot's left
+      modeBarButtonsToRemove: ["select2d", "lasso2d", "toImage", "autoScale2d",
+        "hoverClosestCartesian", "hoverCompareCartesian", "toggleSpikelines"] };
     this.Plotly.react(cell.plot, traces, layout, config);
     cell.drawn = true;
     cell.plot.dataset.drawn = "1";
@@ -615,19 +618,23 @@ class View {
     // each row by its region's address and size (and, for PyTorch, its pool): two regions of
     // one size stay apart; a continuation row by the region's address and the offset it
     // starts at
-    // a region takes ceil(size / W) rows, in address order (gpudash.maplayout.RowLayout)
+    // a region takes ceil(size / W) rows: those of one row first, then the others, each in
+    // address order (gpudash.maplayout.RowLayout)
     const names = new Array(nRows);
     const first = new Float64Array(R);
     let fr = 0;
-    for (let r = 0; r < R; r++) {
-      const size = reg[R + r];
-      first[r] = fr;
-      const kind = kindNames[ch.kinds[r]];
-      names[fr] = regionLabel([reg[r], size]) + (kind ? " " + kind : "");
-      const k = Math.max(1, Math.ceil(size / W));
-      const at = "0x" + Number(reg[r]).toString(16) + " +";
-      for (let j = 1; j < k && fr + j < nRows; j++) names[fr + j] = at + fmtShort(j * W);
-      fr += k;
+    for (const wraps of [false, true]) {
+      for (let r = 0; r < R; r++) {
+        const size = reg[R + r];
+        const k = Math.max(1, Math.ceil(size / W));
+        if ((k > 1) !== wraps) continue;
+        first[r] = fr;
+        const kind = kindNames[ch.kinds[r]];
+        names[fr] = regionLabel([reg[r], size]) + (kind ? " " + kind : "");
+        const at = "0x" + Number(reg[r]).toString(16) + " +";
+        for (let j = 1; j < k && fr + j < nRows; j++) names[fr + j] = at + fmtShort(j * W);
+        fr += k;
+      }
     }
     const cell = this.cells.chunkmap;
     const margin = { l: 64, r: 10, t: 26, b: 36 };
@@ -684,12 +691,8 @@ class View {
       marker: { color, line: { width: edge, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8,
       showlegend: true });
     const traces = [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)];
-    // the first and last rows, invisible: a double-click ("autosize") shows every row, not
-    // only those drawn
-    if (nRows) traces.push({ type: "scatter", mode: "markers", y: [names[0], names[nRows - 1]], x: [0, 0],
-      marker: { opacity: 0 }, hoverinfo: "skip", showlegend: false });
     let title = `${w.map || "chunk map"} - ${n} ${w.chunk || "chunk"}s in ${R} ${region}(s)`;
-    if (nRows > R) title += ` - rows of ${fmtShort(W)}`;
+    if (nRows > R) title += ` - rows of ${fmtShort(W)}, a longer ${region} after the others`;
     if (shown < nRows) title += ` - rows 1-${shown} of ${nRows}: drag to pan, double-click for all`;
     cell.title.textContent = title;
     cell.title.title = title;
@@ -701,6 +704,8 @@ class View {
         // no axis title: the rows' names say what they are (a title would sit on them)
         yaxis: { automargin: true, type: "category", categoryorder: "array",
           categoryarray: names, range: [shown - 0.5, -0.5], nticks: Math.max(2, Math.floor(plotPx / ROW_PX)),
+          // a double-click ("autosize") shows every row, not only those drawn
+          autorangeoptions: { include: nRows ? [0, nRows - 1] : [] },
           tickfont: { size: 10 } } }));
     this.watchMap(cell);
     cell.plot.dataset.rows = String(nRows);
