@@ -15,7 +15,8 @@ the same way, from here:
   of the map is the same bytes wherever it is. The rows stay bounded (``n + max(128,
   n // 2)`` for ``n`` regions: the width doubles until they are). A scale per row was the
   other way; it would draw a 2 MiB segment as wide as a 6 GiB one, where one scale keeps an
-  offset the same bytes on every row and zooming meaningful.
+  offset the same bytes on every row and zooming meaningful. The regions that wrap come
+  after the others, so a map opens on its typical regions.
 - **Rows are named by their region** (the dashboard: ``0x7f3a00000000 20.00 MiB large``, a
   continuation row ``0x7f3a00000000 +512 MiB``; the HTML: ``segment 3 @ 0x7f3a00000000``, a
   continuation row ``segment 3 @ 0x7f3a00000000 +512 MiB``: the offset it starts at):
@@ -57,17 +58,24 @@ class RowLayout:
     """Where each region of a map is drawn: ``first_row[i]`` and ``rows[i]`` rows of
     ``row_bytes`` each (its last row may be shorter).
 
+    The regions that fit a row come first, in the order given (address order), then those
+    that take several rows, in the same order: a map opens on its typical regions, one row
+    each, rather than on a screenful of one large region.
+
     Attributes
     ----------
     row_bytes : int
         The width of a row in bytes (the x axis of every row).
     first_row, rows : numpy.ndarray of int64
         Per region (in the order given): its first row and how many rows it takes.
+    order : numpy.ndarray of int64
+        The regions in the order of their rows.
     """
 
     row_bytes: int
     first_row: np.ndarray
     rows: np.ndarray
+    order: np.ndarray
 
     @property
     def total_rows(self) -> int:
@@ -81,7 +89,7 @@ class RowLayout:
 
     def region_of_row(self) -> np.ndarray:
         """The region each row belongs to (an int64 array of :attr:`total_rows`)."""
-        return np.repeat(np.arange(len(self.rows), dtype=np.int64), self.rows)
+        return np.repeat(self.order, self.rows[self.order])
 
     def pieces(self, region: Any, offset: Any, size: Any) -> tuple[np.ndarray, ...]:
         """The pieces of chunks cut at row boundaries: ``(chunk, row, start, length)`` as
@@ -121,7 +129,7 @@ def row_layout(sizes: Sequence[int] | np.ndarray) -> RowLayout:
     n = len(s)
     if not n:
         z = np.zeros(0, dtype=np.int64)
-        return RowLayout(1, z, z)
+        return RowLayout(1, z, z, z)
     s = np.maximum(s, 1)
     big = int(s.max())
     typical = int(np.sort(s)[int(0.9 * (n - 1))])
@@ -132,9 +140,11 @@ def row_layout(sizes: Sequence[int] | np.ndarray) -> RowLayout:
         bound = n + max(128, n // 2)
         while int((-(-s // w)).sum()) > bound:
             w *= 2
-    rows = -(-s // w)
-    first = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
-    return RowLayout(int(w), first, rows.astype(np.int64))
+    rows = (-(-s // w)).astype(np.int64)
+    order = np.concatenate([np.flatnonzero(rows == 1), np.flatnonzero(rows > 1)])
+    first = np.empty(n, dtype=np.int64)
+    first[order] = np.concatenate(([0], np.cumsum(rows[order])[:-1]))
+    return RowLayout(int(w), first, rows, order.astype(np.int64))
 
 
 def row_labels(layout: RowLayout, names: Sequence[str]) -> list[str]:
@@ -142,9 +152,9 @@ def row_labels(layout: RowLayout, names: Sequence[str]) -> list[str]:
     ``"<name> +512 MiB"`` (the offset the row starts at) on the rows it continues on."""
     out: list[str] = []
     w = layout.row_bytes
-    for name, k in zip(names, layout.rows.tolist()):
-        out.append(name)
-        out.extend(f"{name} +{format_size(j * w)}" for j in range(1, k))
+    for i in layout.order.tolist():
+        out.append(names[i])
+        out.extend(f"{names[i]} +{format_size(j * w)}" for j in range(1, int(layout.rows[i])))
     return out
 
 

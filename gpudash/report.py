@@ -248,15 +248,14 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
                                                            a["starts"].tolist())]
     labels = row_labels(layout, names)
     n_regions = len(names)
-    # at most CHUNKMAP_MAX_ROWS rows: whole regions, in address order
-    shown = n_regions
-    if layout.total_rows > CHUNKMAP_MAX_ROWS:
-        shown = int(np.searchsorted(layout.first_row + layout.rows, CHUNKMAP_MAX_ROWS,
-                                    side="right"))
-        shown = max(shown, 1)
-    n_rows = int(layout.first_row[shown - 1] + layout.rows[shown - 1]) if shown else 0
+    # at most CHUNKMAP_MAX_ROWS rows: whole regions, in the layout's order
+    drawn = layout.first_row + layout.rows <= CHUNKMAP_MAX_ROWS
+    if n_regions and not drawn.any():
+        drawn[layout.order[0]] = True
+    n_rows = int((layout.first_row + layout.rows)[drawn].max()) if n_regions else 0
+    shown = int(drawn.sum())
     labels = labels[:n_rows]
-    pick = a["region"] < shown
+    pick = drawn[a["region"]] if n_regions else np.zeros(0, dtype=bool)
     a = {k: (v[pick] if k in ("region", "address", "size", "in_use", "req", "index") else v)
          for k, v in a.items()}
     holder_of = _holder_lines(dump, a["index"], holders)
@@ -278,11 +277,11 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
     notes = [sub] if sub else []
     if layout.wraps:
         notes.append(f"rows of {style.format_size(layout.row_bytes)}: a larger {w['region']} "
-                     "continues on the next rows")
+                     "continues on the next rows, after the others")
     if first < n_rows:
         notes.append(f"rows 1-{first} of {n_rows:,} shown: drag to pan, double-click for all")
     if shown < n_regions:
-        rest = int(a["sizes"][shown:].sum())
+        rest = int(a["sizes"][~drawn].sum())
         notes.append(f"the first {n_rows:,} rows drawn; {n_regions - shown:,} "
                      f"{w['regions']} after them ({format_bytes(rest)}) are not")
     if notes:
