@@ -202,6 +202,7 @@ def _notebook(root: Path, name: str, cells: tuple) -> str:
 
 def _segments(page, lab, out: Path) -> None:
     """The segment map at 118 and at 1,000 segments on the live dashboard."""
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": 1500})  # the whole output
     _run_all(page, lab, _notebook(lab.root, "segments_118.ipynb", SEGMENTS_118))
     root = page.locator(".gd-root").first
     _views_drawn(page, root)
@@ -216,15 +217,9 @@ def _segments(page, lab, out: Path) -> None:
     time.sleep(1.5)
     cell = root.locator('[data-view="chunkmap"]')
     cell.scroll_into_view_if_needed()
-    # pan down past the expandable segment's rows, then hover a block
+    # hover a block
     drag = cell.locator(".nsewdrag").first.bounding_box()
-    for _ in range(4):
-        page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] - 5)
-        page.mouse.down()
-        page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + 5, steps=8)
-        page.mouse.up()
-        page.wait_for_timeout(300)
-    page.mouse.move(drag["x"] + 40, drag["y"] + drag["height"] * 0.35)
+    page.mouse.move(drag["x"] + 40, drag["y"] + drag["height"] * 0.35 + 8)
     page.wait_for_timeout(600)
     target = page.locator(".jp-OutputArea-output").filter(has=root).first
     target.evaluate("e => e.scrollIntoView({block: 'start'})")

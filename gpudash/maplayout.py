@@ -9,10 +9,10 @@ the same way, from here:
   region is at most :data:`NO_WRAP_RATIO` times the typical one (the 90th percentile of the
   sizes), the row width is the largest region and nothing wraps. Otherwise (one 6 GiB
   expandable segment among 100 segments of 20-300 MiB) the row width is a power of two that
-  holds the typical region in one row, and a larger region continues on the next rows, as
-  PyTorch's ``segsum`` prints a segment over several lines of pages: the other rows keep
-  their width instead of becoming slivers next to one axis stretched to 6 GiB, and an area
-  of the map is the same bytes wherever it is. The rows stay bounded (``n + max(128,
+  holds every region but the outliers in one row, and an outlier continues on the next
+  rows, as PyTorch's ``segsum`` prints a segment over several lines of pages: the other
+  rows keep their width instead of becoming slivers next to one axis stretched to 6 GiB,
+  and an area of the map is the same bytes wherever it is. The rows stay bounded (``n + max(128,
   n // 2)`` for ``n`` regions: the width doubles until they are). A scale per row was the
   other way; it would draw a 2 MiB segment as wide as a 6 GiB one, where one scale keeps an
   offset the same bytes on every row and zooming meaningful. The regions that wrap come
@@ -120,7 +120,8 @@ def row_layout(sizes: Sequence[int] | np.ndarray) -> RowLayout:
     The typical size is the 90th percentile (the size below which 90 % of the regions are,
     ``method="lower"``: with a handful of regions, the largest is not typical). The row
     width is the largest size when it is at most :data:`NO_WRAP_RATIO` times the typical
-    one; else the power of two at least the typical size, doubled while the regions would
+    one; else the power of two at least the largest size that is (the largest region that
+    is not an outlier fits one row, half of it at least), doubled while the regions would
     take more than ``n + max(128, n // 2)`` rows (a few large regions may take up to 128
     rows between them; many take at most about half a row more each). An area of the map
     is the same bytes on every row.
@@ -135,8 +136,8 @@ def row_layout(sizes: Sequence[int] | np.ndarray) -> RowLayout:
     typical = int(np.sort(s)[int(0.9 * (n - 1))])
     if big <= NO_WRAP_RATIO * typical:
         w = big
-    else:
-        w = _pow2_ceil(typical)
+    else:   # a row for the largest region that is not an outlier
+        w = _pow2_ceil(int(s[s <= NO_WRAP_RATIO * typical].max()))
         bound = n + max(128, n // 2)
         while int((-(-s // w)).sum()) > bound:
             w *= 2
