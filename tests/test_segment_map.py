@@ -265,6 +265,24 @@ def test_hover_names_who_holds_a_block_from_its_stack(snap1000):
     assert chunk_holders(load_torch_snapshot(snap1000), dump) == {}
 
 
+def test_explain_names_who_holds_each_block_at_the_failure(tmp_path, monkeypatch):
+    """explain's segment map (the state before the out-of-memory row, replayed exactly)
+    names each block's allocating stack, where the snapshot recorded one."""
+    import gpudash.trace.torch_snapshot as ts
+
+    load = ts.load_torch_snapshot
+    monkeypatch.setattr(ts, "load_torch_snapshot", lambda *a, **k: _with_stacks(load(*a, **k)))
+    snap = caching_snapshot(many_segments(40, oom=True), device_bytes="4GiB")
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    e = gpudash.explain(path)
+    used = [c for c in e.dump.chunks if c.in_use]
+    assert len(e._holders) == len(used) > 40
+    texts = [h for t in e.figures()[0].data if t.name == "allocated" for h in t.hovertext]
+    assert texts and all(re.search(r"held by:<br>&nbsp;&nbsp;proj/model\.py:1\d forward<br>"
+                                   r"&nbsp;&nbsp;proj/train\.py:4\d step", h) for h in texts)
+
+
 def test_a_replays_chunks_are_named_by_the_traces_allocations():
     """The report's BFC map is a replay's state: its n-th allocation is the trace's n-th,
     so its blocks get the trace's holders even where the replay placed them elsewhere."""
