@@ -33,10 +33,11 @@ What crosses the wire
   again. A reloaded page fetches it once. An answer that never comes (a page reloaded while
   its widgets were restored can lose one) is asked for again after 8 s, 16 s, 32 s...
 - **Binary buffers.** Timeline points, heatmap columns (``uint8``) and chunk arrays go as
-  numpy buffers; JSON carries only small figures. Every region goes (address, size and
-  first row of the segment / chunk map, laid out by :func:`gpudash.maplayout.row_layout`),
-  and who holds each chunk goes as an ``int32`` id into a table of strings the page keeps:
-  a label or a stack is sent once, not once per chunk.
+  numpy buffers; JSON carries only small figures. Every region goes (its address, size and
+  kind; the row width of the segment / chunk map comes from
+  :func:`gpudash.maplayout.row_layout`), and who holds each chunk goes as an ``int32`` id
+  into a table of strings the page keeps: a label or a stack is sent once, not once per
+  chunk.
 - **Increments.** After the first snapshot, a refresh sends the timeline points and heatmap
   columns that are new, and the chunk table only when it changed (at most once a second
   when it is large). The model's refresher coalesces events, so a busy allocator still
@@ -354,12 +355,13 @@ class Dashboard(anywidget.AnyWidget):
         ``cols`` (float64, 6 x n): region index, offset in the region, size, requested, in
         use, address of each chunk. ``bins`` (float64, 5 x bins). ``holder ids`` (int32, n;
         empty when no chunk has a holder): who holds each chunk, an index into the page's
-        string table (-1: nobody named); the
-        strings the page has not had come in ``meta["strings"]`` (``base``: the index of the
-        first; 0 starts the table afresh). ``regions`` (float64, 2 x regions): address and
-        size of each region; the page lays them out in rows of ``meta["row_bytes"]`` (chosen
-        by :func:`gpudash.maplayout.row_layout`: a region takes ``ceil(size / row_bytes)``
-        rows, in address order; ``meta["n_rows"]`` in all). ``kinds`` (int8, regions): each
+        string table (-1: nobody named); the strings the page has not had come in
+        ``meta["strings"]`` (``base``: the index of the first; 0 starts the table afresh).
+        ``regions`` (float64, 2 x regions): address and size of each region; the page lays
+        them out in rows of ``meta["row_bytes"]`` (chosen by
+        :func:`gpudash.maplayout.row_layout`: a region takes ``ceil(size / row_bytes)``
+        rows, those of one row first, then the others, each in address order;
+        ``meta["n_rows"]`` in all). ``kinds`` (int8, regions): each
         region's kind, an index into ``meta["kind_names"]`` (-1: none;
         ``meta["region_kinds"]`` keeps the first 64 as words, as before)."""
         t = state.table
