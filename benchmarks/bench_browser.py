@@ -20,9 +20,18 @@ JupyterLab on 127.0.0.1 whose kernels import that checkout's gpudash, a fresh pa
 4. The notebook saved and the page reloaded: seconds until the views are drawn again, and
    whether they show the history (more than two timeline points).
 
+``--segments`` instead measures the segment map at a real size, this checkout against a
+baseline (``--baseline-dir``, a checkout on disk, or ``--baseline``), alternating, in one run:
+a cell that makes a PyTorch session of 1,000 segments and a 6 GiB expandable one, blocks
+labelled with their allocating line (``tests/browser_helpers.py``'s ``MANY_SEGMENTS``), and
+shows its dashboard: seconds from running the cell to the four views drawn, bytes the page
+received meanwhile, the segment map's draw in the browser (``Plotly.react``, ms), and as
+drawn: the map's height, its y labels and how many overlap the next one.
+
 Run: ``python benchmarks/bench_browser.py [--baseline REF] [--only new|baseline]
 [--json OUT]``; ``--allocators`` instead compares, in this checkout, the dashboard of a
-TensorFlow-style session (``%gpudash``) with a PyTorch one (``%gpudash --allocator torch``).
+TensorFlow-style session (``%gpudash``) with a PyTorch one (``%gpudash --allocator torch``);
+``--segments [--baseline-dir DIR] [--repeat N]`` as above.
 Needs JupyterLab, Playwright and ``/usr/bin/chromium`` (``pip install -e '.[test]'``;
 ``apt-get install chromium``). Takes a few minutes. Prints one table.
 """
@@ -43,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from browser_helpers import (  # noqa: E402
+    MANY_SEGMENTS,
     LabServer,
     command,
     launch_chromium,
@@ -307,6 +317,103 @@ def measure(label: str, repo: Path, work: Path, log: Any, magic: str = "%gpudash
     return out
 
 
+_MAP_JS = """(n) => {
+    const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[n];
+    const gd = c.querySelector('[data-view=chunkmap] .js-plotly-plot');
+    const ticks = Array.from(c.querySelectorAll(
+        '[data-view=chunkmap] .yaxislayer-above .ytick text'))
+        .map(e => e.getBoundingClientRect()).sort((a, b) => a.top - b.top);
+    let overlaps = 0;
+    for (let i = 1; i < ticks.length; i++) if (ticks[i].top < ticks[i - 1].bottom - 0.5) overlaps++;
+    const views = (globalThis.__gpudash && globalThis.__gpudash.views) || [];
+    const v = views[views.length - 1];
+    return {height: gd ? gd.offsetHeight : null, labels: ticks.length, overlaps: overlaps,
+            draw_ms: v && v.stats && v.stats.ms ? v.stats.ms.chunkmap : null,
+            title: (c.querySelector('[data-view=chunkmap] .gd-title') || {}).textContent};
+}"""
+
+
+def measure_segments(label: str, repo: Path, work: Path, log: Any) -> dict:
+    """The 1,000-segment dashboard (MANY_SEGMENTS) of one checkout: see the docstring."""
+    from playwright.sync_api import sync_playwright
+
+    out: dict[str, Any] = {"variant": label, "repo": str(repo)}
+    nbdir = work / "nb"
+    _new_notebook(nbdir)
+    lab = LabServer(work / "lab", notebooks=nbdir, repo=repo)
+    lab.start()
+    pw = sync_playwright().start()
+    browser = launch_chromium(pw)
+    try:
+        page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
+        frames: list[int] = []
+        page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(len(p))))
+        page.goto(lab.url("lab/tree/bench.ipynb?reset"))
+        wait_for_notebook(page)
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+        command(page, "notebook:run-all-cells")
+        _wait_idle(page)
+        # plotly.js reaches the page with a first, small dashboard: not counted below
+        n0, _ = _run_cell(page, "import gpudash\ngpudash.Dashboard(gpudash.Session("
+                                "allocator='torch', simulate='1GiB'))")
+        _wait_drawn(page, n0)
+        _wait_idle(page)
+        time.sleep(1.0)
+        log(f"[{label}] 1,000 segments")
+        k = len(frames)
+        t0 = time.monotonic()
+        n, _ = _run_cell(page, MANY_SEGMENTS)
+        # a dashboard draws only in view: keep its cell in view until it has drawn
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(n)
+        while True:
+            cell.locator(".gd-root, .jp-OutputArea-output").last.scroll_into_view_if_needed()
+            try:
+                _wait_drawn(page, n, timeout_s=0.5)
+                break
+            except Exception:  # noqa: BLE001 - not yet
+                if time.monotonic() - t0 > 120:
+                    raise
+        out["open_s"] = time.monotonic() - t0
+        time.sleep(1.5)
+        sizes = frames[k:]
+        out["bytes"] = sum(sizes)
+        out["largest"] = max(sizes, default=0)
+        page.locator(".jp-Notebook .jp-Cell").nth(n).locator(
+            '[data-view="chunkmap"]').scroll_into_view_if_needed()
+        time.sleep(1.0)
+        out["map"] = page.evaluate(_MAP_JS, n)
+    finally:
+        browser.close()
+        pw.stop()
+        lab.stop()
+    return out
+
+
+def segments_table(results: list[dict]) -> str:
+    rows = [
+        ("cell to 4 views drawn (s)", lambda r: r["open_s"]),
+        ("  bytes received", lambda r: r["bytes"]),
+        ("  largest frame (B)", lambda r: r["largest"]),
+        ("segment map draw (ms)", lambda r: r["map"]["draw_ms"]),
+        ("  plot height (px)", lambda r: r["map"]["height"]),
+        ("  y labels drawn", lambda r: r["map"]["labels"]),
+        ("  labels overlapping the next", lambda r: r["map"]["overlaps"]),
+    ]
+    names = [r["variant"] for r in results]
+    width = max(len(n) for n, _ in rows) + 2
+    lines = ["1,000 segments".ljust(width) + "".join(n.rjust(24) for n in names)]
+    for name, get in rows:
+        cells = []
+        for r in results:
+            try:
+                v = get(r)
+            except (KeyError, TypeError):
+                v = None
+            cells.append(_fmt(v).rjust(24))
+        lines.append(name.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
 def _fmt(v: Any, unit: str = "") -> str:
     if v is None:
         return "-"
@@ -359,10 +466,42 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare the dashboard of TensorFlow's BFC with PyTorch's caching "
                          "allocator's (%%gpudash --allocator torch), both from this checkout")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--segments", action="store_true",
+                    help="the segment map of 1,000 segments, this checkout against a baseline")
+    ap.add_argument("--baseline-dir", type=Path, default=None,
+                    help="with --segments: a baseline checkout on disk (else --baseline's "
+                         "commit in a temporary git worktree)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --segments: runs of each, alternating")
     args = ap.parse_args(argv)
+    results: list[dict] = []
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
+
+    if args.segments:
+        with tempfile.TemporaryDirectory(prefix="gpudash-bench-") as tmp:
+            tmp = Path(tmp)
+            base = args.baseline_dir
+            made = base is None
+            if made:
+                base = tmp / "baseline"
+                subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
+                                str(base), args.baseline], check=True)
+            try:
+                for i in range(max(1, args.repeat)):
+                    for label, repo in (("baseline", base), ("this checkout", REPO)):
+                        work = tmp / f"{label.replace(' ', '_')}_{i}"
+                        work.mkdir()
+                        results.append(measure_segments(label, repo, work, log))
+            finally:
+                if made:
+                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                    str(base)], check=False)
+        print(segments_table(results))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
 
     results = []
     if args.allocators:

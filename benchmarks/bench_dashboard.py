@@ -12,6 +12,10 @@
     batch into numpy columns); and watched by a warm dashboard, paused (the model's sink) and
     refreshing at 4 Hz (the refresher thread also competes for the GIL). Runs are
     interleaved; medians. Target: >= 70 % of the bare rate.
+(d) A PyTorch session of 1,000 segments (blocks labelled, as ``with sess.label(...)``
+    makes them, a third freed): bytes of the snapshot a connecting page gets (the holders
+    go as an ``int32`` id a block and each string once; before, as a JSON string a block),
+    and refresh CPU with the dashboard shown.
 
 Run: ``python benchmarks/bench_dashboard.py [--chunks N] [--pairs N] [--repeat R]``.
 Prints one table.
@@ -142,6 +146,40 @@ def bench_steady_state_bytes(history: int = 5000, columns: int = 600) -> dict:
     return out
 
 
+def bench_segments(n: int = 1000, repeat: int = 5) -> dict:
+    """(d): a PyTorch session of ``n`` segments, every block labelled."""
+    install_recording_comm()
+    out: dict = {}
+    rng = random.Random(5)
+    with gpudash.Session(allocator="torch", simulate="80GiB", poll=False) as sess:
+        live = []
+        for i in range(n):
+            with sess.label(f"layer {i % 12}"):
+                live.append(sess.allocate(rng.randint(12 * MIB, 60 * MIB)))
+        for p in live[::3]:
+            sess.free(p)
+        del live[::3]
+        out["segments"] = len(sess.devices[0].allocator.chunk_table()["regions"])
+        model = LiveModel(sess, start=False)
+        with Dashboard(model=model) as dash:
+            RecordingComm.log.clear()
+            _hello(dash)
+            out["snapshot"] = _sent_bytes(dash)
+            times = []
+            for i in range(repeat):
+                p = live.pop()
+                sess.free(p)
+                with sess.label("optimizer"):
+                    live.append(sess.allocate(rng.randint(12 * MIB, 60 * MIB)))
+                t0 = time.thread_time()
+                model.refresh_now()
+                times.append(time.thread_time() - t0)
+                time.sleep(1.05)  # the table of a large layout goes at most once a second
+            out["refresh_ms"] = 1e3 * statistics.median(times)
+        model.close()
+    return out
+
+
 def make_workload(pairs: int, live: int = 300, seed: int = 7) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     return [(rng.randrange(live), int(2 ** rng.uniform(0, 22))) for _ in range(pairs)]
@@ -209,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
     r = bench_refresh(args.chunks, args.repeat)
     full = bench_steady_state_bytes()
+    seg = bench_segments(repeat=args.repeat)
     t = bench_throughput(args.pairs, args.repeat, args.background_chunks)
     bare = t["bare"]
     rows = [
@@ -229,6 +268,11 @@ def main(argv: list[str] | None = None) -> None:
                      f"{rate / bare:.0%} of bare" + (" (target >= 70%)"
                                                      if name == "dashboard 4 Hz" else "")))
     rows.append(("(c) refreshes during the last 4 Hz run", str(t["refreshes_last_run"]), ""))
+    rows += [
+        (f"(d) snapshot, {seg['segments']:,} segments, labelled",
+         f"{seg['snapshot'] / 1e3:,.1f} kB", "PyTorch session"),
+        ("(d) refresh CPU, dashboard shown", f"{seg['refresh_ms']:.1f} ms", ""),
+    ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
     print(f"{'measure':<{w0}}  {'value':>{w1}}  note")

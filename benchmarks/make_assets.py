@@ -15,10 +15,16 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
   while a Keras model trains (only where TensorFlow is installed: ``pip install -e '.[tf]'``);
 - ``dashboard_torch.png``: ``%gpudash --allocator torch`` (PyTorch's caching allocator) after
   a fine-tuning loop, with expandable segments turned on, ``max_split_size_mb`` typed in and
-  the cache emptied from its controls.
+  the cache emptied from its controls;
+- ``segments-118.png``: the segment map of ``07_pytorch.ipynb``'s fine-tuning job on the live
+  PyTorch dashboard (24 GiB), expandable segments turned on and the cache emptied near its
+  end: 117 segments and one of 9.9 GiB;
+- ``segments-1000.png``: the same dashboard over 1,000 segments and a 6 GiB expandable one
+  (``tests/browser_helpers.py``'s ``MANY_SEGMENTS``), a block hovered;
+- ``report-segments-1000.png``: the segment map of a report of a 1,000-segment snapshot.
 
-Run: ``python benchmarks/make_assets.py [--out DIR] [--only report|explain-torch|torch]``
-(default ``assets/``). Look at them.
+Run: ``python benchmarks/make_assets.py [--out DIR]
+[--only report|explain-torch|torch|segments]`` (default ``assets/``). Look at them.
 """
 
 from __future__ import annotations
@@ -34,7 +40,13 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_browser import WORKLOAD, _run_cell, _wait_idle  # noqa: E402
-from browser_helpers import LabServer, command, launch_chromium, wait_for_notebook  # noqa: E402
+from browser_helpers import (  # noqa: E402
+    MANY_SEGMENTS,
+    LabServer,
+    command,
+    launch_chromium,
+    wait_for_notebook,
+)
 
 VIEWPORT = {"width": 1400, "height": 1000}
 DRAWN = '.gd-plot[data-drawn="1"]'
@@ -155,18 +167,123 @@ def _torch_dashboard(page, lab, out: Path) -> None:
     _shot(page, target, out / "dashboard_torch.png")
 
 
+#: ``07_pytorch.ipynb``'s fine-tuning job on the live PyTorch dashboard, expandable segments
+#: turned on and the cache emptied near its end (as a user did): 117 segments, one of 9.9 GiB.
+SEGMENTS_118 = (
+    "%load_ext gpudash\nimport gpudash\n"
+    "from gpudash.trace.workloads import finetune_calls, run_workload",
+    "%gpudash --allocator torch --simulate 24GiB",
+    "s = gpudash.default_session()\n"
+    "calls = list(finetune_calls(steps=60))\n"
+    "k = int(0.9 * len(calls))\n"
+    "run = run_workload(calls[:k], s.allocate, s.free, sleep=0.0002)\n"
+    "s.configure(expandable_segments=True)\n"
+    "s.empty_cache()\n"
+    "live = dict(run.live)\n"
+    "for c in calls[k:]:\n"
+    "    if c[0] == 'alloc':\n"
+    "        live[c[1]] = s.allocate(c[2])\n"
+    "    elif c[1] in live:\n"
+    "        s.free(live.pop(c[1]))\n"
+    "print(len(s.devices[0].allocator.chunk_table()['regions']), 'segments')",
+)
+
+
+def _notebook(root: Path, name: str, cells: tuple) -> str:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, root / name)
+    return name
+
+
+def _segments(page, lab, out: Path) -> None:
+    """The segment map at 118 and at 1,000 segments on the live dashboard."""
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": 1500})  # the whole output
+    _run_all(page, lab, _notebook(lab.root, "segments_118.ipynb", SEGMENTS_118))
+    root = page.locator(".gd-root").first
+    _views_drawn(page, root)
+    time.sleep(2.0)
+    target = page.locator(".jp-OutputArea-output").filter(has=root).first
+    _shot(page, target, out / "segments-118.png")
+    lab.shutdown_kernels()
+
+    _run_all(page, lab, _notebook(lab.root, "segments_1000.ipynb", (MANY_SEGMENTS,)))
+    root = page.locator(".gd-root").first
+    _views_drawn(page, root)
+    time.sleep(1.5)
+    cell = root.locator('[data-view="chunkmap"]')
+    cell.scroll_into_view_if_needed()
+    # hover a block
+    drag = cell.locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(drag["x"] + 40, drag["y"] + drag["height"] * 0.35 + 8)
+    page.wait_for_timeout(600)
+    target = page.locator(".jp-OutputArea-output").filter(has=root).first
+    target.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(300)
+    target.screenshot(path=str(out / "segments-1000.png"))
+    print(f"wrote {out / 'segments-1000.png'}")
+    lab.shutdown_kernels()
+
+
+def _report_segments(out: Path) -> int:
+    """The segment map of a report of a 1,000-segment PyTorch snapshot."""
+    import numpy as np
+    from playwright.sync_api import sync_playwright
+
+    from gpudash.report import write_report
+    from gpudash.trace.torch_snapshot import load_torch_snapshot
+    from gpudash.trace.workloads import caching_snapshot
+
+    rng = np.random.default_rng(0)
+    calls = [("alloc", k, int(rng.integers(12, 60)) * (1 << 20)) for k in range(1000)]
+    calls += [("free", k) for k in range(0, 1000, 3)]
+    trace = load_torch_snapshot(caching_snapshot(calls, device_bytes="80GiB"))
+    with tempfile.TemporaryDirectory(prefix="gpudash-report-") as tmp:
+        path = write_report(trace, Path(tmp) / "r.html", title="gpudash report",
+                            fractions=(1.0,))
+        with sync_playwright() as pw:
+            browser = launch_chromium(pw)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 900})
+                page.goto(path.as_uri())
+                section = page.locator('section[data-plot="chunkmap"]')
+                section.locator(".main-svg").first.wait_for(timeout=60_000)
+                section.scroll_into_view_if_needed()
+                page.wait_for_timeout(800)
+                section.screenshot(path=str(out / "report-segments-1000.png"))
+                print(f"wrote {out / 'report-segments-1000.png'}")
+            finally:
+                browser.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "assets")
-    ap.add_argument("--only", choices=("report", "explain-torch", "torch"), default=None,
+    ap.add_argument("--only", choices=("report", "explain-torch", "torch", "segments"),
+                    default=None,
                     help="make only this screenshot")
     args = ap.parse_args(argv)
-    from playwright.sync_api import sync_playwright
-
     if args.only == "report":
         return _report(args.out)
     if args.only == "explain-torch":
         return _explain_torch(args.out)
+
+    code = _in_lab(args)
+    if code != -1:
+        return code
+    if args.only == "segments":
+        return _report_segments(args.out)
+    return _report(args.out) or _explain_torch(args.out) or _report_segments(args.out)
+
+
+def _in_lab(args: argparse.Namespace) -> int:
+    """The screenshots taken in JupyterLab; -1 when the ones after it are to be made."""
+    from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory(prefix="gpudash-assets-") as tmp:
         lab = LabServer(Path(tmp))
@@ -178,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.only == "torch":
                 _torch_dashboard(page, lab, args.out)
                 return 0
+            if args.only == "segments":
+                _segments(page, lab, args.out)
+                return -1   # then the report's map, once this browser is closed
             _run_all(page, lab, "01_quickstart.ipynb")
             root = page.locator(".gd-root").first
             _views_drawn(page, root)
@@ -234,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                 print("tensorflow is not installed: no watch-tensorflow.png")
             lab.shutdown_kernels()
             _torch_dashboard(page, lab, args.out)
+            lab.shutdown_kernels()
+            _segments(page, lab, args.out)
         finally:
             browser.close()
             pw.stop()
             lab.stop()
-    return _report(args.out) or _explain_torch(args.out)
+    return -1
 
 
 if __name__ == "__main__":

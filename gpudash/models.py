@@ -28,7 +28,15 @@ The live layers (the session, the live model, the dashboard and the views) ask a
 - the layout's words (:meth:`AllocatorModel.words`), bins or pools (:meth:`bin_labels`,
   :meth:`bin_index`), what kind each region is (:meth:`region_kinds`), the stats rows
   (:meth:`stats_rows`) and the words for a pool above a limit lowered live
-  (:meth:`pending_release`, :meth:`limit_banner`).
+  (:meth:`pending_release`, :meth:`limit_banner`);
+- its fragmentation figure (:meth:`AllocatorModel.fragmentation` for one state,
+  :meth:`AllocatorModel.fragmentation_over` for a run): TensorFlow's external fragmentation
+  (``1 - largest free / free``) for the BFC, PyTorch's reserved but unallocated bytes (and
+  their share of reserved) for the caching allocator. The dashboard's headline, the report
+  and ``explain`` show the figure the model names.
+
+A dump (:class:`~gpudash.MemoryDump`) says its layout (``extra["layout"]``): its model is
+:func:`model_of_dump`.
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ from typing import Any
 from ._errors import ConfigError
 from ._units import format_bytes
 
-__all__ = ["AllocatorModel", "Control", "BFC", "TORCH", "MODELS", "model_for", "trace_model",
-           "model_of"]
+__all__ = ["AllocatorModel", "Control", "Fragmentation", "BFC", "TORCH", "MODELS", "model_for",
+           "trace_model", "model_of", "model_of_dump"]
 
 
 #: TensorFlow's number of BFC bins (256 B << b, the last one open-ended).
@@ -99,6 +107,46 @@ def _number_text(setting: str, text: str, what: str) -> float:
 def _b(n: int) -> tuple[str, str]:
     """A byte count for a stats row: ``(format_bytes(n), "n B")``."""
     return format_bytes(int(n)), f"{int(n):,} B"
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """A model's fragmentation figure for one state, as the views show it.
+
+    Attributes
+    ----------
+    label : str
+        What the figure is called in the framework ("fragmentation"; PyTorch's
+        "reserved but unallocated").
+    ratio : float
+        The figure as a share, 0 to 1 (TensorFlow: ``1 - largest free / free``; PyTorch:
+        ``(reserved - allocated) / reserved``); 0 when nothing is free.
+    bytes : int or None
+        The bytes behind it, where the figure is a byte count (PyTorch's reserved -
+        allocated); None for TensorFlow's ratio.
+    text : str
+        The value as shown: ``"97.5 %"``, ``"1.20 GiB (12.3 % of reserved)"``.
+    meaning : str
+        How it is computed, for a tooltip or a table's third column.
+    """
+
+    label: str
+    ratio: float
+    bytes: int | None
+    text: str
+    meaning: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, for the page."""
+        return {"label": self.label, "ratio": self.ratio, "bytes": self.bytes,
+                "text": self.text, "meaning": self.meaning}
+
+
+def _external(in_use: int, pool: int, largest_free: int) -> float:
+    """TensorFlow's external fragmentation: ``1 - largest free / free`` (0 when nothing is
+    free)."""
+    free = int(pool) - int(in_use)
+    return 1.0 - int(largest_free) / free if free > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -309,6 +357,26 @@ class AllocatorModel:
         """``(bytes, regions)`` the pool is above a limit lowered live, held by regions
         that still hold memory in use."""
         return allocator.pending_release()
+
+    def fragmentation(self, in_use: int, pool: int, largest_free: int) -> Fragmentation:
+        """The fragmentation figure of one state (bytes in use, held, and the largest free
+        piece): TensorFlow's external fragmentation, ``1 - largest free / free``."""
+        ratio = _external(in_use, pool, largest_free)
+        return Fragmentation("fragmentation", ratio, None, f"{100.0 * ratio:.1f} %",
+                             "1 - largest free chunk / free bytes in the pool "
+                             "(TensorFlow's external fragmentation)")
+
+    def fragmentation_over(self, in_use: Any, pool: Any,
+                           largest_free: Any) -> tuple[str, str]:
+        """``(label, text)`` of the worst fragmentation over a run, from per-call arrays
+        (a replay's ``per_call``): TensorFlow's, the highest external fragmentation."""
+        import numpy as np
+
+        in_use, pool, lf = (np.asarray(a, dtype=np.int64) for a in (in_use, pool, largest_free))
+        free = pool - in_use
+        with np.errstate(divide="ignore", invalid="ignore"):
+            frag = np.where(free > 0, 1.0 - lf / np.where(free > 0, free, 1), 0.0)
+        return "worst external fragmentation", f"{float(frag.max(initial=0.0)):.1%}"
 
     def limit_banner(self, pool: int, limit: int, pending: int, held: int) -> str:
         """The words for a pool above a limit lowered live ("" when it is not)."""
@@ -720,6 +788,30 @@ class _TorchModel(AllocatorModel):
             out.append(["num_alloc_retries", f"{state.figures['num_alloc_retries']:,}"])
         return out
 
+    def fragmentation(self, in_use: int, pool: int, largest_free: int) -> Fragmentation:
+        """PyTorch's figure: reserved but unallocated bytes (free blocks inside segments),
+        and their share of reserved (what its out-of-memory message reports)."""
+        unused = max(int(pool) - int(in_use), 0)
+        ratio = unused / int(pool) if pool > 0 else 0.0
+        return Fragmentation("reserved but unallocated", ratio, unused,
+                             f"{format_bytes(unused)} ({100.0 * ratio:.1f} % of reserved)",
+                             "reserved - allocated: free blocks inside PyTorch's segments "
+                             "(memory_stats' reserved_bytes - allocated_bytes)")
+
+    def fragmentation_over(self, in_use: Any, pool: Any,
+                           largest_free: Any) -> tuple[str, str]:
+        """The most reserved but unallocated bytes over a run, their share of reserved
+        then, and after which call."""
+        import numpy as np
+
+        in_use, pool = (np.asarray(a, dtype=np.int64) for a in (in_use, pool))
+        if not len(pool):
+            return "most reserved but unallocated", "0 B"
+        unused = pool - in_use
+        i = int(np.argmax(unused))
+        f = self.fragmentation(int(in_use[i]), int(pool[i]), 0)
+        return "most reserved but unallocated", f"{f.text} after call {i + 1:,}"
+
     def pending_release(self, allocator: Any) -> tuple[int, int]:
         """Reserved bytes above the limit, and the segments holding allocated blocks
         (PyTorch returns none of it by itself)."""
@@ -852,3 +944,11 @@ def model_of(allocator: Any) -> AllocatorModel:
     """The model of a live allocator (by its ``kind``: PyTorch's caching allocator says
     ``"torch"``)."""
     return TORCH if getattr(allocator, "kind", None) == "torch" else BFC
+
+
+def model_of_dump(dump: Any) -> AllocatorModel:
+    """The model of a :class:`~gpudash.MemoryDump`, by the layout it says
+    (``extra["layout"]``: ``"pools"`` for PyTorch's caching allocator; TensorFlow's bins
+    otherwise)."""
+    layout = (getattr(dump, "extra", None) or {}).get("layout")
+    return next((m for m in MODELS.values() if m.layout == layout), BFC)

@@ -288,10 +288,12 @@ class Explanation(_ExplanationViews):
     # ------------------------------------------------------------------ views
     def figures(self) -> list:
         """The chunk map and the bins (plotly figures)."""
+        from .models import model_of_dump
         from .report import bins_figure, chunkmap_figure
 
+        frag = model_of_dump(self.dump).fragmentation(self.in_use, self.pool, self.largest_free)
         title = (f"Chunk map of {self.dump.allocator_name or 'the allocator'} at the failure "
-                 f"({format_bytes(self.in_use)} in use)")
+                 f"({format_bytes(self.in_use)} in use; {frag.label} {frag.text})")
         return [chunkmap_figure(self.dump, title=title), bins_figure(self.dump)]
 
 def explain(path: str | os.PathLike, *, device: int | str | None = None,

@@ -1,10 +1,17 @@
 """The HTML report: one self-contained file that opens offline in a browser.
 
-It replays a trace through gpudash's BFC allocator on a simulated device and shows the
-memory timeline (in use, pool, limit, out-of-memory marks, setting changes), the
-fragmentation heatmap (address x time), bin occupancy and the chunk map at the peak, and a
-what-if table of fractions. plotly's JavaScript is embedded once, inline, so the file needs
-no network.
+It replays a trace through its allocator's model on a simulated device (TensorFlow's BFC,
+or PyTorch's caching allocator for a PyTorch trace) and shows the memory timeline (in use,
+pool, limit, out-of-memory marks, setting changes), the fragmentation heatmap (address x
+time), bin (pool) occupancy and the chunk (segment) map at the peak, and a what-if table of
+fractions, in the framework's words; the fragmentation figure is the model's
+(:meth:`gpudash.models.AllocatorModel.fragmentation`). plotly's JavaScript is embedded once,
+inline, so the file needs no network.
+
+The chunk map stays bounded whatever the number of regions (:func:`chunkmap_figure`: at most
+:data:`CHUNKMAP_MAX_HEIGHT` pixels, the first rows in view and the rest a pan away, a bar
+budget when downsampled), and its hover names who holds each block where the trace says
+(:func:`chunk_holders`: the holder, the top frames of the allocating stack).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from ._units import format_bytes
 from ._version import __version__
 
 __all__ = ["build_report", "write_report", "timeline_figure", "heatmap_figure",
-           "bins_figure", "chunkmap_figure"]
+           "bins_figure", "chunkmap_figure", "chunk_holders"]
 
 _C = style.COLORS
 
@@ -106,8 +113,11 @@ def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndar
     go = _go()
     rows = np.asarray(row_edges, dtype=np.float64)
     unit, scale = style.unit_for(rows[-1] if len(rows) else 1)
+    # whole percents, one byte a cell (the hover shows no decimals): a 256 x 600 map is
+    # 0.2 MB in the page instead of 1.6 MB of float64
+    pct = np.rint(np.clip(np.asarray(values, dtype=np.float64), 0.0, 1.0) * 100.0)
     fig = go.Figure(go.Heatmap(
-        z=np.asarray(values, dtype=np.float64) * 100.0, x=np.asarray(col_edges),
+        z=pct.astype(np.uint8), x=np.asarray(col_edges),
         y=rows / scale, zmin=0, zmax=100, colorscale=style.HEATMAP_SCALE,
         colorbar={"title": {"text": "% in use"}},
         hovertemplate=f"offset %{{y:.2f}} {unit}<br>%{{x}}<br>%{{z:.0f}} % in use"
@@ -118,26 +128,21 @@ def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndar
     return fig
 
 
-def _pools(dump: Any) -> bool:
-    """A dump of PyTorch's caching allocator: pools, segments and blocks, not TensorFlow's
-    bins, regions and chunks."""
-    return (getattr(dump, "extra", None) or {}).get("layout") == "pools"
+def _model(dump: Any) -> Any:
+    """The allocator model of a dump (:func:`gpudash.models.model_of_dump`)."""
+    from .models import model_of_dump
 
-
-def _words(dump: Any) -> dict[str, str]:
-    """What the pieces of a dump are called in its framework."""
-    if _pools(dump):
-        return {"region": "segment", "chunk": "block", "bin": "pool"}
-    return {"region": "region", "chunk": "chunk", "bin": "bin"}
+    return model_of_dump(dump)
 
 
 def bins_figure(dump: Any) -> Any:
     """Free chunks and bytes per bin, and bytes in use by bin (for PyTorch's allocator: per
     pool, small and large)."""
     go = _go()
-    w = _words(dump)
-    if _pools(dump):
-        labels = ["small pool (≤ 1 MiB)", "large pool"][:len(dump.bins)]
+    model = _model(dump)
+    w = model.words()
+    if model.layout == "pools":
+        labels = model.bin_labels()[:len(dump.bins)]
     else:
         labels = [format_bytes(b.bin_size).replace(".00", "") for b in dump.bins]
         labels[-1] += "+"
@@ -145,162 +150,381 @@ def bins_figure(dump: Any) -> Any:
     used = np.array([b.total_bytes_in_use for b in dump.bins], dtype=np.float64)
     unit, scale = style.unit_for(max(float(free.max(initial=0)), float(used.max(initial=0)), 1))
     fig = go.Figure()
-    fig.add_bar(x=labels, y=used / scale, name="in use", marker_color=_C["in use"],
-                hovertemplate=f"bin %{{x}}<br>in use %{{y:.2f}} {unit}<extra></extra>")
+    fig.add_bar(x=labels, y=used / scale, name=w["in_use"], marker_color=_C["in use"],
+                hovertemplate=f"{w['bin']} %{{x}}<br>{w['in_use']} %{{y:.2f}} {unit}"
+                              "<extra></extra>")
     fig.add_bar(x=labels, y=free / scale, name="free", marker_color=_C["free"],
                 customdata=[b.free_chunks for b in dump.bins],
                 hovertemplate=f"{w['bin']} %{{x}}<br>free %{{y:.2f}} {unit} in "
                               f"%{{customdata}} {w['chunk']}(s)<extra></extra>")
-    _layout(fig, "Pool occupancy" if _pools(dump) else "Bin occupancy", 340, barmode="group",
-            xaxis={"title": {"text": "pool" if _pools(dump) else "bin (chunk size)"},
-                   "type": "category"},
+    _layout(fig, "Pool occupancy" if model.layout == "pools" else "Bin occupancy", 340,
+            barmode="group", xaxis={"title": {"text": w["bins_axis"]}, "type": "category"},
             yaxis={"title": {"text": "bytes"}, "ticksuffix": " " + unit,
                    "gridcolor": _C["grid"]})
     return fig
 
 
-#: A chunk map's legend: above its plot area on the right, where a figure of many rows still
-#: shows it next to the title (below the plot it would sit a screen away).
-_TOP_LEGEND = {"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
+#: A chunk map's legend: above its plot area, at the left, under the title (the mode bar
+#: takes the top right corner when the mouse is over the figure).
+_TOP_LEGEND = {"orientation": "h", "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "bottom"}
 
 #: Chunks a chunk map draws one bar each; a dump with more is drawn downsampled.
 CHUNKMAP_MAX_CHUNKS = 5000
 #: Columns (pixels) across all the rows of a downsampled chunk map, and per row at most.
 CHUNKMAP_COLUMNS_TOTAL = 60_000
 CHUNKMAP_COLUMNS = 1500
+#: Bars a downsampled chunk map draws at most (columns per row are halved until it fits).
+CHUNKMAP_MAX_BARS = 12_000
+#: Rows a chunk map draws at most; the regions after them are counted in its subtitle.
+CHUNKMAP_MAX_ROWS = 2000
+#: The tallest a chunk map figure gets (pixels); more rows are reached by panning.
+CHUNKMAP_MAX_HEIGHT = 760
+_MAP_MARGIN = {"l": 190, "r": 20, "t": 84, "b": 44}
 
 
-def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
-                    max_chunks: int = CHUNKMAP_MAX_CHUNKS) -> Any:
-    """Every region as a bar of its chunks: in use, rounding waste, free.
-
-    Up to ``max_chunks`` chunks each chunk is a bar with its own hover text. A larger dump
-    is rasterised as the heatmap is (:func:`gpudash.analysis._coverage`, exact shares per
-    cell): each region is cut into up to :data:`CHUNKMAP_COLUMNS` columns, each column
-    takes the colour of what covers most of it, and runs of one colour are one bar whose
-    hover gives its shares and chunk count; the figure then holds at most a few thousand
-    bars however many chunks the dump has.
-    """
-    go = _go()
-    if len(dump.chunks) > max_chunks:
-        return _chunkmap_downsampled(dump, title)
-    w = _words(dump)
-    pool_names = ("small pool", "large pool") if _pools(dump) else None
-    regions = {r.ptr: i for i, r in enumerate(dump.regions)}
-    names = [f"{w['region']} {i} @ {r.ptr:#x}" for i, r in enumerate(dump.regions)]
-    unit, scale = style.unit_for(max((r.size for r in dump.regions), default=1))
-    cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
-                                        for k in ("in use", "waste", "free")}
-    for c in dump.chunks:
-        region = dump.regions[regions[c.region]]
-        y = names[regions[c.region]]
-        off = (c.address - region.ptr) / scale
-        if c.in_use:
-            # requested 0: not known (a dump read from a log): the whole chunk shows in use
-            req = c.requested_size if c.requested_size > 0 else c.size
-            used = req / scale
-            info = (f"{c.address:#x}<br>size {format_bytes(c.size)}<br>requested "
-                    f"{format_bytes(c.requested_size) if c.requested_size > 0 else 'unknown'}"
-                    f"<br>allocation {c.allocation_id}"
-                    + (f"<br>held by {html.escape(str(c.holder))}"
-                       if getattr(c, "holder", "") else ""))
-            for key, base, width in (("in use", off, used),
-                                     ("waste", off + used, (c.size - req) / scale)):
-                if width > 0:
-                    d = cats[key]
-                    d["y"].append(y)
-                    d["base"].append(base)
-                    d["x"].append(width)
-                    d["text"].append(info)
-        else:
-            d = cats["free"]
-            d["y"].append(y)
-            d["base"].append(off)
-            d["x"].append(c.size / scale)
-            where = (pool_names[c.bin] if pool_names and 0 <= c.bin < 2 else f"bin {c.bin}")
-            d["text"].append(f"{c.address:#x}<br>free {format_bytes(c.size)}<br>{where}")
-    fig = go.Figure()
-    for key, d in cats.items():
-        fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
-                    marker={"color": _C[key], "line": {"width": 0}},
-                    hovertext=d["text"], hoverinfo="text")
-    _layout(fig, title, max(220, 60 + 40 * len(names)), barmode="overlay",
-            xaxis={"title": {"text": f"offset in {w['region']}"}, "ticksuffix": " " + unit,
-                   "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 56, "b": 40}, legend=_TOP_LEGEND)
-    return fig
-
-
-def _chunkmap_downsampled(dump: Any, title: str) -> Any:
-    """:func:`chunkmap_figure` for a dump of many chunks: runs of columns, not chunks."""
-    from .analysis import _coverage
-
-    go = _go()
+def _map_arrays(dump: Any) -> dict[str, np.ndarray]:
+    """A dump's regions and chunks as numpy columns (chunks outside every region dropped)."""
     chunks = dump.chunks
     n = len(chunks)
     starts = np.array([r.ptr for r in dump.regions], dtype=np.int64)
     sizes = np.array([r.size for r in dump.regions], dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, sizes = starts[order], sizes[order]
     address = np.fromiter((c.address for c in chunks), dtype=np.int64, count=n)
     size = np.fromiter((c.size for c in chunks), dtype=np.int64, count=n)
     in_use = np.fromiter((c.in_use for c in chunks), dtype=bool, count=n)
     req = np.fromiter((c.requested_size for c in chunks), dtype=np.int64, count=n)
+    index = np.arange(n, dtype=np.int64)
     row = np.searchsorted(starts, address, side="right") - 1
-    keep = (row >= 0) & (address < starts[np.maximum(row, 0)] + sizes[np.maximum(row, 0)])
-    row, address, size, in_use, req = row[keep], address[keep], size[keep], in_use[keep], \
-        req[keep]
-    n_rows = len(starts)
-    cols = max(16, min(CHUNKMAP_COLUMNS, CHUNKMAP_COLUMNS_TOTAL // max(n_rows, 1)))
-    col_bytes = sizes / cols                       # bytes per column, per region
+    safe = np.maximum(row, 0)
+    keep = (row >= 0) & (address < starts[safe] + sizes[safe]) if len(starts) else \
+        np.zeros(n, dtype=bool)
+    return {"starts": starts, "sizes": sizes, "order": order, "region": row[keep],
+            "address": address[keep], "size": size[keep], "in_use": in_use[keep],
+            "req": req[keep], "index": index[keep]}
+
+
+def _frame_text(lines: Any) -> str:
+    """Holder lines (a label, stack frames) for a hover: escaped, one per line."""
+    if not lines:
+        return ""
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    return "<br>held by:<br>&nbsp;&nbsp;" + "<br>&nbsp;&nbsp;".join(
+        html.escape(str(x)) for x in lines)
+
+
+def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
+                    max_chunks: int = CHUNKMAP_MAX_CHUNKS,
+                    holders: dict[int, Any] | None = None) -> Any:
+    """Every region as a bar of its chunks: in use, rounding waste, free.
+
+    Regions are rows laid out by :func:`gpudash.maplayout.row_layout`: one row each, and a
+    region much larger than the rest continues on the next rows, so it does not shrink the
+    others to slivers. The figure is at most :data:`CHUNKMAP_MAX_HEIGHT` pixels tall
+    whatever the region count: it opens on the first rows that fit
+    (:data:`gpudash.maplayout.ROW_PX` pixels each) and the rest is a drag (pan) or a
+    double-click (every row) away; the row names are the y axis' categories, whose labels
+    plotly thins by the space per row, and each hover names its row. At most
+    :data:`CHUNKMAP_MAX_ROWS` rows are drawn (the subtitle counts the regions after them).
+
+    Up to ``max_chunks`` chunks each chunk is a bar with its own hover text: address,
+    size, requested, and who holds it (``holders``: address -> lines, a label or the top
+    frames of its stack; else the chunk's own ``holder``). A larger dump is rasterised as the
+    heatmap is (:func:`gpudash.analysis._coverage`, exact shares per cell): each row is cut
+    into up to :data:`CHUNKMAP_COLUMNS` columns (fewer while the bars would exceed
+    :data:`CHUNKMAP_MAX_BARS`), each column takes the colour of what covers most of it, and
+    runs of one colour are one bar whose hover gives its shares, its chunk count and who
+    holds the largest chunk in use that begins in it.
+    """
+    from .maplayout import row_labels, row_layout, visible_rows
+
+    go = _go()
+    model = _model(dump)
+    w = model.words()
+    a = _map_arrays(dump)
+    layout = row_layout(a["sizes"])
+    names = [f"{w['region']} {i} @ {p:#x}" for i, p in zip(a["order"].tolist(),
+                                                           a["starts"].tolist())]
+    labels = row_labels(layout, names)
+    n_regions = len(names)
+    # at most CHUNKMAP_MAX_ROWS rows: whole regions, in the layout's order
+    drawn = layout.first_row + layout.rows <= CHUNKMAP_MAX_ROWS
+    if n_regions and not drawn.any():
+        drawn[layout.order[0]] = True
+    n_rows = int((layout.first_row + layout.rows)[drawn].max()) if n_regions else 0
+    shown = int(drawn.sum())
+    labels = labels[:n_rows]
+    pick = drawn[a["region"]] if n_regions else np.zeros(0, dtype=bool)
+    a = {k: (v[pick] if k in ("region", "address", "size", "in_use", "req", "index") else v)
+         for k, v in a.items()}
+    holder_of = _holder_lines(dump, a["index"], holders)
+    unit, scale = style.unit_for(layout.row_bytes)
+    if len(dump.chunks) > max_chunks:
+        cats, sub = _downsampled_bars(a, layout, n_rows, labels, holder_of, w, scale)
+    else:
+        cats, sub = _chunk_bars(dump, a, layout, labels, holder_of, w, scale, model)
+    fig = go.Figure()
+    for key, d in cats.items():
+        fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h",
+                    name=w["in_use"] if key == "in use" else key,
+                    marker={"color": _C[key], "line": {"width": 0}},
+                    hovertext=d["text"], hoverinfo="text")
+    height = int(min(CHUNKMAP_MAX_HEIGHT,
+                     max(240, _MAP_MARGIN["t"] + _MAP_MARGIN["b"] + 22 * max(n_rows, 1))))
+    plot_px = height - _MAP_MARGIN["t"] - _MAP_MARGIN["b"]
+    first = visible_rows(n_rows, plot_px)
+    notes = [sub] if sub else []
+    if layout.wraps:
+        notes.append(f"rows of {style.format_size(layout.row_bytes)}: a larger {w['region']} "
+                     "continues on the next rows, after the others")
+    if first < n_rows:
+        notes.append(f"rows 1-{first} of {n_rows:,} shown: drag to pan, double-click for all")
+    if shown < n_regions:
+        rest = int(a["sizes"][~drawn].sum())
+        notes.append(f"the first {n_rows:,} rows drawn; {n_regions - shown:,} "
+                     f"{w['regions']} after them ({format_bytes(rest)}) are not")
+    if notes:
+        title = f"{title}<br><sup>{html.escape('; '.join(notes))}</sup>"
+    _layout(fig, title, height, barmode="overlay", dragmode="pan" if first < n_rows else "zoom",
+            xaxis={"title": {"text": f"offset in {w['region']}"}, "ticksuffix": " " + unit,
+                   "range": [0, layout.row_bytes / scale], "gridcolor": _C["grid"]},
+            yaxis={"type": "category", "categoryorder": "array", "categoryarray": labels,
+                   "range": [first - 0.5, -0.5], "automargin": True,
+                   "nticks": max(2, plot_px // 16), "tickfont": {"size": 10}},
+            margin=dict(_MAP_MARGIN), legend=_TOP_LEGEND)
+    return fig
+
+
+def _holder_lines(dump: Any, index: np.ndarray, holders: dict[int, Any] | None) -> list:
+    """Who holds each chunk of ``index`` (positions in ``dump.chunks``): lines from
+    ``holders`` (by address) or the chunk's own ``holder``; None where nobody is named."""
+    chunks = dump.chunks
+    out: list = []
+    for i in index.tolist():
+        c = chunks[i]
+        lines = holders.get(c.address) if holders else None
+        if not lines and getattr(c, "holder", ""):
+            lines = [str(c.holder)]
+        out.append(lines or None)
+    return out
+
+
+def _chunk_bars(dump: Any, a: dict, layout: Any, labels: list[str], holder_of: list,
+                w: dict, scale: float, model: Any) -> tuple[dict, str]:
+    """One bar per chunk (a piece per row it touches)."""
+    chunks = dump.chunks
+    pool_names = model.bin_labels() if model.layout == "pools" else None
+    off = a["address"] - a["starts"][a["region"]]
+    size, in_use, req = a["size"], a["in_use"], a["req"]
     # requested 0: not known (a dump read from a log): the whole chunk shows in use
     used = np.where(in_use, np.where(req > 0, np.minimum(req, size), size), 0)
-    x0 = (address - starts[row]) / col_bytes[row]
-    y0 = row.astype(np.float64)
-    shares = {}
-    for key, lo, hi in (("in use", x0, x0 + used / col_bytes[row]),
-                        ("waste", x0 + used / col_bytes[row], x0 + size / col_bytes[row]),
-                        ("free", x0, x0 + size / col_bytes[row])):
-        pick = in_use if key != "free" else ~in_use
-        shares[key] = _coverage(y0[pick], y0[pick] + 1.0, lo[pick], hi[pick], n_rows, cols)
-    first_col = np.minimum(np.floor(x0), cols - 1).astype(np.int64)
-    starts_in = np.bincount(row * cols + first_col, minlength=n_rows * cols).reshape(n_rows,
-                                                                                     cols)
-    stack = np.stack([shares["in use"], shares["waste"], shares["free"]])   # 3 x rows x cols
-    colour = np.argmax(stack, axis=0)
-    colour[stack.sum(axis=0) == 0] = 2             # a column nothing covers: shown as free
+    texts: list[str] = []
+    waste_texts: list[str] = []
+    for k, i in enumerate(a["index"].tolist()):
+        c = chunks[i]
+        head = f"{labels[int(layout.first_row[a['region'][k]])]}<br>{c.address:#x}"
+        if c.in_use:
+            texts.append(f"{head}<br>size {format_bytes(c.size)}<br>requested "
+                         f"{format_bytes(c.requested_size) if c.requested_size > 0 else 'unknown'}"
+                         f"<br>allocation {c.allocation_id}{_frame_text(holder_of[k])}")
+            waste_texts.append(f"{head}<br>waste {format_bytes(int(size[k] - used[k]))} of "
+                               f"a {format_bytes(c.size)} {w['chunk']}")
+        else:
+            where = (pool_names[c.bin] if pool_names and 0 <= c.bin < len(pool_names)
+                     else f"{w['bin']} {c.bin}")
+            texts.append(f"{head}<br>free {format_bytes(c.size)}<br>{where}")
+            waste_texts.append("")
+    texts_a = np.array(texts, dtype=object)
+    waste_a = np.array(waste_texts, dtype=object)
+    lab = np.array(labels, dtype=object)
+    cats: dict[str, dict[str, list]] = {}
+    for key, mask, start, length, text in (
+            ("in use", in_use, off, used, texts_a),
+            ("waste", in_use & (size > used), off + used, size - used, waste_a),
+            ("free", ~in_use, off, size, texts_a)):
+        idx = np.flatnonzero(mask & (length > 0))
+        ch, row, lo, ln = layout.pieces(a["region"][idx], start[idx], length[idx])
+        cats[key] = {"y": lab[row].tolist(), "base": (lo / scale).tolist(),
+                     "x": (ln / scale).tolist(), "text": text[idx[ch]].tolist()}
+    return cats, ""
+
+
+def _downsampled_bars(a: dict, layout: Any, n_rows: int, labels: list[str], holder_of: list,
+                      w: dict, scale: float) -> tuple[dict, str]:
+    """Runs of columns, not chunks (see :func:`chunkmap_figure`)."""
+    from .analysis import _coverage
+
+    n = len(a["address"])
+    off = a["address"] - a["starts"][a["region"]]
+    size, in_use, req = a["size"], a["in_use"], a["req"]
+    used = np.where(in_use, np.where(req > 0, np.minimum(req, size), size), 0)
+    W = layout.row_bytes
+    # the part of each row a region covers (its last row may be short)
+    row_region = layout.region_of_row()[:n_rows]
+    row_end = np.minimum(a["sizes"][row_region] - (np.arange(n_rows) -
+                                                    layout.first_row[row_region]) * W, W)
     keys = ("in use", "waste", "free")
-    words = _words(dump)
-    unit, scale = style.unit_for(int(sizes.max()) if n_rows else 1)
-    names = [f"{words['region']} {i} @ {p:#x}" for i, p in enumerate(starts.tolist())]
+    pieces = {}
+    for key, mask, start, length in (("in use", in_use, off, used),
+                                     ("waste", in_use, off + used, size - used),
+                                     ("free", ~in_use, off, size)):
+        idx = np.flatnonzero(mask & (length > 0))
+        pieces[key] = (idx,) + layout.pieces(a["region"][idx], start[idx], length[idx])
+    # where each chunk begins: its row and offset in that row
+    first_row = layout.first_row[a["region"]] + off // W
+    first_off = off % W
+    cols = max(16, min(CHUNKMAP_COLUMNS, CHUNKMAP_COLUMNS_TOTAL // max(n_rows, 1)))
+    while True:
+        col_bytes = W / cols
+        shares = []
+        for key in keys:
+            idx, ch, row, lo, ln = pieces[key]
+            y0 = row.astype(np.float64)
+            shares.append(_coverage(y0, y0 + 1.0, lo / col_bytes, (lo + ln) / col_bytes,
+                                    n_rows, cols))
+        stack = np.stack(shares)                        # 3 x rows x cols
+        colour = np.argmax(stack, axis=0)
+        colour[stack.sum(axis=0) <= 1e-12] = -1         # past a region's end: nothing drawn
+        change = np.diff(colour, axis=1) != 0
+        runs = int(change.sum()) + n_rows
+        if runs <= CHUNKMAP_MAX_BARS or cols <= 4:
+            break
+        cols = max(4, cols // 2)
+    first_col = np.minimum((first_off / col_bytes).astype(np.int64), cols - 1)
+    key_of = first_row * cols + first_col
+    starts_in = np.bincount(key_of, minlength=n_rows * cols).reshape(n_rows, cols)
+    # the largest chunk in use beginning in each cell: who holds it, for the hover
+    named = np.flatnonzero(in_use & np.array([h is not None for h in holder_of], dtype=bool))
+    named = named[np.lexsort((-size[named], key_of[named]))]
+    named_keys = key_of[named]
     cats: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": [], "text": []}
                                         for k in keys}
     for r in range(n_rows):
         c = colour[r]
         edges = np.concatenate([[0], np.flatnonzero(np.diff(c)) + 1, [cols]])
         counts = np.concatenate([[0], np.cumsum(starts_in[r])])
-        per = col_bytes[r]
-        for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
-            d = cats[keys[int(c[a])]]
-            u, w, f = (float(stack[k, r, a:b].sum()) / (b - a) for k in range(3))
-            lo, hi = int(round(a * per)), int(round(b * per))
-            d["y"].append(names[r])
+        for lo_c, hi_c in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            kind = int(c[lo_c])
+            if kind < 0:
+                continue
+            d = cats[keys[kind]]
+            u, wst, f = (float(stack[k, r, lo_c:hi_c].sum()) / (hi_c - lo_c) for k in range(3))
+            lo = int(round(lo_c * col_bytes))
+            hi = min(int(round(hi_c * col_bytes)), int(row_end[r]))
+            if hi <= lo:
+                continue
+            base = int(a["starts"][row_region[r]]) + (r - int(layout.first_row[row_region[r]])) * W
+            text = (f"{labels[r]}<br>{base + lo:#x} to {base + hi:#x} ({format_bytes(hi - lo)})"
+                    f"<br>{u:.0%} {w['in_use']}, {wst:.0%} waste, {f:.0%} free<br>"
+                    f"{int(counts[hi_c] - counts[lo_c]):,} {w['chunk']}(s) begin here")
+            i0, i1 = np.searchsorted(named_keys, [r * cols + lo_c, r * cols + hi_c])
+            if i1 > i0:
+                best = named[i0 + int(np.argmax(size[named[i0:i1]]))]
+                text += (f"<br>the largest {w['in_use']}, {format_bytes(int(size[best]))}"
+                         + _frame_text(holder_of[best]))
+            d["y"].append(labels[r])
             d["base"].append(lo / scale)
             d["x"].append((hi - lo) / scale)
-            d["text"].append(f"{starts[r] + lo:#x} to {starts[r] + hi:#x} "
-                             f"({format_bytes(hi - lo)})<br>{u:.0%} in use, {w:.0%} waste, "
-                             f"{f:.0%} free<br>{int(counts[b] - counts[a]):,} {words['chunk']}(s) "
-                             "begin here")
-    fig = go.Figure()
-    for key, d in cats.items():
-        fig.add_bar(y=d["y"], x=d["x"], base=d["base"], orientation="h", name=key,
-                    marker={"color": _C[key], "line": {"width": 0}},
-                    hovertext=d["text"], hoverinfo="text")
-    title = (f"{title}<br><sup>{n:,} {words['chunk']}s drawn as {cols:,} columns per "
-             f"{words['region']}: each column in the colour of what covers most of it</sup>")
-    _layout(fig, title, max(220, min(60 + 40 * n_rows, 4000)), barmode="overlay",
-            xaxis={"title": {"text": f"offset in {words['region']}"}, "ticksuffix": " " + unit,
-                   "rangemode": "tozero"},
-            margin={"l": 160, "r": 20, "t": 72, "b": 40}, legend=_TOP_LEGEND)
-    return fig
+            d["text"].append(text)
+    sub = (f"{n:,} {w['chunk']}s drawn as {cols:,} columns per row: each column in the "
+           "colour of what covers most of it")
+    return cats, sub
+
+
+def _map_title(dump: Any, when: str) -> str:
+    """``Segment map at the peak (1.20 GiB allocated; reserved but unallocated 300.00 MiB
+    (20.0 % of reserved))``: the map's name, the bytes in use and the model's fragmentation
+    figure, in the framework's words."""
+    model = _model(dump)
+    w = model.words()
+    st = dump.stats
+    frag = model.fragmentation(int(st.bytes_in_use), int(st.pool_bytes),
+                               int(st.largest_free_block_bytes))
+    return (f"{w['map'][0].upper()}{w['map'][1:]} {when} ({format_bytes(st.bytes_in_use)} "
+            f"{w['in_use']}; {frag.label} {frag.text})")
+
+
+def chunk_holders(trace: Any, dump: Any, *, device: int | None = None,
+                  replayed: Any = None, before_row: int | None = None) -> dict[int, list[str]]:
+    """Who holds each chunk in use of ``dump``, from the trace's holders and stacks:
+    ``{address: lines}``, the holder's name (an op, a label) then the top frames of the
+    allocating call's stack (:func:`gpudash.maplayout.stack_text`, the user's own frames
+    first, innermost first).
+
+    Parameters
+    ----------
+    trace : Trace
+        The trace whose holders and stacks name the allocations.
+    dump : MemoryDump
+        A state of ``trace`` (:func:`gpudash.analysis.state_at`: its ``seq`` says when), or
+        of ``replayed``.
+    device : int, optional
+        The device the dump is of (default: the trace's first).
+    replayed : Trace, optional
+        The recording of a replay of ``trace`` the dump comes from: its allocation calls are
+        the trace's, in the same order, so its n-th allocation is named by the trace's n-th.
+    before_row : int, optional
+        Instead of the dump's ``seq``: the state is the one before this row of ``trace``
+        (``explain``'s state at an out-of-memory row).
+
+    Returns
+    -------
+    dict
+        Empty when the trace names no holder and records no stack. A chunk whose address
+        matches no allocation live at that moment (a replay that placed it elsewhere) is
+        left out: its hover names nobody rather than the wrong one.
+    """
+    holder = getattr(trace, "holder", None)
+    stack = trace.stack_ids() if hasattr(trace, "stack_ids") else None
+    has_holder = holder is not None and len(holder) and bool((np.asarray(holder) >= 0).any())
+    has_stack = stack is not None and len(stack) and bool((stack >= 0).any())
+    if not (has_holder or has_stack):
+        return {}
+    from .maplayout import stack_text
+
+    src = trace if replayed is None else replayed
+    c = src.columns
+    dev = int(device) if device is not None else (int(c["device"][0]) if len(c["device"]) else 0)
+    if before_row is not None and replayed is None:
+        mask = np.arange(len(c["seq"])) < int(before_row)
+    else:
+        mask = c["seq"] < int(dump.seq)
+    mask &= c["device"] == dev
+    rows = np.flatnonzero(mask)
+    kind = c["kind"][rows]
+    allocs = rows[kind == 1]
+    freed = c["alloc_id"][rows[(kind == 2)]]
+    live = allocs[~np.isin(c["alloc_id"][allocs], freed[freed > 0])]
+    if replayed is not None:   # the replay's n-th allocation call is the trace's n-th
+        def alloc_calls(t: Any) -> np.ndarray:
+            k = t.columns["kind"]
+            return np.flatnonzero(((k == 1) | (k == 7)) & (t.columns["device"] == dev))
+        ours, theirs = alloc_calls(src), alloc_calls(trace)
+        j = np.searchsorted(ours, live)
+        ok = (j < len(theirs)) & (j < len(ours))
+        ok[ok] &= ours[j[ok]] == live[ok]
+        live, target = live[ok], theirs[j[ok]]
+    else:
+        target = live
+    wanted = {ch.address for ch in dump.chunks if ch.in_use}
+    ptrs = c["ptr"][live].tolist()
+    cache: dict[tuple[int, int], list[str]] = {}
+    out: dict[int, list[str]] = {}
+    for p, t in zip(ptrs, target.tolist()):
+        if p not in wanted:
+            continue
+        h = int(holder[t]) if has_holder else -1
+        sid = int(stack[t]) if has_stack else -1
+        if h < 0 and sid < 0:
+            continue
+        lines = cache.get((h, sid))
+        if lines is None:
+            lines = ([trace.holders[h]] if h >= 0 else []) + \
+                (stack_text(trace.stacks.frames_of(sid)) if sid >= 0 else [])
+            cache[(h, sid)] = lines
+        out[p] = lines
+    return out
 
 
 def _settings_marks(trace: Any, n_calls: int) -> list[dict]:
@@ -327,6 +551,7 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     """The report as an HTML string (see the module docstring)."""
     from .analysis import chunk_map_at_peak, heatmap
     from .events import EventKind
+    from .models import model_for
     from .trace.replay import replay
     from .trace.whatif import sweep
 
@@ -354,13 +579,14 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
             same = {k: v for k, v in result.options.items()
                     if k in ("device_bytes", "fraction", "conf", "torch_version", "device")}
             peak = chunk_map_at_peak(trace, options=same, device=same.get("device"))
-            title_map = (f"Segment map at the peak ({format_bytes(peak.stats.bytes_in_use)} "
-                         "allocated)")
+            holders = chunk_holders(trace, peak, device=same.get("device"))
         else:
             peak = chunk_map_at_peak(recording)
-            title_map = f"Chunk map at the peak ({format_bytes(peak.stats.bytes_in_use)} in use)"
+            holders = chunk_holders(trace, peak, device=result.options.get("device"),
+                                    replayed=recording)
         sections.append(("bins", bins_figure(peak)))
-        sections.append(("chunkmap", chunkmap_figure(peak, title=title_map)))
+        sections.append(("chunkmap", chunkmap_figure(peak, title=_map_title(peak, "at the peak"),
+                                                     holders=holders)))
     if sweep_table is None:
         if torch:   # PyTorch's question: would expandable segments fit in less?
             sweep_table = sweep(trace, fractions=fractions, device_bytes=device_bytes, jobs=1,
@@ -380,6 +606,8 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     verdict = ("fits: no allocation ran out of memory" if result.fits else
                f"OUT OF MEMORY: {result.oom_count} allocation(s) refused, the first at call "
                f"{result.first_oom[0]} ({format_bytes(result.first_oom[1])})")
+    model = model_for(result.allocator)
+    pc = result.per_call
     if torch:
         frac = result.options.get("fraction")
         summary = [
@@ -393,7 +621,8 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
             ("peak allocated", format_bytes(result.peak_bytes_in_use)),
             ("peak reserved", format_bytes(result.peak_pool_bytes)),
             ("segments obtained (cudaMalloc)", str(result.extensions)),
-            ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
+            model.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                     pc.get("largest_free", ())),
             ("result", verdict),
         ]
         if result.fidelity is not None:
@@ -407,7 +636,8 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
             ("peak in use", format_bytes(result.peak_bytes_in_use)),
             ("peak pool", format_bytes(result.peak_pool_bytes)),
             ("regions obtained", str(result.extensions)),
-            ("worst external fragmentation", f"{result.worst_fragmentation:.1%}"),
+            model.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                     pc.get("largest_free", ())),
             ("result", verdict),
         ]
     summary.extend(("assumed", a) for a in result.assumed)

@@ -114,6 +114,8 @@ class TorchExplanation(_ExplanationViews):
     index: int = 0
     count: int = 1
     _oom: Any = field(default=None, repr=False)
+    #: who holds each block at the failure (address -> lines), for the map's hover
+    _holders: dict = field(default_factory=dict, repr=False)
 
     def lines(self) -> list[tuple[str, str]]:
         """The summary as (label, text) rows."""
@@ -125,8 +127,8 @@ class TorchExplanation(_ExplanationViews):
                     ("allocated", f"{format_bytes(self.allocated or 0)} in tensors"),
                     ("reserved", f"{format_bytes(self.reserved or 0)} held in segments"),
                     ("reserved, unused",
-                     f"{format_bytes(self.unallocated or 0)} (free blocks in segments that "
-                     f"still hold tensors); the {pool} pool has {self.free_blocks or 0:,} "
+                     f"{self._unused_text()}: free blocks in segments that "
+                     f"still hold tensors; the {pool} pool has {self.free_blocks or 0:,} "
                      f"free block(s), the largest {format_bytes(self.largest_free or 0)}")]
             if self.device_total and self.total_known:
                 other = self.device_total - (self.reserved or 0) - (self.device_free or 0)
@@ -163,15 +165,27 @@ class TorchExplanation(_ExplanationViews):
             tail.append("    " + self.message)
         return "\n".join([head, *body, *tail])
 
+    def _unused_text(self) -> str:
+        """Reserved but unallocated and its share of reserved, ``"1.57 GiB, 6.6 % of
+        reserved"`` (PyTorch's fragmentation figure,
+        :meth:`gpudash.models.AllocatorModel.fragmentation`)."""
+        from .models import TORCH
+
+        f = TORCH.fragmentation(self.allocated or 0, self.reserved or 0, 0)
+        return f"{format_bytes(f.bytes or 0)}, {100.0 * f.ratio:.1f} % of reserved"
+
     def figures(self) -> list:
-        """The segment map and pool occupancy at the failure (a snapshot only)."""
+        """The segment map and pool occupancy at the failure (a snapshot only); hovering a
+        block names who holds it where the snapshot recorded its stack."""
         if self.dump is None:
             return []
         from .report import bins_figure, chunkmap_figure
 
         title = (f"Segments of cuda:{self.device} when PyTorch ran out of memory "
-                 f"({format_bytes(self.allocated or 0)} allocated)")
-        return [chunkmap_figure(self.dump, title=title), bins_figure(self.dump)]
+                 f"({format_bytes(self.allocated or 0)} allocated; reserved but unallocated "
+                 f"{self._unused_text()})")
+        return [chunkmap_figure(self.dump, title=title, holders=self._holders),
+                bins_figure(self.dump)]
 
 
 # ------------------------------------------------------------------------------ reading
@@ -337,6 +351,9 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     largest = max(sizes, default=0)
     cause, why, settings = _diagnose(request, unallocated, largest, device_free,
                                      total if known else None, reserved, alloc.config)
+    from .report import chunk_holders
+
+    dump = alloc.memory_dump()
     proofs = []
     if prove and settings:
         proofs = _prove(trace, dev, total, alloc.config, settings, nth)
@@ -346,8 +363,9 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
         free_blocks=len(sizes), device_total=total, device_free=device_free,
         total_known=known, cause=cause,
         why=why, settings=settings, proofs=proofs,
-        message=alloc.oom_message(request, device_free), dump=alloc.memory_dump(),
-        assumed=assumed, warnings=warnings, index=pick, count=len(order))
+        message=alloc.oom_message(request, device_free), dump=dump,
+        assumed=assumed, warnings=warnings, index=pick, count=len(order),
+        _holders=chunk_holders(trace, dump, device=dev, before_row=row))
 
 
 def _diagnose(request: int, unallocated: int, largest: int, device_free: int,

@@ -42,6 +42,24 @@ CHROMIUM_ARGS = [
 #: The environment of the server and so of its kernels: always a simulated 16 GiB device.
 SIMULATE = "1x16GiB"
 
+#: A PyTorch session of 1,000 segments and one 6 GiB expandable segment (80 GiB device), each
+#: block labelled with the line that allocated it, and its dashboard: the segment map at a real
+#: size (``tests/test_browser.py``, ``benchmarks/bench_browser.py``, ``make_assets.py``).
+MANY_SEGMENTS = """\
+import gpudash, numpy as np
+s = gpudash.Session(allocator="torch", simulate="80GiB", record_stacks=True)
+rng = np.random.default_rng(0)
+keep = []
+for i in range(1000):
+    with s.label(f"layer {i % 12}"):
+        keep.append(s.allocate(int(rng.integers(12, 60) << 20) + int(rng.integers(0, 1 << 20))))
+for p in keep[::3]:   # freed: PyTorch keeps their segments cached
+    s.free(p)
+s.configure(expandable_segments=True)
+big = s.allocate(6 << 30)
+dash = gpudash.Dashboard(s)
+dash"""
+
 #: JupyterLab settings for the test user: no windowing (every cell stays in the DOM, so the
 #: figures of cells scrolled away are still there), no news and no update checks.
 _LAB_SETTINGS = {

@@ -231,9 +231,11 @@ def legend_names(root: Any, view: str) -> list[str]:
 
 
 def region_labels(root: Any) -> list[str]:
-    """The chunk map's region labels (its y axis ticks), as drawn."""
+    """The chunk map's region labels (its y axis ticks), as drawn, top to bottom."""
     return root.evaluate("""(r) => Array.from(r.querySelectorAll(
-        '[data-view=chunkmap] .yaxislayer-above .ytick text')).map(e => e.textContent)""")
+        '[data-view=chunkmap] .yaxislayer-above .ytick text'))
+        .sort((a, b) => a.getBoundingClientRect().top - b.getBoundingClientRect().top)
+        .map(e => e.textContent)""")
 
 
 def cell_of(page: Any, prefix: str) -> dict:
@@ -572,3 +574,172 @@ def test_pytorch_dashboard_acts_on_the_session_and_answers_in_pytorch_s_words(pa
     shot = tmp_path / "dashboard_torch.png"
     screenshot(page, dash, shot)
     assert shot.stat().st_size > 20_000
+
+
+def tick_boxes(root: Any, view: str = "chunkmap") -> list[dict]:
+    """The y tick labels of a dashboard plot, as drawn: text and bounding box."""
+    return root.evaluate("""(r, view) => Array.from(r.querySelectorAll(
+        `[data-view=${view}] .yaxislayer-above .ytick text`)).map(e => {
+            const b = e.getBoundingClientRect();
+            return {text: e.textContent, top: b.top, bottom: b.bottom, left: b.left,
+                    right: b.right}; })""", view)
+
+
+def overlapping(boxes: list[dict]) -> list[tuple[str, str]]:
+    """Pairs of boxes that overlap (each with the next one down)."""
+    boxes = sorted(boxes, key=lambda b: b["top"])
+    return [(a["text"], b["text"]) for a, b in zip(boxes, boxes[1:])
+            if b["top"] < a["bottom"] - 0.5 and b["left"] < a["right"] and a["left"] < b["right"]]
+
+
+def intersects(a: dict | None, b: dict | None) -> bool:
+    return bool(a and b and a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
+                and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+
+
+def map_state(root: Any) -> dict:
+    """The segment map's plot: its rows, the y range in view and the x range (MiB)."""
+    return root.evaluate("""(r) => {
+        const gd = r.querySelector('[data-view=chunkmap] .js-plotly-plot');
+        const L = gd._fullLayout;
+        return {rows: (L.yaxis.categoryarray || []).length, y: L.yaxis.range.slice(),
+                x: L.xaxis.range.slice(), xunit: L.xaxis.ticksuffix, height: gd.offsetHeight}; }""")
+
+
+def visible_bar(root: Any, area: dict) -> dict:
+    """The centre of an allocated block's bar in the middle of the map's plot area."""
+    return root.evaluate("""(r, a) => {
+        const paths = r.querySelectorAll(
+            '[data-view=chunkmap] .barlayer .trace:first-child .point path');
+        let best = null, dist = Infinity;
+        for (const p of paths) {
+            const b = p.getBoundingClientRect();
+            if (b.height < 4 || b.width < 4 || b.top < a.y || b.bottom > a.y + a.height) continue;
+            const d = Math.abs(b.top + b.height / 2 - (a.y + a.height / 2));
+            if (d < dist) {
+                dist = d;
+                best = {x: b.left + Math.min(b.width / 2, 30), y: b.top + b.height / 2};
+            }
+        }
+        return best; }""", area)
+
+
+def hover_text_at(page: Any, root: Any, x: float, y: float) -> str:
+    page.mouse.move(x, y)
+    page.wait_for_timeout(300)
+    return root.evaluate("""(r) => Array.from(r.querySelectorAll(
+        '[data-view=chunkmap] .hoverlayer .hovertext')).map(e => e.textContent).join('|')""")
+
+
+def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
+    """A PyTorch session of 1,000 segments and a 6 GiB expandable one (MANY_SEGMENTS): the
+    segment map keeps its labels apart, its height bounded and its x axis a row of the
+    typical segment (the big one continues on rows after the others); it pans to the rest
+    and shows every row on a double-click; hovering a block names its label and the line
+    that allocated it; the legend stays clear of the mode bar."""
+    import nbformat
+
+    from browser_helpers import MANY_SEGMENTS
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(MANY_SEGMENTS)]
+    nbformat.write(nb, lab.root / "many_segments.ipynb")
+    open_and_run_all(page, lab, "many_segments.ipynb")
+    collapse_left_sidebar(page)
+    dash = page.locator(".gd-root").first
+    dash.wait_for(state="attached")
+    wait_for_views(page, dash)
+    cell = dash.locator('[data-view="chunkmap"]')
+    cell.scroll_into_view_if_needed()
+    title = cell.locator(".gd-title").inner_text()
+    m = re.fullmatch(r"segment map - (\d+) blocks in 1001 segment\(s\) - rows of 64 MiB, a "
+                     r"longer segment after the others - rows 1-(\d+) of (\d+): drag to pan, "
+                     r"double-click for all", title)
+    assert m, title
+    shown, rows = int(m.group(2)), int(m.group(3))
+    state = map_state(dash)
+    assert state["rows"] == rows == 1000 + 97   # 6.02 GiB (pages mapped) in rows of 64 MiB
+    assert state["height"] <= 520                       # bounded, whatever the rows
+    assert state["x"][1] <= 64 and state["xunit"].strip() == "MiB"   # a row, not 6 GiB
+    assert abs(state["y"][0] - (shown - 0.5)) < 1e-6 and abs(state["y"][1] + 0.5) < 1e-6
+
+    # only the rows in view and a screen either side are drawn, not 1,300 blocks
+    drawn = dash.evaluate("""(r) => { const gd = r.querySelector('[data-view=chunkmap] '
+        + '.js-plotly-plot'); return new Set(gd._fullData.slice(0, 3).flatMap(t => Array.from(
+        t.y || []))).size; }""")
+    assert shown <= drawn <= 2 * shown, (drawn, shown)
+
+    # the first view: a label a row, none overlapping, the segments in address order
+    ticks = tick_boxes(dash)
+    assert len(ticks) == shown >= 20, len(ticks)
+    assert not overlapping(ticks), overlapping(ticks)
+    texts = [t["text"] for t in sorted(ticks, key=lambda t: t["top"])]
+    assert all(re.fullmatch(r"0x7f[0-9a-f]+ \d+\.\d\d MiB large", t) for t in texts), texts
+    assert texts == sorted(texts, key=lambda t: int(t.split()[0], 16))
+
+    # the legend and plotly's mode bar (shown with the mouse over the plot) apart
+    drag = cell.locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] / 2)
+    cell.locator(".modebar").wait_for(state="visible")
+    assert not intersects(cell.locator(".modebar").bounding_box(),
+                          cell.locator(".legend").bounding_box())
+
+    # hover a block: its segment, its label and the line that allocated it
+    bar = visible_bar(dash, drag)
+    text = hover_text_at(page, dash, bar["x"], bar["y"])
+    assert re.search(r"^0x7f[0-9a-f]+ \d+\.\d\d MiB large", text), text
+    assert re.search(r"held by:\s*layer \d+ @ \S+\.py:7 <module>", text), text
+
+    # drag (pan) down five screens: other segments, drawn as they come into view, their
+    # labels apart too
+    for _ in range(5):
+        page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] - 5)
+        page.mouse.down()
+        page.mouse.move(drag["x"] + drag["width"] / 2, drag["y"] + 5, steps=8)
+        page.mouse.up()
+        page.wait_for_timeout(200)
+    state = map_state(dash)
+    assert state["y"][1] > 3 * shown, state
+    ticks = tick_boxes(dash)
+    assert not overlapping(ticks) and all(re.fullmatch(r"0x7f[0-9a-f]+ \d+\.\d\d MiB large",
+                                                       t["text"]) for t in ticks), ticks
+    bar = visible_bar(dash, drag)
+    text = hover_text_at(page, dash, bar["x"], bar["y"])
+    assert re.search(r"held by:\s*layer \d+ @ \S+\.py:7 <module>", text), text
+
+    # double-click: back to the first view; again: every row, plotly labelling every n-th,
+    # none overlapping
+    page.mouse.dblclick(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] / 2)
+    page.wait_for_function("([r, n]) => { const gd = r.querySelector('[data-view=chunkmap] "
+                           ".js-plotly-plot'); return gd._fullLayout.yaxis.range[0] === n; }",
+                           arg=[dash.element_handle(), shown - 0.5], timeout=10_000)
+    page.wait_for_timeout(500)
+    page.mouse.dblclick(drag["x"] + drag["width"] / 2, drag["y"] + drag["height"] / 2)
+    page.wait_for_function("(r) => { const gd = r.querySelector('[data-view=chunkmap] "
+                           ".js-plotly-plot'); return gd._fullLayout.yaxis.range[0] > 1000; }",
+                           arg=dash.element_handle(), timeout=10_000)
+    # every row in view: every row drawn (once, now)
+    page.wait_for_function("""(r) => { const gd = r.querySelector('[data-view=chunkmap] '
+        + '.js-plotly-plot'); return new Set(gd._fullData.slice(0, 3).flatMap(t => Array.from(
+        t.y || []))).size > 1000; }""", arg=dash.element_handle(), timeout=10_000)
+    ticks = tick_boxes(dash)
+    assert 2 <= len(ticks) < 60 and not overlapping(ticks), ticks
+    assert map_state(dash)["height"] <= 520
+    # the big segment: its 97 rows at the bottom; hovering it names the line of `big`
+    low = dash.evaluate("""(r) => { let best = null;
+        for (const p of r.querySelectorAll(
+                '[data-view=chunkmap] .barlayer .trace:first-child .point path')) {
+            const b = p.getBoundingClientRect();
+            if (b.width > 8 && (!best || b.bottom > best.bottom)) best = b;
+        }
+        return {x: best.left + best.width / 2, y: best.top - 4}; }""")   # a few rows up
+    text = hover_text_at(page, dash, low["x"], low["y"])
+    assert "0x600000000000 6.02 GiB large, expandable" in text, text
+    assert re.search(r"held by:\s*\S+\.py:11 <module>", text), text   # big = s.allocate
+
+    assert not page_problems(page), page_problems(page)
+    assert not page.console_errors, page.console_errors
+    page.mouse.move(5, 5)
+    screenshot(page, dash, tmp_path / "segments_1000.png")

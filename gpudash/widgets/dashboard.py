@@ -3,8 +3,9 @@
 One `anywidget <https://anywidget.dev>`_ (one comm, one small ES module,
 ``static/dashboard.js``) draws, in the browser:
 
-    headline (in use / pool / limit / peak / fragmentation, a banner while the pool is over
-    a limit lowered live) and controls (device, the model's controls, pause, refresh rate)
+    headline (in use / pool / limit / peak / the model's fragmentation figure, a banner while
+    the pool is over a limit lowered live) and controls (device, the model's controls, pause,
+    refresh rate)
     timeline      | heatmap          (one time base: seconds since the model started)
     chunk map     | bins
 
@@ -13,8 +14,16 @@ What differs between allocators comes from the device's allocator model
 growth, deferred deletion, release, flush; PyTorch's caching allocator: fraction,
 ``expandable_segments``, ``max_split_size_mb``, ``garbage_collection_threshold``, empty
 cache), its words (in use / allocated, pool / reserved, chunk map / segment map), its bins or
-pools, each region's kind (PyTorch: small or large pool, expandable) and its own figures in
-the headline. The page draws whatever the model lists; no view tests which allocator it has.
+pools, each region's kind (PyTorch: small or large pool, expandable), its fragmentation
+figure (TensorFlow's ``1 - largest free / free``; PyTorch's reserved but unallocated, in bytes
+and % of reserved) and its own figures in the headline. The page draws whatever the model
+lists; no view tests which allocator it has.
+
+The segment / chunk map draws its regions as rows of one width (a region much larger than
+the rest continues on the next rows), named by their region, in a plot of at most 520 pixels
+that opens on the first rows (16 pixels each) and pans to the others; plotly thins the row
+labels by the space per row, and hovering a block says its row, address, sizes and who holds
+it (the session's label or the allocating line).
 
 What crosses the wire
 ---------------------
@@ -24,7 +33,11 @@ What crosses the wire
   again. A reloaded page fetches it once. An answer that never comes (a page reloaded while
   its widgets were restored can lose one) is asked for again after 8 s, 16 s, 32 s...
 - **Binary buffers.** Timeline points, heatmap columns (``uint8``) and chunk arrays go as
-  numpy buffers; JSON carries only small figures.
+  numpy buffers; JSON carries only small figures. Every region goes (its address, size and
+  kind; the row width of the segment / chunk map comes from
+  :func:`gpudash.maplayout.row_layout`), and who holds each chunk goes as an ``int32`` id
+  into a table of strings the page keeps: a label or a stack is sent once, not once per
+  chunk.
 - **Increments.** After the first snapshot, a refresh sends the timeline points and heatmap
   columns that are new, and the chunk table only when it changed (at most once a second
   when it is large). The model's refresher coalesces events, so a busy allocator still
@@ -63,8 +76,9 @@ import numpy as np
 import traitlets
 
 from .. import style
-from .._errors import ConfigError, GpudashError
 from .._comm_routing import follow_the_page
+from .._errors import ConfigError, GpudashError
+from ..maplayout import row_layout
 from .model import LiveModel, bin_labels
 
 __all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
@@ -74,6 +88,8 @@ VIEWS = ("stats", "timeline", "heatmap", "chunkmap", "bins")
 
 #: A chunk table larger than this is sent at most once a second.
 LARGE_TABLE = 2000
+#: Holder strings a page keeps; past this the table starts afresh with those in use.
+MAX_STRINGS = 4096
 
 _STATIC = resources.files("gpudash.widgets") / "static"
 _BUNDLE_CACHE: dict[str, Any] = {}
@@ -197,6 +213,7 @@ class Dashboard(anywidget.AnyWidget):
         self._chunks_sent_ms = 0.0
         self._chunks_version: bytes | None = None
         self._controls_sent: dict | None = None
+        self._strings: dict[str, int] = {}  # holder strings the page has, by id
         self._driver_cache: dict[int, tuple[float, dict]] = {}
         self.sent: dict[str, list[int]] = {}
         self._hellos = 0
@@ -315,6 +332,10 @@ class Dashboard(anywidget.AnyWidget):
             "limit": int(s.bytes_limit), "peak": int(s.peak_bytes_in_use),
             "largest_free": int(s.largest_free_block_bytes),
             "fragmentation": float(s.fragmentation), "capacity": int(state.capacity),
+            # the model's own fragmentation figure (TensorFlow's external fragmentation;
+            # PyTorch's reserved but unallocated)
+            "frag": model.fragmentation(int(s.bytes_in_use), int(s.pool_bytes),
+                                        int(s.largest_free_block_bytes)).as_dict(),
             "chunks": int(state.num_chunks), "internal": int(state.internal_fragmentation),
             "counters": dict(state.counters),
             "pending_release": int(pending), "regions_holding": int(held),
@@ -332,6 +353,21 @@ class Dashboard(anywidget.AnyWidget):
         }
 
     def _chunk_buffers(self, state: Any) -> tuple[dict, list]:
+        """The chunk table as the page draws it: ``[cols, bins, holder ids, regions,
+        kinds]``.
+
+        ``cols`` (float64, 6 x n): region index, offset in the region, size, requested, in
+        use, address of each chunk. ``bins`` (float64, 5 x bins). ``holder ids`` (int32, n;
+        empty when no chunk has a holder): who holds each chunk, an index into the page's
+        string table (-1: nobody named); the strings the page has not had come in
+        ``meta["strings"]`` (``base``: the index of the first; 0 starts the table afresh).
+        ``regions`` (float64, 2 x regions): address and size of each region; the page lays
+        them out in rows of ``meta["row_bytes"]`` (chosen by
+        :func:`gpudash.maplayout.row_layout`: a region takes ``ceil(size / row_bytes)``
+        rows, those of one row first, then the others, each in address order;
+        ``meta["n_rows"]`` in all). ``kinds`` (int8, regions): each
+        region's kind, an index into ``meta["kind_names"]`` (-1: none;
+        ``meta["region_kinds"]`` keeps the first 64 as words, as before)."""
         t = state.table
         regions = t["regions"]
         n = len(t["size"])
@@ -341,12 +377,17 @@ class Dashboard(anywidget.AnyWidget):
         else:
             ri = np.zeros(0, dtype=np.int64)
             offset = ri
-        holders = t.get("holder")
         kinds = state.model.region_kinds(t)
-        meta = {"n": n, "regions": [[int(a), int(b)] for a, b in regions[:64]],
-                "n_regions": int(len(regions)),
+        layout = row_layout(regions[:, 1])
+        ids, strings = self._holder_ids(t.get("holder"), n)
+        # each region's kind as a code into kind_names (a few words, not one per region)
+        names = sorted(set(kinds)) if kinds is not None else []
+        code = {k: i for i, k in enumerate(names)}
+        meta = {"n": n, "n_regions": int(len(regions)),
                 "region_kinds": None if kinds is None else kinds[:64],
-                "holders": None if holders is None else [str(h) for h in holders]}
+                "kind_names": names,
+                "row_bytes": int(layout.row_bytes), "n_rows": int(layout.total_rows),
+                "strings": strings}
         cols = np.empty((6, n), dtype=np.float64)
         cols[0] = ri
         cols[1] = offset
@@ -359,7 +400,41 @@ class Dashboard(anywidget.AnyWidget):
                             ("free_bytes", "in_use_bytes", "free_chunks", "in_use_chunks",
                              "requested_bytes")])
         meta["n_bins"] = int(binarr.shape[1])
-        return meta, [_f64(cols), _f64(binarr)]
+        regarr = np.empty((2, len(regions)), dtype=np.float64)
+        regarr[0] = regions[:, 0]
+        regarr[1] = regions[:, 1]
+        kind_codes = np.array([code[k] for k in kinds] if kinds is not None else
+                              [-1] * len(regions), dtype=np.int8)
+        return meta, [_f64(cols), _f64(binarr), memoryview(ids.tobytes()), _f64(regarr),
+                      memoryview(kind_codes.tobytes())]
+
+    def _holder_ids(self, holders: Any, n: int) -> tuple[np.ndarray, dict]:
+        """Holders as ids into the page's string table, and the strings it lacks.
+
+        Each string goes to a page once: a snapshot starts the table afresh (``base`` 0),
+        an update sends only strings it has not sent since. Past :data:`MAX_STRINGS`
+        strings the table starts afresh with those in use."""
+        none = np.zeros(0, dtype=np.int32)   # nobody named: no ids at all
+        if holders is None or not n:
+            return none, {"base": len(self._strings), "new": []}
+        uniq, inv = np.unique(np.asarray(holders, dtype=object).astype(str),
+                              return_inverse=True)
+        named = [u for u in uniq.tolist() if u]
+        if not named:
+            return none, {"base": len(self._strings), "new": []}
+        ids = np.full(n, -1, dtype=np.int32)
+        if len(self._strings) + len(named) > MAX_STRINGS:
+            self._strings = {}
+        base = len(self._strings)
+        new = []
+        for u in named:
+            if u not in self._strings:
+                self._strings[u] = len(self._strings)
+                new.append(u)
+        idmap = np.array([self._strings.get(u, -1) if u else -1 for u in uniq.tolist()],
+                         dtype=np.int32)
+        ids[:] = idmap[inv.reshape(-1)]
+        return ids, {"base": base, "new": new}
 
     def _message(self, state: Any, full: bool) -> tuple[dict, list]:
         """A snapshot (``full``) or an update of one device's state."""
@@ -393,6 +468,8 @@ class Dashboard(anywidget.AnyWidget):
         }
         buffers = [_f64(timeline), memoryview(heat.tobytes()), _f64((hm_t[j:] - start) / 1e3)]
         if send_chunks:
+            if full:   # the page starts its string table afresh with a snapshot
+                self._strings = {}
             meta, bufs = self._chunk_buffers(state)
             content["chunks"] = meta
             buffers += bufs

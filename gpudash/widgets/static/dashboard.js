@@ -28,6 +28,21 @@ function regionLabel(r) {
   return "0x" + Number(r[0]).toString(16) + " " + fmtBytes(r[1]);
 }
 
+// A short size for a row's offset ("512 MiB", "1.5 GiB"), as gpudash.style.format_size.
+function fmtShort(n) {
+  n = Number(n);
+  if (n === 0) return "0 B";
+  let i = 0;
+  while (n >= 1024 && i < UNITS.length - 1) { n /= 1024; i++; }
+  const t = Math.abs(n - Math.round(n)) < 1e-9 ? n.toFixed(0) : String(Number(n.toPrecision(3)));
+  return t + " " + UNITS[i];
+}
+
+// Pixels per row of the segment / chunk map's initial view (gpudash.maplayout.ROW_PX), and
+// the tallest the map's plot gets: more rows are a drag (pan) away.
+const ROW_PX = 16;
+const MAP_MAX_PX = 520;
+
 // The binary unit an axis reads in: the largest with top >= 1 of it.
 function unitFor(top) {
   let i = 0;
@@ -365,7 +380,16 @@ class View {
     const extra = this.heat.cols.length - h.max_columns;
     if (extra > 0) { this.heat.cols.splice(0, extra); this.heat.t.splice(0, extra); }
     if (msg.chunks) {
-      this.chunks = { meta: msg.chunks, cols: f64(buffers[3]), bins: f64(buffers[4]) };
+      const hb = u8(buffers[5]);
+      const ids = new Int32Array(hb.byteLength / 4);
+      new Uint8Array(ids.buffer).set(hb);
+      // the holder strings this page lacks (base 0: a table afresh)
+      const st = msg.chunks.strings || { base: 0, new: [] };
+      if (!this.strings || st.base === 0) this.strings = [];
+      this.strings.length = st.base;
+      for (const x of st.new) this.strings.push(x);
+      this.chunks = { meta: msg.chunks, cols: f64(buffers[3]), bins: f64(buffers[4]),
+        holders: ids, regions: f64(buffers[6]), kinds: new Int8Array(u8(buffers[7]).slice().buffer) };
       this.dirty.add("chunkmap"); this.dirty.add("bins");
     }
     this.dirty.add("head"); this.dirty.add("timeline"); this.dirty.add("heatmap");
@@ -417,12 +441,13 @@ class View {
     }, extra);
   }
 
-  // A layout with a legend: one row above the plot area, at the right (the colours of
+  // A layout with a legend: one row above the plot area, at the left (the colours of
   // gpudash.style, named as in the report and the what-if view).
   legendLayout(extra) {
     return this.layout(Object.assign({
       showlegend: true, margin: { l: 64, r: 10, t: 26, b: 36 },
-      legend: { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", traceorder: "normal",
+      // at the left: plotly's mode bar takes the top right corner when the mouse is over
+      legend: { orientation: "h", x: 0, xanchor: "left", y: 1, yanchor: "bottom", traceorder: "normal",
         font: { size: 10 }, itemclick: false, itemdoubleclick: false,
         bgcolor: "rgba(255,255,255,0)" },
     }, extra));
@@ -431,7 +456,10 @@ class View {
   plot(name, traces, layout) {
     const cell = this.cells[name];
     const config = { displaylogo: false, responsive: true, displayModeBar: "hover",
-      modeBarButtonsToRemove: ["select2d", "lasso2d", "toImage"] };
+      // a short mode bar (zoom, pan, in, out, reset; a double-click autoscales): it stays
+      // clear of the legend at the plot's left
+      modeBarButtonsToRemove: ["select2d", "lasso2d", "toImage", "autoScale2d",
+        "hoverClosestCartesian", "hoverCompareCartesian", "toggleSpikelines"] };
     this.Plotly.react(cell.plot, traces, layout, config);
     cell.drawn = true;
     cell.plot.dataset.drawn = "1";
@@ -459,8 +487,11 @@ class View {
     if (known("bytes_limit")) items.push(`limit <b>${h.limit ? fmtBytes(h.limit) : "-"}</b>`);
     if (known("peak_bytes_in_use")) items.push(`${esc(w.peak || "peak")} ${fmtBytes(h.peak)}`);
     if (known("largest_free_block_bytes")) items.push(`largest free ${fmtBytes(h.largest_free)}`);
-    if (known("fragmentation") && known("largest_free_block_bytes"))
-      items.push(`fragmentation ${(100 * h.fragmentation).toFixed(1)} %`);
+    // the model's fragmentation figure: TensorFlow's 1 - largest free / free; PyTorch's
+    // reserved but unallocated (bytes and % of reserved)
+    const f = h.frag || { label: "fragmentation", text: (100 * h.fragmentation).toFixed(1) + " %", meaning: "" };
+    if (known("fragmentation") && known("largest_free_block_bytes") && known("pool_bytes"))
+      items.push(`<span title="${esc(f.meaning)}" data-head="frag">${esc(f.label)} ${esc(f.text)}</span>`);
     if (this.hasLayout) items.push(`${esc(w.chunk || "chunk")}s ${h.chunks}`);
     // the model's own figures, by its names (PyTorch's segments, num_alloc_retries...)
     for (const [label, value] of (h.extra || [])) items.push(`${esc(label)} <b>${esc(value)}</b>`);
@@ -564,50 +595,147 @@ class View {
     }));
   }
 
+  // The segment / chunk map: regions as rows of one width in bytes (meta.row_bytes), a
+  // region larger than a row continuing on the next rows (gpudash.maplayout.row_layout).
+  // Rows are the categories of the y axis, named by their region, so plotly thins the tick
+  // labels by the space per row (nticks), and the hover says which row a block is in. A map
+  // of many rows opens on its first rows, ROW_PX pixels each, in a plot of at most MAP_MAX_PX.
   drawChunks() {
     if (!this.hasLayout) return this.none("chunkmap", "this source reports totals only: no chunk layout to draw");
     const ch = this.chunks;
-    const n = ch.meta.n;
+    const m = ch.meta;
+    const n = m.n;
     const c = ch.cols;
-    const holders = ch.meta.holders;
-    const kinds = ch.meta.region_kinds;  // PyTorch: each segment's pool, expandable or not
+    const kindNames = m.kind_names || [];  // PyTorch: a segment's pool, expandable or not
     const w = this.words || {};
     const inUse = w.in_use || "in use";
-    let top = 1;
-    for (const r of ch.meta.regions) if (r[1] > top) top = r[1];
-    const u = unitFor(top);
+    const region = w.region || "region";
+    const R = m.n_regions;
+    const reg = ch.regions;
+    const W = Math.max(1, m.row_bytes || 1);
+    const nRows = Math.max(0, m.n_rows || 0);
+    const u = unitFor(W);
+    // each row by its region's address and size (and, for PyTorch, its pool): two regions of
+    // one size stay apart; a continuation row by the region's address and the offset it
+    // starts at
+    // a region takes ceil(size / W) rows: those of one row first, then the others, each in
+    // address order (gpudash.maplayout.RowLayout)
+    const names = new Array(nRows);
+    const first = new Float64Array(R);
+    let fr = 0;
+    for (const wraps of [false, true]) {
+      for (let r = 0; r < R; r++) {
+        const size = reg[R + r];
+        const k = Math.max(1, Math.ceil(size / W));
+        if ((k > 1) !== wraps) continue;
+        first[r] = fr;
+        const kind = kindNames[ch.kinds[r]];
+        names[fr] = regionLabel([reg[r], size]) + (kind ? " " + kind : "");
+        const at = "0x" + Number(reg[r]).toString(16) + " +";
+        for (let j = 1; j < k && fr + j < nRows; j++) names[fr + j] = at + fmtShort(j * W);
+        fr += k;
+      }
+    }
+    const cell = this.cells.chunkmap;
+    const margin = { l: 64, r: 10, t: 26, b: 36 };
+    const height = Math.max(260, Math.min(MAP_MAX_PX, margin.t + margin.b + 10 + ROW_PX * nRows));
+    const plotPx = height - margin.t - margin.b;
+    const shown = Math.max(1, Math.min(nRows, Math.floor(plotPx / ROW_PX)));
+    // The rows drawn: those in view and as many again on either side (a drag of up to a
+    // screen shows drawn rows; panning or zooming further draws the rows then in view, see
+    // watchMap). A map of 1,000 rows then draws a hundred of them, not every block.
+    const view = this.mapView(cell, shown, nRows);
+    const span = view[1] - view[0];
+    const lo = Math.max(0, view[0] - span), hi = Math.min(nRows, view[1] + span);
+    this.mapDrawn = [lo, hi];
     const T = { used: { y: [], b: [], x: [], h: [] }, waste: { y: [], b: [], x: [], h: [] },
       free: { y: [], b: [], x: [], h: [] } };
+    // a part [a0, a0 + len) of region ri, cut at row boundaries, the rows drawn only
+    const put = (t, ri, a0, len, hv) => {
+      const fr = first[ri];
+      let a = a0;
+      const end = a0 + len;
+      while (a < end) {
+        const row = Math.floor(a / W);
+        const b = Math.min(end, (row + 1) * W);
+        if (fr + row >= lo && fr + row < hi) {
+          t.y.push(names[fr + row]); t.b.push((a - row * W) / u.scale); t.x.push((b - a) / u.scale); t.h.push(hv);
+        }
+        a = b;
+      }
+    };
+    const strings = this.strings || [];
+    const ids = ch.holders;
     for (let i = 0; i < n; i++) {
-      const reg = c[i], off = c[n + i], size = c[2 * n + i], req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
+      const ri = c[i], off = c[n + i], size = c[2 * n + i];
+      const r0 = first[ri] + Math.floor(off / W), r1 = first[ri] + Math.floor((off + Math.max(size, 1) - 1) / W);
+      if (r1 < lo || r0 >= hi) continue;  // not in a row drawn
+      const req = c[3 * n + i], used = c[4 * n + i], ptr = c[5 * n + i];
+      const row = names[first[ri]] || "";
       const addr = "0x" + ptr.toString(16);
-      const who = (holders && holders[i] ? "<br>held by " + esc(holders[i]) : "") +
-        (kinds && kinds[reg] != null ? `<br>${esc(kinds[reg])} ${esc(w.region || "region")}` : "");
+      const hid = ids && ids.length ? ids[i] : -1;
+      const held = hid >= 0 && strings[hid] ? strings[hid] : "";
+      const who = held ? "<br>held by:<br>&nbsp;&nbsp;" + held.split("\n").map(esc).join("<br>&nbsp;&nbsp;") : "";
       if (used) {
-        const hv = `${addr}<br>size ${fmtBytes(size)}<br>requested ${fmtBytes(req)}${who}`;
-        T.used.y.push(reg); T.used.b.push(off / u.scale); T.used.x.push(req / u.scale); T.used.h.push(hv);
-        if (size > req) { T.waste.y.push(reg); T.waste.b.push((off + req) / u.scale); T.waste.x.push((size - req) / u.scale); T.waste.h.push(hv + "<br>waste " + fmtBytes(size - req)); }
+        const hv = `${esc(row)}<br>${addr}<br>size ${fmtBytes(size)}<br>requested ${fmtBytes(req)}${who}`;
+        put(T.used, ri, off, req, hv);
+        if (size > req) put(T.waste, ri, off + req, size - req, `${esc(row)}<br>${addr}<br>waste ${fmtBytes(size - req)} of ${fmtBytes(size)}`);
       } else {
-        T.free.y.push(reg); T.free.b.push(off / u.scale); T.free.x.push(size / u.scale); T.free.h.push(`${addr}<br>free ${fmtBytes(size)}${who}`);
+        put(T.free, ri, off, size, `${esc(row)}<br>${addr}<br>free ${fmtBytes(size)}`);
       }
     }
     const C = this.C;
+    // a white edge between blocks, unless the rows are many (zoomed out, it would be all edge)
+    const edge = shown < nRows ? 0 : 0.5;
     const mk = (t, name, color) => ({ type: "bar", orientation: "h", name, y: t.y, base: t.b, x: t.x,
-      marker: { color, line: { width: 0.5, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8,
+      marker: { color, line: { width: edge, color: "white" } }, hovertext: t.h, hoverinfo: "text", width: 0.8,
       showlegend: true });
-    const regions = ch.meta.regions;
-    const cell = this.cells.chunkmap;
-    const region = w.region || "region";
-    cell.title.textContent = `${w.map || "chunk map"} - ${n} ${w.chunk || "chunk"}s in ` +
-      `${ch.meta.n_regions} ${region}(s)`;
-    // each region by its start address and size (and, for PyTorch, its pool): two regions
-    // of one size stay apart
-    this.plot("chunkmap", [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)],
-      this.legendLayout({ barmode: "overlay", bargap: 0.1,
-        xaxis: { title: { text: "offset in " + region }, ticksuffix: " " + u.name, rangemode: "tozero" },
-        yaxis: { title: { text: region }, automargin: true, tickmode: "array", tickvals: regions.map((_, i) => i),
-          ticktext: regions.map((r, i) => regionLabel(r) + (kinds && kinds[i] ? " " + kinds[i] : "")),
-          autorange: "reversed" } }));
+    const traces = [mk(T.used, inUse, C["in use"]), mk(T.waste, "waste", C.waste), mk(T.free, "free", C.free)];
+    let title = `${w.map || "chunk map"} - ${n} ${w.chunk || "chunk"}s in ${R} ${region}(s)`;
+    if (nRows > R) title += ` - rows of ${fmtShort(W)}, a longer ${region} after the others`;
+    if (shown < nRows) title += ` - rows 1-${shown} of ${nRows}: drag to pan, double-click for all`;
+    cell.title.textContent = title;
+    cell.title.title = title;
+    if (cell.plot.style.height !== height + "px") cell.plot.style.height = height + "px";
+    this.plot("chunkmap", traces,
+      this.legendLayout({ barmode: "overlay", bargap: 0.1, height, margin,
+        dragmode: shown < nRows ? "pan" : "zoom",
+        xaxis: { title: { text: "offset in " + region }, ticksuffix: " " + u.name, range: [0, W / u.scale] },
+        // no axis title: the rows' names say what they are (a title would sit on them)
+        yaxis: { automargin: true, type: "category", categoryorder: "array",
+          categoryarray: names, range: [shown - 0.5, -0.5], nticks: Math.max(2, Math.floor(plotPx / ROW_PX)),
+          // a double-click ("autosize") shows every row, not only those drawn
+          autorangeoptions: { include: nRows ? [0, nRows - 1] : [] },
+          tickfont: { size: 10 } } }));
+    this.watchMap(cell);
+    cell.plot.dataset.rows = String(nRows);
+    cell.plot.dataset.shown = String(shown);
+  }
+
+  // The rows in view, [first, last + 1): the plot's y range as the user left it (pan, zoom,
+  // double-click), else the first `shown` rows.
+  mapView(cell, shown, nRows) {
+    const L = cell.plot._fullLayout;
+    const r = L && L.yaxis && L.yaxis.range;
+    if (!cell.drawn || !r || this.mapRows !== nRows) {
+      this.mapRows = nRows;
+      return [0, Math.min(shown, nRows)];
+    }
+    const a = Math.max(0, Math.floor(Math.min(r[0], r[1]) + 0.5));
+    const b = Math.min(nRows, Math.ceil(Math.max(r[0], r[1]) + 0.5));
+    return [a, Math.max(a + 1, b)];
+  }
+
+  // Once per plot: when a pan or zoom brings rows into view that were not drawn, draw again.
+  watchMap(cell) {
+    if (cell.watched || !cell.plot.on) return;
+    cell.watched = true;
+    cell.plot.on("plotly_relayout", () => {
+      const d = this.mapDrawn;
+      if (!d || !this.chunks) return;
+      const v = this.mapView(cell, 1, this.mapRows);
+      if (v[0] < d[0] || v[1] > d[1]) { this.dirty.add("chunkmap"); this.schedule(); }
+    });
   }
 
   drawBins() {
