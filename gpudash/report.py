@@ -498,7 +498,7 @@ def _holder_table(table: Any, table_id: str) -> str:
 
     body = []
     for r in table:
-        stack = stack_lines(list(r.frames), table.rule_test, STACK_LINES)
+        stack = stack_lines(list(r.frames), table.rule_test, STACK_LINES, full=True)
         cell = html.escape(r.holder)
         if stack:
             more = (f" ({len(r.stack_ids)} distinct stacks; the largest block's shown)"

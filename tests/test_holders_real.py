@@ -113,6 +113,8 @@ def test_the_report_shows_holders_with_stacks_and_an_icicle(tmp_path):
     assert "Who held memory at the out-of-memory error" in section
     assert 0 < section.count("<details>") <= 40             # two tables of at most 20 rows
     assert 'data-plot="icicle"' in section and "models.py:174 update_nodes" in section
+    # a row's stack on demand: the user's frames, then the libraries' and C++'s
+    assert "-- in libraries:" in section and "-- C++:" in section
     fig = stack_icicle_figure(trace, device=1, max_nodes=10)
     icicle = fig.data[0]
     assert len(icicle.ids) <= 11 and icicle.labels[1] == "models.py:231 forward"

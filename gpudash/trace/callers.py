@@ -370,24 +370,35 @@ def annotations_at(ranges: AnnotationRanges, time_ns: np.ndarray,
     return out
 
 
-def stack_lines(frames: list, test: Any, limit: int = 40) -> list[str]:
+def stack_lines(frames: list, test: Any, limit: int = 40, full: bool = False) -> list[str]:
     """A stack (innermost first) for people, the user's own code first: the user's frames,
-    what they called into (:func:`below_user_code`), then the other frames counted (at most
-    ``limit`` lines)."""
+    what they called into (:func:`below_user_code`), then the other frames, counted or, with
+    ``full``, listed (the libraries' Python frames, then C++'s); at most ``limit`` lines of
+    at most 240 characters."""
     if test is None:
-        return [str(f) for f in frames][:limit]
-    mine = [f for f in frames if test(f.filename)]
-    lines = [str(f) for f in mine]
-    below = below_user_code(frames, test)
-    if below:
-        lines.append(f"called into {below}")
-    rest = len(frames) - len(mine)
-    if not mine:
-        py = [f for f in frames if is_python_frame(f.filename)]
-        lines.extend(str(f) for f in py)
-        rest -= len(py)
-    if rest:
-        lines.append(f"({rest} more frame(s) in libraries and C++)")
+        lines = [str(f) for f in frames]
+    else:
+        mine = [f for f in frames if test(f.filename)]
+        others = [f for f in frames if not test(f.filename)]
+        py = [f for f in others if is_python_frame(f.filename)]
+        cpp = [f for f in others if not is_python_frame(f.filename)]
+        lines = [str(f) for f in mine]
+        below = below_user_code(frames, test)
+        if below:
+            lines.append(f"called into {below}")
+        if full or not mine:
+            if py:
+                lines.append("-- in libraries:" if mine else "-- no frame of your code; "
+                             "in libraries:")
+                lines.extend(str(f) for f in py)
+            if cpp and (full or not py):
+                lines.append("-- C++:")
+                lines.extend(f.name or str(f) for f in cpp)
+        elif others:
+            lines.append(f"({len(others)} more frame(s) in libraries and C++)")
     if len(lines) > limit:
         lines = lines[:limit - 1] + [f"... {len(lines) - limit + 1} more line(s)"]
-    return lines
+    return [x if len(x) <= _LINE else x[:_LINE - 3] + "..." for x in lines]
+
+
+_LINE = 240   # a C++ frame's name can run to thousands of characters
