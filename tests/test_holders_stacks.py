@@ -267,3 +267,30 @@ def test_a_million_events_group_without_a_python_loop_per_event():
         table = top_holders(t, at="end", by=by)
         assert table.total_bytes == sum(r.bytes for r in table) > 0
         assert re.search(r"block\(s\)", table.header())
+
+
+def test_pairing_without_ids_by_pointer_and_with_ids_repeated_across_devices():
+    t = make_trace(_model_calls())
+    cols = dict(t.columns)
+    cols["alloc_id"] = np.full(len(t), -1)           # a log without ids: paired by pointer
+    by_ptr = Trace(cols, t.meta, stack=t.stack, stacks=t.stacks)
+    want = [(r.holder, r.bytes) for r in top_holders(t, at="end")]
+    assert [(r.holder, r.bytes) for r in top_holders(by_ptr, at="end")] == want
+    # two allocators numbering their allocations from 1 each: (device, id) pairs them
+    two = make_trace([("alloc", "a", MiB, [user(1)], 0), ("alloc", "b", 2 * MiB, [user(2)], 1),
+                      ("free", "a"), ("alloc", "c", 4 * MiB, [user(3)], 0)])
+    cols = dict(two.columns)
+    cols["alloc_id"] = np.array([1, 1, 1, 2])
+    two = Trace(cols, two.meta, stack=two.stack, stacks=two.stacks)
+    assert {r.holder: r.bytes for r in top_holders(two, at="end")} == {
+        "train.py:2 step": 2 * MiB, "train.py:3 step": 4 * MiB}
+
+
+def test_annotations_at_reads_times_out_of_order():
+    from gpudash.trace.callers import annotation_ranges, annotations_at
+
+    ranges = annotation_ranges({"annotations": {"names": ["a", "b"],
+                                                "ranges": [[0, 0, 10, 20], [0, 1, 30, None]]}})
+    at = annotations_at(ranges, np.array([35, 15, 5, 25]), np.zeros(4))
+    assert [ranges.names[ranges.name[i]] if i >= 0 else None for i in at] == \
+        ["b", "a", None, None]

@@ -357,8 +357,12 @@ def annotations_at(ranges: AnnotationRanges, time_ns: np.ndarray,
     devs = np.unique(device)
     for d in devs.tolist():
         sel = np.flatnonzero(device == d) if len(devs) > 1 else np.arange(len(time_ns))
-        order = np.argsort(time_ns[sel], kind="stable")
-        times = time_ns[sel][order]
+        times = time_ns[sel]
+        if len(times) > 1 and bool((times[1:] < times[:-1]).any()):
+            order = np.argsort(times, kind="stable")
+            times = times[order]
+        else:                       # in time order already (a trace's rows are)
+            order = np.arange(len(times))
         local = np.full(len(sel), -1, dtype=np.int64)
         pick = np.flatnonzero((ranges.device == d) | (ranges.device == -1))
         lo = np.searchsorted(times, ranges.start[pick], side="left")

@@ -28,8 +28,8 @@ from .._units import format_bytes
 from ..models import trace_model
 from .callers import annotation_ranges, user_code_rule
 from .format import Trace
-from .holders import (BY, HolderTable, _default_by, _group, _one_device, _parse_at,
-                      allocations, resolve_moment, top_holders)
+from .holders import (BY, HolderTable, _default_by, _group, _holders, _one_device,
+                      _parse_at, allocations, resolve_moment)
 
 __all__ = ["diff_holders", "HolderChange", "HolderDiff", "leaks", "Retained", "LeakTable",
            "ITERATION_MARKS"]
@@ -200,9 +200,10 @@ def diff_holders(a: Trace, b: Trace | None = None, *, at: Any = "peak", to: Any 
         raise ConfigError(f"by must be one of {', '.join(repr(x) for x in BY)}; got {by!r:.40}")
     rule = user_code_rule(user_code)
     second = b if b is not None else a
-    first_t = top_holders(a, at, by=by, device=device, user_code=rule)
-    second_t = top_holders(second, to if to is not None else at, by=by, device=device,
-                           user_code=rule)
+    cache: dict = {}                # one trace at two moments: its allocations paired once
+    first_t = _holders(a, at, by, device, rule, None, cache)
+    second_t = _holders(second, to if to is not None else at, by, device, rule, None,
+                        cache if b is None else None)
     old = {r.key: r for r in first_t}
     new = {r.key: r for r in second_t}
     rows = []

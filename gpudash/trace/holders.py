@@ -154,26 +154,70 @@ class Allocations:
 
 
 def allocations(trace: Trace, device: int | None = None) -> Allocations:
-    """Pair every allocation of ``trace`` (of ``device``, or all) with its free, by the
-    trace's own pairing (:meth:`Trace.calls`: the allocation id, else the pointer)."""
-    calls = trace.calls(device)
-    op, key, rows = calls.op, calls.key, calls.row
-    is_a = op == 1
-    a_rows = rows[is_a]
-    # in (key, row) order each free follows the allocation it frees
-    order = np.lexsort((rows, key))
-    o_op = op[order]
-    freed_at = np.flatnonzero(o_op == 2)
-    prev = freed_at - 1
-    ok = (prev >= 0) & (o_op[np.maximum(prev, 0)] == 1) & \
-        (key[order][np.maximum(prev, 0)] == key[order][freed_at])
-    free_of = np.full(len(op), _NEVER, dtype=np.int64)       # by call position
-    free_of[order[prev[ok]]] = rows[order[freed_at[ok]]]
+    """Pair every allocation of ``trace`` (of ``device``, or all) with its free, as
+    :meth:`Trace.calls` pairs them: by allocation id (with the device), else by pointer; a
+    free that matches no live allocation is left out."""
     c = trace.columns
-    return Allocations(row=a_rows.astype(np.int64), free_row=free_of[is_a],
-                       size=c["size"][a_rows].astype(np.int64),
-                       device=c["device"][a_rows].astype(np.int64),
+    kind, aid, dev = c["kind"], c["alloc_id"], c["device"]
+    sel = (kind == _ALLOC) | (kind == _FREE)
+    if device is not None:
+        sel &= dev == device
+    rows = np.flatnonzero(sel)
+    fast = _pair_by_id(rows, kind[rows], aid[rows], dev[rows])
+    if fast is not None:
+        a_rows, free_row = fast
+    else:
+        calls = trace.calls(device)
+        op, key, crow = calls.op, calls.key, calls.row
+        is_a = op == 1
+        a_rows = crow[is_a].astype(np.int64)
+        # in (key, row) order each free follows the allocation it frees
+        order = np.lexsort((crow, key))
+        o_op = op[order]
+        freed_at = np.flatnonzero(o_op == 2)
+        prev = freed_at - 1
+        ok = (prev >= 0) & (o_op[np.maximum(prev, 0)] == 1) & \
+            (key[order][np.maximum(prev, 0)] == key[order][freed_at])
+        free_of = np.full(len(op), _NEVER, dtype=np.int64)       # by call position
+        free_of[order[prev[ok]]] = crow[order[freed_at[ok]]]
+        free_row = free_of[is_a]
+    return Allocations(row=a_rows, free_row=free_row, size=c["size"][a_rows].astype(np.int64),
+                       device=dev[a_rows].astype(np.int64),
                        stack=trace.stack_ids()[a_rows].astype(np.int64))
+
+
+def _pair_by_id(rows: np.ndarray, kind: np.ndarray, aid: np.ndarray, dev: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The common case in O(n) and no sort: every allocation has a positive id, unique on
+    its device and small enough to index an array, and each is freed at most once, after
+    it was made. None where that does not hold (the caller pairs as :meth:`Trace.calls`)."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    is_a = kind == _ALLOC
+    if not is_a.any() or int(aid[is_a].min()) <= 0:
+        return None
+    lo, hi = int(dev.min()), int(dev.max())
+    span = hi - lo + 1
+    if int(aid.max()) * span > 8 * len(rows) + 4096:
+        return None
+    key = aid.astype(np.int64) * span + (dev.astype(np.int64) - lo)
+    key_a = key[is_a]
+    counts = np.bincount(key_a, minlength=int(key.max()) + 1)
+    if counts.max() > 1:
+        return None
+    is_f = ~is_a & (aid > 0)
+    key_f = key[is_f]
+    hit = counts[key_f] == 1
+    key_f = key_f[hit]
+    if len(key_f) and np.bincount(key_f).max() > 1:
+        return None
+    free_at = np.full(len(counts), _NEVER, dtype=np.int64)
+    free_at[key_f] = rows[is_f][hit]
+    a_rows = rows[is_a].astype(np.int64)
+    free_row = free_at[key_a]
+    if (free_row < a_rows).any():       # a free before its allocation: not this case
+        return None
+    return a_rows, free_row
 
 
 def _device_name(trace: Trace, device: int | None) -> str:
@@ -264,19 +308,17 @@ def resolve_moment(trace: Trace, at: Any = "peak", device: int | None = None,
         return Moment(at, r - 1, dev, secs(r), f"the out-of-memory error on "
                       f"{_device_name(trace, dev)}, just before the refused allocation "
                       f"({ev(r)})", oom_row=r)
-    # the peak
+    # the peak: a running sum over the rows (each row allocates or frees at most once)
     if allocs is None:
         allocs = allocations(trace, device)
-    freed = allocs.free_row != _NEVER
-    ev_rows = np.concatenate([allocs.row, allocs.free_row[freed]])
-    delta = np.concatenate([allocs.size, -allocs.size[freed]])
-    if not len(ev_rows):
+    if not len(allocs.row):
         return Moment(at, -1, device, None, f"the peak on {where} (the trace allocates "
                       "nothing)")
-    order = np.argsort(ev_rows, kind="stable")
-    run = np.cumsum(delta[order])
-    k = int(np.argmax(run))
-    row = int(ev_rows[order][k])
+    freed = allocs.free_row != _NEVER
+    delta = np.zeros(n, dtype=np.int64)
+    delta[allocs.row] = allocs.size
+    delta[allocs.free_row[freed]] -= allocs.size[freed]
+    row = int(np.argmax(np.cumsum(delta)))
     return Moment(at, row, device, secs(row), f"the peak on {where} ({ev(row)})")
 
 
@@ -560,12 +602,22 @@ def top_holders(trace: Trace, at: Any = "peak", *, by: str | None = None,
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))
                               or limit < 0):
         raise ConfigError(f"limit must be an integer >= 0; got {limit!r:.40}")
-    rule = user_code_rule(user_code)
+    return _holders(trace, at, by, device, user_code_rule(user_code), limit)
+
+
+def _holders(trace: Trace, at: Any, by: str, device: int | None, rule: Any,
+             limit: int | None, cache: dict | None = None) -> HolderTable:
+    """:func:`top_holders` with its arguments checked; ``cache`` keeps the pairing of a
+    trace's allocations by device for a second moment of the same trace."""
     kind, _ = _parse_at(at)
     device = _one_device(trace, device)
     if kind == "oom" and device is None:
         device = resolve_moment(trace, at, None).device
-    allocs = allocations(trace, device)
+    allocs = cache.get(device) if cache is not None else None
+    if allocs is None:
+        allocs = allocations(trace, device)
+        if cache is not None:
+            cache[device] = allocs
     moment = resolve_moment(trace, at, device, allocs)
     live = allocs.live_after(moment.event)
     return _table(trace, allocs, live, by, rule, moment, limit)
