@@ -36,11 +36,13 @@ def test_one_training_step_puts_each_allocation_in_its_category():
         ("free", "act"),
         ("alloc", "gw", 64 * K, ACC),         # the weight's .grad
         ("alloc", "gb", 2 * K, BWD),          # alive after the backward pass: a gradient
+        ("alloc", "gz", 1 * K, BWD),          # a gradient too, freed later (zero_grad)
         ("free", "gx"),
         ("alloc", "m", 64 * K, OPT),          # Adam's state: outlives the step
         ("alloc", "upd", 16 * K, OPT),        # freed within the step
         ("free", "upd"),
         ("alloc", "in", 1 * K, FWD),          # next forward: ends the step
+        ("free", "gz"),
     ])
     got = _categories(t, at="end")
     assert got == {
@@ -49,13 +51,15 @@ def test_one_training_step_puts_each_allocation_in_its_category():
         "optimizer state": {_rule(1): 64 * K},
         "activations": {_rule(8): 1 * K},       # the last forward: no backward after it
     }
+    before = _categories(t, at=-2)               # gz freed after the backward pass ended
+    assert before["gradients"] == {_rule(0): 64 * K, _rule(3): 3 * K}
     peak = _categories(t, at=4)                  # during the backward pass
     assert peak["activations"] == {_rule(6): 32 * K}
     assert peak["temporaries"] == {_rule(4): 4 * K}
     # the forward temporary and the step's temporary, each by its rule
     at_tmp = _categories(t, at=2)
     assert at_tmp["temporaries"] == {_rule(7): 8 * K}
-    at_upd = _categories(t, at=10)
+    at_upd = _categories(t, at=11)
     assert at_upd["temporaries"] == {_rule(2): 16 * K}
     assert set(CATEGORIES) >= set(got)
 
