@@ -89,6 +89,12 @@ def test_leaks_find_what_each_iteration_keeps():
     given = leaks(t, boundaries=[3, 6])
     assert given.boundaries == [3, 6] and "given" in given.source
     assert [r.per_iteration for r in given] == [(MiB, MiB), (4 * MiB, 0)]
+    # allocations that existed before the trace began were made by no iteration
+    rebuilt = make_trace(calls, {**meta, "torch": {"prefix": {"0": 2}}})
+    table = leaks(rebuilt)
+    assert [(r.holder, r.per_iteration) for r in table] == [
+        ("train.py:60 step", (4 * MiB, 0)), ("train.py:42 remember", (0, MiB))]
+    assert any("existed before the trace's first event" in n for n in table.notes)
     with pytest.raises(ConfigError, match="no iteration boundaries"):
         leaks(make_trace(calls))
     with pytest.raises(ConfigError, match="event index or a time"):

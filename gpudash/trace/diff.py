@@ -29,7 +29,7 @@ from ..models import trace_model
 from .callers import annotation_ranges, user_code_rule
 from .format import Trace
 from .holders import (BY, HolderTable, _default_by, _group, _holders, _one_device,
-                      _parse_at, allocations, resolve_moment)
+                      _parse_at, _rebuilt, allocations, resolve_moment)
 
 __all__ = ["diff_holders", "HolderChange", "HolderDiff", "leaks", "Retained", "LeakTable",
            "ITERATION_MARKS"]
@@ -345,7 +345,8 @@ def leaks(trace: Trace, *, by: str | None = None, device: int | None = None,
     An iteration ends at each boundary; the allocations made in iteration k that are still
     live when iteration k+1 ends are counted for k (the part of the trace after the last
     boundary is the last iteration, ending with the trace). A holder kept in every
-    iteration grows step after step.
+    iteration grows step after step. Allocations the importer rebuilt (they existed before
+    the trace's first event) are left out, and said in ``notes``.
 
     Parameters
     ----------
@@ -408,7 +409,8 @@ def leaks(trace: Trace, *, by: str | None = None, device: int | None = None,
     it = np.searchsorted(np.array(edges[1:], dtype=np.int64), allocs.row, side="left")
     ok = it < measured
     end_next = np.array(edges, dtype=np.int64)[np.minimum(it + 2, len(edges) - 1)]
-    kept = np.flatnonzero(ok & (allocs.free_row > end_next))
+    rebuilt = _rebuilt(trace, allocs.row)
+    kept = np.flatnonzero(ok & (allocs.free_row > end_next) & ~rebuilt)
     g = _group(trace, allocs, kept, by, rule)
     model = trace_model(trace)
     out: list[Retained] = []
@@ -429,6 +431,10 @@ def leaks(trace: Trace, *, by: str | None = None, device: int | None = None,
     if limit is not None:
         out = out[:limit]
     notes = list(g.notes)
+    if rebuilt.any():
+        notes.append(f"{int(rebuilt.sum()):,} {model.chunk}(s) existed before the trace's "
+                     "first event (rebuilt by the importer): no iteration made them, so they "
+                     "are left out")
     if measured == 0:
         notes.append("fewer than two iterations: nothing to compare (an iteration is measured "
                      "when the next one ends within the trace)")
