@@ -417,7 +417,9 @@ class HolderTable(list):
                 f"{self.total_allocations:,} {self.chunk}(s) at {where}, by {self.by}")
 
     def to_text(self, limit: int | None = None, stacks: bool = False) -> str:
-        """The table as lines: the header, one line per row, the rule and notes."""
+        """The table as lines: the header, one line per row (the first ``limit``; the rest
+        counted), with ``stacks`` each row's stack under it (the user's frames first), then
+        the rule and the notes."""
         width = max((len(format_bytes(r.bytes)) for r in self), default=0)
         lines = [self.header()]
         for r in (self if limit is None else list(self)[:limit]):
