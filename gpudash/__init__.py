@@ -55,6 +55,7 @@ _LAZY = {
     "sweep": "gpudash.trace.whatif",
     "explain": "gpudash.postmortem",
     "top_holders": "gpudash.trace.holders",
+    "diff_holders": "gpudash.trace.diff",
     "ConfigProto": "gpudash.options",
     "watch": "gpudash.monitors",
 }

@@ -1,9 +1,8 @@
 """The ``gpudash`` command (also ``python -m gpudash``).
 
-Subcommands: ``demo``, ``replay``, ``whatif``, ``explain``, ``info``, ``convert``, ``lab``.
-Every one has
-``--help``. Exit code 0 on success; 1 with a one-line reason for a user error (bad file,
-bad value) -- never a traceback for those.
+Subcommands: ``demo``, ``replay``, ``whatif``, ``explain``, ``holders``, ``diff``, ``info``,
+``convert``, ``lab``. Every one has ``--help``. Exit code 0 on success; 1 with a one-line
+reason for a user error (bad file, bad value) -- never a traceback for those.
 """
 
 from __future__ import annotations
@@ -165,6 +164,27 @@ def _add_device_choice(p: argparse.ArgumentParser) -> None:
                    help="only this device of a trace with several (default: every device)")
     g.add_argument("--allocator", default=None, metavar="NAME",
                    help="only the device of this allocator, e.g. GPU_1_bfc")
+
+
+_AT_HELP = ("peak (the first peak of bytes allocated), oom (just before the first refused "
+            "allocation), end, an event index N, or a time from the trace's first event with "
+            "a unit: 12.5s, 300ms (default peak)")
+
+
+def _add_attribution(p: argparse.ArgumentParser) -> None:
+    from .trace.holders import BY
+
+    p.add_argument("--by", choices=BY, default=None,
+                   help="group by: line (default where the trace has call stacks), function, "
+                        "file, stack, annotation, category, holder (default otherwise)")
+    p.add_argument("--device", type=_int_arg(0, MAX_DEVICE_INDEX), default=None, metavar="N",
+                   help="only device N (default: the trace's only device, or all; --at oom: "
+                        "the failing device)")
+    p.add_argument("--user-code", default=None, metavar="REGEX",
+                   help="frames whose filename matches REGEX are your code (default: .py files "
+                        "outside torch, site-packages and the standard library)")
+    p.add_argument("--limit", type=_int_arg(1, 1_000_000), default=20, metavar="N",
+                   help="print the first N rows (default 20)")
 
 
 def _vary_arg(text: str) -> tuple[str, list]:
@@ -363,6 +383,44 @@ def _parser() -> _Parser:
     p.add_argument("--html", type=Path, default=None, metavar="OUT",
                    help="write a report with the chunk map and bins")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+
+    p = sub.add_parser(
+        "holders", help="who holds the memory at a moment: bytes by line, stack, category...",
+        description="The allocations live at a moment of a trace, grouped by who made them: "
+        "the line of your own code that allocated (from the call stacks a PyTorch snapshot "
+        "records), its function, file or whole stack, the record_function annotation open, "
+        "a category (parameters, gradients, optimizer state, activations, temporaries), or "
+        "the holder names of a TensorFlow profile or log. Largest first; the output says "
+        "which moment, device and user-code rule it used, and what was missing.")
+    p.add_argument("trace", type=Path, metavar="TRACE")
+    _add_format(p)
+    _add_attribution(p)
+    p.add_argument("--at", default="peak", metavar="MOMENT", help=_AT_HELP)
+    p.add_argument("--stacks", action="store_true",
+                   help="under each row, the stack of its largest allocation (your code first)")
+
+    p = sub.add_parser(
+        "diff", help="bytes gained and lost by line between two traces or two moments",
+        description="Compare who holds the memory: two traces of one program (gpudash diff A "
+        "B: at the same moment of each, or --at for A and --to for B), one trace at two "
+        "moments (gpudash diff A --at peak --to end), or what stays live from one iteration "
+        "to the next (gpudash diff A --iterations: iterations from the snapshot's "
+        "ProfilerStep/Optimizer.step annotations, or --boundaries). Largest change first.")
+    p.add_argument("a", type=Path, metavar="A")
+    p.add_argument("b", type=Path, metavar="B", nargs="?", default=None,
+                   help="a second trace (optional)")
+    _add_format(p)
+    _add_attribution(p)
+    p.add_argument("--at", default="peak", metavar="MOMENT",
+                   help="the first moment (of A); " + _AT_HELP)
+    p.add_argument("--to", default=None, metavar="MOMENT",
+                   help="the second moment: of B (default: --at), or of A when there is no B")
+    p.add_argument("--iterations", action="store_true",
+                   help="one trace: what each iteration allocated that is still live at the "
+                        "end of the next")
+    p.add_argument("--boundaries", default=None, metavar="M,M,...",
+                   help="with --iterations: where iterations end (event indices or times "
+                        "such as 2.5s), instead of the annotations")
 
     sub.add_parser("info", help="the devices gpudash sees (NVML or simulated)",
                    description="List the GPUs NVML reports, or the simulated device gpudash "
@@ -776,6 +834,71 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attribution_trace(path: Path, fmt: str | None, device: int | None) -> Any:
+    """Load a trace for ``holders``/``diff``: a missing file, an unknown device or a trace
+    without allocations is a one-line error."""
+    import numpy as np
+
+    if not path.exists():
+        raise _UserError(f"no such file: {path}")
+    trace = _load(path, fmt)
+    kind, dev = trace.columns["kind"], trace.columns["device"]
+    if device is not None and not np.any(dev == device):
+        present = ", ".join(str(d) for d in np.unique(dev).tolist()) or "none"
+        raise _UserError(f"{path}: no device {device}; its devices are {present}")
+    mine = kind == 1 if device is None else (kind == 1) & (dev == device)
+    if not np.any(mine):
+        where = f" on device {device}" if device is not None else ""
+        raise _UserError(f"{path}: the trace has no allocations{where}: nothing holds memory")
+    return trace
+
+
+def cmd_holders(args: argparse.Namespace) -> int:
+    from .trace.holders import top_holders
+
+    trace = _attribution_trace(args.trace, args.format, args.device)
+    try:
+        table = top_holders(trace, args.at, by=args.by, device=args.device,
+                            user_code=args.user_code)
+    except (GpudashError, IndexError) as exc:
+        raise _UserError(f"{args.trace}: {exc}") from None
+    _say(f"{args.trace}: " + table.to_text(limit=args.limit, stacks=args.stacks))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .trace.diff import diff_holders, leaks
+
+    a = _attribution_trace(args.a, args.format, args.device)
+    try:
+        if args.iterations:
+            if args.b is not None:
+                raise _UserError("--iterations compares the iterations of one trace; drop B")
+            bounds = None
+            if args.boundaries:
+                bounds = [x.strip() for x in args.boundaries.split(",") if x.strip()]
+            table = leaks(a, by=args.by, device=args.device, boundaries=bounds,
+                          user_code=args.user_code)
+            _say(f"{args.a}: " + table.to_text(limit=args.limit))
+            return 0
+        if args.boundaries:
+            raise _UserError("--boundaries goes with --iterations")
+        b = _attribution_trace(args.b, args.format, args.device) if args.b is not None \
+            else None
+        if b is None and args.to is None:
+            raise _UserError(f"{args.a}: one trace needs --to MOMENT (compare --at with --to), "
+                             "or a second trace B, or --iterations")
+        result = diff_holders(a, b, at=args.at, to=args.to, by=args.by, device=args.device,
+                              user_code=args.user_code)
+    except (GpudashError, IndexError) as exc:
+        raise _UserError(f"{args.a}: {exc}") from None
+    name = f"{args.a}" + (f" -> {args.b}" if args.b is not None else "")
+    _say(f"{name}: " + result.to_text(limit=args.limit))
+    if not len(result):
+        _say("no change")
+    return 0
+
+
 def _torch_settings_text(options: dict, fraction: bool = True) -> str:
     """A PyTorch replay's settings in PyTorch's words."""
     conf = options.get("conf") or ""
@@ -980,7 +1103,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "replay": cmd_replay, "whatif": cmd_whatif,
-            "explain": cmd_explain, "info": cmd_info, "convert": cmd_convert, "lab": cmd_lab}
+            "explain": cmd_explain, "holders": cmd_holders, "diff": cmd_diff,
+            "info": cmd_info, "convert": cmd_convert, "lab": cmd_lab}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

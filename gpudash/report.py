@@ -28,7 +28,7 @@ from ._units import format_bytes
 from ._version import __version__
 
 __all__ = ["build_report", "write_report", "timeline_figure", "heatmap_figure",
-           "bins_figure", "chunkmap_figure", "chunk_holders"]
+           "bins_figure", "chunkmap_figure", "chunk_holders", "stack_icicle_figure"]
 
 _C = style.COLORS
 
@@ -678,14 +678,36 @@ section.plot {{ margin: 12px 0; }}
 
 
 def _holders_section(trace: Any, device: Any) -> str:
-    """"Who holds memory at the peak": bytes by holder (op, stack, label), when the trace
-    names holders; empty otherwise."""
+    """"Who holds memory at the peak": bytes by the line of the user's code that allocated
+    them when the trace recorded call stacks (the top :data:`HOLDER_ROWS` rows, each with
+    its stack in a ``<details>``; at the out-of-memory error too when there is one; and an
+    icicle of the stacks at the peak), else by holder (op, label) when the trace names
+    holders; empty otherwise."""
+    from .events import EventKind
+    from .trace.holders import top_holders
+
+    stack = getattr(trace, "stack", None)
+    if stack is not None and len(stack) and (np.asarray(stack) >= 0).any():
+        parts = []
+        peak = top_holders(trace, at="peak", by="line", device=device, limit=HOLDER_ROWS)
+        parts.append(f"<h2>Who holds memory at the peak</h2>{_holder_table(peak, 'holders')}")
+        kind = np.asarray(trace.columns["kind"])
+        oom = kind == int(EventKind.OOM)
+        if device is not None:
+            oom &= np.asarray(trace.columns["device"]) == device
+        if oom.any():
+            at_oom = top_holders(trace, at="oom", by="line", device=device, limit=HOLDER_ROWS)
+            parts.append("<h2>Who held memory at the out-of-memory error</h2>"
+                         f"{_holder_table(at_oom, 'holders-oom')}")
+        fig = stack_icicle_figure(trace, at="peak", device=device)
+        div = fig.to_html(full_html=False, include_plotlyjs=False, div_id="gpudash-icicle",
+                          config={"displaylogo": False})
+        parts.append(f'<section class="plot" data-plot="icicle">{div}</section>')
+        return "\n".join(parts)
     holder = getattr(trace, "holder", None)
     if holder is None or not len(holder) or not (np.asarray(holder) >= 0).any():
         return ""
-    from .trace.holders import top_holders
-
-    top = top_holders(trace, at="peak", device=device, limit=15)
+    top = top_holders(trace, at="peak", by="holder", device=device, limit=15)
     if not top:
         return ""
     body = "".join(
@@ -693,6 +715,107 @@ def _holders_section(trace: Any, device: Any) -> str:
         f"<td>{h.allocations:,}</td></tr>" for h in top)
     return ('<h2>Who holds memory at the peak</h2><table id="holders"><tr><th>holder</th>'
             f"<th>bytes in use</th><th>allocations</th></tr>{body}</table>")
+
+
+#: Rows of a holders table in the report; frames of a stack shown under a row.
+HOLDER_ROWS = 20
+STACK_LINES = 40
+
+
+def _holder_table(table: Any, table_id: str) -> str:
+    """A holders table: each row's stack on demand (``<details>``), and what it rests on."""
+    from .trace.callers import stack_lines
+
+    body = []
+    for r in table:
+        stack = stack_lines(list(r.frames), table.rule_test, STACK_LINES, full=True)
+        cell = html.escape(r.holder)
+        if stack:
+            more = (f" ({len(r.stack_ids)} distinct stacks; the largest block's shown)"
+                    if len(r.stack_ids) > 1 else "")
+            cell = (f"<details><summary>{cell}</summary><pre>"
+                    f"{html.escape(chr(10).join(stack))}</pre>{html.escape(more)}</details>")
+        body.append(f"<tr><td>{cell}</td><td>{html.escape(format_bytes(r.bytes))}</td>"
+                    f"<td>{r.allocations:,}</td></tr>")
+    notes = [table.header()]
+    if table.left_out[0]:
+        notes.append(f"{table.left_out[0]:,} more row(s), {format_bytes(table.left_out[1])}, "
+                     "not shown")
+    notes += ([table.rule] if table.rule else []) + table.notes
+    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return (f'<table id="{table_id}"><tr><th>line (your code)</th><th>bytes '
+            f"{html.escape(table.in_use)}</th><th>{html.escape(table.chunk)}s</th></tr>"
+            f'{"".join(body)}</table><ul class="notes">{items}</ul>')
+
+
+#: Nodes an icicle of stacks draws at most (the largest; the rest stay in their parents).
+ICICLE_NODES = 300
+
+
+def stack_icicle_figure(trace: Any, *, at: Any = "peak", device: Any = None,
+                        user_code: Any = None, max_nodes: int = ICICLE_NODES) -> Any:
+    """The stacks of the allocations live at a moment as an icicle: the outermost frame of
+    the user's code at the root, each deeper frame of it below, and under the innermost one
+    the library or C++ code that allocated (``(in libraries) functional.py:1701 relu``);
+    user frames are labelled ``file:line function``. Widths are bytes. At most
+    ``max_nodes`` nodes are drawn, the largest: a smaller node's bytes stay in its parent,
+    so the figure's size is bounded whatever the trace."""
+    from .trace.callers import (below_user_code, call_sites, frame_text, short_paths,
+                                user_code_rule)
+    from .trace.holders import allocations, resolve_moment
+
+    go = _go()
+    rule = user_code_rule(user_code)
+    allocs = allocations(trace, device)
+    moment = resolve_moment(trace, at, device, allocs)
+    live = allocs.live_after(moment.event)
+    stacks = trace.stacks
+    sites = call_sites(stacks, rule)
+    sids, inv = np.unique(allocs.stack[live], return_inverse=True)
+    sizes = np.bincount(inv, weights=allocs.size[live].astype(np.float64),
+                        minlength=len(sids)) if len(live) else np.zeros(0)
+    files = sorted({stacks.frames[f].filename for s in sids.tolist() if s >= 0
+                    for f in stacks.stacks[s].frames})
+    short = short_paths(files)
+    paths = []
+    for s in sids.tolist():
+        if s < 0:
+            paths.append(("(no stack recorded)",))
+            continue
+        frames = stacks.frames_of(s)
+        user = [i for i, f in enumerate(frames) if sites.is_user[stacks.stacks[s].frames[i]]]
+        if not user:
+            fb = int(sites.fallback_frame[s])
+            text = sites.fallback[s] + (f" {frame_text(stacks.frames[fb], short)}"
+                                        if fb >= 0 else "")
+            paths.append((text,))
+            continue
+        path = [frame_text(frames[i], short) for i in reversed(user)]
+        below = below_user_code(frames, rule, short)
+        if below:
+            path.append(below)
+        paths.append(tuple(path))
+    total = float(sizes.sum())
+    value: dict[tuple, float] = {(): total}
+    for p, b in zip(paths, sizes.tolist()):
+        for k in range(1, len(p) + 1):
+            value[p[:k]] = value.get(p[:k], 0.0) + b
+    nodes = sorted((k for k in value if k), key=lambda k: (-value[k], len(k)))[:max_nodes]
+    kept = set(nodes)
+    nodes = [k for k in nodes if all(k[:j] in kept for j in range(1, len(k)))]
+    root = f"{format_bytes(int(total))} at {moment.text}"
+    ids = ["/"] + ["/" + "\x1f".join(k) for k in nodes]
+    labels = [root] + [k[-1] for k in nodes]
+    parents = [""] + ["/" + "\x1f".join(k[:-1]) if len(k) > 1 else "/" for k in nodes]
+    values = [total] + [value[k] for k in nodes]
+    fig = go.Figure(go.Icicle(
+        ids=ids, labels=labels, parents=parents, values=values, branchvalues="total",
+        customdata=[format_bytes(int(v)) for v in values], root={"color": _C["grid"]},
+        hovertemplate="%{label}<br>%{customdata}<extra></extra>", tiling={"orientation": "v"},
+        maxdepth=6))
+    _layout(fig, "Stacks at the peak (outermost frame of your code at the top)", 520,
+            margin={"l": 10, "r": 10, "t": 56, "b": 10})
+    return fig
 
 
 def write_report(trace: Any, path: str | Path, *, overwrite: bool = False, **kwargs: Any) -> Path:

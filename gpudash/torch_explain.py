@@ -89,6 +89,11 @@ class TorchExplanation(_ExplanationViews):
     assumed, warnings : list of str
     index, count : int
         Which error of the file (from 0) and how many it has.
+    holders : HolderTable or None
+        A snapshot with call stacks: the blocks allocated at the failure, grouped by the line
+        of the user's code that allocated them (:func:`gpudash.trace.holders.top_holders`).
+    request_stack : list of Frame
+        A snapshot: the refused request's own stack, innermost first ([] when not recorded).
     """
 
     path: str
@@ -113,9 +118,35 @@ class TorchExplanation(_ExplanationViews):
     warnings: list[str] = field(default_factory=list)
     index: int = 0
     count: int = 1
+    holders: Any = None
+    request_stack: list = field(default_factory=list)
     _oom: Any = field(default=None, repr=False)
     #: who holds each block at the failure (address -> lines), for the map's hover
     _holders: dict = field(default_factory=dict, repr=False)
+
+    #: Rows of the holders the summary shows.
+    HOLDER_ROWS = 8
+
+    def _holder_lines(self) -> list[tuple[str, str]]:
+        """Who held the memory at the failure, and the refused request's stack."""
+        rows: list[tuple[str, str]] = []
+        table = self.holders
+        if table is not None and len(table):
+            rows.append(("held at the OOM",
+                         f"{format_bytes(table.total_bytes)} in {table.total_allocations:,} "
+                         f"block(s), by the line of your code that allocated them (the "
+                         f"largest {min(len(table), self.HOLDER_ROWS)} of "
+                         f"{len(table) + table.left_out[0]})"))
+            for r in list(table)[:self.HOLDER_ROWS]:
+                rows.append(("", f"{format_bytes(r.bytes):>10} in {r.allocations:,} "
+                                 f"block(s) at {r.holder}"))
+            rows.extend(("", f"note: {n}") for n in table.notes)
+        if self.request_stack:
+            from .trace.callers import stack_lines, user_code_rule
+
+            for i, line in enumerate(stack_lines(self.request_stack, user_code_rule(None), 16)):
+                rows.append(("request's stack" if i == 0 else "", line))
+        return rows
 
     def lines(self) -> list[tuple[str, str]]:
         """The summary as (label, text) rows."""
@@ -147,6 +178,7 @@ class TorchExplanation(_ExplanationViews):
                              f"{setting}: {detail}"))
             if not self.proofs:
                 rows.extend(("would serve it", s) for s in self.settings)
+            rows.extend(self._holder_lines())
         rows.extend(("assumed", a) for a in self.assumed)
         return rows
 
@@ -357,6 +389,7 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     proofs = []
     if prove and settings:
         proofs = _prove(trace, dev, total, alloc.config, settings, nth)
+    holders = _holders_at(trace, row, dev)
     return TorchExplanation(
         path=os.fspath(path), source="snapshot", device=dev, request=request,
         allocated=allocated, reserved=reserved, unallocated=unallocated, largest_free=largest,
@@ -364,8 +397,25 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
         total_known=known, cause=cause,
         why=why, settings=settings, proofs=proofs,
         message=alloc.oom_message(request, device_free), dump=dump,
-        assumed=assumed, warnings=warnings, index=pick, count=len(order),
+        assumed=assumed, warnings=warnings, index=pick, count=len(order), holders=holders,
+        request_stack=list(trace.frames_of(row)),
         _holders=chunk_holders(trace, dump, device=dev, before_row=row))
+
+
+def _holders_at(trace: Any, row: int, dev: int) -> Any:
+    """The blocks live at the failure at ``row`` by line, when the snapshot kept stacks."""
+    import dataclasses
+
+    from .trace.holders import top_holders
+
+    if trace.stack is None or not (trace.stack >= 0).any():
+        return None
+    table = top_holders(trace, at=row, by="line", device=dev, limit=20)
+    if table.moment is not None:
+        table.moment = dataclasses.replace(
+            table.moment, text=f"the out-of-memory error on cuda:{dev} (event {row:,})",
+            oom_row=row)
+    return table
 
 
 def _diagnose(request: int, unallocated: int, largest: int, device_free: int,

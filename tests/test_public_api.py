@@ -25,7 +25,7 @@ EXPECTED = {
     # traces
     "Trace", "load_trace", "replay", "min_fraction", "sweep",
     # post-mortems and holders
-    "explain", "top_holders",
+    "explain", "top_holders", "diff_holders",
     # framework monitors
     "watch",
 }

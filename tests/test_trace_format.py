@@ -69,7 +69,7 @@ def test_package_exports_exactly_the_public_names():
         "load_tf_log", "load_tf_vectors", "load_vector_json", "load_torch_snapshot",
         "save_torch_snapshot", "load_rmm_csv", "load_cupy_hook", "replay", "ReplayResult",
         "min_fraction", "MinFractionResult", "sweep", "SweepTable", "load_xplane",
-        "read_dumps", "top_holders", "replay_devices", "load_ranks"])
+        "read_dumps", "top_holders", "diff_holders", "leaks", "replay_devices", "load_ranks"])
     for name in gt.__all__:
         assert getattr(gt, name) is not None
 

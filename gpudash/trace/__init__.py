@@ -16,6 +16,7 @@ from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
 from .xplane import load_xplane
 from .tf_dump import read_dumps
 from .holders import top_holders
+from .diff import diff_holders, leaks
 from .replay import ReplayResult, replay, replay_devices
 from .whatif import MinFractionResult, SweepTable, min_fraction, sweep
 
@@ -37,6 +38,8 @@ __all__ = [
     "load_xplane",
     "read_dumps",
     "top_holders",
+    "diff_holders",
+    "leaks",
     "replay",
     "replay_devices",
     "ReplayResult",
