@@ -24,6 +24,30 @@ pending-free block (``active_allocated``, ``active_pending_free`` or
 ``active_awaiting_free``). Expandable segments are left out of that reconstruction (their
 mapped ranges are not segment addresses). Legacy blocks with ``history: [{real_size, ...}]``
 and no ``requested_size`` or ``address`` are read too.
+
+Stacks
+------
+Each row keeps the call stack PyTorch recorded with its entry (:attr:`Trace.stack`, ids
+into :attr:`Trace.stacks`): the entry's ``frames`` (Python and C++ frames alike, innermost
+first as PyTorch lists them; each frame's ``filename``, ``line`` and ``name``, other keys
+dropped) with its ``compile_context`` and ``user_metadata`` kept as PyTorch wrote them
+(``"N/A"`` stays ``"N/A"``; an absent one is ``""``). An entry with no or empty ``frames``
+and nothing else recorded (no metadata, a compile context absent, empty or ``"N/A"``) has
+none (-1). An alloc row holds the allocating stack; a free row holds its own entry's
+stack, which is where the block was freed (with ``context="all"``; PyTorch records the
+allocation's stack there only with ``context="alloc"``). A rebuilt allocation or segment
+takes the ``frames`` of its final block or segment (for legacy blocks: of the last
+``history`` record); one rebuilt from a free in the trace has none: where it was allocated
+was not recorded.
+
+Annotations
+-----------
+``external_annotations`` (``record_function`` ranges: ``{name, stage: START|END, device,
+time_us}``) are kept in ``meta["annotations"]`` as ``{"names": [name, ...], "ranges":
+[[device, name index, start_ns, end_ns], ...]}``: each END closes the latest open START of
+the same name and device (ranges nest), times in ns as ``time_ns``, ``null`` for a
+range the trace saw only begin or only end, in the order of their START (of their END for
+those that only end). No key when the snapshot has none.
 """
 
 from __future__ import annotations
@@ -37,9 +61,12 @@ import pickle
 from collections import Counter
 from typing import IO, Any
 
+import numpy as np
+
 from .._errors import TraceFormatError
 from ..events import EventKind
 from .format import Trace, _device_entries, _EventBuilder, _open_new, _open_regular, _source_name
+from .stacks import STACK_DTYPE, Frame, Stack, StackTable
 from .torch_trace import compact_segments
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
@@ -127,15 +154,16 @@ _MIN_ITEMS = 10_000
 _MAX_SETTINGS_VALUES = 10_000
 
 
-def _check_size(name: str, segments: list, traces: list, nbytes: int | None = None) -> None:
-    """Refuse a snapshot whose segments, blocks and trace entries, counted with every
-    repeated reference, exceed :data:`MAX_SNAPSHOT_ITEMS` or (for a file of ``nbytes``)
-    one per :data:`BYTES_PER_ITEM` bytes, before walking them (len() of each list only:
-    nothing is expanded)."""
+def _check_size(name: str, segments: list, traces: list, nbytes: int | None = None,
+                extra: int = 0) -> None:
+    """Refuse a snapshot whose segments, blocks and trace entries (and ``extra`` other
+    items: annotations), counted with every repeated reference, exceed
+    :data:`MAX_SNAPSHOT_ITEMS` or (for a file of ``nbytes``) one per :data:`BYTES_PER_ITEM`
+    bytes, before walking them (len() of each list only: nothing is expanded)."""
     cap = MAX_SNAPSHOT_ITEMS
     if nbytes is not None:
         cap = min(cap, max(_MIN_ITEMS, nbytes // BYTES_PER_ITEM))
-    total = len(segments)   # a device's trace list is no item: only its entries are
+    total = len(segments) + extra   # a device's trace list is no item: only its entries are
     if total <= cap:
         for seg in segments:
             blocks = seg.get("blocks") if isinstance(seg, dict) else None
@@ -200,6 +228,117 @@ def _time_ns(tu: Any, where: str, i: int) -> int:
     return int(tu) * 1000
 
 
+class _StackInterner:
+    """PyTorch's frames as a :class:`~gpudash.trace.stacks.StackTable`, each frame dict and
+    each frames list read once.
+
+    A pickle shares equal frames as one dict object and often one frames list between the
+    entries of a call (alloc, or free_requested and free_completed), so frames are interned
+    by the ``id()`` of their dict and stacks by the ``id()`` of their list (with the
+    compile context and user metadata). Every object looked up belongs to the snapshot and
+    all of them were alive together when it was loaded, so two of them never share an id,
+    even after some are released.
+    """
+
+    __slots__ = ("table", "_frames", "_stacks", "_name")
+
+    def __init__(self, name: str) -> None:
+        self.table = StackTable()
+        self._frames: dict[int, int] = {}
+        self._stacks: dict[tuple[int, Any, Any], int] = {}
+        self._name = name
+
+    def of(self, frames: Any, cc: Any, um: Any, where: str) -> int:
+        """The stack id of ``frames`` (PyTorch's frame dicts, innermost first) with a
+        compile context and user metadata (-1: no frames and nothing else recorded)."""
+        key = (id(frames), cc, um)
+        try:
+            sid = self._stacks.get(key)
+        except TypeError:       # an unhashable compile context or metadata: refused below
+            sid = None
+        if sid is not None:
+            return sid
+        if frames is None:
+            frames = ()
+        elif not isinstance(frames, (list, tuple)):
+            raise TraceFormatError(f"{where}.frames: expected a list of frames, found "
+                                   f"{type(frames).__name__}")
+        for what, value in (("compile_context", cc), ("user_metadata", um)):
+            if value is not None and not isinstance(value, str):
+                raise TraceFormatError(f"{where}.{what}: expected a string, found "
+                                       f"{type(value).__name__}")
+        cc = cc or ""
+        um = um or ""
+        if not frames and not um and cc in ("", "N/A"):
+            sid = -1
+        else:
+            ids = tuple(self._frame(f, where, j) for j, f in enumerate(frames))
+            sid = self.table._add_stack(Stack(ids, cc, um))
+        self._stacks[key] = sid
+        return sid
+
+    def _frame(self, f: Any, where: str, j: int) -> int:
+        fid = self._frames.get(id(f))
+        if fid is None:
+            if isinstance(f, dict):
+                filename, line, name = f.get("filename"), f.get("line"), f.get("name")
+            if not (isinstance(f, dict) and isinstance(filename, str)
+                    and isinstance(name, str) and isinstance(line, int)
+                    and not isinstance(line, bool)):
+                raise TraceFormatError(
+                    f"{where}.frames[{j}]: expected a frame, a dict with 'filename' (str), "
+                    f"'line' (int) and 'name' (str); found {_short(f)}")
+            fid = self._frames[id(f)] = self.table._add_frame(Frame(filename, line, name))
+        return fid
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, (dict, str, int, float, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _entry_stack(stacks: _StackInterner, e: dict, where: str) -> int:
+    return stacks.of(e.get("frames"), e.get("compile_context"), e.get("user_metadata"), where)
+
+
+def _annotations(raw: Any, name: str) -> dict | None:
+    """``external_annotations`` as ranges (see the module docstring), or None when the
+    snapshot has none."""
+    if not raw:
+        return None
+    if not isinstance(raw, list):
+        raise TraceFormatError(f"{name}: external_annotations must be a list of "
+                               f"{{name, stage, device, time_us}} dicts")
+    names: dict[str, int] = {}
+    ranges: list[list] = []
+    open_: dict[tuple[int, int], list[int]] = {}
+    for i, a in enumerate(raw):
+        where = f"{name}: external_annotations[{i}]"
+        if not isinstance(a, dict):
+            raise TraceFormatError(f"{where}: expected a dict with name, stage, device and "
+                                   f"time_us; found {type(a).__name__}")
+        label, stage = a.get("name"), a.get("stage")
+        if not isinstance(label, str) or stage not in ("START", "END"):
+            raise TraceFormatError(f"{where}: expected a 'name' string and a 'stage' of "
+                                   f"'START' or 'END'; found {_short(label)}, {_short(stage)}")
+        dev = _int(a.get("device", 0), where, "device", _MAX_DEVICE)
+        t = _time_ns(a.get("time_us"), where, 0) if a.get("time_us") is not None else None
+        if t is None:
+            raise TraceFormatError(f"{where}: no time_us (an annotation is placed by time)")
+        nid = names.setdefault(label, len(names))
+        if stage == "START":
+            ranges.append([dev, nid, t, None])
+            open_.setdefault((dev, nid), []).append(len(ranges) - 1)
+        else:
+            stack = open_.get((dev, nid))
+            if stack:
+                ranges[stack.pop()][3] = t
+            else:
+                ranges.append([dev, nid, None, t])
+    return {"names": list(names), "ranges": ranges}
+
+
 def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                         reconstruct: bool = True) -> Trace:
     """Load a PyTorch memory snapshot (pickle, JSON or an already-loaded dict) as a Trace.
@@ -235,11 +374,15 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
     traces = snap.get("device_traces") or []
     if not isinstance(segments, list) or not isinstance(traces, list):
         raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
-    _check_size(name, segments, traces, nbytes)
+    raw_annotations = snap.get("external_annotations")
+    _check_size(name, segments, traces, nbytes,
+                len(raw_annotations) if isinstance(raw_annotations, list) else 0)
 
     # ---- final state from segments
     final_segs: dict[int, dict[int, int]] = {}
     final_blocks: dict[int, dict[int, tuple[int, int]]] = {}
+    # where each final segment and allocated block was made: (frames, entry, where)
+    final_frames: dict[tuple[int, int], tuple[Any, dict, str]] = {}
     pending = 0
     for si, seg in enumerate(segments):
         where = f"{name}: segments[{si}]"
@@ -250,6 +393,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         total = _int(seg.get("total_size"), where, "total_size")
         if not seg.get("is_expandable", False):
             final_segs.setdefault(dev, {})[base] = total
+            final_frames[(dev, -1 - base)] = (seg.get("frames"), seg, where)
         offset = base
         for bi, blk in enumerate(seg.get("blocks") or []):
             bwhere = f"{where}.blocks[{bi}]"
@@ -269,9 +413,14 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 continue
             pending += state in _PENDING_STATES
             req = blk.get("requested_size")
-            if req is None:
-                hist = blk.get("history") or []
-                req = hist[-1].get("real_size") if hist and isinstance(hist[-1], dict) else None
+            hist = blk.get("history") or []
+            last = hist[-1] if isinstance(hist, list) and hist and isinstance(hist[-1], dict) \
+                else None
+            if req is None and last is not None:
+                req = last.get("real_size")
+            final_frames[(dev, addr)] = (blk["frames"] if "frames" in blk else
+                                         last.get("frames") if last is not None else None,
+                                         blk, bwhere)
             final_blocks.setdefault(dev, {})[addr] = (size, _int(req if req is not None
                                                                  else size, bwhere,
                                                                  "requested_size"))
@@ -307,21 +456,28 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         t0 = first_time.get(dev, 0)
         state, _ = start_state(tt)
         for seg in state:     # the segments first, then what was allocated in them
+            made = final_frames.get((dev, -1 - seg.address)) \
+                if seg.freed_at < 0 and not seg.expandable else None
             initial.append((t0, 0, dev, len(initial), {
                 "action": "segment_map" if seg.expandable else "segment_alloc",
-                "addr": seg.address, "size": seg.size, "stream": seg.stream}))
+                "addr": seg.address, "size": seg.size, "stream": seg.stream,
+                "made": made}))
             n_rec_segs += 1
         for seg in state:
-            for addr, size, req in seg.blocks:
+            for (addr, size, req), freed_at in zip(seg.blocks, seg.blocks_freed_at,
+                                                    strict=True):
                 initial.append((t0, 0, dev, len(initial), {
                     "action": "alloc", "addr": addr, "size": size, "requested_size": req,
-                    "stream": seg.stream}))
+                    "stream": seg.stream,
+                    "made": final_frames.get((dev, addr)) if freed_at < 0 else None}))
                 n_rec_blocks += 1
     prefix: dict[str, int] = {}
     for _, _, dev, _, _ in initial:
         prefix[str(dev)] = prefix.get(str(dev), 0) + 1
 
     b = _EventBuilder()
+    stacks = _StackInterner(name)
+    stack_col: list[int] = []
     free_requested = 0
     skipped: Counter[str] = Counter()
     oom_free: list[list[int]] = []
@@ -335,7 +491,17 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                  f"{name}: segments (device {dev})")
         if a == "free_requested":
             free_requested += 1
-        elif a == "oom":
+            continue
+        if a not in _ROW_ACTIONS:
+            skipped[str(a)] += 1
+            continue
+        if phase:
+            stack_col.append(_entry_stack(stacks, e, where))
+        else:   # rebuilt: the stack of the final block or segment it is, if any
+            made = e["made"]
+            stack_col.append(-1 if made is None else
+                             _entry_stack(stacks, {"frames": made[0]}, made[2]))
+        if a == "oom":
             size = _int(e.get("size"), where, "size")
             b.oom(t, dev, size, stream=_stream(e, where))
             oom_free.append([len(b) - 1, _int(e.get("device_free") or 0, where,
@@ -354,8 +520,6 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 b.extend(t, dev, addr, size, stream=_stream(e, where))
             else:
                 b.release(t, dev, addr, size, stream=_stream(e, where))
-        else:
-            skipped[str(a)] += 1
     # trace entries carry no requested size: take it from the final blocks still live
     live = b.live()
     for dev, blocks in final_blocks.items():
@@ -379,7 +543,17 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                       for dev, tt in per_device.items() if tt.final is not None},
         },
     }
-    return b.build(meta)
+    annotations = _annotations(raw_annotations, name)
+    if annotations is not None:
+        meta["annotations"] = annotations
+    t = b.build(meta)
+    stack = np.array(stack_col, dtype=STACK_DTYPE) if any(s >= 0 for s in stack_col) else None
+    return Trace(t.columns, t.meta, t.settings, holder=t.holder, holders=t.holders,
+                 stream=t.stream, stack=stack, stacks=stacks.table)
+
+
+_ROW_ACTIONS = frozenset(("alloc", "free_completed", "segment_alloc", "segment_map",
+                          "segment_free", "segment_unmap", "oom"))
 
 
 def _stream(entry: dict, where: str) -> int:

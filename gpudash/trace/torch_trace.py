@@ -319,7 +319,9 @@ class StartSegment:
     """A segment that existed when a trace began: a cudaMalloc segment, or a mapped range
     of an expandable segment (``expandable``; ``base`` is its reservation's start).
     ``blocks`` are ``(address, size, requested)`` of the blocks allocated then, by address;
-    the rest is free."""
+    the rest is free. ``freed_at`` is the trace index of the ``segment_free`` that showed
+    the segment (-1: it is one of the final segments), ``blocks_freed_at`` the same for each
+    block (the index of the ``free_completed`` that freed it; -1: a final block)."""
 
     address: int
     size: int
@@ -328,6 +330,8 @@ class StartSegment:
     expandable: bool = False
     base: int = 0
     blocks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    freed_at: int = -1
+    blocks_freed_at: list[int] = dataclasses.field(default_factory=list)
 
 
 def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
@@ -370,7 +374,7 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
         elif a == A_SEG_FREE:
             # a segment of 2 MiB is the small pool's (large segments are >= 10 MiB)
             segs[addr[k]] = {"size": size[k], "small": size[k] == (2 << 20),
-                             "stream": stream[k]}
+                             "stream": stream[k], "freed_at": k}
         elif a == A_MAP:
             mapped.sub(addr[k], addr[k] + size[k])
         elif a == A_UNMAP:
@@ -391,8 +395,10 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
                 best = (alloc_addrs[j], k)
         return None if best is None else best[0]
 
-    def blocks_in(lo: int, hi: int, small: bool, expandable: bool) -> list[tuple[int, int, int]]:
-        """The allocated blocks of [lo, hi), with their sizes."""
+    def blocks_in(lo: int, hi: int, small: bool, expandable: bool,
+                  freed: list[int]) -> list[tuple[int, int, int]]:
+        """The allocated blocks of [lo, hi), with their sizes (and, into ``freed``, the trace
+        index of the free of each, -1 for a final block)."""
         out = []
         k = bisect_left(starts, lo)
         inside = []
@@ -419,15 +425,18 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
                     sz = nxt - b0
             sz = min(sz, nxt - b0)
             out.append((b0, sz, min(req, sz) or sz))
+            freed.append(freed_at)
             counts["blocks"] += 1
         return out
 
     out: list[StartSegment] = []
     for base in sorted(segs):
         info = segs[base]
+        freed: list[int] = []
         out.append(StartSegment(base, info["size"], info["small"], info["stream"],
                                 blocks=blocks_in(base, base + info["size"], info["small"],
-                                                 False)))
+                                                 False, freed),
+                                freed_at=info.get("freed_at", -1), blocks_freed_at=freed))
         counts["segments"] += 1
     # expandable segments: one reservation per (stream, pool), based at its lowest mapped
     # range (the allocator maps a reservation from its start upward)
@@ -442,8 +451,10 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
     for (strm, small), ranges in sorted(groups.items()):
         ranges.sort()
         for lo, hi in ranges:
+            freed = []
             out.append(StartSegment(lo, hi - lo, small, strm, True, ranges[0][0],
-                                    blocks_in(lo, hi, small, True)))
+                                    blocks_in(lo, hi, small, True, freed),
+                                    blocks_freed_at=freed))
         counts["segments"] += 1
     return out, counts
 
