@@ -609,78 +609,211 @@ def _jsonable(obj: Any, name: str = "<dict>") -> Any:
     return conv(obj, 0)
 
 
+class _FramesOut:
+    """A stack table's stacks as PyTorch writes them: per stack one ``frames`` list of
+    ``{"filename", "line", "name"}`` dicts, each frame dict and each list made once and
+    shared by every entry that has it (a pickle then stores each once, as PyTorch's do)."""
+
+    __slots__ = ("_table", "_frames", "_lists")
+
+    def __init__(self, table: StackTable) -> None:
+        self._table = table
+        self._frames: dict[int, dict] = {}
+        self._lists: dict[int, tuple[list, str, str]] = {}
+
+    def of(self, sid: int) -> tuple[list, str, str]:
+        """``(frames, compile_context, user_metadata)`` of stack ``sid`` (-1: none)."""
+        if sid < 0:
+            return [], "", ""
+        out = self._lists.get(sid)
+        if out is None:
+            st = self._table.stacks[sid]
+            frames = []
+            for f in st.frames:
+                d = self._frames.get(f)
+                if d is None:
+                    fr = self._table.frames[f]
+                    d = self._frames[f] = {"filename": fr.filename, "line": fr.line,
+                                           "name": fr.name}
+                frames.append(d)
+            out = self._lists[sid] = (frames, st.compile_context, st.user_metadata)
+        return out
+
+    def entry(self, sid: int, **fields: Any) -> dict:
+        """A trace entry with the frames (and compile context and user metadata, where
+        recorded) of stack ``sid``."""
+        frames, cc, um = self.of(sid)
+        fields["frames"] = frames
+        if cc:
+            fields["compile_context"] = cc
+        if um:
+            fields["user_metadata"] = um
+        return fields
+
+
 def _snapshot_dict(trace: Trace) -> dict:
     c = trace.columns
     kind = c["kind"].tolist()
     ptr, size, req = c["ptr"].tolist(), c["size"].tolist(), c["requested"].tolist()
     dev_col, t_col = c["device"].tolist(), (c["time_ns"] // 1000).tolist()
+    sid_col = trace.stack_ids().tolist()
+    out = _FramesOut(trace.stacks)
+    entry = out.entry
     devices = set(dev_col) | set(_device_entries(trace.meta))
     n_dev = max(devices) + 1 if devices else 0
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
-    allocs: dict[tuple[int, int], tuple[int, int]] = {}
-    segs: dict[tuple[int, int], int] = {}
+    allocs: dict[tuple[int, int], tuple[int, int, int]] = {}
+    segs: dict[tuple[int, int], tuple[int, int]] = {}
     ALLOC, FREE, EXTEND, RELEASE, OOM = (
         int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND),
         int(EventKind.RELEASE), int(EventKind.OOM))
-    for k, p, s, r, d, t in zip(kind, ptr, size, req, dev_col, t_col, strict=True):
-        base = {"stream": 0, "time_us": t, "frames": []}
+    for k, p, s, r, d, t, sid in zip(kind, ptr, size, req, dev_col, t_col, sid_col,
+                                     strict=True):
         if k == ALLOC:
-            traces[d].append({"action": "alloc", "addr": p, "size": s, "requested_size": r,
-                              **base})
-            allocs[(d, p)] = (s, r)
+            traces[d].append(entry(sid, action="alloc", addr=p, size=s, requested_size=r,
+                                   stream=0, time_us=t))
+            allocs[(d, p)] = (s, r, sid)
         elif k == FREE:
-            traces[d].append({"action": "free_requested", "addr": p, "size": s, **base})
-            traces[d].append({"action": "free_completed", "addr": p, "size": s,
-                              "requested_size": r, **base})
+            traces[d].append(entry(sid, action="free_requested", addr=p, size=s, stream=0,
+                                   time_us=t))
+            traces[d].append(entry(sid, action="free_completed", addr=p, size=s,
+                                   requested_size=r, stream=0, time_us=t))
             allocs.pop((d, p), None)
         elif k == EXTEND:
-            traces[d].append({"action": "segment_alloc", "addr": p, "size": s, **base})
-            segs[(d, p)] = s
+            traces[d].append(entry(sid, action="segment_alloc", addr=p, size=s, stream=0,
+                                   time_us=t))
+            segs[(d, p)] = (s, sid)
         elif k == RELEASE:
-            traces[d].append({"action": "segment_free", "addr": p, "size": s, **base})
+            traces[d].append(entry(sid, action="segment_free", addr=p, size=s, stream=0,
+                                   time_us=t))
             segs.pop((d, p), None)
         elif k == OOM:
-            traces[d].append({"action": "oom", "device_free": 0, "size": r, **base})
+            traces[d].append(entry(sid, action="oom", device_free=0, size=r, stream=0,
+                                   time_us=t))
     # final state: live segments, tiled by their live blocks and inactive gaps
     segments = []
     for d in range(n_dev):
         starts = sorted(p for (dd, p) in segs if dd == d)
-        members: dict[int, list[tuple[int, int, int]]] = {p: [] for p in starts}
+        members: dict[int, list[tuple[int, int, int, int]]] = {p: [] for p in starts}
         orphans = []
-        for (dd, p), (s, r) in sorted(allocs.items()):
+        for (dd, p), (s, r, sid) in sorted(allocs.items()):
             if dd != d:
                 continue
             j = bisect.bisect_right(starts, p) - 1
-            if j >= 0 and p < starts[j] + segs[(d, starts[j])]:
-                members[starts[j]].append((p, s, r))
+            if j >= 0 and p < starts[j] + segs[(d, starts[j])][0]:
+                members[starts[j]].append((p, s, r, sid))
             else:
-                orphans.append((p, s, r))
+                orphans.append((p, s, r, sid))
         for base in starts:
-            segments.append(_segment(d, base, segs[(d, base)], members[base]))
-        for p, s, r in orphans:  # allocations outside any known segment
-            segments.append(_segment(d, p, s, [(p, s, r)]))
+            total, sid = segs[(d, base)]
+            segments.append(_segment(d, base, total, members[base], out.of(sid)[0], out))
+        for p, s, r, sid in orphans:  # allocations outside any known segment
+            segments.append(_segment(d, p, s, [(p, s, r, sid)], [], out))
     return {"segments": segments, "device_traces": traces,
             "allocator_settings": trace.meta.get("allocator_settings") or {},
-            "external_annotations": []}
+            "external_annotations": _annotations_out(trace.meta.get("annotations"))}
 
 
-def _segment(dev: int, base: int, total: int, blocks: list[tuple[int, int, int]]) -> dict:
-    out, cursor = [], base
-    for p, s, r in blocks:
+_KIND_OF_ACTION = {"alloc": int(EventKind.ALLOC), "free_completed": int(EventKind.FREE),
+                   "segment_alloc": int(EventKind.EXTEND), "segment_map": int(EventKind.EXTEND),
+                   "segment_free": int(EventKind.RELEASE),
+                   "segment_unmap": int(EventKind.RELEASE), "oom": int(EventKind.OOM)}
+
+
+def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int]) -> None:
+    """Give a model's own snapshot (``CachingAllocator.snapshot()``, made alongside
+    ``recording``, which records the same calls as events with stacks) the frames of
+    ``recording``'s stacks: each trace entry its event's (``free_requested`` its
+    ``free_completed``'s), each allocated block of the final segments its allocation's
+    (``start``: stack ids of blocks allocated before the recording began, by address).
+    Entries that do not line up with the events, kind by kind, are left as they are."""
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    k = recording.columns["kind"]
+    sid = recording.stack_ids()
+    by_kind = {kind: sid[k == kind].tolist() for kind in set(_KIND_OF_ACTION.values())}
+    counts = Counter(_KIND_OF_ACTION.get(e.get("action")) for e in entries)
+    if any(counts.get(kind, 0) != len(ids) for kind, ids in by_kind.items()):
+        return
+    out = _FramesOut(recording.stacks)
+    pos = dict.fromkeys(by_kind, 0)
+    got: list[int] = [-1] * len(entries)
+    for i, e in enumerate(entries):
+        kind = _KIND_OF_ACTION.get(e.get("action"))
+        if kind is not None:
+            got[i] = by_kind[kind][pos[kind]]
+            pos[kind] += 1
+    after: dict[Any, int] = {}     # address -> the stack of its next free_completed
+    for i in range(len(entries) - 1, -1, -1):
+        e = entries[i]
+        if e.get("action") == "free_completed":
+            after[e.get("addr")] = got[i]
+        elif e.get("action") == "free_requested":
+            got[i] = after.get(e.get("addr"), -1)
+    for e, s in zip(entries, got, strict=True):
+        if s >= 0:
+            e["frames"], e["compile_context"], e["user_metadata"] = out.of(s)
+    # the final blocks: the allocation live at each address
+    live = dict(start)
+    c = recording.columns
+    for kind, p, s in zip(k.tolist(), c["ptr"].tolist(), sid.tolist()):
+        if kind == _KIND_OF_ACTION["alloc"]:
+            live[p] = s
+        elif kind == _KIND_OF_ACTION["free_completed"]:
+            live.pop(p, None)
+    for seg in snap.get("segments") or []:
+        if seg.get("device", 0) != device:
+            continue
+        for blk in seg.get("blocks") or []:
+            s = live.get(blk.get("address"), -1)
+            if s >= 0 and str(blk.get("state", "")).startswith("active"):
+                blk["frames"] = out.of(s)[0]
+
+
+def _annotations_out(ann: Any) -> list[dict]:
+    """``meta["annotations"]`` (see the module docstring) back as PyTorch's
+    ``external_annotations``: START and END entries by time."""
+    if not isinstance(ann, dict) or not isinstance(ann.get("ranges"), list):
+        return []
+    names = ann.get("names") or []
+    events = []
+    for n, rng in enumerate(ann["ranges"]):
+        try:
+            dev, nid, lo, hi = rng
+            label = names[nid]
+        except (TypeError, ValueError, IndexError):
+            continue
+        zero = lo is not None and lo == hi
+        # at one time: ends first (a range that ends where the next begins), a zero-length
+        # range's START right before its END
+        if lo is not None:
+            events.append((lo // 1000, 1 if zero else 3, n, label, "START", dev))
+        if hi is not None:
+            events.append((hi // 1000, 2 if zero else 0, n, label, "END", dev))
+    events.sort()
+    return [{"name": label, "stage": stage, "device": dev, "time_us": t}
+            for t, _, _, label, stage, dev in events]
+
+
+def _segment(dev: int, base: int, total: int, blocks: list[tuple[int, int, int, int]],
+             frames: list, out: _FramesOut) -> dict:
+    blks, cursor = [], base
+    for p, s, r, sid in blocks:
         if p > cursor:
-            out.append({"address": cursor, "size": p - cursor, "requested_size": 0,
-                        "state": "inactive", "frames": []})
-        out.append({"address": p, "size": s, "requested_size": r, "state": "active_allocated",
-                    "frames": []})
+            blks.append({"address": cursor, "size": p - cursor, "requested_size": 0,
+                         "state": "inactive", "frames": []})
+        blks.append({"address": p, "size": s, "requested_size": r,
+                     "state": "active_allocated", "frames": out.of(sid)[0]})
         cursor = max(cursor, p + s)
     if cursor < base + total:
-        out.append({"address": cursor, "size": base + total - cursor, "requested_size": 0,
-                    "state": "inactive", "frames": []})
-    allocated = sum(s for _, s, _ in blocks)
+        blks.append({"address": cursor, "size": base + total - cursor, "requested_size": 0,
+                     "state": "inactive", "frames": []})
+    allocated = sum(s for _, s, _, _ in blocks)
     return {"device": dev, "address": base, "total_size": total, "allocated_size": allocated,
-            "active_size": allocated, "requested_size": sum(r for _, _, r in blocks),
+            "active_size": allocated, "requested_size": sum(r for _, _, r, _ in blocks),
             "stream": 0, "segment_type": "large" if total > (1 << 20) else "small",
-            "segment_pool_id": [0, 0], "is_expandable": False, "frames": [], "blocks": out}
+            "segment_pool_id": [0, 0], "is_expandable": False, "frames": frames,
+            "blocks": blks}
 
 
 def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: bool = False,
@@ -691,7 +824,12 @@ def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: boo
     segment_alloc, segment_free, oom; ``time_us`` = ``time_ns // 1000``; entries also carry
     ``requested_size``, which :func:`load_torch_snapshot` reads back); ``segments`` are the
     final state: the regions still extended, tiled by their live blocks and inactive gaps
-    (a live allocation in no known region gets a segment of its own).
+    (a live allocation in no known region gets a segment of its own). Each entry carries its
+    row's stack (:attr:`Trace.stack`) as ``frames`` (with ``compile_context`` and
+    ``user_metadata`` where recorded; both entries of a free take the free row's), each
+    allocated block its allocation's and each segment its extend's, so MemoryViz shows where
+    memory was asked for; each frame dict and frames list is written once and shared. The
+    ``meta["annotations"]`` ranges become ``external_annotations`` again.
 
     Parameters
     ----------

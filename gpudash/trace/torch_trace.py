@@ -60,6 +60,9 @@ class TorchTrace:
         ``allocator_settings`` (PyTorch 2.4 on).
     version : tuple of int
         The PyTorch version the snapshot's layout points to.
+    rows : numpy.ndarray of int64 or None
+        The row of each entry in the :class:`~gpudash.trace.Trace` it was read from
+        (:func:`from_trace`; None from a snapshot dict).
     """
 
     device: int
@@ -70,6 +73,7 @@ class TorchTrace:
     final: list[dict] | None = None
     settings: dict | None = None
     version: tuple[int, int] = (2, 11)
+    rows: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.action)
@@ -195,7 +199,7 @@ def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
     except Exception:  # noqa: BLE001 - an odd version string: the default rules
         version = parse_torch_version(None)
     return TorchTrace(device, action[keep], addr[keep], size[keep],
-                      trace.streams()[rows][keep], final, settings, version)
+                      trace.streams()[rows][keep], final, settings, version, rows[keep])
 
 
 def _as_int(value: Any, where: str, signed: bool = False) -> int:
