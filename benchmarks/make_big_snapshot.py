@@ -4,7 +4,9 @@ The snapshot is written the way ``torch.cuda.memory._dump_snapshot`` writes one 
 builtin types, ``pickle.dump`` at protocol 4), scaled from the real ones in
 ``shared/reference/external``:
 
-- a training loop of a 12-layer model (forward activations and temporaries, backward
+- the model's weights and a first step allocated before the history is switched on (so
+  the trace starts mid-run, as most real ones do; ``--start empty`` for one that starts
+  from an empty allocator), then a training loop of a 12-layer model (forward activations and temporaries, backward
   gradients freeing activations in reverse, optimizer temporaries, a changing batch shape
   now and then, ``empty_cache()`` every 50 steps) run through gpudash's model of PyTorch's
   caching allocator with its history on, so addresses, segments (``segment_alloc``,
@@ -21,7 +23,7 @@ builtin types, ``pickle.dump`` at protocol 4), scaled from the real ones in
 Snapshots are cached (``cached_snapshot``) under ``$GPUDASH_BENCH_CACHE`` or the temp
 directory's ``gpudash-bench/``, never in the repository.
 
-Run: ``python benchmarks/make_big_snapshot.py SIZE_MB [--out PATH]``.
+Run: ``python benchmarks/make_big_snapshot.py SIZE_MB [--start mid-run|empty] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from gpudash import CachingAllocator, SimulatedDevice
 
 #: Bump when the generator changes, so cached files are made again.
-VERSION = 1
+VERSION = 2
 MiB = 1 << 20
 
 _PY_FILES = ["/opt/conda/lib/python3.11/site-packages/torch/nn/modules/module.py",
@@ -135,14 +137,25 @@ def _step(a: CachingAllocator, rng: random.Random, calls: list, batch: int,
         free(m, base + 3)
 
 
-def make_snapshot(entries: int, seed: int = 0) -> dict:
-    """A snapshot dict with about ``entries`` trace entries (see the module docstring)."""
+def make_snapshot(entries: int, seed: int = 0, start: str = "mid-run") -> dict:
+    """A snapshot dict with about ``entries`` trace entries (see the module docstring).
+
+    ``start``: ``"mid-run"`` (the usual case: the model's weights and a first step were
+    allocated before the history was switched on, so the trace starts after them and an
+    exact replay rebuilds them from the final segments) or ``"empty"`` (the history is on
+    from the first allocation)."""
     rng = random.Random(seed)
     frames = _Frames(rng)
     a = CachingAllocator(SimulatedDevice(80 << 30))
+    params = [0] * 12
+    if start == "mid-run":
+        weights = [a.allocate(rng.choice((3072, 1024, 4096)) * 1024 * 4) for _ in range(48)]
+        _step(a, rng, [], 8, params)
+        del weights
+    elif start != "empty":
+        raise ValueError(f"start must be 'mid-run' or 'empty'; got {start!r}")
     a.record_history(True, max_entries=entries + 1_000_000)
     calls: list[tuple[int, int]] = []
-    params = [0] * 12
     step = 0
     steps_t: list[int] = []
     batch = 8
@@ -204,8 +217,8 @@ def make_snapshot(entries: int, seed: int = 0) -> dict:
     return snap
 
 
-def _bytes_per_entry() -> float:
-    snap = make_snapshot(20_000, seed=1)
+def _bytes_per_entry(start: str = "mid-run") -> float:
+    snap = make_snapshot(20_000, seed=1, start=start)
     n = len(snap["device_traces"][0])
     return len(pickle.dumps(snap, protocol=4)) / n
 
@@ -217,14 +230,14 @@ def cache_dir() -> Path:
     return d
 
 
-def cached_snapshot(size_mb: int, seed: int = 0, say=print) -> Path:
+def cached_snapshot(size_mb: int, seed: int = 0, say=print, start: str = "mid-run") -> Path:
     """The path of a cached snapshot of about ``size_mb`` MB (made when missing)."""
-    path = cache_dir() / f"snapshot-v{VERSION}-{size_mb}MB-seed{seed}.pickle"
+    path = cache_dir() / f"snapshot-v{VERSION}-{start}-{size_mb}MB-seed{seed}.pickle"
     if path.exists():
         return path
     t0 = time.perf_counter()
-    entries = int(size_mb * 1e6 / _bytes_per_entry())
-    snap = make_snapshot(entries, seed)
+    entries = int(size_mb * 1e6 / _bytes_per_entry(start))
+    snap = make_snapshot(entries, seed, start)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         pickle.dump(snap, f, protocol=4)
@@ -238,14 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("size_mb", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", choices=("mid-run", "empty"), default="mid-run")
     ap.add_argument("--out", type=Path, help="write here instead of the cache")
     args = ap.parse_args(argv)
     if args.out is None:
-        print(cached_snapshot(args.size_mb, args.seed))
+        print(cached_snapshot(args.size_mb, args.seed, start=args.start))
         return 0
-    entries = int(args.size_mb * 1e6 / _bytes_per_entry())
+    entries = int(args.size_mb * 1e6 / _bytes_per_entry(args.start))
     with open(args.out, "wb") as f:
-        pickle.dump(make_snapshot(entries, args.seed), f, protocol=4)
+        pickle.dump(make_snapshot(entries, args.seed, args.start), f, protocol=4)
     print(args.out)
     return 0
 

@@ -15,10 +15,13 @@ counters read directly); ``benchmarks/bench_replay.py`` measures it.
 
 from __future__ import annotations
 
+import array
+import contextlib
+import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1514,8 +1517,9 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
     if settings["allocator"] == "torch" and settings["exact"]:
-        result = _replay_exact(trace, settings, record=record, per_call=per_call,
-                               progress=report)
+        with _gc_paused():
+            result = _replay_exact(trace, settings, record=record, per_call=per_call,
+                                   progress=report)
     elif record and trace.stack is not None:   # the recording carries the calls' stacks
         ops, keys, nbytes, streams, n_events, rows = _model_calls(trace, settings,
                                                                   with_rows=True)
@@ -1656,7 +1660,8 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     from .torch_trace import A_ALLOC, A_OOM
 
     tt = from_trace(trace, settings["device"])
-    sample = [[], [], []] if per_call else None
+    # samples as int64 arrays grown in place: no Python int kept per call
+    sample = [array.array("q") for _ in range(3)] if per_call else None
     rec: list = []
     t0 = time.perf_counter()
     fid = replay_exact(tt, conf=settings["conf"], fraction=settings["fraction"],
@@ -1695,6 +1700,21 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
             dict(zip(c["ptr"][start].tolist(), trace.stack_ids()[start].tolist())),
             np.sort(start_frees[start_frees >= 0]), tt.rows)
     return result
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off during an exact replay (back on after, if it
+    was on): the replay keeps millions of trace entries (the model's history, then its
+    snapshot), which each full collection would walk; the model makes no cycles to
+    collect."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _prefix_rows(trace: Trace, device: int) -> np.ndarray:

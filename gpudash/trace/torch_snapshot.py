@@ -67,10 +67,13 @@ import gc
 import io
 import json
 import math
+import operator
 import os
 import pickle
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import IO, Any
 
 import numpy as np
@@ -783,38 +786,62 @@ def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int
     Entries that do not line up with the events, kind by kind, are left as they are."""
     traces = snap.get("device_traces") or []
     entries = traces[device] if device < len(traces) else []
+    n = len(entries)
     k = recording.columns["kind"]
     sid = recording.stack_ids()
-    by_kind = {kind: sid[k == kind].tolist() for kind in set(_KIND_OF_ACTION.values())}
-    counts = Counter(_KIND_OF_ACTION.get(e.get("action")) for e in entries)
-    if any(counts.get(kind, 0) != len(ids) for kind, ids in by_kind.items()):
-        return
+    actions = list(map(dict.get, entries, repeat("action")))
+    kinds = np.fromiter(map(_KIND_OF_ACTION.get, actions, repeat(-1)), np.int8, n)
+    got = np.full(n, -1, dtype=np.int64)
+    for kind in set(_KIND_OF_ACTION.values()):
+        mine = np.flatnonzero(kinds == kind)
+        theirs = sid[k == kind]
+        if len(mine) != len(theirs):
+            return
+        got[mine] = theirs
+    # free_requested: its free_completed's (the next entry of that address)
+    is_fc = kinds == _KIND_OF_ACTION["free_completed"]
+    is_fr = np.fromiter(map(operator.eq, actions, repeat("free_requested")), bool, n)
+    if is_fr.any():
+        addrs = list(map(dict.get, entries, repeat("addr")))
+        fr = np.flatnonzero(is_fr[:-1] & is_fc[1:])       # the common case: right after
+        fr = fr[[addrs[j] == addrs[j + 1] for j in fr.tolist()]] if len(fr) else fr
+        got[fr] = got[fr + 1]
+        is_fr[fr] = False
+        if is_fr.any():         # the others: the next free_completed of the same address
+            after: dict[Any, int] = {}
+            for j in np.flatnonzero(is_fr | is_fc)[::-1].tolist():
+                if is_fc[j]:
+                    after[addrs[j]] = got[j]
+                elif is_fr[j]:
+                    got[j] = after.get(addrs[j], -1)
     out = _FramesOut(recording.stacks)
-    pos = dict.fromkeys(by_kind, 0)
-    got: list[int] = [-1] * len(entries)
-    for i, e in enumerate(entries):
-        kind = _KIND_OF_ACTION.get(e.get("action"))
-        if kind is not None:
-            got[i] = by_kind[kind][pos[kind]]
-            pos[kind] += 1
-    after: dict[Any, int] = {}     # address -> the stack of its next free_completed
-    for i in range(len(entries) - 1, -1, -1):
-        e = entries[i]
-        if e.get("action") == "free_completed":
-            after[e.get("addr")] = got[i]
-        elif e.get("action") == "free_requested":
-            got[i] = after.get(e.get("addr"), -1)
-    for e, s in zip(entries, got, strict=True):
-        if s >= 0:
-            e["frames"], e["compile_context"], e["user_metadata"] = out.of(s)
-    # the final blocks: the allocation live at each address
-    live = dict(start)
+    keep = got >= 0
+    if keep.any():
+        sids = got[keep].tolist()
+        made = {s: out.of(s) for s in set(sids)}
+        values = list(map(made.__getitem__, sids))
+        chosen = list(compress(entries, keep.tolist()))
+        deque(map(dict.__setitem__, chosen, repeat("frames"), map(itemgetter(0), values)),
+              maxlen=0)
+        # the model writes "N/A" and "": only what the stacks recorded otherwise replaces it
+        for j, key, default in ((1, "compile_context", "N/A"), (2, "user_metadata", "")):
+            if any(v[j] not in ("", default) for v in made.values()):
+                deque(map(dict.__setitem__, chosen, repeat(key), map(itemgetter(j), values)),
+                      maxlen=0)
+    # the final blocks: the allocation live at each address (its last event an alloc)
     c = recording.columns
-    for kind, p, s in zip(k.tolist(), c["ptr"].tolist(), sid.tolist()):
-        if kind == _KIND_OF_ACTION["alloc"]:
-            live[p] = s
-        elif kind == _KIND_OF_ACTION["free_completed"]:
-            live.pop(p, None)
+    rows = np.flatnonzero((k == _KIND_OF_ACTION["alloc"]) | (k == _KIND_OF_ACTION[
+        "free_completed"]))
+    ptr = c["ptr"][rows]
+    order = np.lexsort((rows, ptr))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = ptr[order][1:] != ptr[order][:-1]
+    final_rows = rows[order[last]]
+    live = {p: s for p, s in start.items()}
+    for p in ptr.tolist() if len(start) else ():
+        live.pop(p, None)
+    alive = final_rows[k[final_rows] == _KIND_OF_ACTION["alloc"]]
+    live.update(zip(c["ptr"][alive].tolist(), sid[alive].tolist()))
     for seg in snap.get("segments") or []:
         if seg.get("device", 0) != device:
             continue

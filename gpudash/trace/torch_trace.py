@@ -236,28 +236,35 @@ def _earliest_at_each_address(act: np.ndarray, addr: np.ndarray, a: int, b: int
 def _starts_empty(tt: TorchTrace) -> bool:
     """The trace starts from an empty allocator: every free follows its alloc, every final
     allocated block and segment was made in the trace (the validation plan's step 2)."""
-    live: set[int] = set()
-    segs: set[int] = set()
+    act, addr, size = tt.action, tt.addr, tt.size
+    live = segs = None
+    for made, gone in ((A_ALLOC, A_FREE), (A_SEG_ALLOC, A_SEG_FREE)):
+        # at each address, each free must come right after an alloc there
+        idx = np.flatnonzero((act == made) | (act == gone))
+        order = idx[np.lexsort((idx, addr[idx]))]
+        a, k = addr[order], act[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = a[1:] != a[:-1]
+        prev_made = np.zeros(len(order), dtype=bool)
+        prev_made[1:] = k[:-1] == made
+        if ((k == gone) & (first | ~prev_made)).any():
+            return False
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = first[1:]
+        alive = set(a[last & (k == made)].tolist())
+        if made == A_ALLOC:
+            live = alive
+        else:
+            segs = alive
     mapped = _Ranges()
-    for a, addr, size in zip(tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()):
-        if a == A_ALLOC:
-            live.add(addr)
-        elif a == A_FREE:
-            if addr not in live:
+    for k in np.flatnonzero((act == A_MAP) | (act == A_UNMAP)).tolist():
+        lo, hi = int(addr[k]), int(addr[k]) + int(size[k])
+        if act[k] == A_MAP:
+            mapped.add(lo, hi)
+        else:
+            if not mapped.covers(lo, hi):
                 return False
-            live.discard(addr)
-        elif a == A_SEG_ALLOC:
-            segs.add(addr)
-        elif a == A_SEG_FREE:
-            if addr not in segs:
-                return False
-            segs.discard(addr)
-        elif a == A_MAP:
-            mapped.add(addr, addr + size)
-        elif a == A_UNMAP:
-            if not mapped.covers(addr, addr + size):
-                return False
-            mapped.sub(addr, addr + size)
+            mapped.sub(lo, hi)
     for seg in tt.final or ():
         base = seg["address"]
         if seg.get("is_expandable"):
