@@ -181,14 +181,14 @@ def make_snapshot(entries: int, seed: int = 0, start: str = "mid-run") -> dict:
         e["time_us"] = t_us
         act = e["action"]
         if act == "alloc":
-            kind, site = calls[ci]
+            _, site = calls[ci]
             ci += 1
             lst = stash if stash is not None else frames.new_list(site)
             stash = None
             e["frames"] = lst
             live[e["addr"]] = lst
         elif act == "free_requested":
-            kind, site = calls[ci]
+            _, site = calls[ci]
             ci += 1
             lst = frames.new_list(site)
             free_lists[e["addr"]] = lst

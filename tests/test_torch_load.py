@@ -183,3 +183,16 @@ def test_a_pickle_is_read_from_its_file_and_bounded_by_its_size(tmp_path, monkey
     assert nbytes == path.stat().st_size
     assert reads and () not in reads and (-1,) not in reads   # never the whole file at once
     assert got == snap
+
+
+def test_stacks_alike_in_length_and_middle_frame_stay_apart():
+    mid = {"filename": "m.py", "line": 5, "name": "mid"}
+    a, b = [F1, mid, F2], [F2, mid, F1]           # one bucket guess, two stacks
+    lst = [{"action": "alloc", "addr": 512 * i, "size": 512, "stream": 0, "time_us": i,
+            "frames": list(a if i % 3 else b)} for i in range(3000)]
+    st = tt.StackInterner()
+    got = tt.read_entries(lst, 0, "x", st)
+    assert len(st.table) == 2
+    assert [st.table.frames_of(int(s))[0].filename for s in got.stack[:6]] == \
+        ["model.py", "train.py", "train.py", "model.py", "train.py", "train.py"]
+    _same(*_both_ways(lst))

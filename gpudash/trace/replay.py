@@ -1656,7 +1656,6 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     """A PyTorch trace replayed with its own addresses and release points
     (:func:`gpudash.trace.torch_replay.replay_exact`), as a :class:`ReplayResult`."""
     from .torch_replay import from_trace, replay_exact
-
     from .torch_trace import A_ALLOC, A_OOM
 
     tt = from_trace(trace, settings["device"])

@@ -66,7 +66,6 @@ import contextlib
 import gc
 import io
 import json
-import math
 import operator
 import os
 import pickle
@@ -83,6 +82,7 @@ from ..events import EventKind
 from .format import Trace, _bins, _device_entries, _open_new, _open_regular, _regions, _source_name
 from .stacks import StackTable
 from .torch_trace import (
+    _MAX_DEVICE,
     A_ALLOC,
     A_FREE,
     A_FREE_REQ,
@@ -92,7 +92,6 @@ from .torch_trace import (
     A_SEG_FREE,
     A_UNMAP,
     ACTION_NAMES,
-    _MAX_DEVICE,
     StackInterner,
     TorchTrace,
     _int,
@@ -671,7 +670,7 @@ class _FramesOut:
     ``{"filename", "line", "name"}`` dicts, each frame dict and each list made once and
     shared by every entry that has it (a pickle then stores each once, as PyTorch's do)."""
 
-    __slots__ = ("_table", "_frames", "_lists")
+    __slots__ = ("_frames", "_lists", "_table")
 
     def __init__(self, table: StackTable) -> None:
         self._table = table

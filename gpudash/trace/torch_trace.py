@@ -24,6 +24,7 @@ import dataclasses
 import math
 import operator
 from bisect import bisect_left, bisect_right
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -203,7 +204,7 @@ def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
         final = expand_segments(compact, device)
     try:
         version = parse_torch_version(torch_meta.get("version") or None)
-    except Exception:  # noqa: BLE001 - an odd version string: the default rules
+    except Exception:
         version = parse_torch_version(None)
     return TorchTrace(device, action[keep], addr[keep], size[keep],
                       trace.streams()[rows][keep], final, settings, version, rows[keep])
@@ -566,7 +567,7 @@ class StackInterner:
     lists), so two of them never share an id, even after some are released.
     """
 
-    __slots__ = ("table", "_frames", "_buckets")
+    __slots__ = ("_buckets", "_by_mid", "_frames", "table")
 
     def __init__(self) -> None:
         from .stacks import StackTable
@@ -574,6 +575,8 @@ class StackInterner:
         self.table = StackTable()
         self._frames: dict[int, int] = {}          # id(frame dict) -> frame id
         self._buckets: dict[tuple, list] = {}      # (len, ids, cc, um) -> [(list, sid)...]
+        # (cc, um) -> {(len, id(middle frame)): (a list, its stack id)}: bulk's first guess
+        self._by_mid: dict[tuple, dict[tuple[int, int], tuple[list, int]]] = {}
 
     def of(self, frames: Any, cc: Any, um: Any, where: str) -> int:
         """The stack id of ``frames`` (PyTorch's frame dicts, innermost first) with a
@@ -606,6 +609,46 @@ class StackInterner:
         sid = self._new(frames, cc, um, where)
         bucket.append((frames, sid))
         return sid
+
+    def bulk(self, frames: list, ccs: list, ums: list) -> np.ndarray:
+        """:meth:`lookup` of many frames lists (of known types) at once, in C where it can:
+        lists with one compile context and user metadata, looked up by their length and
+        middle frame, each checked against the list found (``==``); the others, and those
+        not found, one by one."""
+        m = len(frames)
+        out = np.empty(m, dtype=np.int64)
+        if not m:
+            return out
+        one = (len(set(ccs)) == 1 and len(set(ums)) == 1
+               and type(None) not in set(map(type, frames)))
+        lens = np.fromiter(map(len, frames), np.int64, m) if one else None
+        if not one or not lens.all():
+            if one:         # empty lists one by one, the rest in bulk
+                rest = np.flatnonzero(lens)
+                for j in np.flatnonzero(lens == 0).tolist():
+                    out[j] = self.lookup(frames[j], ccs[j], ums[j])
+                if len(rest):
+                    sub = [frames[j] for j in rest.tolist()]
+                    out[rest] = self.bulk(sub, [ccs[0]] * len(sub), [ums[0]] * len(sub))
+                return out
+            out[:] = list(map(self.lookup, frames, ccs, ums))
+            return out
+        cc, um = ccs[0], ums[0]
+        cache = self._by_mid.get((cc, um))
+        if cache is None:
+            cache = self._by_mid[(cc, um)] = {}
+        keys = list(zip(lens.tolist(), map(id, map(operator.getitem, frames,
+                                                   (lens >> 1).tolist()))))
+        found = list(map(cache.get, keys, repeat(_NOT_FOUND)))
+        try:
+            same = np.fromiter(map(operator.eq, map(_FIRST, found), frames), bool, m)
+        except RecursionError:         # nested values no frame has: one by one
+            same = np.zeros(m, dtype=bool)
+        out[:] = np.fromiter(map(_SECOND, found), np.int64, m)
+        for j in np.flatnonzero(~same).tolist():
+            sid = out[j] = self.lookup(frames[j], cc, um)
+            cache[keys[j]] = (frames[j], sid)
+        return out
 
     def _new(self, frames: Any, cc: Any, um: Any, where: str) -> int:
         from .stacks import Stack
@@ -743,6 +786,8 @@ def read_entries(lst: list, device: int, name: str, stacks: StackInterner | None
 
 _get = dict.get
 _ACTION_CODE = ACTIONS.get
+_NOT_FOUND = (None, -1)
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _IS_NONE = type(None)
 
 
@@ -832,7 +877,7 @@ def _read_fast(chunk: list, lo: int, out: Entries, stacks: StackInterner | None,
     # oom: its device_free in addr
     for k in np.flatnonzero(code == A_OOM).tolist():
         df = chunk[k].get("device_free")
-        if df is not None and (type(df) is not int or df < 0 or df >= 1 << 63):  # noqa: E721
+        if df is not None and (type(df) is not int or df < 0 or df >= 1 << 63):
             return False
         addr[k] = df or 0
     # stacks of the entries that become rows
@@ -847,10 +892,10 @@ def _read_fast(chunk: list, lo: int, out: Entries, stacks: StackInterner | None,
                 and _types(ums) <= {str, _IS_NONE}):
             return False
         try:
-            got = list(map(stacks.lookup, frames, ccs, ums))
+            got = stacks.bulk(frames, ccs, ums)
         except TraceFormatError:      # read again entry by entry, to say which
             return False
-        sid = (row_idx, np.array(got, dtype=np.int32))
+        sid = (row_idx, got.astype(np.int32))
     out.action[lo:hi] = code
     out.addr[lo:hi] = addr
     out.size[lo:hi] = size
