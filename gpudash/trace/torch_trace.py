@@ -805,9 +805,10 @@ def _read_fast(chunk: list, lo: int, out: Entries, stacks: StackInterner | None,
     hi = lo + m
     try:
         acts = list(map(_get, chunk, repeat("action")))
-    except TypeError:          # an entry that is not a dict
+        names = set(acts)           # a few distinct actions: their types are cheap to check
+    except TypeError:          # an entry that is not a dict, or an unhashable action
         return False
-    if _types(acts) != {str}:
+    if _types(names) != {str}:
         return False
     code = np.fromiter(map(_ACTION_CODE, acts, repeat(0)), np.int8, m)
     checked = _CHECKED_MASK[code]
