@@ -66,7 +66,6 @@ import contextlib
 import gc
 import io
 import json
-import operator
 import os
 import pickle
 from collections import Counter, deque
@@ -776,6 +775,9 @@ _KIND_OF_ACTION = {"alloc": int(EventKind.ALLOC), "free_completed": int(EventKin
                    "segment_unmap": int(EventKind.RELEASE), "oom": int(EventKind.OOM)}
 
 
+_KIND_OR_REQUEST = {**_KIND_OF_ACTION, "free_requested": 100}
+
+
 def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int]) -> None:
     """Give a model's own snapshot (``CachingAllocator.snapshot()``, made alongside
     ``recording``, which records the same calls as events with stacks) the frames of
@@ -788,8 +790,8 @@ def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int
     n = len(entries)
     k = recording.columns["kind"]
     sid = recording.stack_ids()
-    actions = list(map(dict.get, entries, repeat("action")))
-    kinds = np.fromiter(map(_KIND_OF_ACTION.get, actions, repeat(-1)), np.int8, n)
+    kinds = np.fromiter(map(_KIND_OR_REQUEST.get, map(dict.get, entries, repeat("action")),
+                            repeat(-1)), np.int8, n)
     got = np.full(n, -1, dtype=np.int64)
     for kind in set(_KIND_OF_ACTION.values()):
         mine = np.flatnonzero(kinds == kind)
@@ -799,7 +801,7 @@ def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int
         got[mine] = theirs
     # free_requested: its free_completed's (the next entry of that address)
     is_fc = kinds == _KIND_OF_ACTION["free_completed"]
-    is_fr = np.fromiter(map(operator.eq, actions, repeat("free_requested")), bool, n)
+    is_fr = kinds == _KIND_OR_REQUEST["free_requested"]
     if is_fr.any():
         addrs = list(map(dict.get, entries, repeat("addr")))
         fr = np.flatnonzero(is_fr[:-1] & is_fc[1:])       # the common case: right after
@@ -836,9 +838,8 @@ def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int
     last = np.ones(len(order), dtype=bool)
     last[:-1] = ptr[order][1:] != ptr[order][:-1]
     final_rows = rows[order[last]]
-    live = {p: s for p, s in start.items()}
-    for p in ptr.tolist() if len(start) else ():
-        live.pop(p, None)
+    touched = set(ptr.tolist()) if start else set()
+    live = {p: s for p, s in start.items() if p not in touched}
     alive = final_rows[k[final_rows] == _KIND_OF_ACTION["alloc"]]
     live.update(zip(c["ptr"][alive].tolist(), sid[alive].tolist()))
     for seg in snap.get("segments") or []:
