@@ -768,9 +768,10 @@ def read_entries(lst: list, device: int, name: str, stacks: StackInterner | None
         without the fields its action needs (named ``device_traces[device][i]``).
     """
     n = len(lst)
-    out = Entries(np.zeros(n, np.int8), np.zeros(n, np.int64), np.zeros(n, np.int64),
-                  np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                  np.full(n, -1, np.int32), {})
+    # columns filled chunk by chunk: their pages are taken as entries are released
+    out = Entries(np.empty(n, np.int8), np.empty(n, np.int64), np.empty(n, np.int64),
+                  np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64),
+                  np.empty(n, np.int32), {})
     skipped: dict[str, int] = {}
     for lo in range(0, n, _CHUNK):
         hi = min(n, lo + _CHUNK)
@@ -902,8 +903,8 @@ def _read_fast(chunk: list, lo: int, out: Entries, stacks: StackInterner | None,
     out.size[lo:hi] = size
     out.stream[lo:hi] = stream
     out.time_ns[lo:hi] = t
-    if req is not None:
-        out.requested[lo:hi] = req
+    out.requested[lo:hi] = req if req is not None else -1
+    out.stack[lo:hi] = -1
     if sid is not None:
         out.stack[lo + sid[0]] = sid[1]
     return True
