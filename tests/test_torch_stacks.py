@@ -318,3 +318,156 @@ def test_annotations_are_kept_as_ranges():
     many = pickle.dumps(_snap([], external_annotations=[ann[0]] * 100_000), protocol=4)
     with pytest.raises(TraceFormatError, match="bound on what one import may expand"):
         load_torch_snapshot(io.BytesIO(many))
+
+
+# ------------------------------------------------------------------ exports and replays
+def _resolved(trace) -> list:
+    """Each row's stack as (frames, compile_context, user_metadata), None for none."""
+    out = []
+    for i in range(len(trace)):
+        st = trace.stack_of(i)
+        out.append(None if st is None else (tuple(trace.frames_of(i)), *st[1:]))
+    return out
+
+
+def _synthetic_with_stacks() -> dict:
+    blocks = [{"address": 0, "size": 1024, "requested_size": 1000,
+               "state": "active_allocated", "frames": [F2, F1]},
+              {"address": 1024, "size": (2 << 20) - 1024, "state": "inactive", "frames": []}]
+    trace = [
+        {"action": "segment_alloc", "addr": 4 << 20, "size": 2 << 20, "stream": 0,
+         "time_us": 1, "frames": [F3, F1], "compile_context": "N/A"},
+        {"action": "alloc", "addr": 4 << 20, "size": 512, "stream": 0, "time_us": 1,
+         "frames": [F3, F1], "compile_context": "N/A"},
+        {"action": "alloc", "addr": (4 << 20) + 512, "size": 512, "stream": 0, "time_us": 2,
+         "frames": [F2, F1], "compile_context": "[0/0]", "user_metadata": "step 1"},
+        {"action": "free_requested", "addr": 4 << 20, "size": 512, "stream": 0,
+         "time_us": 3, "frames": [F1]},
+        {"action": "free_completed", "addr": 4 << 20, "size": 512, "stream": 0,
+         "time_us": 3, "frames": [F1]},
+        {"action": "alloc", "addr": 4 << 20, "size": 512, "stream": 0, "time_us": 4},
+    ]
+    segs = [_seg(0, 2 << 20, blocks, [F1]),
+            _seg(4 << 20, 2 << 20, [
+                {"address": 4 << 20, "size": 512, "state": "active_allocated",
+                 "requested_size": 512, "frames": []},
+                {"address": (4 << 20) + 512, "size": 512, "state": "active_allocated",
+                 "requested_size": 512, "frames": [F2, F1]},
+                {"address": (4 << 20) + 1024, "size": (2 << 20) - 1024, "state": "inactive",
+                 "frames": []}])]
+    return _snap(trace, segs, external_annotations=[
+        {"name": "fwd", "stage": "START", "device": 0, "time_us": 1},
+        {"name": "fwd", "stage": "END", "device": 0, "time_us": 3}])
+
+
+@pytest.mark.parametrize("suffix", ["pickle", "json"])
+def test_export_and_load_again_keeps_every_rows_stack(tmp_path, suffix):
+    t = load_torch_snapshot(_synthetic_with_stacks())
+    assert sum(s is not None for s in _resolved(t)) == 6
+    path = tmp_path / f"out.{suffix}"
+    from gpudash.trace import save_torch_snapshot
+    save_torch_snapshot(t, path)
+    back = load_torch_snapshot(path)
+    assert _resolved(back) == _resolved(t)
+    assert back.meta["annotations"] == t.meta["annotations"]
+    snap = load_torch_snapshot_dict(path)
+    entries = snap["device_traces"][0]
+    # both entries of a free carry the free's frames; compile context only where recorded
+    freed = [e for e in entries if e["action"].startswith("free")]
+    assert [_frames(e["frames"]) for e in freed] == [_frames([F1])] * 2
+    assert "compile_context" not in freed[0]
+    alloc = [e for e in entries if e["action"] == "alloc"]
+    assert alloc[2]["compile_context"] == "[0/0]" and alloc[2]["user_metadata"] == "step 1"
+    blocks = {b["address"]: b for s in snap["segments"] for b in s["blocks"]}
+    assert _frames(blocks[0]["frames"]) == _frames([F2, F1])
+    assert _frames(blocks[(4 << 20) + 512]["frames"]) == _frames([F2, F1])
+    if suffix == "pickle":
+        raw = path.read_bytes()
+        assert raw[:2] == b"\x80\x04"
+        # one dict per distinct frame, one list per distinct stack, shared by reference
+        objs = {id(f) for e in entries for f in e["frames"]}
+        assert len(objs) == len({tuple(f.values()) for e in entries for f in e["frames"]})
+        assert freed[0]["frames"] is freed[1]["frames"]
+
+
+@needs_external
+@pytest.mark.parametrize("name", ["DeComFL.memory.pickle", "ftcourse.memory_snapshot.pickle",
+                                  "cs336_MAGMA27.memory_snapshot.pickle"])
+def test_a_real_snapshot_exported_and_loaded_again_keeps_its_stacks(tmp_path, name):
+    from gpudash.trace import save_torch_snapshot
+    t = load_trace(EXTERNAL / name)
+    save_torch_snapshot(t, tmp_path / "out.pickle")
+    back = load_trace(tmp_path / "out.pickle")
+    assert _resolved(back) == _resolved(t)
+    assert (tmp_path / "out.pickle").stat().st_size < 3 * (EXTERNAL / name).stat().st_size
+
+
+def test_convert_to_a_pytorch_snapshot_carries_the_stacks(tmp_path):
+    from gpudash.cli import main
+    from gpudash.trace import write_trace
+    t = load_torch_snapshot(_synthetic_with_stacks())
+    write_trace(t, tmp_path / "t.gdtrace")
+    for out in ("t.pickle", "t.json"):
+        assert main(["convert", str(tmp_path / "t.gdtrace"), str(tmp_path / out)]) == 0
+        assert _resolved(load_trace(tmp_path / out)) == _resolved(t)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_replays_recording_and_snapshot_carry_the_stacks_of_its_calls(exact):
+    from gpudash.trace import replay
+    t = load_torch_snapshot(_synthetic_with_stacks())
+    r = replay(t, record=True, exact=exact)
+    rec = r.recording
+    kinds = t.columns["kind"]
+    ours = rec.stack_ids()[rec.columns["kind"] == EventKind.ALLOC]
+    prefix = t.meta["torch"]["prefix"]["0"]
+    rows = np.flatnonzero(kinds == EventKind.ALLOC)
+    if exact:        # the rebuilt starting state is installed, not replayed
+        rows = rows[rows >= prefix]
+    assert [t.stacks.frames_of(s) for s in ours] == [t.frames_of(r_) for r_ in rows]
+    assert rec.stacks is t.stacks
+    # the free carries the free's stack, the extend its allocation's
+    fr = np.flatnonzero(rec.columns["kind"] == EventKind.FREE)
+    assert [rec.frames_of(i) for i in fr] == [_frames([F1])]
+    ext = np.flatnonzero(rec.columns["kind"] == EventKind.EXTEND)
+    allocs_at = np.flatnonzero(rec.columns["kind"] == EventKind.ALLOC)
+    assert len(ext) and all(rec.frames_of(int(x)) == rec.frames_of(
+        int(allocs_at[np.searchsorted(allocs_at, x)])) and rec.frames_of(int(x)) for x in ext)
+    if exact:      # the segment the trace made for its first allocation
+        assert rec.frames_of(int(ext[-1])) == _frames([F3, F1])
+    # the model's own snapshot (MemoryViz opens it) has them too
+    entries = r.snapshot["device_traces"][0]
+    allocs = [e for e in entries if e["action"] == "alloc"]
+    assert [_frames(e["frames"]) for e in allocs] == [t.frames_of(r_) for r_ in rows]
+    assert [e["compile_context"] for e in allocs][-3:-1] == ["N/A", "[0/0]"]
+    live = sorted(_frames(b["frames"]) for s in r.snapshot["segments"] for b in s["blocks"]
+                  if b["state"] == "active_allocated")
+    assert live == [[], _frames([F2, F1]), _frames([F2, F1])]
+    # without stacks in the trace, none in the recording
+    text = json.dumps(_synthetic_with_stacks())
+    for key in ("frames", "compile_context", "user_metadata"):
+        text = text.replace(f'"{key}"', f'"no_{key}"')
+    plain = load_torch_snapshot(json.loads(text))
+    assert replay(plain, record=True, exact=exact).recording.stack is None
+
+
+@needs_external
+@pytest.mark.parametrize("name", [n for n in SNAPSHOTS if not n.startswith("LLM-inference")])
+def test_an_exact_replays_snapshot_has_pytorchs_frames_entry_for_entry(name):
+    from gpudash.trace import replay
+    snap = load_torch_snapshot_dict(EXTERNAL / name)
+    t = load_trace(EXTERNAL / name)
+    for dev in sorted(set(t.columns["device"].tolist())):
+        r = replay(t, record=True, device=dev)
+        assert r.fidelity.exact
+        theirs = [(e["action"], _frames(e.get("frames")))
+                  for e in (snap.get("device_traces") or [[]] * (dev + 1))[dev]
+                  if e["action"] != "snapshot"]
+        mine = [(e["action"], _frames(e["frames"]))
+                for e in r.snapshot["device_traces"][dev] if e["action"] != "snapshot"]
+        assert mine == theirs
+        ours = {b["address"]: _frames(b["frames"]) for s in r.snapshot["segments"]
+                for b in s["blocks"] if b["state"] != "inactive"}
+        assert ours == {b["address"]: _frames(b["frames"]) for s in snap["segments"]
+                        if s.get("device", 0) == dev for b in s["blocks"]
+                        if b["state"] != "inactive"}

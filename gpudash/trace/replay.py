@@ -15,10 +15,13 @@ counters read directly); ``benchmarks/bench_replay.py`` measures it.
 
 from __future__ import annotations
 
+import array
+import contextlib
+import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +32,7 @@ from .._errors import ConfigError
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
-from ..events import COLUMN_DTYPES, COLUMNS
+from ..events import COLUMN_DTYPES, COLUMNS, EventKind
 from ..models import BFC, TORCH, AllocatorModel, model_for, trace_model
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
@@ -39,6 +42,9 @@ __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trac
            "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
 
 _core = _accel._core  # the compiled core's loops, or None
+_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM = (int(EventKind.ALLOC), int(EventKind.FREE),
+                                          int(EventKind.EXTEND), int(EventKind.RELEASE),
+                                          int(EventKind.OOM))
 
 #: Device size replay assumes when none is given: 16 GiB.
 DEFAULT_DEVICE_BYTES = 16 << 30
@@ -1110,7 +1116,11 @@ class ReplayResult:
         ``fragmentation`` (``1 - largest_free / free`` with ``free = pool - in_use``; 0 when
         nothing is free). Empty when the replay ran with ``per_call=False``.
     recording : Trace or None
-        Every event of the replay (``record=True``).
+        Every event of the replay (``record=True``). When the trace has call stacks
+        (:attr:`Trace.stack`), each event carries the stack of the trace row its call
+        replays (an alloc or oom its request's, a free its free's, an extend its
+        allocation's), sharing the trace's stack table; ``snapshot`` carries them as
+        ``frames``.
     final_snapshot : MemoryDump
         The allocator's state at the end (after any deferred frees were applied).
     calls : int
@@ -1430,7 +1440,8 @@ roundup_power2_divisions, max_non_split_rounding_mb : optional
         Settings in bulk (see :func:`resolve_settings`); ``"trace"`` takes them from the
         trace's metadata. Explicit keyword arguments win.
     record : bool, default True
-        Record the replay's events (:attr:`ReplayResult.recording`).
+        Record the replay's events (:attr:`ReplayResult.recording`), with the stacks of the
+        calls they replay where the trace has stacks.
     per_call : bool, default True
         Sample in use, pool and largest free block after every call.
     max_ooms : int, optional
@@ -1506,8 +1517,20 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
     if settings["allocator"] == "torch" and settings["exact"]:
-        result = _replay_exact(trace, settings, record=record, per_call=per_call,
-                               progress=report)
+        with _gc_paused():
+            result = _replay_exact(trace, settings, record=record, per_call=per_call,
+                                   progress=report)
+    elif record and trace.stack is not None:   # the recording carries the calls' stacks
+        ops, keys, nbytes, streams, n_events, rows = _model_calls(trace, settings,
+                                                                  with_rows=True)
+        result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
+                               per_call=per_call, max_ooms=max_ooms, progress=report,
+                               streams=streams)
+        ops = np.asarray(ops)[:result.calls]
+        nb = np.asarray(nbytes)[:result.calls]
+        cand = np.flatnonzero(((ops == 1) | (ops == 7)) & (nb > 0))
+        free_rows = _free_rows_by_key(np.asarray(keys)[:result.calls], ops, rows, cand)
+        _carry_stacks(result, trace, rows[cand], nb[cand], free_rows, dev)
     else:
         ops, keys, nbytes, streams, n_events = _model_calls(trace, settings, index)
         result = _replay_lists(settings, ops, keys, nbytes, n_events, record=record,
@@ -1517,14 +1540,127 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
     return result
 
 
+# ------------------------------------------------------------------ stacks of a replay's calls
+def _free_rows_by_key(keys: np.ndarray, ops: np.ndarray, rows: np.ndarray,
+                      cand: np.ndarray) -> np.ndarray:
+    """The trace row of the free call of each allocation call ``cand`` (paired by key; -1
+    for a refused request the replay served and gave back, or one never freed)."""
+    frees = np.flatnonzero(ops == 2)
+    out = np.full(len(cand), -1, dtype=np.int64)
+    if not len(frees) or not len(cand):
+        return out
+    fk = keys[frees]
+    order = np.argsort(fk, kind="stable")
+    fk = fk[order]
+    ck = keys[cand]
+    j = np.minimum(np.searchsorted(fk, ck), len(fk) - 1)
+    hit = (fk[j] == ck) & (ops[cand] == 1)
+    out[hit] = rows[frees[order[j[hit]]]]
+    return out
+
+
+def _free_rows_by_id(trace: Trace, alloc_rows: np.ndarray) -> np.ndarray:
+    """The trace row of the free of each alloc row (paired by ``alloc_id``; -1: none)."""
+    c = trace.columns
+    out = np.full(len(alloc_rows), -1, dtype=np.int64)
+    frees = np.flatnonzero((c["kind"] == _FREE) & (c["alloc_id"] > 0))
+    if not len(frees) or not len(alloc_rows):
+        return out
+    fid = c["alloc_id"][frees]
+    order = np.argsort(fid, kind="stable")
+    fid = fid[order]
+    aid = c["alloc_id"][alloc_rows]
+    j = np.minimum(np.searchsorted(fid, aid), len(fid) - 1)
+    hit = (fid[j] == aid) & (c["kind"][alloc_rows] == _ALLOC) & (aid > 0)
+    out[hit] = frees[order[j[hit]]]
+    return out
+
+
+def _carry_stacks(result: ReplayResult, trace: Trace, cand_rows: np.ndarray,
+                  cand_nbytes: np.ndarray, free_rows: np.ndarray, device: int,
+                  start: dict[int, int] | None = None,
+                  start_frees: np.ndarray | None = None,
+                  same_rows: np.ndarray | None = None) -> None:
+    """Give ``result``'s recording (and PyTorch-layout snapshot) the stacks of the trace rows
+    its calls replay.
+
+    ``cand_rows`` are the trace rows of the allocation calls made (each an ``alloc`` or an
+    ``oom`` event of the replay, in order), ``cand_nbytes`` their requests, ``free_rows``
+    the row of each one's free. An alloc or oom event takes its call's stack, a free its
+    free call's, an extend the stack of the allocation it was made for; releases have none.
+    Where the replay's events do not line up with its calls (a request the allocator
+    refused without an event), the recording keeps no stacks and its metadata says so.
+    ``start``: stack ids of blocks allocated before the replay began, by address (an
+    exact replay's rebuilt starting state), for the snapshot's final blocks;
+    ``start_frees``: the trace rows of their frees, in order (the replay's frees of blocks
+    it did not allocate take them when they free the same addresses in the same order).
+    ``same_rows``: an exact replay's trace rows; where the replay made the same events of a
+    kind at the same addresses (an exact replay does), each takes its row's stack, releases
+    included (PyTorch records the stack of the call that released).
+    """
+    rec = result.recording
+    if rec is None or trace.stack is None:
+        return
+    k = rec.columns["kind"]
+    ev = np.flatnonzero((k == _ALLOC) | (k == _OOM))
+    sids = trace.stack_ids()
+    if len(ev) > len(cand_rows) or not np.array_equal(rec.columns["requested"][ev],
+                                                      cand_nbytes[:len(ev)]):
+        rec.meta["stacks"] = ("not carried: the replay's allocation events do not line up "
+                              "with the trace's calls")
+        return
+    col = np.full(len(rec), -1, dtype=np.int32)
+    col[ev] = sids[cand_rows[:len(ev)]]
+    # frees: by the recording's allocation id, to their allocation's call's free
+    is_a = k[ev] == _ALLOC
+    a_rows, a_cand = ev[is_a], np.flatnonzero(is_a)
+    f_rows = np.flatnonzero(k == _FREE)
+    if len(a_rows) and len(f_rows):
+        aid = rec.columns["alloc_id"][a_rows]
+        order = np.argsort(aid, kind="stable")
+        saids = aid[order]
+        faid = rec.columns["alloc_id"][f_rows]
+        j = np.minimum(np.searchsorted(saids, faid), len(saids) - 1)
+        hit = saids[j] == faid
+        ci = a_cand[order[j[hit]]]
+        fr = free_rows[ci]
+        col[f_rows[hit]] = sids[np.where(fr >= 0, fr, cand_rows[ci])]
+        f_rows = f_rows[~hit]
+    if start_frees is not None and len(f_rows) == len(start_frees) and np.array_equal(
+            rec.columns["ptr"][f_rows], trace.columns["ptr"][start_frees]):
+        col[f_rows] = sids[start_frees]     # frees of blocks allocated before the replay
+    # extends: the allocation (or refusal) they were made for, the next one
+    x_rows = np.flatnonzero(k == _EXTEND)
+    if len(x_rows) and len(ev):
+        nxt = np.searchsorted(ev, x_rows)
+        ok = nxt < len(ev)
+        col[x_rows[ok]] = col[ev[nxt[ok]]]
+    if same_rows is not None:    # an exact replay: each event is a trace row, kind by kind
+        tk = trace.columns["kind"][same_rows]
+        for kind in (_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM):
+            mine, theirs = np.flatnonzero(k == kind), same_rows[tk == kind]
+            if len(mine) == len(theirs) and np.array_equal(rec.columns["ptr"][mine],
+                                                           trace.columns["ptr"][theirs]):
+                col[mine] = sids[theirs]
+    result.recording = Trace(rec.columns, rec.meta, rec.settings, holder=rec.holder,
+                             holders=rec.holders, stream=rec.stream, stack=col,
+                             stacks=trace.stacks)
+    if result.snapshot is not None:
+        from .torch_snapshot import _with_stacks
+
+        _with_stacks(result.snapshot, result.recording, device, start or {})
+
+
 def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
                   progress: Callable[[int, int], None] | None) -> ReplayResult:
     """A PyTorch trace replayed with its own addresses and release points
     (:func:`gpudash.trace.torch_replay.replay_exact`), as a :class:`ReplayResult`."""
     from .torch_replay import from_trace, replay_exact
+    from .torch_trace import A_ALLOC, A_OOM
 
     tt = from_trace(trace, settings["device"])
-    sample = [[], [], []] if per_call else None
+    # samples as int64 arrays grown in place: no Python int kept per call
+    sample = [array.array("q") for _ in range(3)] if per_call else None
     rec: list = []
     t0 = time.perf_counter()
     fid = replay_exact(tt, conf=settings["conf"], fraction=settings["fraction"],
@@ -1541,7 +1677,7 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     ooms = np.array([i for i, _ in fid.oom_calls], dtype=np.int64)
     n_events = int(np.count_nonzero(trace.columns["device"] == settings["device"]))
     stats = alloc.stats()
-    return ReplayResult(
+    result = ReplayResult(
         oom_count=len(ooms), first_oom=fid.oom_calls[0] if fid.oom_calls else None, ooms=ooms,
         peak_pool_bytes=stats.peak_pool_bytes, peak_bytes_in_use=stats.peak_bytes_in_use,
         extensions=st["num_device_alloc"], releases=st["num_device_free"],
@@ -1551,6 +1687,43 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
         events_per_second=n_events / elapsed if elapsed > 0 else float("inf"),
         allocator="torch", snapshot=fid.snapshot, fidelity=fid,
         assumed=list(settings.get("assumed") or []))
+    if recording is not None and trace.stack is not None and tt.rows is not None:
+        cand = np.flatnonzero(((tt.action == A_ALLOC) | (tt.action == A_OOM)) & (tt.size > 0))
+        cand_rows = tt.rows[cand]
+        c = trace.columns
+        prefix = _prefix_rows(trace, settings["device"])
+        start = prefix[c["kind"][prefix] == _ALLOC]
+        start_frees = _free_rows_by_id(trace, start)
+        _carry_stacks(result, trace, cand_rows, tt.size[cand], _free_rows_by_id(
+            trace, cand_rows), settings["device"],
+            dict(zip(c["ptr"][start].tolist(), trace.stack_ids()[start].tolist())),
+            np.sort(start_frees[start_frees >= 0]), tt.rows)
+    return result
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off during an exact replay (back on after, if it
+    was on): the replay keeps millions of trace entries (the model's history, then its
+    snapshot), which each full collection would walk; the model makes no cycles to
+    collect."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _prefix_rows(trace: Trace, device: int) -> np.ndarray:
+    """The rows of ``device`` that hold an imported PyTorch snapshot's rebuilt starting state
+    (``meta["torch"]["prefix"]``; none for other traces)."""
+    torch_meta = trace.meta.get("torch") if isinstance(trace.meta.get("torch"), dict) else {}
+    prefix = torch_meta.get("prefix") if isinstance(torch_meta.get("prefix"), dict) else {}
+    p = prefix.get(str(device), 0)
+    rows = np.flatnonzero(trace.columns["device"] == device)
+    return rows[:p] if isinstance(p, int) and 0 < p <= len(rows) else rows[:0]
 
 
 def replay_devices(trace: Trace, **kwargs: Any) -> dict[int, ReplayResult]:

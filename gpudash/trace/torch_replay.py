@@ -39,8 +39,11 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from .._torch_conf import CachingAllocatorConfig, parse_torch_version
 from ..caching import (
+    K_SMALL_SIZE,
     CachingAllocator,
     PyCachingAllocator,
     _Block,
@@ -56,6 +59,7 @@ from .torch_trace import (  # noqa: F401 - re-exported: replay's inputs, by thei
     _SEGMENT_ACTIONS,
     A_ALLOC,
     A_FREE,
+    A_FREE_REQ,
     A_MAP,
     A_OOM,
     A_SEG_ALLOC,
@@ -143,7 +147,7 @@ class ExactReplay:
     rebuilt: dict = dataclasses.field(default_factory=dict)
     snapshot: dict = dataclasses.field(default_factory=dict, repr=False)
     allocator: Any = dataclasses.field(default=None, repr=False)
-    _kept: list = dataclasses.field(default_factory=list, repr=False)
+    _pos: int = dataclasses.field(default=0, repr=False)
 
     @property
     def exact(self) -> bool:
@@ -317,27 +321,40 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
     if fraction is not None and device_total is None:
         raise ValueError("fraction needs device_total (the device's total memory)")
     total = device_total or (1 << 50)
-    oracle = _Oracle(total)
-    # the pure-Python model: exact replay builds its starting state in the model's records
-    alloc = PyCachingAllocator(oracle, cfg, name=f"cuda:{tt.device}", device=tt.device)
-    alloc.record_history(True, max_entries=max_entries + 1)
-    if fraction is not None:
-        alloc.set_memory_fraction(fraction)
+    start = _starts_empty(tt)
 
+    def make(model: type) -> tuple[Any, _Oracle]:
+        oracle = _Oracle(total)
+        alloc = model(oracle, cfg, name=f"cuda:{tt.device}", device=tt.device)
+        alloc.record_history(True, max_entries=max_entries + 1)
+        if fraction is not None:
+            alloc.set_memory_fraction(fraction)
+        return alloc, oracle
+
+    # The compiled core where it is built (the pure-Python model otherwise). A trace that
+    # starts mid-run gets its starting state made by calls where that gives exactly the
+    # rebuilt layout (it does for every real snapshot at hand), else built in the
+    # pure-Python model's records.
+    alloc, oracle = make(CachingAllocator)
     res = ExactReplay(tt.device, "empty", notes=notes)
     act, addr, size, stream = (tt.action.tolist(), tt.addr.tolist(), tt.size.tolist(),
-                               [_u64(s) for s in tt.stream.tolist()])
-    start = _starts_empty(tt)
+                               tt.stream.astype(np.uint64).tolist())
     if not start:
         res.start = "mid-run"
-        res.rebuilt = _rebuild(alloc, oracle, tt)
+        made = _construct(alloc, oracle, tt) if fraction is None else None
+        if made is None:
+            alloc, oracle = make(PyCachingAllocator)
+            made = _rebuild(alloc, oracle, tt)
+        res.rebuilt = made
         notes.append(
             f"the trace starts mid-run: its starting state was rebuilt from the final "
             f"segments ({res.rebuilt['segments']} segment(s), {res.rebuilt['blocks']} "
             f"block(s) allocated before the trace, {res.rebuilt['guessed']} of them sized "
             "from their request)")
-    hist = alloc._history
-    hist.clear()
+    alloc._history.clear()
+    # a list while replaying: each call's new entries are read from where the last ended
+    alloc._history = hist = []
+    res._pos = 0
     if attach is not None:
         attach(alloc)
     ptr_of: dict[int, int] = {}   # trace address -> model address of live allocations
@@ -345,22 +362,26 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
     i = 0
     pending: list[int] = []        # indices of a release run not yet attributed
     known_fraction = fraction is not None
-    calls = [0]
-    if sample is not None:
+    calls = 0
+    try_allocate, deallocate = alloc.try_allocate, alloc.deallocate
+    sampling = sample is not None
+    if sampling:
         s_in, s_pool, s_lf = (lst.append for lst in sample)
-        allocated = alloc._stats.pool["allocated_bytes"]
+        in_use = type(alloc).bytes_in_use.__get__
+        largest = alloc._largest_free_block
 
-    stop = [False]
+    stop = False
     ooms_left = stop_at_oom
 
     def after_call(oom_bytes: int = 0) -> None:
+        nonlocal calls
         if oom_bytes:
-            res.oom_calls.append((calls[0], oom_bytes))
-        calls[0] += 1
-        if sample is not None:
-            s_in(allocated[0])
+            res.oom_calls.append((calls, oom_bytes))
+        calls += 1
+        if sampling:
+            s_in(in_use(alloc))
             s_pool(alloc._reserved)
-            s_lf(alloc._largest_free_block())
+            s_lf(largest())
 
     next_report = 1 << 16
     while i < n:
@@ -368,6 +389,48 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             progress(i, n)
             next_report += 1 << 16
         a = act[i]
+        if a == A_FREE_REQ and not pending:     # its free_completed makes the call
+            i += 1
+            continue
+        if a == A_ALLOC and not pending and res._pos == len(hist):
+            # the common call: served from the cache at the trace's address, nothing else
+            if oracle.expected:
+                oracle.expected = deque()
+            oracle.returned = 0
+            before = len(hist)
+            p = try_allocate(size[i], True, stream[i])
+            if p and p == addr[i] and len(hist) == before + 1:
+                res._pos = before + 1
+                ptr_of[p] = p
+                res.allocs_matched += 1
+                calls += 1
+                if sampling:
+                    s_in(in_use(alloc))
+                    s_pool(alloc._reserved)
+                    s_lf(largest())
+            else:
+                served = _after_malloc(alloc, oracle, res, tt, addr, size, i, i, [], [], p,
+                                       ptr_of)
+                after_call(0 if served else size[i])
+            i += 1
+            continue
+        if a == A_FREE and not pending:
+            p = ptr_of.pop(addr[i], None)
+            if p is not None:
+                before = len(hist)
+                try:
+                    deallocate(p)
+                except Exception as exc:  # noqa: BLE001 - recorded as a divergence
+                    _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
+                if res._pos == before and len(hist) == before + 2:
+                    res._pos = before + 2      # its free_requested and free_completed
+                calls += 1
+                if sampling:
+                    s_in(in_use(alloc))
+                    s_pool(alloc._reserved)
+                    s_lf(largest())
+                i += 1
+                continue
         if a in _RELEASES:
             pending.append(i)
             i += 1
@@ -386,7 +449,7 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 if act[j] == A_OOM and ooms_left is not None:
                     ooms_left -= 1
                     if ooms_left == 0:
-                        stop[0] = True
+                        stop = True
                         break
                 continue
             res.notes.append(f"entry {i}: a {ACTION_NAMES[a]} that no alloc follows")
@@ -401,7 +464,7 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
             if a == A_OOM and ooms_left is not None:
                 ooms_left -= 1
                 if ooms_left == 0:
-                    stop[0] = True
+                    stop = True
                     break
             continue
         if pending:
@@ -423,22 +486,22 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
             after_call()
         i += 1
-    if pending and not stop[0]:
+    if pending and not stop:
         _empty_cache(alloc, res, tt, act, addr, size, pending)
     if progress is not None:
         progress(n, n)
-    res.calls = calls[0]
-    done = act[:i] if stop[0] else act
-    res.segment_events = sum(1 for x in done if x in _SEGMENT_ACTIONS)
-    res.allocs = sum(1 for x in done if x == A_ALLOC)
-    res.ooms = sum(1 for x in done if x == A_OOM)
+    res.calls = calls
+    done = tt.action[:i] if stop else tt.action
+    res.segment_events = int(np.isin(done, _SEGMENT_ACTIONS).sum())
+    res.allocs = int((done == A_ALLOC).sum())
+    res.ooms = int((done == A_OOM).sum())
     if res.empty_cache_calls:
         notes.append(f"{res.empty_cache_calls} run(s) of segment releases replayed as "
                      "torch.cuda.empty_cache() calls (PyTorch does not log those calls)")
     if res.pressure_calls and not known_fraction:
         notes.append(f"{res.pressure_calls} call(s) met a device refusal where the trace "
                      "shows one (releases before new memory, or an oom entry)")
-    if stop[0]:
+    if stop:
         notes.append(f"stopped at the out-of-memory entry {i - 1} (entries after it not "
                      "replayed)")
     elif tt.final is not None:
@@ -446,9 +509,7 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         res.final_layout_equal = not mismatch
         res.final_mismatch = mismatch
     alloc.check()
-    _model_events(alloc, res._kept)
-    alloc._history.extend(res._kept)
-    res._kept = []
+    alloc._history = deque(hist, maxlen=max_entries + 1)
     res.snapshot = alloc.snapshot()
     res.allocator = alloc
     return res
@@ -468,12 +529,11 @@ def _diverge(res: ExactReplay, i: int, tt: TorchTrace, what: str) -> None:
     res.divergence = what + "\n" + "\n".join(lines)
 
 
-def _model_events(alloc: CachingAllocator, kept: list) -> list[tuple[int, int, int]]:
-    """The model's trace entries since the last call (moved into ``kept``)."""
+def _model_events(alloc: CachingAllocator, res: ExactReplay) -> list[tuple[int, int, int]]:
+    """The model's trace entries since the last read (``res._pos`` in its history)."""
     hist = alloc._history
-    new = list(hist)
-    hist.clear()
-    kept.extend(new)
+    new = hist[res._pos:]
+    res._pos = len(hist)
     return [(ACTIONS[e[0]], e[1], e[2]) for e in new]
 
 
@@ -519,10 +579,20 @@ def _call(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchT
             oracle.refuse_bytes = sum(size[k] for k in releases)
             res.pressure_calls += 1
     p = alloc.try_allocate(nbytes, True, st)
+    return _after_malloc(alloc, oracle, res, tt, addr, size, lo, last, pending, expected, p,
+                         ptr_of, is_oom)
+
+
+def _after_malloc(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: TorchTrace,
+                  addr: list, size: list, lo: int, last: int, pending: list[int],
+                  expected: list, p: int, ptr_of: dict, is_oom: bool = False) -> bool:
+    """:func:`_call` after the model's malloc (``p``): its segment events compared with the
+    trace's (``expected``), its address with the entry's; whether it was served."""
+    nbytes = size[last]
     oracle.refuse_all = False
     oracle.refuse_bytes = -1
     oracle.free_hint = None
-    made = _model_events(alloc, res._kept)
+    made = _model_events(alloc, res)
     made_seg = [e for e in made if e[0] in _SEGMENT_ACTIONS]
     for a, p_, s_ in made_seg:
         if a == A_MAP:
@@ -572,10 +642,10 @@ def _empty_cache(alloc: CachingAllocator, res: ExactReplay, tt: TorchTrace, act:
                  addr: list, size: list, pending: list[int]) -> None:
     if not pending:
         return
-    _model_events(alloc, res._kept)
+    _model_events(alloc, res)
     alloc.empty_cache()
     res.empty_cache_calls += 1
-    made = [e for e in _model_events(alloc, res._kept) if e[0] in _SEGMENT_ACTIONS]
+    made = [e for e in _model_events(alloc, res) if e[0] in _SEGMENT_ACTIONS]
     expected = [(act[k], addr[k], size[k]) for k in pending]
     matched = sum(1 for x, y in zip(made, expected) if x == y)
     res.segment_events_matched += matched
@@ -613,6 +683,79 @@ def _compare_final(alloc: CachingAllocator, final: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------- rebuild
+def _construct(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict | None:
+    """Make the state the trace started from (:func:`start_state`) in ``alloc`` by calls,
+    as the allocator would have made it; the counts, or None where the calls do not give
+    exactly that layout (expandable segments, a block the allocator would have split, a
+    size its rounding never gives...): the caller then builds it with :func:`_rebuild`.
+
+    Each segment is asked for whole at its address and given back to the cache, then cut
+    front to back by allocating each of its blocks and gaps at its exact size (no other
+    free block exists meanwhile, so best fit takes its front); a block whose request is
+    less than its size (a remainder too small to split) is then freed and asked for again
+    by its request, which takes it whole; last, the gaps are freed. The layout made is
+    compared with the one rebuilt, block by block (size, state, request). The peaks and
+    the accumulated statistics are reset (they count the replay's calls); the model's
+    snapshot shows a gap's size as the last request of that free block, and allocation
+    ids count the calls made here."""
+    state, counts = start_state(tt, alloc._conf)
+    if any(seg.expandable for seg in state):
+        return None
+    gaps: list[int] = []
+    asked: list[tuple[int, int, int]] = []
+    for seg in state:
+        oracle.expected = deque([(A_SEG_ALLOC, seg.address, seg.size)])
+        probe = alloc.try_allocate(512 if seg.small else seg.size, True, seg.stream)
+        if probe != seg.address or oracle.expected:
+            return None
+        alloc.deallocate(probe)
+        for p0, sz, req in _tiling(seg):
+            # a small segment's gap can be larger than a small request: asked in parts
+            step = K_SMALL_SIZE if seg.small else sz
+            at = p0
+            while at < p0 + sz:
+                part = min(step, p0 + sz - at)
+                if alloc.try_allocate(part, True, seg.stream) != at:
+                    return None
+                if req < 0:
+                    gaps.append(at)
+                at += part
+            if req >= 0 and req != sz:
+                asked.append((p0, req, seg.stream))
+    for p0, req, strm in asked:
+        alloc.deallocate(p0)
+        if alloc.try_allocate(req, True, strm) != p0:
+            return None
+    for p in gaps:
+        alloc.deallocate(p)
+    want = [[seg.address, seg.size, [(sz, req) for _, sz, req in _tiling(seg)]]
+            for seg in state]
+    got = [[m["address"], m["total_size"],
+            [(b["size"], b["requested_size"] if b["state"] != "inactive" else -1)
+             for b in m["blocks"]]] for m in alloc.segments()]
+    if got != want:
+        return None
+    alloc.reset_peak_stats()
+    alloc.reset_accumulated_stats()
+    alloc._largest = max((sz for seg in state for _, sz, _ in seg.blocks), default=0)
+    return counts
+
+
+def _tiling(seg: StartSegment) -> list[tuple[int, int, int]]:
+    """A starting segment's blocks and gaps in address order: (address, size, requested or
+    -1 for a gap)."""
+    out = []
+    cursor, end = seg.address, seg.address + seg.size
+    for b0, sz, req in seg.blocks:
+        if b0 > cursor:
+            out.append((cursor, b0 - cursor, -1))
+        out.append((b0, sz, req))
+        cursor = b0 + sz
+    if cursor < end:
+        out.append((cursor, end - cursor, -1))
+    return out
+
+
 def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
     """Put the state the trace started from (:func:`start_state`) into ``alloc``."""
     state, counts = start_state(tt, alloc._conf)

@@ -25,6 +25,15 @@ pending-free block (``active_allocated``, ``active_pending_free`` or
 mapped ranges are not segment addresses). Legacy blocks with ``history: [{real_size, ...}]``
 and no ``requested_size`` or ``address`` are read too.
 
+Loading
+-------
+A pickle is unpickled from its file (not from a copy of it in memory), with Python's
+garbage collector paused for the load (each of its full collections would walk every
+object of the snapshot). Each device's entries are then read in bulk into columns, a few
+thousand at a time (:func:`~gpudash.trace.torch_trace.read_entries`), and, when the
+snapshot was loaded from a file, released as they are read, so the columns grow into the
+memory the entries leave: a load takes no more memory than ``pickle.load`` of the file.
+
 Stacks
 ------
 Each row keeps the call stack PyTorch recorded with its entry (:attr:`Trace.stack`, ids
@@ -53,21 +62,45 @@ those that only end). No key when the snapshot has none.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import io
 import json
-import math
 import os
 import pickle
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import IO, Any
 
 import numpy as np
 
 from .._errors import TraceFormatError
 from ..events import EventKind
-from .format import Trace, _device_entries, _EventBuilder, _open_new, _open_regular, _source_name
-from .stacks import STACK_DTYPE, Frame, Stack, StackTable
-from .torch_trace import compact_segments
+from .format import Trace, _bins, _device_entries, _open_new, _open_regular, _regions, _source_name
+from .stacks import StackTable
+from .torch_trace import (
+    _MAX_DEVICE,
+    A_ALLOC,
+    A_FREE,
+    A_FREE_REQ,
+    A_MAP,
+    A_OOM,
+    A_SEG_ALLOC,
+    A_SEG_FREE,
+    A_UNMAP,
+    ACTION_NAMES,
+    StackInterner,
+    TorchTrace,
+    _int,
+    _short,
+    _time_ns,
+    compact_segments,
+    guess_version,
+    read_entries,
+    start_state,
+)
 
 __all__ = ["load_torch_snapshot", "load_torch_snapshot_dict", "save_torch_snapshot"]
 
@@ -103,7 +136,8 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     TraceFormatError
         Neither a builtin-only pickle nor JSON, a pickle naming a global, or not a snapshot.
     """
-    return _load_snapshot_dict(path_or_file)[0]
+    with _gc_paused():
+        return _load_snapshot_dict(path_or_file)[0]
 
 
 def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int]:
@@ -111,6 +145,9 @@ def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int
     name = _source_name(path_or_file)
     if isinstance(path_or_file, (str, os.PathLike)):
         with _open_regular(path_or_file) as f:
+            if f.peek(1)[:1] == b"\x80":    # a pickle: read from the file, not a copy of it
+                obj = _unpickle(f, name)
+                return _snapshot_of(obj, name), os.fstat(f.fileno()).st_size
             data = f.read()
     else:
         data = path_or_file.read()
@@ -127,6 +164,11 @@ def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int
                                    "snapshot") from None
         except (ValueError, UnicodeDecodeError):
             obj = _unpickle(data, name)   # protocol 0/1 pickles have no PROTO opcode
+    return _snapshot_of(obj, name), len(data)
+
+
+def _snapshot_of(obj: Any, name: str) -> dict:
+    """A loaded object as a snapshot dict (a bare list of segments is one), or the error."""
     if isinstance(obj, list):
         obj = {"segments": obj}
     if not isinstance(obj, dict) or not ({"segments", "device_traces"} & set(obj)):
@@ -135,7 +177,7 @@ def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int
             f"{name}: expected a PyTorch memory snapshot, a dict with 'segments' and/or "
             f"'device_traces'; found {type(obj).__name__}"
             + (f" with keys {sorted(keys)}" if isinstance(obj, dict) else ""))
-    return obj, len(data)
+    return obj
 
 
 #: The most segments + blocks + trace entries a snapshot may hold. Real snapshots hold far
@@ -188,118 +230,16 @@ def _check_size(name: str, segments: list, traces: list, nbytes: int | None = No
         "of the file; a pickle that repeats objects by reference holds more)")
 
 
-def _unpickle(data: bytes, name: str) -> Any:
+def _unpickle(data: bytes | IO[bytes], name: str) -> Any:
+    """The object a pickle (bytes or a binary file) holds, read with no global allowed."""
     try:
-        return _NoGlobalsUnpickler(io.BytesIO(data), name).load()
+        return _NoGlobalsUnpickler(io.BytesIO(data) if isinstance(data, bytes) else data,
+                                   name).load()
     except TraceFormatError:
         raise
     except Exception as exc:  # any unpickling failure is a format error
         raise TraceFormatError(
             f"{name}: neither JSON nor a readable pickle ({type(exc).__name__}: {exc})") from None
-
-
-_MAX_DEVICE = (1 << 15) - 1   # the trace's device column is int16
-
-
-def _int(value: Any, where: str, what: str, top: int = (1 << 63) - 1) -> int:
-    """``value``, an int in ``0 .. top`` (addresses, sizes and devices are never negative)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        text = repr(value) if isinstance(value, (str, float, type(None))) else \
-            type(value).__name__
-        raise TraceFormatError(f"{where}: expected an integer {what}, found {text[:60]}")
-    if value < 0:
-        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
-                               f">= 0")
-    if value > top:
-        shown = value if value.bit_length() < 100 else f"a {value.bit_length()}-bit number"
-        raise TraceFormatError(f"{where}: {what} {shown} is above {top:,}")
-    return value
-
-
-def _time_ns(tu: Any, where: str, i: int) -> int:
-    """An entry's ``time_us`` in ns (its index * 1000 when it has none)."""
-    if tu is None:
-        return i * 1000
-    if isinstance(tu, bool) or not isinstance(tu, (int, float)) \
-            or not (math.isfinite(tu) and -(1 << 53) < tu < 1 << 53):
-        text = repr(tu) if isinstance(tu, (int, float, str)) else type(tu).__name__
-        raise TraceFormatError(f"{where}: time_us {text[:40]} is not a time in microseconds "
-                               f"(a finite number below 2**53)")
-    return int(tu) * 1000
-
-
-class _StackInterner:
-    """PyTorch's frames as a :class:`~gpudash.trace.stacks.StackTable`, each frame dict and
-    each frames list read once.
-
-    A pickle shares equal frames as one dict object and often one frames list between the
-    entries of a call (alloc, or free_requested and free_completed), so frames are interned
-    by the ``id()`` of their dict and stacks by the ``id()`` of their list (with the
-    compile context and user metadata). Every object looked up belongs to the snapshot and
-    all of them were alive together when it was loaded, so two of them never share an id,
-    even after some are released.
-    """
-
-    __slots__ = ("table", "_frames", "_stacks", "_name")
-
-    def __init__(self, name: str) -> None:
-        self.table = StackTable()
-        self._frames: dict[int, int] = {}
-        self._stacks: dict[tuple[int, Any, Any], int] = {}
-        self._name = name
-
-    def of(self, frames: Any, cc: Any, um: Any, where: str) -> int:
-        """The stack id of ``frames`` (PyTorch's frame dicts, innermost first) with a
-        compile context and user metadata (-1: no frames and nothing else recorded)."""
-        key = (id(frames), cc, um)
-        try:
-            sid = self._stacks.get(key)
-        except TypeError:       # an unhashable compile context or metadata: refused below
-            sid = None
-        if sid is not None:
-            return sid
-        if frames is None:
-            frames = ()
-        elif not isinstance(frames, (list, tuple)):
-            raise TraceFormatError(f"{where}.frames: expected a list of frames, found "
-                                   f"{type(frames).__name__}")
-        for what, value in (("compile_context", cc), ("user_metadata", um)):
-            if value is not None and not isinstance(value, str):
-                raise TraceFormatError(f"{where}.{what}: expected a string, found "
-                                       f"{type(value).__name__}")
-        cc = cc or ""
-        um = um or ""
-        if not frames and not um and cc in ("", "N/A"):
-            sid = -1
-        else:
-            ids = tuple(self._frame(f, where, j) for j, f in enumerate(frames))
-            sid = self.table._add_stack(Stack(ids, cc, um))
-        self._stacks[key] = sid
-        return sid
-
-    def _frame(self, f: Any, where: str, j: int) -> int:
-        fid = self._frames.get(id(f))
-        if fid is None:
-            if isinstance(f, dict):
-                filename, line, name = f.get("filename"), f.get("line"), f.get("name")
-            if not (isinstance(f, dict) and isinstance(filename, str)
-                    and isinstance(name, str) and isinstance(line, int)
-                    and not isinstance(line, bool)):
-                raise TraceFormatError(
-                    f"{where}.frames[{j}]: expected a frame, a dict with 'filename' (str), "
-                    f"'line' (int) and 'name' (str); found {_short(f)}")
-            fid = self._frames[id(f)] = self.table._add_frame(Frame(filename, line, name))
-        return fid
-
-
-def _short(value: Any) -> str:
-    text = repr(value) if isinstance(value, (dict, str, int, float, type(None))) else \
-        type(value).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _entry_stack(stacks: _StackInterner, e: dict, where: str) -> int:
-    return stacks.of(e.get("frames"), e.get("compile_context"), e.get("user_metadata"), where)
 
 
 def _annotations(raw: Any, name: str) -> dict | None:
@@ -346,6 +286,8 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
     Parameters
     ----------
     path_or_file : str, os.PathLike, binary file object or dict
+        A dict is read, never changed. A snapshot read from a file is released entry by
+        entry as it is converted, so a load takes no more memory than ``pickle.load``.
     reconstruct : bool, default True
         Add the segments and allocations that existed before the first trace entry (see
         the module docstring). With False only the trace entries are imported (unless there
@@ -356,7 +298,8 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
     Trace
         Devices ``cuda:N``; ``meta["source"] = "pytorch-snapshot"``, with
         ``allocator_settings``, ``free_requested``, ``pending_free_blocks``,
-        ``reconstructed``, ``skipped_actions``, ``oom_device_free``.
+        ``reconstructed``, ``skipped_actions``, ``oom_device_free``, ``annotations``
+        (when the snapshot has some); the stacks in :attr:`Trace.stack`.
 
     Raises
     ------
@@ -364,36 +307,53 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         Unreadable file, a refused pickle global, or an entry without the fields its action
         needs (names ``device_traces[d][i]`` or ``segments[i]``).
     """
-    nbytes = None
-    if isinstance(path_or_file, dict):
-        name, snap = "<dict>", path_or_file
-    else:
+    with _gc_paused():
+        if isinstance(path_or_file, dict):
+            return _import(path_or_file, "<dict>", None, reconstruct, release=False)
         name = _source_name(path_or_file)
         snap, nbytes = _load_snapshot_dict(path_or_file)
-    segments = snap.get("segments") or []
-    traces = snap.get("device_traces") or []
-    if not isinstance(segments, list) or not isinstance(traces, list):
-        raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
-    raw_annotations = snap.get("external_annotations")
-    _check_size(name, segments, traces, nbytes,
-                len(raw_annotations) if isinstance(raw_annotations, list) else 0)
+        return _import(snap, name, nbytes, reconstruct, release=True)
 
-    # ---- final state from segments
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a while (back on after, if it was on).
+
+    A snapshot is millions of dicts and lists; each collection of the oldest generation
+    walks them all, and building them (unpickling) and reading them set off dozens: more
+    than half of ``pickle.load``'s time on a large snapshot. Nothing a load makes holds a
+    cycle, so nothing is left for the collector to find.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _final_state(segments: list, name: str) -> tuple:
+    """The final segments: non-expandable ones by device (address -> size), allocated blocks
+    by device (address -> (size, requested)), where each was made ((frames, where) by
+    ``(device, address)``, segments at ``-1 - address``), the count of blocks pending free,
+    and the segment dicts by device."""
     final_segs: dict[int, dict[int, int]] = {}
     final_blocks: dict[int, dict[int, tuple[int, int]]] = {}
-    # where each final segment and allocated block was made: (frames, entry, where)
-    final_frames: dict[tuple[int, int], tuple[Any, dict, str]] = {}
+    final_frames: dict[tuple[int, int], tuple[Any, str]] = {}
+    by_device: dict[int, list[dict]] = {}
     pending = 0
     for si, seg in enumerate(segments):
         where = f"{name}: segments[{si}]"
         if not isinstance(seg, dict):
             raise TraceFormatError(f"{where}: expected a dict, found {type(seg).__name__}")
         dev = _int(seg.get("device", 0), where, "device", _MAX_DEVICE)
+        by_device.setdefault(dev, []).append(seg)
         base = _int(seg.get("address"), where, "address")
         total = _int(seg.get("total_size"), where, "total_size")
         if not seg.get("is_expandable", False):
             final_segs.setdefault(dev, {})[base] = total
-            final_frames[(dev, -1 - base)] = (seg.get("frames"), seg, where)
+            final_frames[(dev, -1 - base)] = (seg.get("frames"), where)
         offset = base
         for bi, blk in enumerate(seg.get("blocks") or []):
             bwhere = f"{where}.blocks[{bi}]"
@@ -420,14 +380,48 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
                 req = last.get("real_size")
             final_frames[(dev, addr)] = (blk["frames"] if "frames" in blk else
                                          last.get("frames") if last is not None else None,
-                                         blk, bwhere)
+                                         bwhere)
             final_blocks.setdefault(dev, {})[addr] = (size, _int(req if req is not None
                                                                  else size, bwhere,
                                                                  "requested_size"))
+    return final_segs, final_blocks, final_frames, pending, by_device
 
-    # ---- trace entries
-    entries: list[tuple[int, int, int, int, dict]] = []
-    first_time: dict[int, int] = {}
+
+#: The trace event kind of each row action code (-1: no row).
+_KIND_OF_CODE = np.full(len(ACTION_NAMES), -1, dtype=np.int8)
+for _code, _kind in ((A_ALLOC, EventKind.ALLOC), (A_FREE, EventKind.FREE),
+                     (A_SEG_ALLOC, EventKind.EXTEND), (A_MAP, EventKind.EXTEND),
+                     (A_SEG_FREE, EventKind.RELEASE), (A_UNMAP, EventKind.RELEASE),
+                     (A_OOM, EventKind.OOM)):
+    _KIND_OF_CODE[_code] = int(_kind)
+_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM = (int(EventKind.ALLOC), int(EventKind.FREE),
+                                          int(EventKind.EXTEND), int(EventKind.RELEASE),
+                                          int(EventKind.OOM))
+
+
+def _import(snap: dict, name: str, nbytes: int | None, reconstruct: bool,
+            release: bool) -> Trace:
+    """:func:`load_torch_snapshot` of a loaded snapshot dict (``release``: drop its entries
+    as they are read)."""
+    segments = snap.get("segments") or []
+    traces = snap.get("device_traces") or []
+    if not isinstance(segments, list) or not isinstance(traces, list):
+        raise TraceFormatError(f"{name}: 'segments' and 'device_traces' must be lists")
+    raw_annotations = snap.get("external_annotations")
+    _check_size(name, segments, traces, nbytes,
+                len(raw_annotations) if isinstance(raw_annotations, list) else 0)
+    final_segs, final_blocks, final_frames, pending, final_by_dev = _final_state(segments,
+                                                                                 name)
+    settings = snap.get("allocator_settings") if isinstance(
+        snap.get("allocator_settings"), dict) else None
+    version = guess_version(snap)
+    annotations = _annotations(raw_annotations, name)
+    meta_settings = _jsonable(snap.get("allocator_settings") or {}, name)
+
+    # ---- the trace entries, device by device, as columns (released as they are read)
+    stacks = StackInterner()
+    entries: dict[int, Any] = {}
+    shared = Counter(id(lst) for lst in traces)
     for dev, lst in enumerate(traces):
         if not lst:
             continue
@@ -436,124 +430,185 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         if dev > _MAX_DEVICE:
             raise TraceFormatError(f"{name}: device_traces[{dev}] has entries; device indices "
                                    f"go up to {_MAX_DEVICE:,}")
-        for i, e in enumerate(lst):
-            where = f"{name}: device_traces[{dev}][{i}]"
-            if not isinstance(e, dict) or not isinstance(e.get("action"), str):
-                raise TraceFormatError(f"{where}: expected a dict with an 'action' string")
-            t = _time_ns(e.get("time_us"), where, i)
-            first_time.setdefault(dev, t)
-            entries.append((t, 1, dev, i, e))
+        own = release and shared[id(lst)] == 1
+        entries[dev] = read_entries(lst, dev, name, stacks, release=own)
+        if own:
+            lst.clear()
 
     # ---- what existed before the first entry: rebuilt as exact replay rebuilds it
-    from .torch_trace import from_snapshot, start_state
-
-    per_device = from_snapshot(snap, name)
-    initial: list[tuple[int, int, int, int, dict]] = []
-    n_rec_segs = n_rec_blocks = 0
-    for dev, tt in per_device.items():
-        if entries and not reconstruct:
-            break
-        t0 = first_time.get(dev, 0)
-        state, _ = start_state(tt)
-        for seg in state:     # the segments first, then what was allocated in them
-            made = final_frames.get((dev, -1 - seg.address)) \
-                if seg.freed_at < 0 and not seg.expandable else None
-            initial.append((t0, 0, dev, len(initial), {
-                "action": "segment_map" if seg.expandable else "segment_alloc",
-                "addr": seg.address, "size": seg.size, "stream": seg.stream,
-                "made": made}))
-            n_rec_segs += 1
-        for seg in state:
-            for (addr, size, req), freed_at in zip(seg.blocks, seg.blocks_freed_at,
-                                                    strict=True):
-                initial.append((t0, 0, dev, len(initial), {
-                    "action": "alloc", "addr": addr, "size": size, "requested_size": req,
-                    "stream": seg.stream,
-                    "made": final_frames.get((dev, addr)) if freed_at < 0 else None}))
-                n_rec_blocks += 1
+    parts: list[tuple] = []
     prefix: dict[str, int] = {}
-    for _, _, dev, _, _ in initial:
-        prefix[str(dev)] = prefix.get(str(dev), 0) + 1
-
-    b = _EventBuilder()
-    stacks = _StackInterner(name)
-    stack_col: list[int] = []
-    free_requested = 0
+    n_rec_segs = n_rec_blocks = 0
     skipped: Counter[str] = Counter()
-    oom_free: list[list[int]] = []
-    all_entries = initial + entries
-    all_entries.sort(key=lambda x: x[:4])
-    for dev in sorted({x[2] for x in all_entries} | set(final_segs)):
-        b.add_device(dev, f"cuda:{dev}")
-    for t, phase, dev, i, e in all_entries:
-        a = e["action"]
-        where = (f"{name}: device_traces[{dev}][{i}]" if phase else
-                 f"{name}: segments (device {dev})")
-        if a == "free_requested":
-            free_requested += 1
-            continue
-        if a not in _ROW_ACTIONS:
-            skipped[str(a)] += 1
-            continue
-        if phase:
-            stack_col.append(_entry_stack(stacks, e, where))
-        else:   # rebuilt: the stack of the final block or segment it is, if any
-            made = e["made"]
-            stack_col.append(-1 if made is None else
-                             _entry_stack(stacks, {"frames": made[0]}, made[2]))
-        if a == "oom":
-            size = _int(e.get("size"), where, "size")
-            b.oom(t, dev, size, stream=_stream(e, where))
-            oom_free.append([len(b) - 1, _int(e.get("device_free") or 0, where,
-                                              "device_free")])
-        elif a in ("alloc", "free_completed", "segment_alloc", "segment_map", "segment_free",
-                   "segment_unmap"):
-            addr = _int(e.get("addr"), where, "addr")
-            size = _int(e.get("size"), where, "size")
-            if a == "alloc":
-                b.alloc(t, dev, addr, _int(e.get("requested_size", size), where,
-                                           "requested_size"), size, stream=_stream(e, where))
-            elif a == "free_completed":
-                b.free(t, dev, addr, _int(e.get("requested_size", size), where,
-                                          "requested_size"), size)
-            elif a in ("segment_alloc", "segment_map"):
-                b.extend(t, dev, addr, size, stream=_stream(e, where))
-            else:
-                b.release(t, dev, addr, size, stream=_stream(e, where))
-    # trace entries carry no requested size: take it from the final blocks still live
-    live = b.live()
-    for dev, blocks in final_blocks.items():
-        for addr, (size, req) in blocks.items():
-            hit = live.get((dev, addr))
-            if hit is not None and hit[1] == size and hit[2] != req:
-                b.set_requested(dev, addr, req)
+    free_requested = 0
+    devices = sorted(set(entries) | set(final_by_dev))
+    finals = {}
+    for dev in devices:
+        ent = entries.get(dev)
+        final = final_by_dev.get(dev)
+        if final is not None:
+            finals[str(dev)] = compact_segments(final)
+        if (reconstruct or not entries):
+            tt = ent.torch_trace(dev, final, settings, version) if ent is not None else \
+                TorchTrace(dev, *(np.zeros(0, t) for t in (np.int8, np.int64, np.int64,
+                                                           np.int64)), final, settings,
+                           version)
+            rebuilt = _rebuilt_rows(dev, tt, final_frames, stacks,
+                                    int(ent.time_ns[0]) if ent is not None and len(ent.action)
+                                    else 0, name)
+            if rebuilt is not None:
+                parts.append(rebuilt)
+                prefix[str(dev)] = len(rebuilt[0])
+                n_rec_segs += rebuilt[-1][0]
+                n_rec_blocks += rebuilt[-1][1]
+        if ent is not None:
+            skipped.update(ent.skipped)
+            free_requested += int(np.count_nonzero(ent.action == A_FREE_REQ))
+            idx = np.flatnonzero(_KIND_OF_CODE[ent.action] >= 0)
+            parts.append((ent.time_ns[idx], np.ones(len(idx), np.int8),
+                          np.full(len(idx), dev, np.int16), idx, ent.action[idx],
+                          ent.addr[idx], ent.size[idx], ent.stream[idx],
+                          ent.requested[idx], ent.stack[idx], None))
+            entries[dev] = None     # its columns are no longer needed
+    row_devices = set(entries) | set(final_segs) | {int(d) for d in prefix}
     meta = {
         "source": "pytorch-snapshot",
-        "allocator_settings": _jsonable(snap.get("allocator_settings") or {}, name),
+        "allocator_settings": meta_settings,
         "free_requested": free_requested,
         "pending_free_blocks": pending,
         "reconstructed": {"segments": n_rec_segs, "allocations": n_rec_blocks},
         "skipped_actions": dict(skipped),
-        "oom_device_free": oom_free,
+        "oom_device_free": [],
         "torch": {
-            "version": ".".join(map(str, next(iter(per_device.values())).version))
-            if per_device else "",
+            "version": ".".join(map(str, version)) if devices else "",
             "prefix": prefix,
-            "final": {str(dev): compact_segments(tt.final)
-                      for dev, tt in per_device.items() if tt.final is not None},
+            "final": finals,
         },
     }
-    annotations = _annotations(raw_annotations, name)
     if annotations is not None:
         meta["annotations"] = annotations
-    t = b.build(meta)
-    stack = np.array(stack_col, dtype=STACK_DTYPE) if any(s >= 0 for s in stack_col) else None
-    return Trace(t.columns, t.meta, t.settings, holder=t.holder, holders=t.holders,
-                 stream=t.stream, stack=stack, stacks=stacks.table)
+    return _rows_to_trace(parts, sorted(row_devices), final_blocks, meta, stacks)
 
 
-_ROW_ACTIONS = frozenset(("alloc", "free_completed", "segment_alloc", "segment_map",
-                          "segment_free", "segment_unmap", "oom"))
+def _rebuilt_rows(dev: int, tt: TorchTrace, final_frames: dict, stacks: StackInterner,
+                  t0: int, name: str) -> tuple | None:
+    """The rows that rebuild what existed on ``dev`` when its trace began (columns as
+    :func:`_rows_to_trace` takes them), or None."""
+    state, _ = start_state(tt)
+    if not state:
+        return None
+    where = f"{name}: segments (device {dev})"
+    code, addr, size, stream, req, sid = [], [], [], [], [], []
+    n_blocks = 0
+    for seg in state:       # the segments first, then what was allocated in them
+        made = final_frames.get((dev, -1 - seg.address)) \
+            if seg.freed_at < 0 and not seg.expandable else None
+        code.append(A_MAP if seg.expandable else A_SEG_ALLOC)
+        addr.append(seg.address)
+        size.append(seg.size)
+        stream.append(seg.stream)
+        req.append(-1)
+        sid.append(-1 if made is None else stacks.of(made[0], None, None, made[1]))
+    for seg in state:
+        for (a, s, r), freed_at in zip(seg.blocks, seg.blocks_freed_at, strict=True):
+            made = final_frames.get((dev, a)) if freed_at < 0 else None
+            code.append(A_ALLOC)
+            addr.append(a)
+            size.append(s)
+            stream.append(seg.stream)
+            req.append(r)
+            sid.append(-1 if made is None else stacks.of(made[0], None, None, made[1]))
+            n_blocks += 1
+    n = len(code)
+    streams = np.array([_stream({"stream": s}, where) for s in stream], dtype=np.int64)
+    return (np.full(n, t0, np.int64), np.zeros(n, np.int8), np.full(n, dev, np.int16),
+            np.arange(n, dtype=np.int64), np.array(code, np.int8),
+            np.array(addr, np.int64), np.array(size, np.int64), streams,
+            np.array(req, np.int64), np.array(sid, np.int32), (len(state), n_blocks))
+
+
+def _rows_to_trace(parts: list[tuple], devices: list[int], final_blocks: dict, meta: dict,
+                   stacks: StackInterner) -> Trace:
+    """The rows of every device (time, phase, device, index, code, address, size, stream,
+    requested or -1, stack), put in order of (time, phase: rebuilt first, device, index),
+    as a :class:`Trace`: ids from 1 in allocation order, each free paired with the live
+    allocation at its address (taking its size, request, id and stream), sizes of refused
+    requests rounded to 256, ``bin`` and ``region`` filled in, as an importer's builder
+    does (:class:`~gpudash.trace.format._EventBuilder`)."""
+    cols = [np.concatenate([p[k] for p in parts]) if parts else
+            np.zeros(0, dt) for k, dt in enumerate((np.int64, np.int8, np.int16, np.int64,
+                                                    np.int8, np.int64, np.int64, np.int64,
+                                                    np.int64, np.int32))]
+    parts.clear()
+    t, phase, dev, idx, code, ptr, size, stream, req, sid = cols
+    n = len(t)
+    if n > 1 and not _in_order(t, phase, dev, idx):
+        order = np.lexsort((idx, dev, phase, t))
+        t, dev, code, ptr, size, stream, req, sid = (
+            x[order] for x in (t, dev, code, ptr, size, stream, req, sid))
+    del phase, idx, cols
+    kind = _KIND_OF_CODE[code]
+    del code
+    is_a = kind == _ALLOC
+    is_f = kind == _FREE
+    is_o = kind == _OOM
+    requested = np.where(req >= 0, req, size)
+    requested[kind == _RELEASE] = 0
+    alloc_id = np.full(n, -1, dtype=np.int64)
+    alloc_id[is_a] = np.arange(1, int(is_a.sum()) + 1)
+    # each free with the live allocation at its address: the previous alloc or free there
+    af = np.flatnonzero(is_a | is_f)
+    order = af[np.lexsort((af, ptr[af], dev[af]))]
+    prev, cur = order[:-1], order[1:]
+    same = (dev[prev] == dev[cur]) & (ptr[prev] == ptr[cur])
+    hit = same & is_a[prev] & is_f[cur]
+    a_rows, f_rows = prev[hit], cur[hit]
+    unmatched = is_f.copy()
+    unmatched[f_rows] = False
+    size[f_rows] = size[a_rows]
+    requested[f_rows] = requested[a_rows]
+    alloc_id[f_rows] = alloc_id[a_rows]
+    stream[f_rows] = stream[a_rows]
+    stream[unmatched] = 0
+    oom_rows = np.flatnonzero(is_o)
+    device_free = ptr[oom_rows].tolist()
+    ptr[oom_rows] = 0
+    size[oom_rows] = (size[oom_rows] + 255) & ~255
+    # trace entries carry no requested size: take it from the final blocks still live
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = ~same
+    live = order[last & is_a[order]]
+    if len(live) and final_blocks:
+        for r, d, p, s, q in zip(live.tolist(), dev[live].tolist(), ptr[live].tolist(),
+                                 size[live].tolist(), requested[live].tolist()):
+            hit_ = final_blocks.get(d, {}).get(p)
+            if hit_ is not None and hit_[0] == s and hit_[1] != q:
+                requested[r] = hit_[1]
+    meta["oom_device_free"] = [[r, f] for r, f in zip(oom_rows.tolist(), device_free)]
+    meta["devices"] = [{"index": d, "name": f"cuda:{d}", "capacity": None, "options": None}
+                       for d in devices]
+    meta["unmatched_frees"] = int(unmatched.sum())
+    columns = {"seq": np.arange(n, dtype=np.int64), "time_ns": t, "kind": kind, "ptr": ptr,
+               "size": size, "requested": requested, "alloc_id": alloc_id, "device": dev}
+    sized = is_a | is_f | is_o
+    columns["bin"] = np.where(sized, _bins(size), -1).astype(np.int8)
+    columns["region"] = _regions(columns)
+    return Trace(columns, meta, stream=stream if stream.any() else None,
+                 stack=sid if (sid >= 0).any() else None, stacks=stacks.table)
+
+
+def _in_order(t: np.ndarray, phase: np.ndarray, dev: np.ndarray, idx: np.ndarray) -> bool:
+    """Whether rows are already in order of (t, phase, dev, idx)."""
+    dt = np.diff(t)
+    if (dt < 0).any():
+        return False
+    tie = dt == 0
+    if not tie.any():
+        return True
+    dp = np.diff(phase.astype(np.int64))[tie]
+    dd = np.diff(dev.astype(np.int64))[tie]
+    di = np.diff(idx)[tie]
+    return bool(((dp > 0) | ((dp == 0) & ((dd > 0) | ((dd == 0) & (di > 0))))).all())
 
 
 def _stream(entry: dict, where: str) -> int:
@@ -609,78 +664,237 @@ def _jsonable(obj: Any, name: str = "<dict>") -> Any:
     return conv(obj, 0)
 
 
+class _FramesOut:
+    """A stack table's stacks as PyTorch writes them: per stack one ``frames`` list of
+    ``{"filename", "line", "name"}`` dicts, each frame dict and each list made once and
+    shared by every entry that has it (a pickle then stores each once, as PyTorch's do)."""
+
+    __slots__ = ("_frames", "_lists", "_table")
+
+    def __init__(self, table: StackTable) -> None:
+        self._table = table
+        self._frames: dict[int, dict] = {}
+        self._lists: dict[int, tuple[list, str, str]] = {}
+
+    def of(self, sid: int) -> tuple[list, str, str]:
+        """``(frames, compile_context, user_metadata)`` of stack ``sid`` (-1: none)."""
+        if sid < 0:
+            return [], "", ""
+        out = self._lists.get(sid)
+        if out is None:
+            st = self._table.stacks[sid]
+            frames = []
+            for f in st.frames:
+                d = self._frames.get(f)
+                if d is None:
+                    fr = self._table.frames[f]
+                    d = self._frames[f] = {"filename": fr.filename, "line": fr.line,
+                                           "name": fr.name}
+                frames.append(d)
+            out = self._lists[sid] = (frames, st.compile_context, st.user_metadata)
+        return out
+
+    def entry(self, sid: int, **fields: Any) -> dict:
+        """A trace entry with the frames (and compile context and user metadata, where
+        recorded) of stack ``sid``."""
+        frames, cc, um = self.of(sid)
+        fields["frames"] = frames
+        if cc:
+            fields["compile_context"] = cc
+        if um:
+            fields["user_metadata"] = um
+        return fields
+
+
 def _snapshot_dict(trace: Trace) -> dict:
     c = trace.columns
     kind = c["kind"].tolist()
     ptr, size, req = c["ptr"].tolist(), c["size"].tolist(), c["requested"].tolist()
     dev_col, t_col = c["device"].tolist(), (c["time_ns"] // 1000).tolist()
+    sid_col = trace.stack_ids().tolist()
+    out = _FramesOut(trace.stacks)
+    entry = out.entry
     devices = set(dev_col) | set(_device_entries(trace.meta))
     n_dev = max(devices) + 1 if devices else 0
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
-    allocs: dict[tuple[int, int], tuple[int, int]] = {}
-    segs: dict[tuple[int, int], int] = {}
+    allocs: dict[tuple[int, int], tuple[int, int, int]] = {}
+    segs: dict[tuple[int, int], tuple[int, int]] = {}
     ALLOC, FREE, EXTEND, RELEASE, OOM = (
         int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND),
         int(EventKind.RELEASE), int(EventKind.OOM))
-    for k, p, s, r, d, t in zip(kind, ptr, size, req, dev_col, t_col, strict=True):
-        base = {"stream": 0, "time_us": t, "frames": []}
+    for k, p, s, r, d, t, sid in zip(kind, ptr, size, req, dev_col, t_col, sid_col,
+                                     strict=True):
         if k == ALLOC:
-            traces[d].append({"action": "alloc", "addr": p, "size": s, "requested_size": r,
-                              **base})
-            allocs[(d, p)] = (s, r)
+            traces[d].append(entry(sid, action="alloc", addr=p, size=s, requested_size=r,
+                                   stream=0, time_us=t))
+            allocs[(d, p)] = (s, r, sid)
         elif k == FREE:
-            traces[d].append({"action": "free_requested", "addr": p, "size": s, **base})
-            traces[d].append({"action": "free_completed", "addr": p, "size": s,
-                              "requested_size": r, **base})
+            traces[d].append(entry(sid, action="free_requested", addr=p, size=s, stream=0,
+                                   time_us=t))
+            traces[d].append(entry(sid, action="free_completed", addr=p, size=s,
+                                   requested_size=r, stream=0, time_us=t))
             allocs.pop((d, p), None)
         elif k == EXTEND:
-            traces[d].append({"action": "segment_alloc", "addr": p, "size": s, **base})
-            segs[(d, p)] = s
+            traces[d].append(entry(sid, action="segment_alloc", addr=p, size=s, stream=0,
+                                   time_us=t))
+            segs[(d, p)] = (s, sid)
         elif k == RELEASE:
-            traces[d].append({"action": "segment_free", "addr": p, "size": s, **base})
+            traces[d].append(entry(sid, action="segment_free", addr=p, size=s, stream=0,
+                                   time_us=t))
             segs.pop((d, p), None)
         elif k == OOM:
-            traces[d].append({"action": "oom", "device_free": 0, "size": r, **base})
+            traces[d].append(entry(sid, action="oom", device_free=0, size=r, stream=0,
+                                   time_us=t))
     # final state: live segments, tiled by their live blocks and inactive gaps
     segments = []
     for d in range(n_dev):
         starts = sorted(p for (dd, p) in segs if dd == d)
-        members: dict[int, list[tuple[int, int, int]]] = {p: [] for p in starts}
+        members: dict[int, list[tuple[int, int, int, int]]] = {p: [] for p in starts}
         orphans = []
-        for (dd, p), (s, r) in sorted(allocs.items()):
+        for (dd, p), (s, r, sid) in sorted(allocs.items()):
             if dd != d:
                 continue
             j = bisect.bisect_right(starts, p) - 1
-            if j >= 0 and p < starts[j] + segs[(d, starts[j])]:
-                members[starts[j]].append((p, s, r))
+            if j >= 0 and p < starts[j] + segs[(d, starts[j])][0]:
+                members[starts[j]].append((p, s, r, sid))
             else:
-                orphans.append((p, s, r))
+                orphans.append((p, s, r, sid))
         for base in starts:
-            segments.append(_segment(d, base, segs[(d, base)], members[base]))
-        for p, s, r in orphans:  # allocations outside any known segment
-            segments.append(_segment(d, p, s, [(p, s, r)]))
+            total, sid = segs[(d, base)]
+            segments.append(_segment(d, base, total, members[base], out.of(sid)[0], out))
+        for p, s, r, sid in orphans:  # allocations outside any known segment
+            segments.append(_segment(d, p, s, [(p, s, r, sid)], [], out))
     return {"segments": segments, "device_traces": traces,
             "allocator_settings": trace.meta.get("allocator_settings") or {},
-            "external_annotations": []}
+            "external_annotations": _annotations_out(trace.meta.get("annotations"))}
 
 
-def _segment(dev: int, base: int, total: int, blocks: list[tuple[int, int, int]]) -> dict:
-    out, cursor = [], base
-    for p, s, r in blocks:
+_KIND_OF_ACTION = {"alloc": int(EventKind.ALLOC), "free_completed": int(EventKind.FREE),
+                   "segment_alloc": int(EventKind.EXTEND), "segment_map": int(EventKind.EXTEND),
+                   "segment_free": int(EventKind.RELEASE),
+                   "segment_unmap": int(EventKind.RELEASE), "oom": int(EventKind.OOM)}
+
+
+_KIND_OR_REQUEST = {**_KIND_OF_ACTION, "free_requested": 100}
+
+
+def _with_stacks(snap: dict, recording: Trace, device: int, start: dict[int, int]) -> None:
+    """Give a model's own snapshot (``CachingAllocator.snapshot()``, made alongside
+    ``recording``, which records the same calls as events with stacks) the frames of
+    ``recording``'s stacks: each trace entry its event's (``free_requested`` its
+    ``free_completed``'s), each allocated block of the final segments its allocation's
+    (``start``: stack ids of blocks allocated before the recording began, by address).
+    Entries that do not line up with the events, kind by kind, are left as they are."""
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    n = len(entries)
+    k = recording.columns["kind"]
+    sid = recording.stack_ids()
+    kinds = np.fromiter(map(_KIND_OR_REQUEST.get, map(dict.get, entries, repeat("action")),
+                            repeat(-1)), np.int8, n)
+    got = np.full(n, -1, dtype=np.int64)
+    for kind in set(_KIND_OF_ACTION.values()):
+        mine = np.flatnonzero(kinds == kind)
+        theirs = sid[k == kind]
+        if len(mine) != len(theirs):
+            return
+        got[mine] = theirs
+    # free_requested: its free_completed's (the next entry of that address)
+    is_fc = kinds == _KIND_OF_ACTION["free_completed"]
+    is_fr = kinds == _KIND_OR_REQUEST["free_requested"]
+    if is_fr.any():
+        addrs = list(map(dict.get, entries, repeat("addr")))
+        fr = np.flatnonzero(is_fr[:-1] & is_fc[1:])       # the common case: right after
+        fr = fr[[addrs[j] == addrs[j + 1] for j in fr.tolist()]] if len(fr) else fr
+        got[fr] = got[fr + 1]
+        is_fr[fr] = False
+        if is_fr.any():         # the others: the next free_completed of the same address
+            after: dict[Any, int] = {}
+            for j in np.flatnonzero(is_fr | is_fc)[::-1].tolist():
+                if is_fc[j]:
+                    after[addrs[j]] = got[j]
+                elif is_fr[j]:
+                    got[j] = after.get(addrs[j], -1)
+    out = _FramesOut(recording.stacks)
+    keep = got >= 0
+    if keep.any():
+        sids = got[keep].tolist()
+        made = {s: out.of(s) for s in set(sids)}
+        values = list(map(made.__getitem__, sids))
+        chosen = list(compress(entries, keep.tolist()))
+        deque(map(dict.__setitem__, chosen, repeat("frames"), map(itemgetter(0), values)),
+              maxlen=0)
+        # the model writes "N/A" and "": only what the stacks recorded otherwise replaces it
+        for j, key, default in ((1, "compile_context", "N/A"), (2, "user_metadata", "")):
+            if any(v[j] not in ("", default) for v in made.values()):
+                deque(map(dict.__setitem__, chosen, repeat(key), map(itemgetter(j), values)),
+                      maxlen=0)
+    # the final blocks: the allocation live at each address (its last event an alloc)
+    c = recording.columns
+    rows = np.flatnonzero((k == _KIND_OF_ACTION["alloc"]) | (k == _KIND_OF_ACTION[
+        "free_completed"]))
+    ptr = c["ptr"][rows]
+    order = np.lexsort((rows, ptr))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = ptr[order][1:] != ptr[order][:-1]
+    final_rows = rows[order[last]]
+    touched = set(ptr.tolist()) if start else set()
+    live = {p: s for p, s in start.items() if p not in touched}
+    alive = final_rows[k[final_rows] == _KIND_OF_ACTION["alloc"]]
+    live.update(zip(c["ptr"][alive].tolist(), sid[alive].tolist()))
+    for seg in snap.get("segments") or []:
+        if seg.get("device", 0) != device:
+            continue
+        for blk in seg.get("blocks") or []:
+            s = live.get(blk.get("address"), -1)
+            if s >= 0 and str(blk.get("state", "")).startswith("active"):
+                blk["frames"] = out.of(s)[0]
+
+
+def _annotations_out(ann: Any) -> list[dict]:
+    """``meta["annotations"]`` (see the module docstring) back as PyTorch's
+    ``external_annotations``: START and END entries by time."""
+    if not isinstance(ann, dict) or not isinstance(ann.get("ranges"), list):
+        return []
+    names = ann.get("names") or []
+    events = []
+    for n, rng in enumerate(ann["ranges"]):
+        try:
+            dev, nid, lo, hi = rng
+            label = names[nid]
+        except (TypeError, ValueError, IndexError):
+            continue
+        zero = lo is not None and lo == hi
+        # at one time: ends first (a range that ends where the next begins), a zero-length
+        # range's START right before its END
+        if lo is not None:
+            events.append((lo // 1000, 1 if zero else 3, n, label, "START", dev))
+        if hi is not None:
+            events.append((hi // 1000, 2 if zero else 0, n, label, "END", dev))
+    events.sort()
+    return [{"name": label, "stage": stage, "device": dev, "time_us": t}
+            for t, _, _, label, stage, dev in events]
+
+
+def _segment(dev: int, base: int, total: int, blocks: list[tuple[int, int, int, int]],
+             frames: list, out: _FramesOut) -> dict:
+    blks, cursor = [], base
+    for p, s, r, sid in blocks:
         if p > cursor:
-            out.append({"address": cursor, "size": p - cursor, "requested_size": 0,
-                        "state": "inactive", "frames": []})
-        out.append({"address": p, "size": s, "requested_size": r, "state": "active_allocated",
-                    "frames": []})
+            blks.append({"address": cursor, "size": p - cursor, "requested_size": 0,
+                         "state": "inactive", "frames": []})
+        blks.append({"address": p, "size": s, "requested_size": r,
+                     "state": "active_allocated", "frames": out.of(sid)[0]})
         cursor = max(cursor, p + s)
     if cursor < base + total:
-        out.append({"address": cursor, "size": base + total - cursor, "requested_size": 0,
-                    "state": "inactive", "frames": []})
-    allocated = sum(s for _, s, _ in blocks)
+        blks.append({"address": cursor, "size": base + total - cursor, "requested_size": 0,
+                     "state": "inactive", "frames": []})
+    allocated = sum(s for _, s, _, _ in blocks)
     return {"device": dev, "address": base, "total_size": total, "allocated_size": allocated,
-            "active_size": allocated, "requested_size": sum(r for _, _, r in blocks),
+            "active_size": allocated, "requested_size": sum(r for _, _, r, _ in blocks),
             "stream": 0, "segment_type": "large" if total > (1 << 20) else "small",
-            "segment_pool_id": [0, 0], "is_expandable": False, "frames": [], "blocks": out}
+            "segment_pool_id": [0, 0], "is_expandable": False, "frames": frames,
+            "blocks": blks}
 
 
 def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: bool = False,
@@ -691,7 +905,12 @@ def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: boo
     segment_alloc, segment_free, oom; ``time_us`` = ``time_ns // 1000``; entries also carry
     ``requested_size``, which :func:`load_torch_snapshot` reads back); ``segments`` are the
     final state: the regions still extended, tiled by their live blocks and inactive gaps
-    (a live allocation in no known region gets a segment of its own).
+    (a live allocation in no known region gets a segment of its own). Each entry carries its
+    row's stack (:attr:`Trace.stack`) as ``frames`` (with ``compile_context`` and
+    ``user_metadata`` where recorded; both entries of a free take the free row's), each
+    allocated block its allocation's and each segment its extend's, so MemoryViz shows where
+    memory was asked for; each frame dict and frames list is written once and shared. The
+    ``meta["annotations"]`` ranges become ``external_annotations`` again.
 
     Parameters
     ----------

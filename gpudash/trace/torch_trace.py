@@ -11,13 +11,20 @@ The data side of PyTorch's snapshots, shared by the importer
   ``max_entries`` events, so a trace can start mid-run): the final segments walked back over
   the trace, as MemoryViz does; :class:`StartSegment` per segment or mapped range;
 - the final segments in a compact, JSON-friendly form (:func:`compact_segments`,
-  :func:`expand_segments`), as an imported trace keeps them in ``meta["torch"]``.
+  :func:`expand_segments`), as an imported trace keeps them in ``meta["torch"]``;
+- :func:`read_entries`: a device's entries as numpy columns (:class:`Entries`) in bulk, a
+  few thousand at a time, checked as the importer checks them, with their call stacks
+  interned on the way (:class:`StackInterner`) and, for a snapshot the importer loaded
+  itself, each chunk released once read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from bisect import bisect_left, bisect_right
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -38,6 +45,7 @@ _SEGMENT_ACTIONS = (A_SEG_ALLOC, A_SEG_FREE, A_MAP, A_UNMAP)
 _RELEASES = (A_SEG_FREE, A_UNMAP)
 _GETS = (A_SEG_ALLOC, A_MAP)
 _MASK64 = (1 << 64) - 1
+_MAX_DEVICE = (1 << 15) - 1   # a trace's device column is int16
 
 
 # ---------------------------------------------------------------------------------- input
@@ -60,6 +68,9 @@ class TorchTrace:
         ``allocator_settings`` (PyTorch 2.4 on).
     version : tuple of int
         The PyTorch version the snapshot's layout points to.
+    rows : numpy.ndarray of int64 or None
+        The row of each entry in the :class:`~gpudash.trace.Trace` it was read from
+        (:func:`from_trace`; None from a snapshot dict).
     """
 
     device: int
@@ -70,6 +81,7 @@ class TorchTrace:
     final: list[dict] | None = None
     settings: dict | None = None
     version: tuple[int, int] = (2, 11)
+    rows: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.action)
@@ -192,10 +204,10 @@ def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
         final = expand_segments(compact, device)
     try:
         version = parse_torch_version(torch_meta.get("version") or None)
-    except Exception:  # noqa: BLE001 - an odd version string: the default rules
+    except Exception:
         version = parse_torch_version(None)
     return TorchTrace(device, action[keep], addr[keep], size[keep],
-                      trace.streams()[rows][keep], final, settings, version)
+                      trace.streams()[rows][keep], final, settings, version, rows[keep])
 
 
 def _as_int(value: Any, where: str, signed: bool = False) -> int:
@@ -212,31 +224,48 @@ def _u64(v: int) -> int:
     return v & _MASK64
 
 
+def _earliest_at_each_address(act: np.ndarray, addr: np.ndarray, a: int, b: int
+                              ) -> np.ndarray:
+    """The index of the earliest entry of action ``a`` or ``b`` at each address."""
+    idx = np.flatnonzero((act == a) | (act == b))
+    if not len(idx):
+        return idx
+    _, first = np.unique(addr[idx], return_index=True)
+    return idx[first]
+
+
 def _starts_empty(tt: TorchTrace) -> bool:
     """The trace starts from an empty allocator: every free follows its alloc, every final
     allocated block and segment was made in the trace (the validation plan's step 2)."""
-    live: set[int] = set()
-    segs: set[int] = set()
+    act, addr, size = tt.action, tt.addr, tt.size
+    live = segs = None
+    for made, gone in ((A_ALLOC, A_FREE), (A_SEG_ALLOC, A_SEG_FREE)):
+        # at each address, each free must come right after an alloc there
+        idx = np.flatnonzero((act == made) | (act == gone))
+        order = idx[np.lexsort((idx, addr[idx]))]
+        a, k = addr[order], act[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = a[1:] != a[:-1]
+        prev_made = np.zeros(len(order), dtype=bool)
+        prev_made[1:] = k[:-1] == made
+        if ((k == gone) & (first | ~prev_made)).any():
+            return False
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = first[1:]
+        alive = set(a[last & (k == made)].tolist())
+        if made == A_ALLOC:
+            live = alive
+        else:
+            segs = alive
     mapped = _Ranges()
-    for a, addr, size in zip(tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()):
-        if a == A_ALLOC:
-            live.add(addr)
-        elif a == A_FREE:
-            if addr not in live:
+    for k in np.flatnonzero((act == A_MAP) | (act == A_UNMAP)).tolist():
+        lo, hi = int(addr[k]), int(addr[k]) + int(size[k])
+        if act[k] == A_MAP:
+            mapped.add(lo, hi)
+        else:
+            if not mapped.covers(lo, hi):
                 return False
-            live.discard(addr)
-        elif a == A_SEG_ALLOC:
-            segs.add(addr)
-        elif a == A_SEG_FREE:
-            if addr not in segs:
-                return False
-            segs.discard(addr)
-        elif a == A_MAP:
-            mapped.add(addr, addr + size)
-        elif a == A_UNMAP:
-            if not mapped.covers(addr, addr + size):
-                return False
-            mapped.sub(addr, addr + size)
+            mapped.sub(lo, hi)
     for seg in tt.final or ():
         base = seg["address"]
         if seg.get("is_expandable"):
@@ -343,8 +372,7 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
     them). Empty for a trace that starts from an empty allocator."""
     conf = conf if conf is not None else (
         CachingAllocatorConfig.from_snapshot_settings(tt.settings, version=tt.version))
-    act, addr, size = tt.action.tolist(), tt.addr.tolist(), tt.size.tolist()
-    stream = [_u64(s) for s in tt.stream.tolist()]
+    act, addr, size = tt.action, tt.addr, tt.size
     segs: dict[int, dict] = {}
     exp_ranges: list[tuple[int, int, int, bool]] = []   # (lo, hi, stream, small)
     blocks: dict[int, list] = {}   # addr -> [size or None, requested, trace index of free]
@@ -362,38 +390,46 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
                     hist = blk.get("history") or []
                     req = hist[-1].get("real_size") if hist else None
                 blocks[baddr] = [blk["size"], int(req or blk["size"]), -1]
+    # Walking the trace backwards, what is at an address before the trace is decided by the
+    # earliest entry there: an alloc (or segment_alloc) means nothing was, a free (or
+    # segment_free) that something was; no entry, that the final state's was.
+    for made, gone in ((A_ALLOC, A_FREE), (A_SEG_ALLOC, A_SEG_FREE)):
+        ks = _earliest_at_each_address(act, addr, made, gone)
+        table = blocks if made == A_ALLOC else segs
+        if len(ks) and table:
+            touched = set(addr[ks].tolist())
+            for a in [a for a in table if a in touched]:
+                del table[a]
+        for k in ks[act[ks] == gone].tolist():
+            a, sz = int(addr[k]), int(size[k])
+            if made == A_ALLOC:
+                blocks[a] = [None, sz, k]
+            else:   # a segment of 2 MiB is the small pool's (large segments are >= 10 MiB)
+                segs[a] = {"size": sz, "small": sz == (2 << 20),
+                           "stream": _u64(int(tt.stream[k])), "freed_at": k}
     mapped = _Ranges((lo, hi) for lo, hi, _, _ in exp_ranges)
-    for k in range(len(act) - 1, -1, -1):
-        a = act[k]
-        if a == A_ALLOC:
-            blocks.pop(addr[k], None)
-        elif a == A_FREE:
-            blocks[addr[k]] = [None, size[k], k]
-        elif a == A_SEG_ALLOC:
-            segs.pop(addr[k], None)
-        elif a == A_SEG_FREE:
-            # a segment of 2 MiB is the small pool's (large segments are >= 10 MiB)
-            segs[addr[k]] = {"size": size[k], "small": size[k] == (2 << 20),
-                             "stream": stream[k], "freed_at": k}
-        elif a == A_MAP:
-            mapped.sub(addr[k], addr[k] + size[k])
-        elif a == A_UNMAP:
-            mapped.add(addr[k], addr[k] + size[k])
+    for k in np.flatnonzero((act == A_MAP) | (act == A_UNMAP))[::-1].tolist():
+        lo, hi = int(addr[k]), int(addr[k]) + int(size[k])
+        if act[k] == A_MAP:
+            mapped.sub(lo, hi)
+        else:
+            mapped.add(lo, hi)
     starts = sorted(blocks)
     counts = {"segments": 0, "blocks": 0, "guessed": 0}
     # allocations by address, with their trace index: evidence of where free blocks began
-    alloc_at = sorted((addr[k], k) for k in range(len(act)) if act[k] == A_ALLOC)
-    alloc_addrs = [x for x, _ in alloc_at]
+    lazy: list = []
 
     def first_alloc_in(lo: int, hi: int, before: int) -> int | None:
         """The address of the earliest allocation (before trace index ``before``) in
         [lo, hi): where the free block there began (an allocation takes the front)."""
-        best = None
-        for j in range(bisect_left(alloc_addrs, lo), bisect_left(alloc_addrs, hi)):
-            k = alloc_at[j][1]
-            if k < before and (best is None or k < best[1]):
-                best = (alloc_addrs[j], k)
-        return None if best is None else best[0]
+        if not lazy:
+            ai = np.flatnonzero(act == A_ALLOC)
+            order = np.lexsort((ai, addr[ai]))
+            lazy.extend((addr[ai][order], ai[order]))
+        alloc_addrs, alloc_ks = lazy
+        ks = alloc_ks[np.searchsorted(alloc_addrs, lo):np.searchsorted(alloc_addrs, hi)]
+        ks = ks[ks < before]
+        return None if not len(ks) else int(addr[ks.min()])
 
     def blocks_in(lo: int, hi: int, small: bool, expandable: bool,
                   freed: list[int]) -> list[tuple[int, int, int]]:
@@ -502,3 +538,418 @@ def expand_segments(compact: list, device: int) -> list[dict]:
     return out
 
 
+
+
+# ------------------------------------------------------------------ reading entries fast
+#: Entry codes that become rows of an imported trace.
+ROW_CODES = (A_ALLOC, A_FREE, A_SEG_ALLOC, A_SEG_FREE, A_MAP, A_UNMAP, A_OOM)
+_ROW_MASK = np.zeros(len(ACTION_NAMES), dtype=bool)
+_ROW_MASK[list(ROW_CODES)] = True
+_CHECKED_MASK = np.zeros(len(ACTION_NAMES), dtype=bool)   # addr, size, stream are read
+_CHECKED_MASK[1:9] = True
+_CHUNK = 1 << 12           # entries read (and released) at a time: a few MB, in cache
+_CACHE_MAX = 1 << 20       # entries of an id-keyed cache before it is cleared
+_MISSING = type("_Missing", (), {"__slots__": (), "__repr__": lambda self: "<missing>"})()
+_T_MAX = 1 << 53
+
+
+class StackInterner:
+    """PyTorch's frames as a :class:`~gpudash.trace.stacks.StackTable`, each frame dict and
+    each distinct stack read once.
+
+    A pickle shares equal frames as one dict object, but makes a frames list per call, so a
+    list is looked up among the distinct stacks with its length and the ``id()`` of three of
+    its frames (a bucket), then compared with each list of the bucket (``==``, which finds
+    shared frames equal by identity, at C speed); only a list new to the table is read frame
+    by frame (frame dicts by ``id()``, then by value). A JSON snapshot, which shares nothing,
+    is interned by value the same way. Every object whose ``id()`` is a key belongs to the
+    snapshot, and all of them were alive together when it was loaded (a bucket keeps its
+    lists), so two of them never share an id, even after some are released.
+    """
+
+    __slots__ = ("_buckets", "_by_mid", "_frames", "table")
+
+    def __init__(self) -> None:
+        from .stacks import StackTable
+
+        self.table = StackTable()
+        self._frames: dict[int, int] = {}          # id(frame dict) -> frame id
+        self._buckets: dict[tuple, list] = {}      # (len, ids, cc, um) -> [(list, sid)...]
+        # (cc, um) -> {(len, id(middle frame)): (a list, its stack id)}: bulk's first guess
+        self._by_mid: dict[tuple, dict[tuple[int, int], tuple[list, int]]] = {}
+
+    def of(self, frames: Any, cc: Any, um: Any, where: str) -> int:
+        """The stack id of ``frames`` (PyTorch's frame dicts, innermost first) with a
+        compile context and user metadata (-1: no frames and nothing else recorded)."""
+        for what, value in (("compile_context", cc), ("user_metadata", um)):
+            if value is not None and not isinstance(value, str):
+                raise TraceFormatError(f"{where}.{what}: expected a string, found "
+                                       f"{type(value).__name__}")
+        if frames is not None and not isinstance(frames, (list, tuple)):
+            raise TraceFormatError(f"{where}.frames: expected a list of frames, found "
+                                   f"{type(frames).__name__}")
+        return self.lookup(frames, cc, um, where)
+
+    def lookup(self, frames: list | tuple | None, cc: str | None, um: str | None,
+               where: str = "") -> int:
+        """:meth:`of` for values whose types are known to be right."""
+        n = len(frames) if frames else 0
+        key = (n, id(frames[n >> 1]), id(frames[n // 3]), id(frames[-1 - n // 4]), cc, um) \
+            if n else (0, cc, um)
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            for rep, sid in bucket:
+                try:
+                    if rep == frames:
+                        return sid
+                except RecursionError:       # nested values no frame has: not this one
+                    continue
+        else:
+            bucket = self._buckets[key] = []
+        sid = self._new(frames, cc, um, where)
+        bucket.append((frames, sid))
+        return sid
+
+    def bulk(self, frames: list, ccs: list, ums: list) -> np.ndarray:
+        """:meth:`lookup` of many frames lists (of known types) at once, in C where it can:
+        lists with one compile context and user metadata, looked up by their length and
+        middle frame, each checked against the list found (``==``); the others, and those
+        not found, one by one."""
+        m = len(frames)
+        out = np.empty(m, dtype=np.int64)
+        if not m:
+            return out
+        one = (len(set(ccs)) == 1 and len(set(ums)) == 1
+               and type(None) not in set(map(type, frames)))
+        lens = np.fromiter(map(len, frames), np.int64, m) if one else None
+        if not one or not lens.all():
+            if one:         # empty lists one by one, the rest in bulk
+                rest = np.flatnonzero(lens)
+                for j in np.flatnonzero(lens == 0).tolist():
+                    out[j] = self.lookup(frames[j], ccs[j], ums[j])
+                if len(rest):
+                    sub = [frames[j] for j in rest.tolist()]
+                    out[rest] = self.bulk(sub, [ccs[0]] * len(sub), [ums[0]] * len(sub))
+                return out
+            out[:] = list(map(self.lookup, frames, ccs, ums))
+            return out
+        cc, um = ccs[0], ums[0]
+        cache = self._by_mid.get((cc, um))
+        if cache is None:
+            cache = self._by_mid[(cc, um)] = {}
+        keys = list(zip(lens.tolist(), map(id, map(operator.getitem, frames,
+                                                   (lens >> 1).tolist()))))
+        found = list(map(cache.get, keys, repeat(_NOT_FOUND)))
+        try:
+            same = np.fromiter(map(operator.eq, map(_FIRST, found), frames), bool, m)
+        except RecursionError:         # nested values no frame has: one by one
+            same = np.zeros(m, dtype=bool)
+        out[:] = np.fromiter(map(_SECOND, found), np.int64, m)
+        for j in np.flatnonzero(~same).tolist():
+            sid = out[j] = self.lookup(frames[j], cc, um)
+            cache[keys[j]] = (frames[j], sid)
+        return out
+
+    def _new(self, frames: Any, cc: Any, um: Any, where: str) -> int:
+        from .stacks import Stack
+
+        frames = frames or ()
+        cc, um = cc or "", um or ""
+        if not frames and not um and cc in ("", "N/A"):
+            return -1
+        get = self._frames.get
+        ids = []
+        for j, f in enumerate(frames):
+            fid = get(id(f))
+            ids.append(fid if fid is not None else self._frame(f, where, j))
+        return self.table._add_stack(Stack(tuple(ids), cc, um))
+
+    def _frame(self, f: Any, where: str, j: int) -> int:
+        from .stacks import Frame
+
+        if isinstance(f, dict):
+            filename, line, name = f.get("filename"), f.get("line"), f.get("name")
+        if not (isinstance(f, dict) and isinstance(filename, str) and isinstance(name, str)
+                and isinstance(line, int) and not isinstance(line, bool)):
+            raise TraceFormatError(
+                f"{where}.frames[{j}]: expected a frame, a dict with 'filename' (str), "
+                f"'line' (int) and 'name' (str); found {_short(f)}")
+        if len(self._frames) >= _CACHE_MAX:    # a snapshot that shares no frames (JSON)
+            self._frames.clear()
+        fid = self._frames[id(f)] = self.table._add_frame(Frame(filename, line, name))
+        return fid
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, (dict, str, int, float, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(value: Any, where: str, what: str, top: int = (1 << 63) - 1) -> int:
+    """``value``, an int in ``0 .. top`` (addresses, sizes and devices are never negative)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        text = repr(value) if isinstance(value, (str, float, type(None))) else \
+            type(value).__name__
+        raise TraceFormatError(f"{where}: expected an integer {what}, found {text[:60]}")
+    if value < 0:
+        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
+                               f">= 0")
+    if value > top:
+        shown = value if value.bit_length() < 100 else f"a {value.bit_length()}-bit number"
+        raise TraceFormatError(f"{where}: {what} {shown} is above {top:,}")
+    return value
+
+
+def _time_ns(tu: Any, where: str, i: int) -> int:
+    """An entry's ``time_us`` in ns (its index * 1000 when it has none)."""
+    if tu is None:
+        return i * 1000
+    if isinstance(tu, bool) or not isinstance(tu, (int, float)) \
+            or not (math.isfinite(tu) and -_T_MAX < tu < _T_MAX):
+        text = repr(tu) if isinstance(tu, (int, float, str)) else type(tu).__name__
+        raise TraceFormatError(f"{where}: time_us {text[:40]} is not a time in microseconds "
+                               f"(a finite number below 2**53)")
+    return int(tu) * 1000
+
+
+def _stream_value(entry: dict, where: str) -> int:
+    """An entry's stream as a signed int64 (a cudaStream_t value; 0 when absent)."""
+    s = entry.get("stream", 0)
+    if s is None:
+        return 0
+    if isinstance(s, bool) or not isinstance(s, int) or not -(1 << 63) <= s < (1 << 64):
+        raise TraceFormatError(f"{where}: expected an integer stream (a cudaStream_t value), "
+                               f"found {s!r:.60}")
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+@dataclasses.dataclass(eq=False)
+class Entries:
+    """One device's ``device_traces`` entries as columns (:func:`read_entries`).
+
+    ``action`` (:data:`ACTIONS` codes, 0 for others), ``addr`` (``device_free`` for
+    ``oom``), ``size``, ``stream`` (signed) as :class:`TorchTrace` holds them (0 for
+    entries that are no allocator call); ``time_ns`` (``time_us`` * 1000, the entry's
+    index * 1000 without one); ``requested`` (an entry's ``requested_size``, -1 where it
+    has none); ``stack`` (int32 stack ids of the entries that become rows, else -1);
+    ``skipped``: the names of other actions, counted.
+    """
+
+    action: np.ndarray
+    addr: np.ndarray
+    size: np.ndarray
+    stream: np.ndarray
+    time_ns: np.ndarray
+    requested: np.ndarray
+    stack: np.ndarray
+    skipped: dict[str, int]
+
+    def torch_trace(self, device: int, final: list[dict] | None, settings: dict | None,
+                    version: tuple[int, int]) -> TorchTrace:
+        return TorchTrace(device, self.action, self.addr, self.size, self.stream, final,
+                          settings, version)
+
+
+def read_entries(lst: list, device: int, name: str, stacks: StackInterner | None = None,
+                 release: bool = False) -> Entries:
+    """``device_traces[device]`` as :class:`Entries`, checked as an import checks them.
+
+    Entries are read :data:`_CHUNK` at a time, each field of a chunk in one pass of C
+    (``map(dict.get, ...)``) and into numpy; a chunk with anything unusual (a missing
+    field, a value of another type, a negative size) is read again entry by entry, which
+    says what is wrong with which entry. With ``release``, each chunk's entries are
+    dropped from ``lst`` once read (the snapshot's objects are freed as the columns grow).
+
+    Raises
+    ------
+    TraceFormatError
+        An entry that is no dict with an ``action`` string, a bad ``time_us``, or a call
+        without the fields its action needs (named ``device_traces[device][i]``).
+    """
+    n = len(lst)
+    # columns filled chunk by chunk: their pages are taken as entries are released
+    out = Entries(np.empty(n, np.int8), np.empty(n, np.int64), np.empty(n, np.int64),
+                  np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64),
+                  np.empty(n, np.int32), {})
+    skipped: dict[str, int] = {}
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
+        chunk = lst[lo:hi]
+        if not _read_fast(chunk, lo, out, stacks, skipped):
+            _read_slow(chunk, lo, device, name, out, stacks, skipped)
+        if release:
+            lst[lo:hi] = [None] * (hi - lo)
+        del chunk
+    out.skipped = skipped
+    return out
+
+
+_get = dict.get
+_ACTION_CODE = ACTIONS.get
+_NOT_FOUND = (None, -1)
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_IS_NONE = type(None)
+
+
+def _types(values: list) -> set:
+    return set(map(type, values))
+
+
+def _read_fast(chunk: list, lo: int, out: Entries, stacks: StackInterner | None,
+               skipped: dict[str, int]) -> bool:
+    """Read one chunk in bulk; False (nothing half-written that matters) when it needs
+    :func:`_read_slow`."""
+    from itertools import compress, repeat
+
+    m = len(chunk)
+    hi = lo + m
+    try:
+        acts = list(map(_get, chunk, repeat("action")))
+        names = set(acts)           # a few distinct actions: their types are cheap to check
+    except TypeError:          # an entry that is not a dict, or an unhashable action
+        return False
+    if _types(names) != {str}:
+        return False
+    code = np.fromiter(map(_ACTION_CODE, acts, repeat(0)), np.int8, m)
+    checked = _CHECKED_MASK[code]
+    rows = _ROW_MASK[code]
+    # time_us
+    tus = list(map(_get, chunk, repeat("time_us")))
+    tt = _types(tus)
+    if tt == {int}:
+        try:
+            t = np.fromiter(tus, np.int64, m)
+        except OverflowError:
+            return False
+        if m and (t.min() <= -_T_MAX or t.max() >= _T_MAX):
+            return False
+        t *= 1000
+    elif tt == {_IS_NONE}:
+        t = np.arange(lo, hi, dtype=np.int64) * 1000
+    else:
+        return False
+    # addr, size, stream: read where the action is a call (from_snapshot's rule)
+    cols = []
+    for key in ("addr", "size", "stream"):
+        vals = list(map(_get, chunk, repeat(key)))
+        types = _types(vals)
+        if not types <= {int, _IS_NONE}:
+            return False
+        nones = None
+        if _IS_NONE in types:
+            nones = np.fromiter(map(operator.is_, vals, repeat(None)), bool, m)
+            vals = [0 if v is None else v for v in vals]
+        try:
+            arr = np.fromiter(vals, np.int64, m)
+        except OverflowError:
+            return False
+        cols.append((arr, nones))
+    (addr, addr_none), (size, size_none), (stream, _) = cols
+    calls_rows = rows & (code != A_OOM)
+    if addr_none is not None and (addr_none & calls_rows).any():
+        return False
+    if size_none is not None and (size_none & checked).any():
+        return False
+    if (size[checked] < 0).any() or (addr[calls_rows] < 0).any():
+        return False
+    # requested_size (gpudash's exports): where present on alloc and free_completed
+    reqs = list(map(_get, chunk, repeat("requested_size"), repeat(_MISSING)))
+    types = _types(reqs)
+    if types == {type(_MISSING)}:
+        req = None
+    elif types <= {int, type(_MISSING)}:
+        asks = (code == A_ALLOC) | (code == A_FREE)
+        present = np.fromiter(map(operator.is_not, reqs, repeat(_MISSING)), bool, m)
+        try:
+            req = np.fromiter([-1 if v is _MISSING else v for v in reqs], np.int64, m)
+        except OverflowError:
+            return False
+        if ((req < 0) & present & asks).any():
+            return False
+        req[~asks] = -1
+    else:
+        return False
+    # the entries that are no allocator call: nothing of theirs is kept but their name
+    other = np.flatnonzero(~checked)
+    if len(other):
+        addr[other] = size[other] = stream[other] = 0
+        for k in other.tolist():
+            skipped[acts[k]] = skipped.get(acts[k], 0) + 1
+    # oom: its device_free in addr
+    for k in np.flatnonzero(code == A_OOM).tolist():
+        df = chunk[k].get("device_free")
+        if df is not None and (type(df) is not int or df < 0 or df >= 1 << 63):
+            return False
+        addr[k] = df or 0
+    # stacks of the entries that become rows
+    sid = None
+    if stacks is not None:
+        row_idx = np.flatnonzero(rows)
+        sel = rows.tolist()
+        frames = list(compress(map(_get, chunk, repeat("frames")), sel))
+        ccs = list(compress(map(_get, chunk, repeat("compile_context")), sel))
+        ums = list(compress(map(_get, chunk, repeat("user_metadata")), sel))
+        if not (_types(frames) <= {list, _IS_NONE} and _types(ccs) <= {str, _IS_NONE}
+                and _types(ums) <= {str, _IS_NONE}):
+            return False
+        try:
+            got = stacks.bulk(frames, ccs, ums)
+        except TraceFormatError:      # read again entry by entry, to say which
+            return False
+        sid = (row_idx, got.astype(np.int32))
+    out.action[lo:hi] = code
+    out.addr[lo:hi] = addr
+    out.size[lo:hi] = size
+    out.stream[lo:hi] = stream
+    out.time_ns[lo:hi] = t
+    out.requested[lo:hi] = req if req is not None else -1
+    out.stack[lo:hi] = -1
+    if sid is not None:
+        out.stack[lo + sid[0]] = sid[1]
+    return True
+
+
+def _read_slow(chunk: list, lo: int, device: int, name: str, out: Entries,
+               stacks: StackInterner | None, skipped: dict[str, int]) -> None:
+    """Read one chunk entry by entry, with the message for the first entry that is wrong."""
+    for k, e in enumerate(chunk):
+        i = lo + k
+        where = f"{name}: device_traces[{device}][{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+            raise TraceFormatError(f"{where}: expected a dict with an 'action' string")
+        t = _time_ns(e.get("time_us"), where, i)
+        code = ACTIONS.get(e["action"], 0)
+        addr = size = stream = 0
+        req = sid = -1
+        if 1 <= code <= 8:
+            a = e.get("device_free" if code == A_OOM else "addr", 0)
+            addr = _as_int(a if a is not None else 0, where + ".addr", signed=True)
+            size = _as_int(e.get("size"), where + ".size")
+            s = e.get("stream", 0)
+            s = _as_int(s if s is not None else 0, where + ".stream", signed=True) & _MASK64
+            stream = s - (1 << 64) if s >= 1 << 63 else s
+            if code == A_OOM:
+                _int(size, where, "size")
+                _stream_value(e, where)
+                addr = _int(e.get("device_free") or 0, where, "device_free")
+            elif code != A_FREE_REQ:       # a row: the importer's checks
+                _int(e.get("addr"), where, "addr")
+                _int(size, where, "size")
+                if code in (A_ALLOC, A_FREE) and "requested_size" in e:
+                    req = _int(e["requested_size"], where, "requested_size")
+                if code != A_FREE:
+                    _stream_value(e, where)
+            if code != A_FREE_REQ and stacks is not None:
+                sid = stacks.of(e.get("frames"), e.get("compile_context"),
+                                e.get("user_metadata"), where)
+        else:
+            if code == 0 or code >= 9:
+                skipped[e["action"]] = skipped.get(e["action"], 0) + 1
+        out.action[i] = code
+        out.addr[i] = addr
+        out.size[i] = size
+        out.stream[i] = stream
+        out.time_ns[i] = t
+        out.requested[i] = req
+        out.stack[i] = sid
