@@ -718,3 +718,21 @@ def test_cli_merges_an_untimed_trace_with_an_offset(tmp_path, capsys):
     trace = load_trace(tmp_path / "syn.gdtrace")
     assert first == (int(trace.columns["time_ns"].min()) + offset - base) / 1000
     assert gpudash.__file__.startswith(str(Path(__file__).resolve().parent.parent))
+
+
+def test_decimation_in_time_order_and_out_of_it_agree():
+    """The O(n) path for points in time order keeps the same points as the sorting one, and
+    points out of time order (a trace joined from parts) are still bounded with their peak."""
+    from gpudash.trace.perfetto import _decimate
+
+    rng = np.random.default_rng(7)
+    t = np.cumsum(rng.integers(0, 50, 100_000)).astype(np.int64)   # ties included
+    v = np.cumsum(rng.integers(-1000, 1001, 100_000)).astype(np.int64)
+    v[1234] = v.max() + 1                                           # a lone peak
+    fast = _decimate(t, v, 600)
+    slow = _decimate(t, v, 600, in_order=False)
+    assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
+    assert len(fast[1]) <= 600 and (t[1234], v[1234]) in zip(*fast)
+    shuffled = rng.permutation(len(t))
+    st, sv = _decimate(t[shuffled], v[shuffled], 600)
+    assert len(sv) <= 600 and sv.max() == v.max() and sv.min() == v.min()
