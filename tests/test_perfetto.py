@@ -732,7 +732,11 @@ def test_decimation_in_time_order_and_out_of_it_agree():
     fast = _decimate(t, v, 600)
     slow = _decimate(t, v, 600, in_order=False)
     assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
+    few = rng.integers(0, 4, len(t)).astype(np.int64)   # many ties: the first of each is kept
+    fast_ties, slow_ties = _decimate(t, few, 600), _decimate(t, few, 600, in_order=False)
+    assert np.array_equal(fast_ties[0], slow_ties[0]) and len(fast_ties[0]) <= 600
     assert len(fast[1]) <= 600 and (t[1234], v[1234]) in zip(*fast)
     shuffled = rng.permutation(len(t))
     st, sv = _decimate(t[shuffled], v[shuffled], 600)
     assert len(sv) <= 600 and sv.max() == v.max() and sv.min() == v.min()
+    assert set(zip(st.tolist(), sv.tolist())) <= set(zip(t.tolist(), v.tolist()))
