@@ -20,6 +20,8 @@ from ._version import __version__
 __all__ = ["main"]
 
 WORKLOADS = ("training", "inference", "fragmentation")
+#: What ``gpudash convert --to`` writes.
+_SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle", "perfetto")
 
 
 class _UserError(Exception):
@@ -426,12 +428,37 @@ def _parser() -> _Parser:
                    description="List the GPUs NVML reports, or the simulated device gpudash "
                    "would use.")
 
-    p = sub.add_parser("convert", help="convert a trace between formats",
+    p = sub.add_parser("convert", help="convert a trace between formats, or to Perfetto",
                        description="Read any trace gpudash knows and write it as a gpudash "
-                       "trace (.gdtrace) or a PyTorch snapshot (.json / .pickle).")
+                       "trace (.gdtrace), a PyTorch snapshot (.json / .pickle) or, with --to "
+                       "perfetto, Chrome Trace Event JSON for ui.perfetto.dev and "
+                       "chrome://tracing: per device, counters of the bytes allocated and "
+                       "reserved (TensorFlow/JAX: in use and pool), each out-of-memory error "
+                       "as an instant, record_function ranges as slices (gzipped when OUT ends "
+                       "in .gz). --merge appends those events to a PyTorch profiler trace "
+                       "(export_chrome_trace), aligned on its baseTimeNanoseconds, so memory "
+                       "lines up with its kernels.")
     p.add_argument("input", type=Path, metavar="IN")
     p.add_argument("output", type=Path, metavar="OUT",
-                   help="its extension chooses the format: .gdtrace, .json or .pickle/.pkl")
+                   help="without --to, its extension chooses the format: .gdtrace, .json or "
+                        ".pickle/.pkl")
+    p.add_argument("--to", default=None, choices=_SAVE_FORMATS, metavar="FORMAT",
+                   help="the format to write: " + ", ".join(_SAVE_FORMATS)
+                        + " (perfetto: Chrome Trace Event JSON)")
+    p.add_argument("--merge", type=Path, default=None, metavar="PROFILER.json",
+                   help="with --to perfetto (implied): a PyTorch profiler trace (.json or "
+                        ".json.gz) to write the memory events into; OUT is that trace with "
+                        "them added (OUT may be the same file, with --overwrite)")
+    p.add_argument("--offset-ns", type=_int_arg(-(1 << 62), 1 << 62), default=None,
+                   metavar="NS",
+                   help="with --to perfetto: nanoseconds to add to the trace's times to reach "
+                        "Unix-epoch time (needed to merge a trace whose times are not "
+                        "wall-clock: a synthetic workload, a replay, a snapshot without "
+                        "time_us)")
+    p.add_argument("--max-points", type=_int_arg(3, 1 << 40), default=None, metavar="N",
+                   help="with --to perfetto: the most points per counter and device (default "
+                        "50,000; above it each span of time keeps its highest, lowest and "
+                        "last value)")
     _add_format(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
@@ -1003,17 +1030,50 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .trace import save_trace
 
-    suffix = args.output.suffix.lower()
-    fmt = {".json": "torch-json", ".pickle": "torch-pickle", ".pkl": "torch-pickle",
-           ".gdtrace": "gdtrace"}.get(suffix)
+    fmt = args.to
+    if fmt is None and args.merge is not None:
+        fmt = "perfetto"
     if fmt is None:
-        raise _UserError(f"{args.output}: cannot tell what to write from {suffix or 'no'} "
-                         "extension; use .gdtrace (gpudash's own), .json or .pickle (PyTorch's "
-                         "snapshot)")
+        suffix = args.output.suffix.lower()
+        fmt = {".json": "torch-json", ".pickle": "torch-pickle", ".pkl": "torch-pickle",
+               ".gdtrace": "gdtrace"}.get(suffix)
+        if fmt is None:
+            raise _UserError(f"{args.output}: cannot tell what to write from {suffix or 'no'} "
+                             "extension; use .gdtrace (gpudash's own), .json or .pickle "
+                             "(PyTorch's snapshot), or --to perfetto")
+    perfetto_only = [flag for flag, value in (("--merge", args.merge),
+                                              ("--offset-ns", args.offset_ns),
+                                              ("--max-points", args.max_points))
+                     if value is not None]
+    if fmt != "perfetto" and perfetto_only:
+        raise _UserError(f"{', '.join(perfetto_only)} only apply to --to perfetto; got --to "
+                         f"{fmt}")
     _check_out(args.output, args.overwrite)
+    if args.merge is not None and not args.merge.is_file():
+        raise _UserError(f"{args.merge}: no such file (--merge names a PyTorch profiler trace)"
+                         if not args.merge.exists() else
+                         f"{args.merge}: not a regular file (--merge names a PyTorch profiler "
+                         "trace)")
     trace = _load(args.input, args.format)
-    save_trace(trace, args.output, format=fmt, overwrite=args.overwrite)
-    _say(f"{args.input} -> {args.output} ({fmt}, {len(trace)} events)")
+    if fmt != "perfetto":
+        save_trace(trace, args.output, format=fmt, overwrite=args.overwrite)
+        _say(f"{args.input} -> {args.output} ({fmt}, {len(trace)} events)")
+        return 0
+    options: dict[str, Any] = {"merge": args.merge, "offset_ns": args.offset_ns}
+    if args.max_points is not None:
+        options["max_points"] = args.max_points
+    done = save_trace(trace, args.output, format=fmt, overwrite=args.overwrite,
+                      **options)
+    counters = sum(sum(d["points"].values()) for d in done["devices"])
+    ooms = sum(d["ooms"] for d in done["devices"])
+    into = f", added to {args.merge}'s {done['profiler_events']:,} events" \
+        if args.merge is not None else ""
+    _say(f"{args.input} -> {args.output} (perfetto: {len(trace):,} trace events as "
+         f"{counters:,} counter points, {ooms:,} out-of-memory instants, "
+         f"{done['annotations']:,} annotation slices on {len(done['devices'])} device(s)"
+         f"{into})")
+    for note in done["notes"]:
+        _say(f"  note: {note}")
     return 0
 
 

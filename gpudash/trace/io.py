@@ -38,6 +38,7 @@ from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
 from .format import (MAGICS, MAX_DEVICE, Trace, _check_meta, _check_values, _device_entries,
                      _file_kind, _open_regular, read_trace, write_trace)
+from .perfetto import write_chrome_trace
 from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
@@ -59,7 +60,7 @@ FORMATS: dict[str, Callable[..., Trace]] = {
     "xplane": load_xplane,
 }
 
-_SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle")
+_SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle", "perfetto")
 _HEAD = 1 << 16
 _JSON_KEY = re.compile(rb'"(segments|device_traces|steps)"\s*:')
 _TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,",
@@ -193,21 +194,35 @@ def _check_input(path: Any) -> Any:
 
 
 def save_trace(trace: Trace, path: str | os.PathLike, format: str = "gdtrace",
-               overwrite: bool = False) -> None:
-    """Save ``trace`` as ``gdtrace`` (lossless), ``torch-json`` or ``torch-pickle``.
+               overwrite: bool = False, **options: Any) -> Any:
+    """Save ``trace`` as ``gdtrace`` (lossless), ``torch-json``, ``torch-pickle`` or
+    ``perfetto`` (Chrome Trace Event JSON of its memory:
+    :func:`gpudash.trace.perfetto.write_chrome_trace`, which takes ``options``: ``merge``,
+    ``devices``, ``max_points``, ``offset_ns``).
+
+    Returns
+    -------
+    None, or for ``perfetto`` what :func:`~gpudash.trace.perfetto.write_chrome_trace` returns.
 
     Raises
     ------
     TraceFormatError
-        ``path`` exists and ``overwrite`` is False, or an unknown format.
+        ``path`` exists and ``overwrite`` is False, an unknown format, or ``options`` for a
+        format that takes none.
     """
+    if options and format != "perfetto":
+        raise TraceFormatError(f"saving as {format!r} takes no options; got "
+                               f"{', '.join(sorted(options))}")
     if format == "gdtrace":
         write_trace(trace, path, overwrite=overwrite)
     elif format in ("torch-json", "torch-pickle"):
         save_torch_snapshot(trace, path, overwrite=overwrite, format=format[6:])
+    elif format == "perfetto":
+        return write_chrome_trace(trace, path, overwrite=overwrite, **options)
     else:
         raise TraceFormatError(
             f"cannot save as {format!r}; formats gpudash writes: {', '.join(_SAVE_FORMATS)}")
+    return None
 
 
 _GLOB = re.compile(r"[*?\[]")
