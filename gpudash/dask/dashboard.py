@@ -442,6 +442,7 @@ class ClusterDashboard(widgets.VBox):
         with self._lock:
             self._close_view()
             self.picked = address
+            self.update()  # a worker the model knows, not listed yet (its thread lags): listed
             if address in [v for _, v in self.target.options]:
                 self.target.value = address
             head = widgets.HBox([widgets.HTML(f"<b>{html.escape(address)}</b>"),
