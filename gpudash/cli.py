@@ -304,8 +304,9 @@ def _parser() -> _Parser:
                    help="replace an existing report named with --html")
 
     p = sub.add_parser("replay", help="replay a trace through its framework's allocator model",
-                       description="Replay an allocation trace (gpudash, TensorFlow log, "
-                       "PyTorch snapshot, RMM CSV, CuPy hook) on a simulated device, through "
+                       description="Replay an allocation trace (gpudash, TensorFlow log or "
+                       "profile, PyTorch snapshot or profiler trace, RMM CSV, CuPy hook) on a "
+                       "simulated device, through "
                        "TensorFlow's BFC allocator or PyTorch's caching allocator (a PyTorch "
                        "snapshot with its own settings: exactly, every segment and address "
                        "checked).")
@@ -390,9 +391,11 @@ def _parser() -> _Parser:
         "holders", help="who holds the memory at a moment: bytes by line, stack, category...",
         description="The allocations live at a moment of a trace, grouped by who made them: "
         "the line of your own code that allocated (from the call stacks a PyTorch snapshot "
-        "records), its function, file or whole stack, the record_function annotation open, "
+        "or a profiler trace recorded with with_stack=True records), its function, file or "
+        "whole stack, the record_function annotation open, "
         "a category (parameters, gradients, optimizer state, activations, temporaries), or "
-        "the holder names of a TensorFlow profile or log. Largest first; the output says "
+        "the holder names of a TensorFlow profile or log (the op of a PyTorch profiler "
+        "trace). Largest first; the output says "
         "which moment, device and user-code rule it used, and what was missing.")
     p.add_argument("trace", type=Path, metavar="TRACE")
     _add_format(p)
@@ -406,8 +409,9 @@ def _parser() -> _Parser:
         description="Compare who holds the memory: two traces of one program (gpudash diff A "
         "B: at the same moment of each, or --at for A and --to for B), one trace at two "
         "moments (gpudash diff A --at peak --to end), or what stays live from one iteration "
-        "to the next (gpudash diff A --iterations: iterations from the snapshot's "
-        "ProfilerStep/Optimizer.step annotations, or --boundaries). Largest change first.")
+        "to the next (gpudash diff A --iterations: iterations from the snapshot's or "
+        "profiler trace's ProfilerStep/Optimizer.step annotations, or --boundaries). Largest "
+        "change first.")
     p.add_argument("a", type=Path, metavar="A")
     p.add_argument("b", type=Path, metavar="B", nargs="?", default=None,
                    help="a second trace (optional)")
@@ -429,9 +433,12 @@ def _parser() -> _Parser:
                    "would use.")
 
     p = sub.add_parser("convert", help="convert a trace between formats, or to Perfetto",
-                       description="Read any trace gpudash knows and write it as a gpudash "
-                       "trace (.gdtrace), a PyTorch snapshot (.json / .pickle) or, with --to "
-                       "perfetto, Chrome Trace Event JSON for ui.perfetto.dev and "
+                       description="Read any trace gpudash knows (gpudash's .gdtrace; "
+                       "TensorFlow's allocator log and profiles; PyTorch's memory snapshots and "
+                       "profiler traces, the .json or .json.gz of export_chrome_trace recorded "
+                       "with profile_memory=True; RMM CSV; CuPy hook output) and write it as a "
+                       "gpudash trace (.gdtrace), a PyTorch snapshot (.json / .pickle) or, with "
+                       "--to perfetto, Chrome Trace Event JSON for ui.perfetto.dev and "
                        "chrome://tracing: per device, counters of the bytes allocated and "
                        "reserved (TensorFlow/JAX: in use and pool), each out-of-memory error "
                        "as an instant, record_function ranges as slices (gzipped when OUT ends "

@@ -14,6 +14,10 @@ format                    recognised by                                        l
                           or an allocator's out-of-memory message
 ``xplane``                a ``*.xplane.pb`` file, or a directory holding a     load_xplane
                           profile (a TensorBoard log directory, a run)
+``torch-profile``         a Chrome trace: JSON with ``traceEvents`` (or a JSON  load_torch_profile
+                          list of events with ``"ph"``), gzip-compressed or
+                          not (``prof.export_chrome_trace``'s ``.json``,
+                          ``.json.gz``)
 ========================  ===================================================  ==============
 
 A directory is read as a profile (:func:`gpudash.trace.xplane.find_profile`): the newest run
@@ -43,6 +47,7 @@ from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
 from .tf_log import load_tf_log
 from .tf_vectors import load_tf_vectors
+from .torch_profile import gunzip_head, load_torch_profile
 from .torch_snapshot import load_torch_snapshot, save_torch_snapshot
 from .xplane import load_xplane
 
@@ -58,6 +63,7 @@ FORMATS: dict[str, Callable[..., Trace]] = {
     "rmm-csv": load_rmm_csv,
     "tf-log": load_tf_log,
     "xplane": load_xplane,
+    "torch-profile": load_torch_profile,
 }
 
 _SAVE_FORMATS = ("gdtrace", "torch-json", "torch-pickle", "perfetto")
@@ -67,6 +73,9 @@ _TF_WORDS = (b"bfc_allocator", b"BFCAllocator", b"[mem-debug] AllocateRaw,",
              b"ran out of memory trying to allocate", b"Ran out of memory trying to allocate")
 # a JSON list starts with "[" then a value; "[ Info: ..." (Julia's logger) does not
 _JSON_LIST = re.compile(rb"\[\s*(?:[\[{\]\"]|-?\d|true|false|null)")
+# a Chrome trace: an object with "traceEvents", or a list whose first event has "ph"
+_TRACE_EVENTS = re.compile(rb'"traceEvents"\s*:')
+_EVENT_LIST = re.compile(rb'\[\s*\{[^\[\]{}]*"ph"\s*:\s*"')
 
 
 def _is_profile_dir(path: str | os.PathLike) -> bool:
@@ -86,6 +95,9 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         return "xplane"
     with _open_regular(path) as f:
         head = f.read(_HEAD)
+    if head[:2] == b"\x1f\x8b":   # gzip: only PyTorch's profiler traces come compressed
+        text = gunzip_head(head, _HEAD).lstrip(b"\xef\xbb\xbf \t\r\n")
+        return "torch-profile" if _is_chrome_trace(text) else None
     if head.startswith(MAGICS):
         return "gdtrace"
     if head[:1] == b"\x80":
@@ -99,18 +111,27 @@ def sniff_format(path: str | os.PathLike) -> str | None:
             obj = None
         if isinstance(obj, dict) and "hook" in obj:
             return "cupy-hook"
+        if _is_chrome_trace(text):
+            return "torch-profile"
         m = _JSON_KEY.search(text)
         if m is not None:
             return "tf-vectors" if m.group(1) == b"steps" else "torch-json"
         return None
     if text[:1] == b"[" and _JSON_LIST.match(text):
-        return "torch-json"
+        return "torch-profile" if _is_chrome_trace(text) else "torch-json"
     first_line = text.split(b"\n", 1)[0].decode("utf-8", "replace")
     if rmm_layout(first_line) is not None:  # header, header-less rows, or RMM 0.12
         return "rmm-csv"
     if any(w in head for w in _TF_WORDS):
         return "tf-log"
     return None
+
+
+def _is_chrome_trace(text: bytes) -> bool:
+    """Whether JSON text starts like a Chrome trace (what PyTorch's profiler exports)."""
+    if text[:1] == b"{":
+        return _TRACE_EVENTS.search(text) is not None
+    return text[:1] == b"[" and _EVENT_LIST.match(text) is not None
 
 
 def load_trace(path: str | os.PathLike, format: str | None = None, **options) -> Trace:
@@ -122,7 +143,8 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
     format : str, optional
         One of :data:`FORMATS`; sniffed from the file's first bytes when omitted.
     **options
-        Passed to the loader (``device=`` for RMM, ``strict=`` for CuPy...).
+        Passed to the loader (``device=`` for RMM, ``strict=`` for CuPy, ``cpu=`` for a
+        PyTorch profiler trace...).
 
     Raises
     ------
