@@ -1,5 +1,6 @@
 """First use: every notebook in ``notebooks/`` runs top to bottom in a real kernel and shows
-what it says, and every Python block of the README runs as written.
+what it says, every Python block of the README and of ``docs/*.md`` runs as written, and every
+console block's commands print what the block shows.
 
 The notebooks are executed with nbclient in a temporary copy of ``notebooks/`` (the repository's
 notebooks stay without outputs, and nothing is written beside them), with
@@ -33,7 +34,7 @@ pytest.importorskip("ipykernel")
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 from nbformat.v4 import new_code_cell  # noqa: E402
 
-pytestmark = pytest.mark.slow  # about a minute in all (the README's Dask example runs twice)
+pytestmark = pytest.mark.slow  # a few minutes in all (each Dask example runs twice)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO / "notebooks"
