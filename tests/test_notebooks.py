@@ -1,5 +1,6 @@
 """First use: every notebook in ``notebooks/`` runs top to bottom in a real kernel and shows
-what it says, and every Python block of the README runs as written.
+what it says, every Python block of the README and of ``docs/*.md`` runs as written, and every
+console block's commands print what the block shows.
 
 The notebooks are executed with nbclient in a temporary copy of ``notebooks/`` (the repository's
 notebooks stay without outputs, and nothing is written beside them), with
@@ -33,7 +34,7 @@ pytest.importorskip("ipykernel")
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 from nbformat.v4 import new_code_cell  # noqa: E402
 
-pytestmark = pytest.mark.slow  # about a minute in all (the README's Dask example runs twice)
+pytestmark = pytest.mark.slow  # a few minutes in all (each Dask example runs twice)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO / "notebooks"
@@ -542,36 +543,76 @@ def test_the_samples_carry_the_real_files_the_postmortem_notebook_reads():
         samples.path("nope.log")
 
 
-# -------------------------------------------------------------------------------- README
+# ----------------------------------------------------------------------- README and docs/
 README = REPO / "README.md"
-#: Words that mark a README block as needing a CUDA GPU (skipped without one).
-GPU_WORDS = ("import cupy", "CudaMemory(", "LocalCUDACluster(", "torch.cuda")
+DOCS = REPO / "docs"
+#: Words that mark a block as needing a CUDA GPU (skipped without one). Comments do not count:
+#: ``# torch.cuda.set_per_process_memory_fraction`` in a comment needs no GPU.
+GPU_WORDS = ("import cupy", "CudaMemory(", "LocalCUDACluster(", "torch.cuda", 'watch("torch")')
+#: The line before a ```console block that makes it run after the ```python block above it,
+#: in the same folder (the commands read what that block wrote).
+AFTER_BLOCK_ABOVE = "<!-- runs after the python block above -->"
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def _fenced_blocks(path: Path, lang: str) -> list[tuple[int, str, int]]:
+    """Every ```LANG block of a Markdown file: (line of the fence, code, offset of the fence)."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1), m.start())
+            for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.DOTALL | re.MULTILINE)]
+
+
+def python_blocks(path: Path) -> list[Any]:
+    """Every ```python block of ``path``, as a parameter whose id is ``FILE:LINE``."""
+    return [pytest.param(code, id=f"{_rel(path)}:{line}")
+            for line, code, _ in _fenced_blocks(path, "python")]
 
 
 def readme_python_blocks() -> list[Any]:
     """Every ```python block of the README, with the line it starts on."""
-    text = README.read_text(encoding="utf-8")
-    blocks = []
-    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
-        line = text.count("\n", 0, m.start()) + 1
-        blocks.append(pytest.param(m.group(1), id=f"README.md:{line}"))
-    return blocks
+    return python_blocks(README)
 
 
-def test_the_readme_has_python_blocks():
-    assert len(readme_python_blocks()) >= 4
+def docs_python_blocks() -> list[Any]:
+    """Every ```python block of ``docs/*.md``, ids like ``docs/sessions.md:42``."""
+    return [b for page in sorted(DOCS.glob("*.md")) for b in python_blocks(page)]
 
 
-@pytest.mark.parametrize("code", readme_python_blocks())
-def test_a_readme_python_block_runs_alone_as_a_script(code, tmp_path):
-    """Each block runs as written, in a fresh process, as a script (Dask's worker processes
-    import a script again), twice in the same folder (what it writes the first time does not
-    stop the second), on a simulated device unless it needs a GPU."""
+def code_without_comments(code: str) -> str:
+    """``code`` with its comments cut off (a ``#`` inside a string stays)."""
+    import io
+    import tokenize
+
+    lines = code.splitlines()
+    try:
+        comments = [tok.start for tok in tokenize.generate_tokens(io.StringIO(code).readline)
+                    if tok.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return "\n".join(line.split("#", 1)[0] for line in lines)
+    for row, col in comments:
+        lines[row - 1] = lines[row - 1][:col]
+    return "\n".join(lines)
+
+
+def needs_gpu(code: str) -> bool:
+    """Whether a block's code (not its comments) uses a CUDA GPU."""
+    bare = code_without_comments(code)
+    return any(word in bare for word in GPU_WORDS)
+
+
+def _block_env(code: str) -> dict[str, str]:
+    """The environment a block runs in: this checkout first on the path, and a simulated
+    device unless the block needs a GPU (skipped when there is none)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     if "dask" in code:
         pytest.importorskip("distributed")
-    if any(word in code for word in GPU_WORDS):
+    if 'watch("torch")' in code_without_comments(code):
+        pytest.importorskip("torch")
+    if needs_gpu(code):
         from gpudash.devices import CudaMemory
 
         ok, reason = CudaMemory.available()
@@ -579,10 +620,159 @@ def test_a_readme_python_block_runs_alone_as_a_script(code, tmp_path):
             pytest.skip(f"the block needs a CUDA GPU: {reason}")
     else:
         env["GPUDASH_SIMULATE"] = "1x16GiB"
-    script = tmp_path / "readme_block.py"
+    return env
+
+
+def _run_python_block(code: str, folder: Path, env: dict[str, str], attempt: str) -> None:
+    script = folder / "doc_block.py"
     script.write_text(code, encoding="utf-8")
+    proc = subprocess.run([sys.executable, script.name], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, \
+        f"the {attempt} run failed:\n{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+def _runs_alone_as_a_script(code: str, tmp_path: Path) -> None:
+    """Each block runs as written, in a fresh process, as a script (Dask's worker processes
+    import a script again), twice in the same folder (what it writes the first time does not
+    stop the second), on a simulated device unless it needs a GPU."""
+    env = _block_env(code)
     for attempt in ("first", "second"):
-        proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300, check=False)
-        assert proc.returncode == 0, \
-            f"the {attempt} run failed:\n{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        _run_python_block(code, tmp_path, env, attempt)
+
+
+def test_the_readme_has_python_blocks():
+    assert len(readme_python_blocks()) >= 4
+
+
+def test_the_docs_have_python_blocks():
+    ids = {p.id.split(":")[0] for p in docs_python_blocks()}
+    assert {"docs/allocators.md", "docs/sessions.md", "docs/traces.md",
+            "docs/frameworks.md", "docs/dask.md"} <= ids, ids
+
+
+def test_a_gpu_word_in_a_comment_does_not_make_a_block_need_a_gpu():
+    assert not needs_gpu("x = 1  # torch.cuda.set_per_process_memory_fraction(0.5)\n")
+    assert not needs_gpu("# import cupy\nprint('#')\n")
+    assert needs_gpu("import cupy\n")
+    assert needs_gpu("print(1); torch.cuda.memory_stats()  # a GPU\n")
+    assert needs_gpu('mon = gpudash.watch("torch")\n')
+
+
+@pytest.mark.parametrize("code", readme_python_blocks())
+def test_a_readme_python_block_runs_alone_as_a_script(code, tmp_path):
+    """Each ```python block of the README, as :func:`_runs_alone_as_a_script` says."""
+    _runs_alone_as_a_script(code, tmp_path)
+
+
+@pytest.mark.parametrize("code", docs_python_blocks())
+def test_a_docs_python_block_runs_alone_as_a_script(code, tmp_path):
+    """Each ```python block of ``docs/*.md``, as :func:`_runs_alone_as_a_script` says."""
+    _runs_alone_as_a_script(code, tmp_path)
+
+
+# ----------------------------------------------------------------- ```console blocks, run
+def console_blocks(path: Path) -> list[Any]:
+    """Every ```console block of ``path`` as a parameter ``(setup, commands)``, id
+    ``FILE:LINE``. ``commands`` is a list of ``(argv, expected lines)``: a line ``$ gpudash
+    ...`` is a command, the lines below it (to the next ``$``) what it prints. ``setup`` is the
+    ```python block above, when the line before the fence is :data:`AFTER_BLOCK_ABOVE`."""
+    import shlex
+
+    text = path.read_text(encoding="utf-8")
+    pythons = _fenced_blocks(path, "python")
+    params = []
+    for line, body, offset in _fenced_blocks(path, "console"):
+        before = text[:offset].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        setup = None
+        if before == AFTER_BLOCK_ABOVE:
+            above = [code for _, code, off in pythons if off < offset]
+            assert above, f"{_rel(path)}:{line}: no python block above it"
+            setup = above[-1]
+        commands: list[tuple[list[str], list[str]]] = []
+        for row in body.splitlines():
+            if row.startswith("$ "):
+                argv = shlex.split(row[2:], comments=True)
+                assert argv[:1] == ["gpudash"], \
+                    f"{_rel(path)}:{line}: a console block runs gpudash only: {row}"
+                commands.append(([sys.executable, "-m", "gpudash", *argv[1:]], []))
+            else:
+                assert commands, f"{_rel(path)}:{line}: output before any command: {row}"
+                commands[-1][1].append(row)
+        params.append(pytest.param(setup, commands, id=f"{_rel(path)}:{line}"))
+    return params
+
+
+def _squash(line: str) -> str:
+    return " ".join(line.split())
+
+
+def output_matches(expected: list[str], output: str) -> str | None:
+    """None when every expected line appears in ``output``, in order (lines in between may be
+    left out); else the first line that does not. Runs of spaces count as one; ``...`` in an
+    expected line stands for any text there, the spaces around it included (at its end: a
+    prefix); a line that is only ``...`` stands for lines left out."""
+    lines = [_squash(line) for line in output.splitlines()]
+    pos = 0
+    for want in expected:
+        want = _squash(want)
+        if want in ("", "..."):
+            continue
+        pattern = re.compile(".*".join(re.escape(part.strip()) for part in want.split("...")))
+        while pos < len(lines) and not pattern.fullmatch(lines[pos]):
+            pos += 1
+        if pos == len(lines):
+            return want
+        pos += 1
+    return None
+
+
+def test_output_matching_takes_lines_in_order_and_can_fail():
+    out = "head line\n  request   3.00 MiB (3,145,728 B), by op Empty\nother\nlast  line\n"
+    assert output_matches(["request 3.00 MiB (3,145,728 B), by op Empty", "last line"],
+                          out) is None
+    assert output_matches(["head ...", "...", "last line"], out) is None
+    assert output_matches(["request 3.00 MiB (...), by op Empty"], out) is None
+    assert output_matches(["request 3.00 MiB (...), by op Full"], out) is not None
+    assert output_matches(["last line", "head line"], out) == "head line"  # order counts
+    assert output_matches(["request 4.00 MiB ..."], out) == "request 4.00 MiB ..."
+    assert output_matches(["head"], out) == "head"  # whole lines unless '...'
+
+
+def _doc_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def all_console_blocks() -> list[Any]:
+    return [b for path in _doc_files() for b in console_blocks(path)]
+
+
+def _checkout_view(folder: Path) -> None:
+    """``folder`` made to look like the checkout (each top-level entry linked), so that a
+    command reads ``gpudash/samples/...`` and writes its files in ``folder``."""
+    for entry in REPO.iterdir():
+        if entry.name not in (".git",) and not (folder / entry.name).exists():
+            (folder / entry.name).symlink_to(entry)
+
+
+def test_the_readme_has_console_blocks_that_run_after_a_python_block():
+    blocks = console_blocks(README)
+    assert blocks and any(b.values[0] is not None for b in blocks)
+
+
+@pytest.mark.parametrize("setup, commands", all_console_blocks())
+def test_a_console_block_prints_what_it_shows(setup, commands, tmp_path):
+    """Each ```console block's commands run in a copy of the checkout's view (after the python
+    block above, when it says so), exit 0 and print the lines the block shows."""
+    env = _block_env(setup or "")
+    _checkout_view(tmp_path)
+    if setup is not None:
+        _run_python_block(setup, tmp_path, env, "setup")
+    for argv, expected in commands:
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        shown = " ".join(argv[2:])
+        assert proc.returncode == 0, f"{shown} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        missing = output_matches(expected, proc.stdout + "\n" + proc.stderr)
+        assert missing is None, \
+            f"{shown} did not print {missing!r}; it printed:\n{proc.stdout[-4000:]}"
