@@ -42,3 +42,12 @@ def test_the_environment_variable_chooses_the_pure_models(monkeypatch):
     assert _accel._load() == (None, f"{_accel.ENV} is set")
     monkeypatch.setenv(_accel.ENV, "0")
     assert _accel._load()[1] != f"{_accel.ENV} is set"
+
+
+def test_describe_says_which_core_runs_and_why(monkeypatch):
+    monkeypatch.setattr(_accel, "COMPILED", False)
+    monkeypatch.setattr(_accel, "REASON", f"{_accel.ENV} is set")
+    assert _accel.describe() == f"pure Python ({_accel.ENV} is set)"
+    if _accel._core is not None:
+        monkeypatch.setattr(_accel, "COMPILED", True)
+        assert _accel.describe().startswith("compiled (gpudash._core, _core")

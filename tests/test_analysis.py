@@ -24,6 +24,8 @@ from gpudash.trace import Trace
 from gpudash.trace.replay import replay
 from gpudash.trace.workloads import fragmentation_stress, inference_server, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 A, F, E, R = (int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND),
               int(EventKind.RELEASE))

@@ -79,6 +79,7 @@ def test_cancel_before_start_raises_cancelled():
         task.result(timeout=10)
 
 
+@pytest.mark.core
 def test_controls_stay_usable_while_a_workload_runs():
     """The point of it: a workload in the background, the session reconfigured meanwhile."""
     with gpudash.Session(simulate="16GiB", poll=False) as sess:

@@ -8,6 +8,8 @@ import pytest
 import gpudash
 from bfc_helpers import MIB, BumpSubAllocator, fingerprint, human_readable, rounded_bytes
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 
 @pytest.fixture
 def alloc():

@@ -11,6 +11,8 @@ import pytest
 import gpudash
 from bfc_helpers import KIB, MIB, BumpSubAllocator, bin_for_size, rounded_bytes
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 K = gpudash.EventKind
 
 

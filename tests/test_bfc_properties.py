@@ -35,6 +35,8 @@ from bfc_helpers import (
     split_threshold,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 SIZES = st.one_of(
     st.integers(0, 2048),
     st.integers(0, 256 * KIB),

@@ -30,6 +30,8 @@ from bfc_helpers import (
     rounded_bytes,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 FLOAT, INT64, DOUBLE = 4, 8, 8
 
 

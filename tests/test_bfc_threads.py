@@ -13,6 +13,8 @@ import pytest
 import gpudash
 from bfc_helpers import KIB, MIB, BumpSubAllocator, check_snapshot
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 
 @pytest.fixture
 def fast_switching():

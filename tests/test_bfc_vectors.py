@@ -12,6 +12,8 @@ import pytest
 import gpudash
 from bfc_helpers import VectorSubAllocator, check_snapshot, fingerprint, load_vector, vector_names
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 NAMES = vector_names()
 
 

@@ -13,6 +13,8 @@ from gpudash._errors import InvalidPointerError
 from gpudash.caching import allocation_size, format_size, round_size
 from gpudash._torch_conf import CachingAllocatorConfig
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MiB = 1 << 20
 GiB = 1 << 30
 

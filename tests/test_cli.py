@@ -46,6 +46,7 @@ def test_every_subcommand_has_help(cmd):
     assert "usage: gpudash " + cmd in proc.stdout
 
 
+@pytest.mark.core
 def test_demo_prints_the_memory_log_and_writes_the_report(tmp_path, capsys):
     out_html = tmp_path / "demo.html"
     code, out, err = run(capsys, "demo", "--steps", "2", "--html", str(out_html))
@@ -72,6 +73,7 @@ def test_demo_refuses_to_overwrite_without_being_asked(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.core
 def test_replay_reports_fit_and_oom(small_trace, capsys):
     code, out, _ = run(capsys, "replay", str(small_trace), "--device", "16GiB", "--fraction", "0.5")
     assert code == 0
@@ -82,6 +84,7 @@ def test_replay_reports_fit_and_oom(small_trace, capsys):
     assert "OUT OF MEMORY" in out
 
 
+@pytest.mark.core
 def test_replay_defaults_are_tensorflows(small_trace, tmp_path, capsys):
     """No --growth: the trace's recorded setting, else TensorFlow's default (off: the whole
     limit is one region). --deferred reads as deferred_deletion_bytes does (0 = 8 MiB);
@@ -108,12 +111,14 @@ def test_replay_defaults_are_tensorflows(small_trace, tmp_path, capsys):
     assert code == 0 and "allow_growth=False" in out
 
 
+@pytest.mark.core
 def test_replay_imports_a_tensorflow_log(capsys):
     code, out, _ = run(capsys, "replay", str(DATA / "fragment_202.log"), "--fraction", "0.5")
     assert code == 0, out
     assert "calls replayed" in out
 
 
+@pytest.mark.core
 def test_whatif_prints_the_smallest_fraction_and_a_sweep(small_trace, capsys):
     code, out, err = run(capsys, "whatif", str(small_trace), "--device", "1GiB",
                          "--fractions", "0.1,0.5,1.0", "--jobs", "1")
@@ -122,6 +127,7 @@ def test_whatif_prints_the_smallest_fraction_and_a_sweep(small_trace, capsys):
     assert "fraction" in out and "peak pool" in out
 
 
+@pytest.mark.core
 def test_convert_round_trips_to_pytorch_json(small_trace, tmp_path, capsys):
     out_json = tmp_path / "snap.json"
     code, out, _ = run(capsys, "convert", str(small_trace), str(out_json))
@@ -207,6 +213,7 @@ def test_odd_inputs_are_named_in_one_line(tmp_path, capsys):
         assert len(lines) == 1 and str(path) in lines[0] and fragment in lines[0], err
 
 
+@pytest.mark.core
 def test_format_forces_the_reader(small_trace, capsys):
     code, out, err = run(capsys, "replay", str(small_trace), "--format", "gdtrace")
     assert code == 0, err

@@ -1129,6 +1129,7 @@ def test_picking_a_worker_opens_its_dashboard_whose_controls_act_on_it(client):
         # both workers listed (b is picked below: a row the dashboard has not shown yet
         # cannot be picked)
         assert dash.model.wait(lambda w: a in w and b in w, 10)
+        assert repr(dash.model).startswith("ClusterModel(2 live, 0 gone, record=")
         on(client, a, _allocate, [10 * MIB])
         assert dash.model.wait(lambda w: w[a]["bytes_in_use"] == 10 * MIB, 5)
         on(client, a, _allocate, [30 * MIB])

@@ -18,6 +18,8 @@ from gpudash.devices import (
     cuda_device_count,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MiB = 1 << 20
 GiB = 1 << 30
 BASE = 0x7F0000000000

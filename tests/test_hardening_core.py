@@ -13,6 +13,8 @@ import gpudash
 from gpudash import BFCAllocator, ConfigError, InvalidPointerError, OutOfMemoryError
 from gpudash import SimulatedDevice
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB = 1 << 20
 GIB = 1 << 30
 

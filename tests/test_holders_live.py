@@ -10,6 +10,8 @@ import pytest
 import gpudash
 from gpudash.widgets import LiveModel
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB = 1 << 20
 
 

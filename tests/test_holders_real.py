@@ -82,6 +82,7 @@ def test_holders_by_line_at_the_peak_equal_a_count_from_the_pickle(name, device)
     assert not table.missing.get("rebuilt")
 
 
+@pytest.mark.core
 @needs_external
 def test_explain_shows_who_held_the_memory_and_the_refused_stack():
     from gpudash.torch_explain import explain_torch

@@ -322,6 +322,7 @@ def test_a_gdtrace_with_negative_values_is_refused(tmp_path, col, value, message
         assert str(path) in str(info.value)
 
 
+@pytest.mark.core
 def test_a_limit_row_keeps_its_old_value_in_requested(tmp_path):
     from gpudash import BFCAllocator, Recorder
     from gpudash.devices import SimulatedDevice
@@ -456,6 +457,7 @@ def test_trace_metadata_devices_are_checked_when_read(tmp_path, devices, message
         _one_line_error(_cli(*args), path)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("devices", [5, ["x"], True, [{"index": "x"}, None], {"index": 0}])
 def test_odd_metadata_devices_in_memory_do_not_break_replay(devices):
     from gpudash.trace.replay import device_label, replay
@@ -470,6 +472,7 @@ def test_odd_metadata_devices_in_memory_do_not_break_replay(devices):
     assert t[0].allocator == "" and [d["index"] for d in t.devices] == [0]
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("given", [False, True])
 def test_recorded_growth_is_replayed_as_recorded(tmp_path, given):
     """A JSON boolean is taken as it is (bool() of the string "false" was True: a trace
@@ -661,6 +664,7 @@ def _many_devices(n_dev: int = 5, seed: int = 0):
     return b.build({"source": "test"})
 
 
+@pytest.mark.core
 def test_replay_devices_scans_the_trace_once_and_matches_replay(monkeypatch):
     """Replaying each device used to scan every row once per device (devices x events);
     the calls are now found once and split by device."""
@@ -684,6 +688,7 @@ def test_replay_devices_scans_the_trace_once_and_matches_replay(monkeypatch):
             assert v.tolist() == mine.per_call[k].tolist()
 
 
+@pytest.mark.core
 def test_the_replay_command_scans_a_trace_of_many_devices_once(tmp_path, monkeypatch,
                                                                 capsys):
     t = _many_devices(4)
@@ -701,6 +706,7 @@ def test_the_replay_command_scans_a_trace_of_many_devices_once(tmp_path, monkeyp
     assert out.count("allow_growth=True") == 2 and out.count("allow_growth=False") == 2
 
 
+@pytest.mark.core
 def test_the_devices_metadata_is_read_once_however_many_devices_replay(monkeypatch):
     """Each device's replay asks for its name (its caveats, its label): the metadata's
     device list is read once, not once per device (which made a trace of 8,000 devices take

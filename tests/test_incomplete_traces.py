@@ -14,6 +14,8 @@ import gpudash
 import gpudash.trace as gt
 from gpudash.trace.whatif import min_fraction, sweep
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "tests" / "data" / "real"
 EXTERNAL = ROOT.parent / "shared" / "reference" / "external"

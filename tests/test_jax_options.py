@@ -25,6 +25,8 @@ from gpudash.options import (
     restart_lines,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
 JAX_VARS = ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_CLIENT_MEM_FRACTION",

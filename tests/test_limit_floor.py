@@ -25,6 +25,8 @@ from gpudash.trace.tasks import Probe, bisect, probe
 from gpudash.trace.whatif import _base_settings, min_fraction
 from gpudash.trace.workloads import fragmentation_stress, trace_from_calls, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB, GIB = 1 << 20, 1 << 30
 DEVICE = 16 * GIB
 

@@ -9,6 +9,8 @@ from IPython.testing import globalipapp
 import gpudash
 from gpudash import session as session_mod
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MiB = 1 << 20
 GiB = 1 << 30
 

@@ -31,6 +31,8 @@ from gpudash.monitors._parse import torch_chunk_table
 from gpudash.monitors._torch import TorchMonitor
 from gpudash.widgets import Dashboard, LiveModel
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms
 
 MONITOR_THREAD = "gpudash-torch-monitor"

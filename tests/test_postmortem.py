@@ -140,6 +140,7 @@ def test_external_dumps_bytes_and_completeness():
     assert [d.allocator_name for d in jax] == ["GPU_0_bfc", "GPU_1_bfc"]
 
 
+@pytest.mark.core
 @needs_external
 def test_external_logs_load_as_traces():
     tf14 = gt.load_trace(EXTERNAL / "tf14_alexnet_oom_2017.log")
@@ -168,6 +169,7 @@ def test_external_logs_load_as_traces():
     assert r.returncode == 1 and "no device 3" in r.stderr and "GPU_1_bfc" in r.stderr
 
 
+@pytest.mark.core
 def test_replay_of_a_dump_log_rebuilds_the_state_and_fails_at_the_request():
     t = gt.load_trace(REAL / "tf_oom_mixed.log")
     assert t.devices[0]["memory_limit"] == 48 << 20
@@ -301,6 +303,7 @@ def test_synthetic_profile_log_directory_and_newest_run(tmp_path):
     assert top[0].holder == PRE_EXISTING_HOLDER and top[0].bytes == 4096
 
 
+@pytest.mark.core
 def test_pre_existing_memory_is_replayed_and_freed():
     t = gt.load_trace(REAL / "tf_mlp_training.xplane.pb")
     r = gt.replay(t, memory_limit="64MiB")

@@ -10,6 +10,8 @@ from gpudash import TraceFormatError
 from gpudash.trace import load_ranks, load_trace, replay_devices, save_trace
 from gpudash.trace.workloads import training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 
 @pytest.fixture
 def rank_dir(tmp_path):

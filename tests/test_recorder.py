@@ -19,6 +19,8 @@ from gpudash.devices import SimulatedDevice
 from gpudash.events import COLUMNS, EventKind
 from gpudash.trace import read_trace
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MiB = 1 << 20
 
 

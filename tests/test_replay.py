@@ -16,6 +16,8 @@ from gpudash.trace.replay import (ReplayResult, replay, replay_devices, resolve_
                                   trace_settings)
 from gpudash.trace.workloads import trace_from_calls, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 A, F, O = int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.OOM)
 

@@ -13,6 +13,8 @@ from gpudash import GpudashError
 from gpudash.report import build_report, write_report
 from gpudash.trace.workloads import fragmentation_stress, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 CHROMIUM = os.environ.get("GPUDASH_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",

@@ -28,6 +28,8 @@ from gpudash.trace.stacks import Frame, StackTable
 from gpudash.trace.torch_snapshot import load_torch_snapshot
 from gpudash.trace.workloads import caching_snapshot, fragmentation_stress
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB = 1 << 20
 GIB = 1 << 30
 

@@ -28,6 +28,8 @@ from gpudash import (
 from gpudash.devices import CudaMemory
 from gpudash.events import EventKind
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30

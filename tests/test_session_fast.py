@@ -30,6 +30,8 @@ from gpudash import session as session_mod
 from gpudash.bfc import PyBFCAllocator
 from gpudash.session import PY_SESSION_METHODS, Session
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from fuzz_core import Listener, Mismatch  # noqa: E402
 

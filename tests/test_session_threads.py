@@ -12,6 +12,8 @@ import pytest
 
 from gpudash import OutOfMemoryError, Session
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 KiB = 1 << 10
 MiB = 1 << 20
 

@@ -19,6 +19,8 @@ from gpudash import BackendUnavailableError, CachingAllocator, ConfigError, Simu
 from gpudash.models import TORCH, trace_model
 from gpudash.session import TorchDevice, TorchSession
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB = 1 << 20
 GIB = 1 << 30
 

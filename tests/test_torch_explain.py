@@ -13,6 +13,8 @@ from gpudash.postmortem import explain
 from gpudash.torch_explain import TorchExplanation, explain_torch
 from gpudash.trace.workloads import caching_snapshot, finetune_calls
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 GiB = 1 << 30
 
 MESSAGE = (

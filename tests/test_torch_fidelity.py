@@ -18,6 +18,8 @@ from gpudash import CachingAllocator, SimulatedDevice
 from gpudash.trace.torch_replay import from_snapshot, replay_exact
 from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 EXTERNAL = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "external"
 SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL.is_dir() else []
 MiB = 1 << 20

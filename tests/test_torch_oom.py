@@ -107,6 +107,7 @@ def test_contradicting_figures_are_explained_with_a_warning():
     assert "warning" in o.explain()
 
 
+@pytest.mark.core
 def test_the_models_own_messages_read_back():
     """The model's OutOfMemoryError text, in each version's wording, is read back with its
     figures."""

@@ -11,6 +11,8 @@ from gpudash.trace.replay import replay
 from gpudash.trace.torch_snapshot import load_torch_snapshot
 from gpudash.trace.workloads import caching_snapshot, finetune_calls, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 GiB = 1 << 30
 
 

@@ -26,6 +26,8 @@ from gpudash.trace.torch_trace import (
     from_snapshot,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 
 def _external() -> Path | None:
     for up in Path(__file__).resolve().parents[1:4]:

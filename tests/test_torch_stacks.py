@@ -412,6 +412,7 @@ def test_convert_to_a_pytorch_snapshot_carries_the_stacks(tmp_path):
         assert _resolved(load_trace(tmp_path / out)) == _resolved(t)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("exact", [True, False])
 def test_a_replays_recording_and_snapshot_carry_the_stacks_of_its_calls(exact):
     from gpudash.trace import replay
@@ -451,6 +452,7 @@ def test_a_replays_recording_and_snapshot_carry_the_stacks_of_its_calls(exact):
     assert replay(plain, record=True, exact=exact).recording.stack is None
 
 
+@pytest.mark.core
 @needs_external
 @pytest.mark.parametrize("name", [n for n in SNAPSHOTS if not n.startswith("LLM-inference")])
 def test_an_exact_replays_snapshot_has_pytorchs_frames_entry_for_entry(name):

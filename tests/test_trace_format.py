@@ -285,6 +285,7 @@ def test_settings_matched_by_device_and_seq():
                                                                  (3, "allow_growth")]
 
 
+@pytest.mark.core
 def test_recorder_trace_round_trip(tmp_path):
     pytest.importorskip("gpudash.bfc")
     from gpudash import BFCAllocator, Recorder, SimulatedDevice

@@ -16,6 +16,8 @@ from gpudash.trace.whatif import (
 )
 from gpudash.trace.workloads import trace_from_calls, training_loop
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 MIB, GIB = 1 << 20, 1 << 30
 
 

@@ -9,6 +9,8 @@ from test_widgets_model import GIB, KIB, MIB
 import gpudash
 from gpudash.widgets import ControlsView, LiveModel
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms  # fixtures shared with the model tests (recording comm, a session)
 sess = shared.sess
 

@@ -26,6 +26,8 @@ from gpudash.widgets.feeds import DeviceFeed, FeedSample
 from gpudash._units import format_bytes
 from gpudash.bfc import AllocatorStats
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms
 sess = shared.sess
 

@@ -30,6 +30,8 @@ from gpudash.widgets.model import (
     typed_array,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30

@@ -27,6 +27,8 @@ from gpudash.widgets import (
 )
 from gpudash.widgets.stats import stats_rows
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms
 
 

@@ -24,6 +24,8 @@ from gpudash.widgets import (
 from gpudash.widgets.model import bin_labels, bin_of_sizes, decode_array
 from gpudash.widgets.timeline import setting_label
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms  # fixtures shared with the model tests (recording comm, a session)
 sess = shared.sess
 

@@ -26,6 +26,8 @@ from gpudash.trace.workloads import (
     training_loop_calls,
 )
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "gpudash" / "samples"
 A, F = int(EventKind.ALLOC), int(EventKind.FREE)
