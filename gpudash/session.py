@@ -248,7 +248,8 @@ class SessionStacks:
 
     Each distinct frame ``(filename, line, function)`` is kept once in :attr:`frames`, each
     distinct stack once in :attr:`stacks` (a tuple of frame ids, innermost first: the
-    caller's frames above gpudash's own, at most :attr:`depth` of them); a live block keeps
+    caller's frames, gpudash's own left out wherever they are, at most :attr:`depth` of
+    them); a live block keeps
     the id of its stack (an index into :attr:`stacks`). The ids are those of a
     :class:`gpudash.trace.stacks.StackTable` made from the two lists in order
     (``StackTable(frames, [(ids, "", "") for ids in stacks])``), which is how the Recorder
@@ -282,26 +283,26 @@ class SessionStacks:
         return f"SessionStacks(frames={len(self.frames)}, stacks={len(self.stacks)})"
 
     def capture(self) -> int:
-        """The id of the calling thread's stack above gpudash's own frames (-1: none)."""
+        """The id of the calling thread's stack, gpudash's own frames left out (-1: none)."""
         f = sys._getframe(1)
         pkg = _PACKAGE_DIR
-        while f is not None and f.f_code.co_filename.startswith(pkg):
-            f = f.f_back
-        if f is None:
-            return -1
         get = self._frame_ids.get
         ids = []
         append = ids.append
         left = self.depth
         while f is not None and left:
             code = f.f_code
-            key = (code.co_filename, f.f_lineno, code.co_name)
-            i = get(key)
-            if i is None:
-                i = self._new(self._frame_ids, self.frames, key)
-            append(i)
+            filename = code.co_filename
+            if not filename.startswith(pkg):   # gpudash's frames (a magic's too) are not kept
+                key = (filename, f.f_lineno, code.co_name)
+                i = get(key)
+                if i is None:
+                    i = self._new(self._frame_ids, self.frames, key)
+                append(i)
+                left -= 1
             f = f.f_back
-            left -= 1
+        if not ids:
+            return -1
         key = tuple(ids)
         i = self._stack_ids.get(key)
         if i is None:
@@ -407,8 +408,8 @@ class Session:
         wait for and is returned by the free that completes it. With ``poll=False`` batches
         wait for :meth:`poll` or :meth:`flush` (deterministic, for tests).
     record_stacks : bool
-        Keep the allocating Python stack of each live block: the caller's frames above
-        gpudash's own, innermost first, at most :data:`STACK_DEPTH`, interned once per
+        Keep the allocating Python stack of each live block: the caller's frames (gpudash's
+        own left out), innermost first, at most :data:`STACK_DEPTH`, interned once per
         session (:attr:`stacks`, :class:`SessionStacks`). The chunk map's hover and
         :meth:`holders` name a block by its innermost frame; :meth:`stack_of` gives the
         frames; the dashboard's holders view and a :class:`~gpudash.Recorder` attached to
