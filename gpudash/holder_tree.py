@@ -212,13 +212,15 @@ def holder_tree(size: Any, stack: Any, stacks: StackTable | None, *, label: Any 
     g_stack = uniq % width - 1
     sids = np.unique(g_stack)
     ckey = (len(stacks), sids.tobytes(), user_code)
-    if path_cache is not None and path_cache.get("key") == ckey:
-        path_of, rule = path_cache["paths"], path_cache["rule"]
+    # one entry, read and replaced whole (two threads may share a cache)
+    entry = path_cache.get("paths") if path_cache is not None else None
+    if entry is not None and entry[0] == ckey:
+        _, path_of, rule = entry
     else:
         paths, rule = stack_paths(stacks, sids, user_code)
         path_of = dict(zip(sids.tolist(), paths))
         if path_cache is not None:
-            path_cache.update(key=ckey, paths=path_of, rule=rule)
+            path_cache["paths"] = (ckey, path_of, rule)
     total = int(size.sum())
     value: dict[tuple, list] = {}
     step_of: dict[tuple, tuple[str, str, int]] = {}

@@ -259,6 +259,11 @@ class SessionStacks:
     Both lists only grow, so a reader may take ``len()`` of one and read that prefix
     without a lock; new entries are added under a lock (lookups take none).
 
+    Cost: a frame met before is one dictionary lookup by its code object and instruction
+    (the code objects seen are kept, so their ids stay theirs); Python's frames are walked
+    one by one, so a stack costs about a quarter of a microsecond a frame
+    (``benchmarks/bench_dashboard.py`` (f)).
+
     Attributes
     ----------
     frames : list of (str, int, str)
@@ -266,7 +271,8 @@ class SessionStacks:
     depth : int
     """
 
-    __slots__ = ("frames", "stacks", "depth", "_frame_ids", "_stack_ids", "_lock")
+    __slots__ = ("frames", "stacks", "depth", "_frame_ids", "_stack_ids", "_sites", "_codes",
+                 "_lock")
 
     def __init__(self, depth: int = STACK_DEPTH) -> None:
         self.frames: list[tuple[str, int, str]] = []
@@ -274,6 +280,11 @@ class SessionStacks:
         self.depth = int(depth)
         self._frame_ids: dict[tuple[str, int, str], int] = {}
         self._stack_ids: dict[tuple[int, ...], int] = {}
+        # (id of a code object, instruction offset) -> frame id (-1: gpudash's own): a frame
+        # met again costs a lookup, not a line number (which Python finds by scanning the
+        # code's line table) and a new tuple; the code objects are kept, so an id stays theirs
+        self._sites: dict[tuple[int, int], int] = {}
+        self._codes: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -285,19 +296,16 @@ class SessionStacks:
     def capture(self) -> int:
         """The id of the calling thread's stack, gpudash's own frames left out (-1: none)."""
         f = sys._getframe(1)
-        pkg = _PACKAGE_DIR
-        get = self._frame_ids.get
+        get = self._sites.get
         ids = []
         append = ids.append
         left = self.depth
         while f is not None and left:
             code = f.f_code
-            filename = code.co_filename
-            if not filename.startswith(pkg):   # gpudash's frames (a magic's too) are not kept
-                key = (filename, f.f_lineno, code.co_name)
-                i = get(key)
-                if i is None:
-                    i = self._new(self._frame_ids, self.frames, key)
+            i = get((id(code), f.f_lasti))
+            if i is None:
+                i = self._site(f)
+            if i >= 0:
                 append(i)
                 left -= 1
             f = f.f_back
@@ -307,6 +315,23 @@ class SessionStacks:
         i = self._stack_ids.get(key)
         if i is None:
             i = self._new(self._stack_ids, self.stacks, key)
+        return i
+
+    def _site(self, f: Any) -> int:
+        """The frame id of a frame's code and instruction, met for the first time (-1 for
+        gpudash's own frames, a magic's too, which stacks leave out)."""
+        code = f.f_code
+        filename = code.co_filename
+        if filename.startswith(_PACKAGE_DIR):
+            i = -1
+        else:
+            key = (filename, f.f_lineno, code.co_name)
+            i = self._frame_ids.get(key)
+            if i is None:
+                i = self._new(self._frame_ids, self.frames, key)
+        with self._lock:
+            self._codes[id(code)] = code
+            self._sites[(id(code), f.f_lasti)] = i
         return i
 
     def _new(self, index: dict, table: list, key: Any) -> int:
