@@ -30,12 +30,29 @@ from typing import Any
 import numpy as np
 
 from ._units import format_bytes
-from .trace.callers import (NO_STACK, below_user_code, call_sites, frame_text, short_paths,
-                            user_code_rule)
+from .trace.callers import (
+    NO_STACK,
+    below_user_code,
+    call_sites,
+    frame_text,
+    short_paths,
+    user_code_rule,
+)
 from .trace.stacks import StackTable
 
-__all__ = ["HolderTree", "holder_tree", "trace_holder_tree", "stack_paths", "NO_LABEL",
-           "MAX_NODES", "KIND_ROOT", "KIND_LABEL", "KIND_USER", "KIND_BELOW", "KIND_OTHER"]
+__all__ = [
+    "KIND_BELOW",
+    "KIND_LABEL",
+    "KIND_OTHER",
+    "KIND_ROOT",
+    "KIND_USER",
+    "MAX_NODES",
+    "NO_LABEL",
+    "HolderTree",
+    "holder_tree",
+    "stack_paths",
+    "trace_holder_tree",
+]
 
 #: The label level's name for blocks without a label, when other blocks have one.
 NO_LABEL = "(no label)"
@@ -271,7 +288,7 @@ def holder_tree(size: Any, stack: Any, stacks: StackTable | None, *, label: Any 
             parent.append(idx[p])
         for k, off in reversed(list(zip(kids, offs))):
             stack_.append((k, off))
-    n_blocks = int(len(size))
+    n_blocks = len(size)
     names = [root if root is not None else
              f"{format_bytes(total)} in {n_blocks:,} {chunk}(s)"]
     texts = [names[0]]

@@ -129,11 +129,11 @@ def train_step(sess, model, opt, batch):
 #: The notebook of the holders view: a session recording stacks, its dashboard, the model
 #: made in one ``%%gpudash_track`` cell and trained in the next (labels ``cell [N]``).
 HOLDERS_CELLS = (
-    "%load_ext gpudash\nimport gpudash\nfrom train import MLP, Adam, train_step\n"
-    "sess = gpudash.default_session(record_stacks=True)\n"
-    "dash = gpudash.Dashboard(sess)\ndash",
-    "%%gpudash_track\nmodel = MLP(sess, (8192, 8192, 8192, 4096, 1024))\n"
-    "opt = Adam(sess, model)",
+    ("%load_ext gpudash\nimport gpudash\nfrom train import MLP, Adam, train_step\n"
+     "sess = gpudash.default_session(record_stacks=True)\n"
+     "dash = gpudash.Dashboard(sess)\ndash"),
+    ("%%gpudash_track\nmodel = MLP(sess, (8192, 8192, 8192, 4096, 1024))\n"
+     "opt = Adam(sess, model)"),
     "%%gpudash_track\nfor step in range(4):\n    train_step(sess, model, opt, batch=4096)",
 )
 

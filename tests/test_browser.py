@@ -767,7 +767,7 @@ def test_holders_view_draws_moves_to_a_moment_clicked_on_the_timeline_and_hovers
     """A session recording stacks trains a small MLP (``train.py``) in two
     ``%%gpudash_track`` cells: the holders view draws the blocks in use under their cells
     and lines; a click on the timeline at its peak shows the holders then (the drawn total
-    is the kernel's figure for that moment, with the activations of the forward pass);
+    is the kernel's figure for that moment, with a training step's blocks);
     hovering a node names its frame in full; "live" goes back."""
     import nbformat
 

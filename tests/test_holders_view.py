@@ -15,9 +15,16 @@ from test_widgets_dashboard import act, say, sent
 
 import gpudash
 from gpudash import top_holders
-from gpudash.holder_tree import (KIND_BELOW, KIND_LABEL, KIND_OTHER, KIND_USER, NO_LABEL,
-                                 holder_tree,
-                                 stack_paths, trace_holder_tree)
+from gpudash.holder_tree import (
+    KIND_BELOW,
+    KIND_LABEL,
+    KIND_OTHER,
+    KIND_USER,
+    NO_LABEL,
+    holder_tree,
+    stack_paths,
+    trace_holder_tree,
+)
 from gpudash.session import STACK_DEPTH
 from gpudash.trace.stacks import StackTable
 from gpudash.widgets import Dashboard, LiveModel
@@ -448,7 +455,7 @@ def test_the_holders_tree_goes_to_the_page_when_it_changed_and_at_a_moment(comms
         dash = Dashboard(model=model)
         page = Page()
         try:
-            w, opt, acts = train(sess, steps=1)
+            train(sess, steps=1)
             model.refresh_now()
             t_first = model.seconds(model.state(0).time_ms)
             in_use_first = model.state(0).stats.bytes_in_use
@@ -521,7 +528,7 @@ def test_the_wire_is_bounded_whatever_the_stacks(comms):
         for k in range(500):
             code = compile(f"def f{k}(s):\n    return s.allocate({(k % 37 + 1) * MIB})\n",
                            f"/work/gen/module_{k}.py", "exec")
-            exec(code, ns)
+            exec(code, ns)  # noqa: S102 - the test's own generated functions
         for k in range(500):
             ns[f"f{k}"](sess)
         model = LiveModel(sess, start=False)
