@@ -28,10 +28,21 @@ shows its dashboard: seconds from running the cell to the four views drawn, byte
 received meanwhile, the segment map's draw in the browser (``Plotly.react``, ms), and as
 drawn: the map's height, its y labels and how many overlap the next one.
 
+``--holders`` measures the holders view the same way (this checkout against a baseline,
+alternating, in one run): a cell makes a session recording stacks
+(``record_stacks=True``), builds the small MLP of ``tests/browser_helpers.py``'s
+``HOLDERS_TRAIN_PY`` and trains it two steps, then shows its dashboard: seconds from running
+the cell to every view drawn (four before the holders view, five with it, shown by default
+on such a session), the bytes the page received meanwhile and the largest frame, and the
+holders view's own draw (``Plotly.react``, ms). Then, where the view exists, a click on the
+timeline at its peak: milliseconds until the view shows that moment, and the bytes of
+the message that brought it.
+
 Run: ``python benchmarks/bench_browser.py [--baseline REF] [--only new|baseline]
 [--json OUT]``; ``--allocators`` instead compares, in this checkout, the dashboard of a
 TensorFlow-style session (``%gpudash``) with a PyTorch one (``%gpudash --allocator torch``);
-``--segments [--baseline-dir DIR] [--repeat N]`` as above.
+``--segments [--baseline-dir DIR] [--repeat N]`` and ``--holders [--baseline-dir DIR]
+[--repeat N]`` as above.
 Needs JupyterLab, Playwright and ``/usr/bin/chromium`` (``pip install -e '.[test]'``;
 ``apt-get install chromium``). Takes a few minutes. Prints one table.
 """
@@ -52,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from browser_helpers import (  # noqa: E402
+    HOLDERS_TRAIN_PY,
     MANY_SEGMENTS,
     LabServer,
     command,
@@ -389,6 +401,137 @@ def measure_segments(label: str, repo: Path, work: Path, log: Any) -> dict:
     return out
 
 
+#: The cell of ``--holders``: a session recording stacks, a model trained two steps, its
+#: dashboard.
+HOLDERS_CELL = """\
+import gpudash
+from train import MLP, Adam, train_step
+sess = gpudash.Session(simulate="16GiB", record_stacks=True)
+with sess.label("model"):
+    model = MLP(sess, (8192, 8192, 8192, 4096, 1024))
+    opt = Adam(sess, model)
+dash = gpudash.Dashboard(sess)
+for step in range(2):
+    with sess.label(f"step {step}"):
+        train_step(sess, model, opt, batch=4096)
+dash"""
+
+_HOLDERS_JS = """(n) => {
+    const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[n];
+    const gd = c.querySelector('[data-view=holders] .js-plotly-plot');
+    const views = (globalThis.__gpudash && globalThis.__gpudash.views) || [];
+    const v = views[views.length - 1];
+    return {present: !!c.querySelector('[data-view=holders]'),
+            draw_ms: v && v.stats && v.stats.ms ? v.stats.ms.holders : null,
+            live: gd ? gd.dataset.live : null, at: gd ? gd.dataset.at : null,
+            total: gd ? Number(gd.dataset.total) : null};
+}"""
+
+
+def measure_holders(label: str, repo: Path, work: Path, log: Any) -> dict:
+    """The holders view of one checkout: see the docstring."""
+    from playwright.sync_api import sync_playwright
+
+    out: dict[str, Any] = {"variant": label, "repo": str(repo)}
+    nbdir = work / "nb"
+    _new_notebook(nbdir)
+    (nbdir / "train.py").write_text(HOLDERS_TRAIN_PY)
+    lab = LabServer(work / "lab", notebooks=nbdir, repo=repo)
+    lab.start()
+    pw = sync_playwright().start()
+    browser = launch_chromium(pw)
+    try:
+        page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
+        frames: list[tuple[float, int]] = []
+        page.on("websocket", lambda ws: ws.on(
+            "framereceived", lambda p: frames.append((time.monotonic(), len(p)))))
+        page.goto(lab.url("lab/tree/bench.ipynb?reset"))
+        wait_for_notebook(page)
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+        command(page, "notebook:run-all-cells")
+        _wait_idle(page)
+        # plotly.js reaches the page with a first, small dashboard: not counted below
+        n0, _ = _run_cell(page, "import gpudash\ngpudash.Dashboard(gpudash.Session("
+                                "simulate='1GiB'))")
+        _wait_drawn(page, n0)
+        _wait_idle(page)
+        time.sleep(1.0)
+        log(f"[{label}] holders")
+        k = len(frames)
+        t0 = time.monotonic()
+        n, _ = _run_cell(page, HOLDERS_CELL)
+        want = 5 if page.evaluate(
+            "(n) => !!document.querySelectorAll('.jp-Notebook .jp-Cell')[n]"
+            ".querySelector('[data-view=holders]')", n) else 4
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(n)
+        while True:
+            cell.locator(".gd-root, .jp-OutputArea-output").last.scroll_into_view_if_needed()
+            try:
+                _wait_drawn(page, n, want=want, timeout_s=0.5)
+                break
+            except Exception:  # noqa: BLE001 - not yet
+                if time.monotonic() - t0 > 120:
+                    raise
+        out["views"] = want
+        out["open_s"] = time.monotonic() - t0
+        _wait_idle(page)
+        time.sleep(1.5)
+        sizes = [b for t, b in frames[k:]]
+        out["bytes"] = sum(sizes)
+        out["largest"] = max(sizes, default=0)
+        info = page.evaluate(_HOLDERS_JS, n)
+        out["draw_ms"] = info["draw_ms"]
+        if info["present"]:
+            timeline = cell.locator('[data-view="timeline"] .js-plotly-plot')
+            timeline.scroll_into_view_if_needed()
+            peak = timeline.evaluate("""(gd) => { const d = gd._fullData[0]; let best = 0;
+                for (let i = 0; i < d.y.length; i++) if (d.y[i] > d.y[best]) best = i;
+                const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+                const box = gd.getBoundingClientRect();
+                return {px: box.left + xa._offset + xa.d2p(d.x[best]),
+                        py: box.top + ya._offset + ya._length * 0.6}; }""")
+            k = len(frames)
+            t0 = time.monotonic()
+            page.mouse.click(peak["px"] + 1, peak["py"])
+            page.wait_for_function(f"(n) => ({_HOLDERS_JS})(n).live === '0'", arg=n,
+                                   timeout=30_000, polling=10)
+            out["moment_ms"] = 1e3 * (time.monotonic() - t0)
+            time.sleep(0.5)
+            out["moment_bytes"] = max((b for t, b in frames[k:]), default=0)
+            out["moment_draw_ms"] = page.evaluate(_HOLDERS_JS, n)["draw_ms"]
+    finally:
+        browser.close()
+        pw.stop()
+        lab.stop()
+    return out
+
+
+def holders_table(results: list[dict]) -> str:
+    rows = [
+        ("views drawn", lambda r: r["views"]),
+        ("cell to every view drawn (s)", lambda r: r["open_s"]),
+        ("  bytes received", lambda r: r["bytes"]),
+        ("  largest frame (B)", lambda r: r["largest"]),
+        ("holders view draw (ms)", lambda r: r["draw_ms"]),
+        ("click on the timeline to the moment shown (ms)", lambda r: r["moment_ms"]),
+        ("  its message (B)", lambda r: r["moment_bytes"]),
+        ("  the view's draw (ms)", lambda r: r["moment_draw_ms"]),
+    ]
+    names = [r["variant"] for r in results]
+    width = max(len(n) for n, _ in rows) + 2
+    lines = ["holders view".ljust(width) + "".join(n.rjust(24) for n in names)]
+    for name, get in rows:
+        cells = []
+        for r in results:
+            try:
+                v = get(r)
+            except (KeyError, TypeError):
+                v = None
+            cells.append(_fmt(v).rjust(24))
+        lines.append(name.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
 def segments_table(results: list[dict]) -> str:
     rows = [
         ("cell to 4 views drawn (s)", lambda r: r["open_s"]),
@@ -468,18 +611,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--segments", action="store_true",
                     help="the segment map of 1,000 segments, this checkout against a baseline")
+    ap.add_argument("--holders", action="store_true",
+                    help="the holders view, this checkout against a baseline")
     ap.add_argument("--baseline-dir", type=Path, default=None,
-                    help="with --segments: a baseline checkout on disk (else --baseline's "
-                         "commit in a temporary git worktree)")
+                    help="with --segments or --holders: a baseline checkout on disk (else "
+                         "--baseline's commit in a temporary git worktree)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="with --segments: runs of each, alternating")
+                    help="with --segments or --holders: runs of each, alternating")
     args = ap.parse_args(argv)
     results: list[dict] = []
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.segments:
+    if args.segments or args.holders:
+        measure_one = measure_holders if args.holders else measure_segments
+        print_table = holders_table if args.holders else segments_table
         with tempfile.TemporaryDirectory(prefix="gpudash-bench-") as tmp:
             tmp = Path(tmp)
             base = args.baseline_dir
@@ -493,12 +640,12 @@ def main(argv: list[str] | None = None) -> int:
                     for label, repo in (("baseline", base), ("this checkout", REPO)):
                         work = tmp / f"{label.replace(' ', '_')}_{i}"
                         work.mkdir()
-                        results.append(measure_segments(label, repo, work, log))
+                        results.append(measure_one(label, repo, work, log))
             finally:
                 if made:
                     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                     str(base)], check=False)
-        print(segments_table(results))
+        print(print_table(results))
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         return 0

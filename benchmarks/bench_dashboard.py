@@ -16,9 +16,21 @@
     makes them, a third freed): bytes of the snapshot a connecting page gets (the holders
     go as an ``int32`` id a block and each string once; before, as a JSON string a block),
     and refresh CPU with the dashboard shown.
+(e) The holders view, on a session recording stacks (``record_stacks=True``): 2,000 live
+    blocks allocated from 500 lines in 50 files under 4 labels. Refresh CPU of a model
+    whose dashboard shows it against one whose dashboard does not (two models over the
+    same session, refreshed in turn), the bytes the tree adds to a snapshot and to an update
+    in which it changed, and a moment picked on the timeline: the time to rebuild the
+    blocks in use then and their tree from a history of 100,000 refreshes' changes, and
+    the history's bytes.
+(f) What ``record_stacks=True`` costs ``Session.allocate`` + ``free``: microseconds a pair
+    with stacks off and on, called from a shallow stack (a script) and from 25 frames down
+    (about a notebook cell's depth under IPython), runs interleaved, medians.
 
-Run: ``python benchmarks/bench_dashboard.py [--chunks N] [--pairs N] [--repeat R]``.
-Prints one table.
+Run: ``python benchmarks/bench_dashboard.py [--chunks N] [--pairs N] [--repeat R]
+[--only a,b,c,d,e,f]``. Prints one table. (e) needs the holders view; the others run on
+any checkout (``PYTHONPATH=OTHER python benchmarks/bench_dashboard.py --only f`` measures
+another checkout with this script).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import statistics
 import time
 
 import comm
+import numpy as np
 from comm.base_comm import BaseComm
 
 import gpudash
@@ -180,6 +193,130 @@ def bench_segments(n: int = 1000, repeat: int = 5) -> dict:
     return out
 
 
+def _generated_lines(n_files: int, per_file: int) -> list:
+    """``n_files * per_file`` functions, each allocating on a line of its own, in files of
+    their own names (``/work/gen/model_K.py``): stacks of the user's code."""
+    fns = []
+    for k in range(n_files):
+        src = "".join(f"def f{j}(s, n):\n    return s.allocate(n)\n" for j in range(per_file))
+        ns: dict = {}
+        exec(compile(src, f"/work/gen/model_{k}.py", "exec"), ns)  # noqa: S102 - our code
+        fns += [ns[f"f{j}"] for j in range(per_file)]
+    return fns
+
+
+def bench_holders(repeat: int, history_refreshes: int = 100_000) -> dict:
+    """(e): see the module docstring."""
+    from gpudash.widgets.dashboard import VIEWS
+
+    install_recording_comm()
+    out: dict = {}
+    rng = random.Random(11)
+    fns = _generated_lines(50, 10)
+    with gpudash.Session(simulate="80GiB", poll=False, record_stacks=True) as sess:
+        live = []
+        for i in range(2000):
+            with sess.label(f"phase {i % 4}"):
+                live.append(fns[i % len(fns)](sess, rng.randint(1, 16 * MIB)))
+        m_off, m_on = LiveModel(sess, start=False), LiveModel(sess, start=False)
+        d_off = Dashboard(model=m_off, views=VIEWS)
+        d_on = Dashboard(model=m_on, views=VIEWS + ("holders",))
+        try:
+            for d in (d_off, d_on):
+                RecordingComm.log.clear()
+                _hello(d)
+            out["snapshot_off"], out["snapshot_on"] = _sent_bytes(d_off), _sent_bytes(d_on)
+            t_off, t_on, added = [], [], []
+            for i in range(repeat):
+                j = rng.randrange(len(live))
+                sess.free_now(live[j])
+                with sess.label(f"phase {rng.randrange(4)}"):
+                    live[j] = fns[rng.randrange(len(fns))](sess, rng.randint(1, 16 * MIB))
+                sizes = []
+                for model, dash, times in ((m_off, d_off, t_off), (m_on, d_on, t_on)):
+                    before = _sent_bytes(dash)
+                    t0 = time.thread_time()
+                    model.refresh_now()
+                    times.append(time.thread_time() - t0)
+                    sizes.append(_sent_bytes(dash) - before)
+                added.append(sizes[1] - sizes[0])
+                time.sleep(0.3)
+            out["refresh_off_ms"] = 1e3 * statistics.median(t_off)
+            out["refresh_on_ms"] = 1e3 * statistics.median(t_on)
+            out["update_added"] = statistics.median(added)
+        finally:
+            for x in (d_off, d_on, m_off, m_on):
+                x.close()
+    # a long history: blocks coming and going over many refreshes (their changes fed to the
+    # history as the model's refreshes feed it)
+    from gpudash.widgets.model import _HolderLog
+
+    log = _HolderLog(10**9)
+    aid = np.arange(1, 2001, dtype=np.int64)
+    size = np.array([rng.randint(1, 16 * MIB) for _ in range(2000)], dtype=np.int64)
+    stack = np.array([rng.randrange(500) for _ in range(2000)], dtype=np.int32)
+    label = np.array([rng.randrange(4) for _ in range(2000)], dtype=np.int32)
+    nxt = 2001
+    for step in range(history_refreshes):
+        j = step % 2000
+        aid[j] = nxt
+        nxt += 1
+        log.update(float(step), aid.copy(), size, stack, label)
+    out["history_events"] = len(log.adds) + len(log.gone)
+    out["history_bytes"] = log.nbytes
+    times = []
+    for k in range(repeat):
+        t0 = time.perf_counter()
+        _, arrays, _ = log.at(float(history_refreshes * (k + 1) // (repeat + 1)))
+        times.append(time.perf_counter() - t0)
+    out["moment_ms"] = 1e3 * statistics.median(times)
+    # the tree of such a moment (the stacks of the session above)
+    from gpudash.holder_tree import holder_tree
+    from gpudash.trace.stacks import StackTable
+
+    st = StackTable()
+    for k in range(500):
+        st.intern_frames([(f"/work/gen/model_{k // 10}.py", 2 * (k % 10) + 2, f"f{k % 10}"),
+                          ("/work/train.py", 40, "step"), ("/work/train.py", 90, "<module>")])
+    t0 = time.perf_counter()
+    holder_tree(arrays[1], arrays[2], st, label=arrays[3],
+                labels=[f"phase {i}" for i in range(4)])
+    out["tree_ms"] = 1e3 * (time.perf_counter() - t0)
+    return out
+
+
+def _pairs_at_depth(sess: gpudash.Session, steps: list, depth: int) -> float:
+    """Pairs a second of ``sess.allocate`` + ``free_now``, called ``depth`` frames down."""
+    if depth:
+        return _pairs_at_depth(sess, steps, depth - 1)
+    slots = [0] * 300
+    allocate, free = sess.allocate, sess.free_now
+    t0 = time.perf_counter()
+    for slot, nbytes in steps:
+        p = slots[slot]
+        if p:
+            free(p)
+        slots[slot] = allocate(nbytes)
+    for p in slots:
+        if p:
+            free(p)
+    return len(steps) / (time.perf_counter() - t0)
+
+
+def bench_stacks_cost(pairs: int, repeat: int) -> dict:
+    """(f): see the module docstring."""
+    steps = make_workload(pairs)
+    rates: dict[str, list[float]] = {}
+    with gpudash.Session(simulate="32GiB", poll=False) as off, \
+            gpudash.Session(simulate="32GiB", poll=False, record_stacks=True) as on:
+        for _ in range(repeat):
+            for depth in (0, 25):
+                for name, sess in (("off", off), ("on", on)):
+                    rates.setdefault(f"{name} {depth}", []).append(
+                        _pairs_at_depth(sess, steps, depth))
+    return {k: 1e6 / statistics.median(v) for k, v in rates.items()}
+
+
 def make_workload(pairs: int, live: int = 300, seed: int = 7) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     return [(rng.randrange(live), int(2 ** rng.uniform(0, 22))) for _ in range(pairs)]
@@ -243,36 +380,68 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--background-chunks", type=int, default=2_000,
                         help="live chunks in the pool during (c)")
+    parser.add_argument("--only", default="a,b,c,d,e,f",
+                        help="the rows to measure, comma-separated (default all)")
+    parser.add_argument("--stack-pairs", type=int, default=200_000, help="pairs for (f)")
     args = parser.parse_args(argv)
+    only = set(args.only.split(","))
 
-    r = bench_refresh(args.chunks, args.repeat)
-    full = bench_steady_state_bytes()
-    seg = bench_segments(repeat=args.repeat)
-    t = bench_throughput(args.pairs, args.repeat, args.background_chunks)
-    bare = t["bare"]
-    rows = [
-        ("chunks in the table (a, b)", f"{r['chunks']:,} ({r['live']:,} live)", ""),
-        ("(a) refresh CPU, model only", f"{r['model_ms']:.1f} ms", ""),
-        ("(a) refresh CPU, dashboard shown", f"{r['dashboard_ms']:.1f} ms", "target < 50 ms"),
-        ("(b) snapshot (a page connects)", f"{r['snapshot_bytes'] / 1e3:,.1f} kB", ""),
-        ("(b) update, median / largest", f"{r['bytes_median'] / 1e3:,.1f} / "
-                                         f"{r['bytes_max'] / 1e3:,.1f} kB",
-         "the large table at most 1/s"),
-        ("(b) snapshot, 5,000 points + 600 columns", f"{full['snapshot'] / 1e3:,.1f} kB",
-         "steady state"),
-        ("(b) update, same", f"{full['update'] / 1e3:,.1f} kB", "increments only"),
-    ]
-    for name in ("bare", "no-op sink", "dashboard paused", "dashboard 4 Hz"):
-        rate = t[name]
-        rows.append((f"(c) alloc+free pairs/s, {name}", f"{rate:,.0f}",
-                     f"{rate / bare:.0%} of bare" + (" (target >= 70%)"
-                                                     if name == "dashboard 4 Hz" else "")))
-    rows.append(("(c) refreshes during the last 4 Hz run", str(t["refreshes_last_run"]), ""))
-    rows += [
-        (f"(d) snapshot, {seg['segments']:,} segments, labelled",
-         f"{seg['snapshot'] / 1e3:,.1f} kB", "PyTorch session"),
-        ("(d) refresh CPU, dashboard shown", f"{seg['refresh_ms']:.1f} ms", ""),
-    ]
+    rows = []
+    if only & {"a", "b"}:
+        r = bench_refresh(args.chunks, args.repeat)
+        full = bench_steady_state_bytes()
+        rows += [
+            ("chunks in the table (a, b)", f"{r['chunks']:,} ({r['live']:,} live)", ""),
+            ("(a) refresh CPU, model only", f"{r['model_ms']:.1f} ms", ""),
+            ("(a) refresh CPU, dashboard shown", f"{r['dashboard_ms']:.1f} ms",
+             "target < 50 ms"),
+            ("(b) snapshot (a page connects)", f"{r['snapshot_bytes'] / 1e3:,.1f} kB", ""),
+            ("(b) update, median / largest", f"{r['bytes_median'] / 1e3:,.1f} / "
+                                             f"{r['bytes_max'] / 1e3:,.1f} kB",
+             "the large table at most 1/s"),
+            ("(b) snapshot, 5,000 points + 600 columns", f"{full['snapshot'] / 1e3:,.1f} kB",
+             "steady state"),
+            ("(b) update, same", f"{full['update'] / 1e3:,.1f} kB", "increments only"),
+        ]
+    if "c" in only:
+        t = bench_throughput(args.pairs, args.repeat, args.background_chunks)
+        bare = t["bare"]
+        for name in ("bare", "no-op sink", "dashboard paused", "dashboard 4 Hz"):
+            rate = t[name]
+            rows.append((f"(c) alloc+free pairs/s, {name}", f"{rate:,.0f}",
+                         f"{rate / bare:.0%} of bare" + (" (target >= 70%)"
+                                                         if name == "dashboard 4 Hz" else "")))
+        rows.append(("(c) refreshes during the last 4 Hz run", str(t["refreshes_last_run"]),
+                     ""))
+    if "d" in only:
+        seg = bench_segments(repeat=args.repeat)
+        rows += [
+            (f"(d) snapshot, {seg['segments']:,} segments, labelled",
+             f"{seg['snapshot'] / 1e3:,.1f} kB", "PyTorch session"),
+            ("(d) refresh CPU, dashboard shown", f"{seg['refresh_ms']:.1f} ms", ""),
+        ]
+    if "e" in only:
+        h = bench_holders(args.repeat)
+        rows += [
+            ("(e) refresh CPU, 2,000 blocks, no holders view", f"{h['refresh_off_ms']:.1f} ms",
+             "500 stacks, 4 labels"),
+            ("(e) refresh CPU, same, holders view shown", f"{h['refresh_on_ms']:.1f} ms", ""),
+            ("(e) snapshot without / with the holders view",
+             f"{h['snapshot_off'] / 1e3:,.1f} / {h['snapshot_on'] / 1e3:,.1f} kB",
+             "200 nodes at most"),
+            ("(e) the tree in an update where it changed", f"{h['update_added'] / 1e3:,.1f} kB",
+             "median"),
+            ("(e) history of 100,000 refreshes: events, bytes",
+             f"{h['history_events']:,}, {h['history_bytes'] / 1e6:,.1f} MB", ""),
+            ("(e) a moment from it: blocks, then their tree",
+             f"{h['moment_ms']:.1f} ms, {h['tree_ms']:.1f} ms", "a click on the timeline"),
+        ]
+    if "f" in only:
+        f = bench_stacks_cost(args.stack_pairs, args.repeat)
+        for depth in (0, 25):
+            off, on = f[f"off {depth}"], f[f"on {depth}"]
+            rows.append((f"(f) allocate+free, {depth} frames down: stacks off / on",
+                         f"{off:.2f} / {on:.2f} us", f"record_stacks costs {on / off:.2f}x"))
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
     print(f"{'measure':<{w0}}  {'value':>{w1}}  note")

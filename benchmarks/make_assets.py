@@ -21,10 +21,15 @@ Drives JupyterLab 4 in headless Chromium on a simulated 16 GiB device:
   end: 117 segments and one of 9.9 GiB;
 - ``segments-1000.png``: the same dashboard over 1,000 segments and a 6 GiB expandable one
   (``tests/browser_helpers.py``'s ``MANY_SEGMENTS``), a block hovered;
-- ``report-segments-1000.png``: the segment map of a report of a 1,000-segment snapshot.
+- ``report-segments-1000.png``: the segment map of a report of a 1,000-segment snapshot;
+- ``dashboard-holders.png``: the dashboard of a session recording stacks
+  (``record_stacks=True``) while a small MLP (``tests/browser_helpers.py``'s
+  ``HOLDERS_TRAIN_PY``) is built in one ``%%gpudash_track`` cell and trained in the next;
+  the timeline clicked at its peak, so the holders view shows who held the memory then, the
+  node of a layer's weights hovered.
 
 Run: ``python benchmarks/make_assets.py [--out DIR]
-[--only report|explain-torch|torch|segments]`` (default ``assets/``). Look at them.
+[--only report|explain-torch|torch|segments|holders]`` (default ``assets/``). Look at them.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_browser import WORKLOAD, _run_cell, _wait_idle  # noqa: E402
 from browser_helpers import (  # noqa: E402
+    HOLDERS_CELLS,
+    HOLDERS_TRAIN_PY,
     MANY_SEGMENTS,
     LabServer,
     command,
@@ -229,6 +236,47 @@ def _segments(page, lab, out: Path) -> None:
     lab.shutdown_kernels()
 
 
+def _holders(page, lab, out: Path) -> None:
+    """The holders view at the timeline's peak, the node of a layer's weights hovered."""
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": 1400})  # the whole output
+    (lab.root / "train.py").write_text(HOLDERS_TRAIN_PY)
+    _run_all(page, lab, _notebook(lab.root, "holders.ipynb", HOLDERS_CELLS))
+    root = page.locator(".gd-root").first
+    _views_drawn(page, root, 5)
+    time.sleep(1.5)
+    target = page.locator(".jp-OutputArea-output").filter(has=root).first
+    target.evaluate("e => e.scrollIntoView({block: 'start'})")
+    timeline = root.locator('[data-view="timeline"] .js-plotly-plot')
+    peak = timeline.evaluate("""(gd) => { const d = gd._fullData[0]; let best = 0;
+        for (let i = 0; i < d.y.length; i++) if (d.y[i] > d.y[best]) best = i;
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const box = gd.getBoundingClientRect();
+        return {px: box.left + xa._offset + xa.d2p(d.x[best]),
+                py: box.top + ya._offset + ya._length * 0.6}; }""")
+    page.mouse.click(peak["px"] + 1, peak["py"])
+    root.locator(".gd-status", has_text="holders at ").wait_for(timeout=30_000)
+    page.wait_for_timeout(800)
+    cell = root.locator('[data-view="holders"] .js-plotly-plot')
+    node = cell.evaluate("""(gd) => {
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const box = gd.getBoundingClientRect();
+        let best = null;   // the deepest layer's weights: its hover clear of the step's
+        for (const t of gd._fullData) {
+            Array.from(t.text || []).forEach((s, i) => {
+                if (/^train\\.py:\\d+ __init__$/.test(s) && (!best || t.y[i] > best.y))
+                    best = {px: box.left + xa._offset + xa.d2p(t.base[i] + t.x[i] / 2),
+                            py: box.top + ya._offset + ya.d2p(t.y[i]), y: t.y[i]};
+            });
+        }
+        return best; }""")
+    if node:
+        page.mouse.move(node["px"], node["py"])
+        page.wait_for_timeout(600)
+    target.screenshot(path=str(out / "dashboard-holders.png"))
+    print(f"wrote {out / 'dashboard-holders.png'}")
+    lab.shutdown_kernels()
+
+
 def _report_segments(out: Path) -> int:
     """The segment map of a report of a 1,000-segment PyTorch snapshot."""
     import numpy as np
@@ -264,7 +312,8 @@ def _report_segments(out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "assets")
-    ap.add_argument("--only", choices=("report", "explain-torch", "torch", "segments"),
+    ap.add_argument("--only", choices=("report", "explain-torch", "torch", "segments",
+                                       "holders"),
                     default=None,
                     help="make only this screenshot")
     args = ap.parse_args(argv)
@@ -294,6 +343,9 @@ def _in_lab(args: argparse.Namespace) -> int:
             page = browser.new_context(viewport=VIEWPORT, device_scale_factor=1).new_page()
             if args.only == "torch":
                 _torch_dashboard(page, lab, args.out)
+                return 0
+            if args.only == "holders":
+                _holders(page, lab, args.out)
                 return 0
             if args.only == "segments":
                 _segments(page, lab, args.out)
@@ -355,6 +407,8 @@ def _in_lab(args: argparse.Namespace) -> int:
             lab.shutdown_kernels()
             _torch_dashboard(page, lab, args.out)
             lab.shutdown_kernels()
+            _holders(page, lab, args.out)
+            page.set_viewport_size(VIEWPORT)
             _segments(page, lab, args.out)
         finally:
             browser.close()

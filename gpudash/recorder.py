@@ -9,6 +9,15 @@ operation, nothing more. A batch is expanded into event columns (one per column 
 ``capacity`` events are held the oldest batches are dropped (whole; a read trims the oldest
 kept one to exactly ``capacity`` events), and the events dropped are counted in
 :attr:`Recorder.dropped`.
+
+Attached to a :class:`~gpudash.Session`, the Recorder also keeps who holds each block the
+session gives a holder (``Session.label``, ``record_stacks=True``): its allocation id, label
+and stack id, 16 bytes a block, the oldest dropped past ``capacity`` a device.
+:meth:`Recorder.to_trace` writes them into the trace: the label as the ``holder`` of the
+block's alloc and free rows, the stack id as the ``stack`` of its alloc row, with the
+session's stacks as the trace's :class:`~gpudash.trace.stacks.StackTable` (so
+``top_holders(trace, by="line")`` names the user's lines). A stream to a ``.gdtrace`` file
+(``path=``) carries the events only.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import math
 import threading
 import weakref
+from array import array
 from collections import deque
 from typing import Any
 
@@ -29,6 +39,15 @@ from .events import COLUMN_DTYPES, COLUMNS, Event
 logger = logging.getLogger("gpudash")
 
 __all__ = ["Recorder"]
+
+
+def _sessions_of(source: Any) -> list:
+    """The gpudash sessions in ``source`` (a session, or a list holding some)."""
+    if hasattr(source, "_add_holder_sink"):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        return [s for x in source for s in _sessions_of(x)]
+    return []
 
 
 def _allocators_of(source: Any) -> list:
@@ -96,6 +115,12 @@ class Recorder:
         # settings a replay starts from, also after a detach (%%gpudash_track detaches
         # before it makes the trace); setting changes after it are the trace's settings
         self._seen: list[tuple[int, dict]] = []
+        # who holds the blocks of the sessions recorded (Session.label, record_stacks): per
+        # device index, allocation ids, label codes, stack ids and the session's number
+        self._held_by: dict[int, tuple[array, array, array, array]] = {}
+        self._labels: dict[str, int] = {}
+        self._stack_sources: list[Any] = []   # each session's SessionStacks (or None)
+        self._sessions: list[tuple[Any, Any]] = []   # (session, remove its holder sink)
         self._writer = None
         self._streamer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -188,7 +213,8 @@ class Recorder:
 
     # ------------------------------------------------------------------ wiring
     def attach(self, source: Any) -> "Recorder":
-        """Start recording ``source`` (an allocator, a session, or a list of them)."""
+        """Start recording ``source`` (an allocator, a session, or a list of them); of a
+        session, who holds its blocks too."""
         for alloc in _allocators_of(source):
             if any(a is alloc for a, _ in self._attached):
                 continue
@@ -196,12 +222,50 @@ class Recorder:
             self._attached.append((alloc, remove))
             if not any(i == id(alloc) for i, _ in self._seen):
                 self._seen.append((id(alloc), self._device_meta(alloc)))
+        for sess in _sessions_of(source):
+            if any(s is sess for s, _ in self._sessions):
+                continue
+            k = next((i for i, st in enumerate(self._stack_sources)
+                      if st is not None and st is sess.stacks), None)
+            if k is None:
+                k = len(self._stack_sources)
+                self._stack_sources.append(sess.stacks)
+            self._sessions.append((sess, sess._add_holder_sink(self._holder_sink(k))))
         return self
+
+    def _holder_sink(self, k: int) -> Any:
+        """``sink(allocator, allocation id, label, stack id)`` for the session numbered
+        ``k``: kept, at most ``capacity`` a device."""
+        ref = weakref.ref(self)
+
+        def sink(alloc: Any, aid: int, label: str, sid: int) -> None:
+            rec = ref()
+            if rec is None:
+                return
+            with rec._lock:
+                code = rec._labels.setdefault(label, len(rec._labels)) if label else -1
+                held = rec._held_by.get(alloc.device_index)
+                if held is None:
+                    held = rec._held_by[alloc.device_index] = (
+                        array("q"), array("i"), array("i"), array("i"))
+                held[0].append(aid)
+                held[1].append(code)
+                held[2].append(sid)
+                held[3].append(k)
+                extra = len(held[0]) - rec._capacity
+                if extra > 4096 or (extra > 0 and len(held[0]) > 8192):
+                    for a in held:
+                        del a[:extra]
+
+        return sink
 
     def detach(self) -> None:
         """Stop recording (buffered events are taken in first); closes the stream file."""
         attached, self._attached = self._attached, []
         for _, remove in attached:
+            remove()
+        sessions, self._sessions = self._sessions, []
+        for _, remove in sessions:
             remove()
         self._stop.set()
         finalizer = getattr(self, "_finalizer", None)
@@ -344,7 +408,68 @@ class Recorder:
         m["dropped"] = self.dropped
         if meta:
             m.update(meta)
-        return Trace(columns=self.columns(), meta=m, settings=self.settings())
+        cols = self.columns()
+        holder, holders, stack, stacks = self._holder_columns(cols)
+        return Trace(columns=cols, meta=m, settings=self.settings(), holder=holder,
+                     holders=holders, stack=stack, stacks=stacks)
+
+    def _holder_columns(self, cols: dict) -> tuple:
+        """``(holder, holders, stack, stacks)`` for :meth:`to_trace`: the labels and stack
+        ids the sessions gave the blocks of ``cols``, matched by device and allocation id
+        (Nones and [] where there are none)."""
+        from .events import EventKind
+        from .trace.stacks import StackTable
+
+        with self._lock:
+            held = {d: tuple(np.frombuffer(a, dtype=np.int64 if j == 0 else np.int32).copy()
+                             for j, a in enumerate(arrs)) for d, arrs in self._held_by.items()}
+            names = sorted(self._labels, key=self._labels.get)
+            sources = list(self._stack_sources)
+        n = len(cols["seq"])
+        if not held or not n:
+            return None, None, None, None
+        # the sessions' stacks as one table (several sessions: merged, their ids remapped)
+        table, remaps = None, []
+        for st in sources:
+            if st is None:
+                remaps.append(None)
+                continue
+            n_stacks = len(st.stacks)
+            one = StackTable(st.frames[:len(st.frames)],
+                             [(list(ids), "", "") for ids in st.stacks[:n_stacks]])
+            if table is None:
+                table = one
+                remaps.append(np.append(np.arange(n_stacks, dtype=np.int32), -1))
+            else:
+                table, remap = table.merged(one)
+                remaps.append(remap)
+        holder = np.full(n, -1, dtype=np.int32)
+        stack = np.full(n, -1, dtype=np.int32)
+        kind, dev, aid = cols["kind"], cols["device"], cols["alloc_id"]
+        is_alloc = kind == int(EventKind.ALLOC)
+        rows_of = is_alloc | (kind == int(EventKind.FREE))
+        for d, (h_aid, h_label, h_sid, h_sess) in held.items():
+            rows = np.flatnonzero(rows_of & (dev == d))
+            if not len(rows) or not len(h_aid):
+                continue
+            order = np.argsort(h_aid, kind="stable")
+            s_aid = h_aid[order]
+            pos = np.minimum(np.searchsorted(s_aid, aid[rows]), len(s_aid) - 1)
+            hit = s_aid[pos] == aid[rows]
+            rows, j = rows[hit], order[pos[hit]]
+            holder[rows] = h_label[j]
+            sid = np.full(len(j), -1, dtype=np.int32)
+            for k, remap in enumerate(remaps):
+                if remap is None:
+                    continue
+                mine = (h_sess[j] == k) & (h_sid[j] >= 0)
+                sid[mine] = remap[h_sid[j][mine]]
+            alloc_rows = is_alloc[rows]
+            stack[rows[alloc_rows]] = sid[alloc_rows]
+        has_holder = bool((holder >= 0).any())
+        has_stack = table is not None and bool((stack >= 0).any())
+        return (holder if has_holder else None, names if has_holder else None,
+                stack if has_stack else None, table if has_stack else None)
 
     def clear(self) -> None:
         """Forget every kept event."""
@@ -354,6 +479,7 @@ class Recorder:
             self._held = 0
             self._total = 0
             self._settings.clear()
+            self._held_by.clear()
 
     def __repr__(self) -> str:
         return (f"Recorder(events={min(self._held, self._capacity)}, capacity={self._capacity}, "

@@ -178,7 +178,9 @@ class Device:
         self.cc_major = cc_major
         self.options = options
         self._deferred = _Deferred(threshold=deferred_threshold)
-        self._holders: dict[int, str] = {}  # live block -> holder (Session.label, stacks)
+        # live block -> (label, stack id): Session.label's innermost label ("" for none) and
+        # the id of its allocating stack in Session.stacks (-1 for none)
+        self._holders: dict[int, tuple[str, int]] = {}
 
     @property
     def name(self) -> str:
@@ -237,15 +239,116 @@ class Device:
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
+#: Frames a session keeps of each allocating stack (``record_stacks=True``), innermost first.
+STACK_DEPTH = 32
 
-def _caller_outside_gpudash() -> str:
-    """``file:line function`` of the nearest Python frame outside gpudash."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-        f = f.f_back
-    if f is None:
-        return ""
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}"
+
+class SessionStacks:
+    """The allocating call stacks of a session's blocks, interned (``record_stacks=True``).
+
+    Each distinct frame ``(filename, line, function)`` is kept once in :attr:`frames`, each
+    distinct stack once in :attr:`stacks` (a tuple of frame ids, innermost first: the
+    caller's frames, gpudash's own left out wherever they are, at most :attr:`depth` of
+    them); a live block keeps
+    the id of its stack (an index into :attr:`stacks`). The ids are those of a
+    :class:`gpudash.trace.stacks.StackTable` made from the two lists in order
+    (``StackTable(frames, [(ids, "", "") for ids in stacks])``), which is how the Recorder
+    and the live views read them: the session layer keeps plain lists and imports nothing
+    from the trace layer above it.
+
+    Both lists only grow, so a reader may take ``len()`` of one and read that prefix
+    without a lock; new entries are added under a lock (lookups take none).
+
+    Cost: a frame met before is one dictionary lookup by its code object and instruction
+    (the code objects seen are kept, so their ids stay theirs); Python's frames are walked
+    one by one, so a stack costs about a quarter of a microsecond a frame
+    (``benchmarks/bench_dashboard.py`` (f)).
+
+    Attributes
+    ----------
+    frames : list of (str, int, str)
+    stacks : list of tuple of int
+    depth : int
+    """
+
+    __slots__ = ("frames", "stacks", "depth", "_frame_ids", "_stack_ids", "_sites", "_codes",
+                 "_lock")
+
+    def __init__(self, depth: int = STACK_DEPTH) -> None:
+        self.frames: list[tuple[str, int, str]] = []
+        self.stacks: list[tuple[int, ...]] = []
+        self.depth = int(depth)
+        self._frame_ids: dict[tuple[str, int, str], int] = {}
+        self._stack_ids: dict[tuple[int, ...], int] = {}
+        # (id of a code object, instruction offset) -> frame id (-1: gpudash's own): a frame
+        # met again costs a lookup, not a line number (which Python finds by scanning the
+        # code's line table) and a new tuple; the code objects are kept, so an id stays theirs
+        self._sites: dict[tuple[int, int], int] = {}
+        self._codes: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+    def __repr__(self) -> str:
+        return f"SessionStacks(frames={len(self.frames)}, stacks={len(self.stacks)})"
+
+    def capture(self) -> int:
+        """The id of the calling thread's stack, gpudash's own frames left out (-1: none)."""
+        f = sys._getframe(1)
+        get = self._sites.get
+        ids = []
+        append = ids.append
+        left = self.depth
+        while f is not None and left:
+            code = f.f_code
+            i = get((id(code), f.f_lasti))
+            if i is None:
+                i = self._site(f)
+            if i >= 0:
+                append(i)
+                left -= 1
+            f = f.f_back
+        if not ids:
+            return -1
+        key = tuple(ids)
+        i = self._stack_ids.get(key)
+        if i is None:
+            i = self._new(self._stack_ids, self.stacks, key)
+        return i
+
+    def _site(self, f: Any) -> int:
+        """The frame id of a frame's code and instruction, met for the first time (-1 for
+        gpudash's own frames, a magic's too, which stacks leave out)."""
+        code = f.f_code
+        filename = code.co_filename
+        if filename.startswith(_PACKAGE_DIR):
+            i = -1
+        else:
+            key = (filename, f.f_lineno, code.co_name)
+            i = self._frame_ids.get(key)
+            if i is None:
+                i = self._new(self._frame_ids, self.frames, key)
+        with self._lock:
+            self._codes[id(code)] = code
+            self._sites[(id(code), f.f_lasti)] = i
+        return i
+
+    def _new(self, index: dict, table: list, key: Any) -> int:
+        with self._lock:
+            i = index.get(key)
+            if i is None:
+                # the list first: a reader that finds the id in the dict finds its entry
+                table.append(key)
+                i = index[key] = len(table) - 1
+            return i
+
+    def where(self, stack_id: int) -> str:
+        """``file.py:LINE function`` of a stack's innermost frame ("" for -1)."""
+        if stack_id < 0:
+            return ""
+        filename, line, name = self.frames[self.stacks[stack_id][0]]
+        return f"{os.path.basename(filename)}:{line} {name}"
 
 
 def _null_or_bug(ptr: Any, what: str) -> None:
@@ -330,8 +433,12 @@ class Session:
         wait for and is returned by the free that completes it. With ``poll=False`` batches
         wait for :meth:`poll` or :meth:`flush` (deterministic, for tests).
     record_stacks : bool
-        Note the allocating Python frame of each live block (the chunk map's hover,
-        :meth:`holders`).
+        Keep the allocating Python stack of each live block: the caller's frames (gpudash's
+        own left out), innermost first, at most :data:`STACK_DEPTH`, interned once per
+        session (:attr:`stacks`, :class:`SessionStacks`). The chunk map's hover and
+        :meth:`holders` name a block by its innermost frame; :meth:`stack_of` gives the
+        frames; the dashboard's holders view and a :class:`~gpudash.Recorder` attached to
+        the session (its trace's ``stack`` column) use the whole stack.
     allocator : {"bfc", "torch"}, optional
         ``"torch"`` (or ``"pytorch"``) makes a :class:`TorchSession`: PyTorch's caching
         allocator on each device, configured from ``PYTORCH_CUDA_ALLOC_CONF`` (``config`` is
@@ -374,9 +481,11 @@ class Session:
         env = os.environ if environ is None else environ
         if not isinstance(record_stacks, bool):
             raise ConfigError(f"record_stacks must be True or False; got {record_stacks!r}")
-        # who holds each live block: a label (label()) and/or the allocating Python frame
+        # who holds each live block: a label (label()) and/or the allocating Python stack
         self._record_stacks = record_stacks
         self._track_holders = record_stacks
+        self._stacks: SessionStacks | None = SessionStacks() if record_stacks else None
+        self._holder_sinks: list = []
         self._label_local = threading.local()
         self._environ = env
         self._config = self._to_config(config)
@@ -627,9 +736,7 @@ class Session:
             dev = devices[_parse_device(device, len(devices))]
         ptr = self._allocate_on(dev, nbytes)
         if self._track_holders and ptr:
-            holder = self._current_holder()
-            if holder:
-                dev._holders[ptr] = holder
+            self._note_holder(dev, ptr)
         if self._log_placement and ptr:
             logger.info("gpudash: allocate %d bytes on %s at %#x (%s)", nbytes, dev.name, ptr,
                         dev.allocator.name)
@@ -663,18 +770,69 @@ class Session:
         finally:
             stack.pop()
 
-    def _current_holder(self) -> str:
-        stack = getattr(self._label_local, "stack", None)
-        label = stack[-1] if stack else ""
-        if not self._record_stacks:
-            return label
-        where = _caller_outside_gpudash()
+    def _note_holder(self, dev: Device, ptr: int) -> None:
+        """Keep who holds a new block: the innermost label of this thread and, with
+        ``record_stacks``, the id of the allocating stack; tell the holder sinks (a
+        Recorder) with the block's allocation id."""
+        labels = getattr(self._label_local, "stack", None)
+        label = labels[-1] if labels else ""
+        sid = self._stacks.capture() if self._stacks is not None else -1
+        if not label and sid < 0:
+            return
+        dev._holders[ptr] = (label, sid)
+        sinks = self._holder_sinks
+        if sinks:
+            alloc = dev.allocator
+            aid = alloc.allocation_id(ptr)
+            for sink in list(sinks):
+                try:
+                    sink(alloc, aid, label, sid)
+                except Exception as exc:  # noqa: BLE001 - never break an allocation
+                    warnings.warn(f"gpudash: holder sink {sink!r} raised {exc!r}; the session "
+                                  "goes on", GpudashWarning, stacklevel=3)
+
+    def _holder_text(self, holder: tuple[str, int]) -> str:
+        """A block's holder in words: ``label``, ``file.py:42 step`` (its allocating frame)
+        or ``label @ file.py:42 step``."""
+        label, sid = holder
+        where = self._stacks.where(sid) if sid >= 0 and self._stacks is not None else ""
         return f"{label} @ {where}" if label and where else (label or where)
+
+    @property
+    def stacks(self) -> SessionStacks | None:
+        """The interned allocating stacks of this session's blocks (``record_stacks=True``),
+        else None."""
+        return self._stacks
+
+    def _add_holder_sink(self, sink: Any) -> Any:
+        """Call ``sink(allocator, allocation_id, label, stack_id)`` for every block given a
+        holder from now on (a label or a recorded stack; ``label`` "" and ``stack_id`` -1
+        for none); returns ``remove``. For the Recorder, which writes them into its trace."""
+        self._holder_sinks.append(sink)
+
+        def remove() -> None:
+            try:
+                self._holder_sinks.remove(sink)
+            except ValueError:
+                pass
+
+        return remove
 
     def holder_of(self, ptr: int, device: Any = None) -> str | None:
         """The label or allocating frame of a live block, or None when it has none."""
         dev = self._device_of(ptr) if device is None else self.device(device)
-        return dev._holders.get(ptr)
+        holder = dev._holders.get(ptr)
+        return None if holder is None else self._holder_text(holder)
+
+    def stack_of(self, ptr: int, device: Any = None) -> list[tuple[str, int, str]]:
+        """The allocating stack of a live block as ``(filename, line, function)`` frames,
+        innermost first (``record_stacks=True``; [] when none was recorded)."""
+        dev = self._device_of(ptr) if device is None else self.device(device)
+        holder = dev._holders.get(ptr)
+        if holder is None or holder[1] < 0 or self._stacks is None:
+            return []
+        frames = self._stacks.frames
+        return [frames[f] for f in self._stacks.stacks[holder[1]]]
 
     def holders(self, device: Any = 0) -> dict[str, tuple[int, int]]:
         """``{holder: (bytes, blocks)}`` of a device's live blocks that have a holder,
@@ -682,12 +840,16 @@ class Session:
         dev = self.device(device)
         out: dict[str, list[int]] = {}
         alloc = dev.allocator
+        texts: dict[tuple[str, int], str] = {}
         for ptr, holder in list(dev._holders.items()):
             try:
                 size = alloc.allocated_size(ptr)
             except InvalidPointerError:
                 continue
-            rec = out.setdefault(holder, [0, 0])
+            text = texts.get(holder)
+            if text is None:
+                text = texts[holder] = self._holder_text(holder)
+            rec = out.setdefault(text, [0, 0])
             rec[0] += size
             rec[1] += 1
         return {h: (b, n) for h, (b, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}

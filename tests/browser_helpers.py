@@ -60,6 +60,83 @@ big = s.allocate(6 << 30)
 dash = gpudash.Dashboard(s)
 dash"""
 
+#: A small training loop over a gpudash session, as a module of the notebook's folder
+#: (``train.py``): weights and Adam's state made once, then steps whose forward pass keeps
+#: an activation per layer until the backward pass frees them, gradients until the optimizer
+#: step. ``compute`` stands in for the GPU's work, so that refreshes land mid-step.
+HOLDERS_TRAIN_PY = '''\
+"""A small MLP trained on a gpudash session (the blocks stand in for tensors)."""
+import time
+
+FP32 = 4
+
+
+def compute(seconds):
+    time.sleep(seconds)
+
+
+class Linear:
+    def __init__(self, sess, n_in, n_out):
+        self.sess, self.n_out = sess, n_out
+        self.weight = sess.allocate(n_in * n_out * FP32)
+        self.bias = sess.allocate(n_out * FP32)
+
+    def forward(self, batch):
+        out = self.sess.allocate(batch * self.n_out * FP32)
+        compute(0.05)
+        return out
+
+
+class MLP:
+    def __init__(self, sess, sizes):
+        self.layers = [Linear(sess, a, b) for a, b in zip(sizes, sizes[1:])]
+
+    def forward(self, batch):
+        return [layer.forward(batch) for layer in self.layers]
+
+
+def backward(sess, model, activations):
+    grads = []
+    for layer, act in zip(reversed(model.layers), reversed(activations)):
+        grads.append(sess.allocate(sess.devices[0].allocator.allocated_size(layer.weight)))
+        compute(0.03)
+        sess.free(act)
+    return grads
+
+
+class Adam:
+    def __init__(self, sess, model):
+        self.sess = sess
+        self.exp_avg = [sess.allocate(sess.devices[0].allocator.allocated_size(l.weight))
+                        for l in model.layers]
+        self.exp_avg_sq = [sess.allocate(sess.devices[0].allocator.allocated_size(l.weight))
+                           for l in model.layers]
+
+    def step(self, grads):
+        for g in grads:
+            update = self.sess.allocate(self.sess.devices[0].allocator.allocated_size(g))
+            compute(0.01)
+            self.sess.free(update)
+            self.sess.free(g)
+
+
+def train_step(sess, model, opt, batch):
+    activations = model.forward(batch)
+    grads = backward(sess, model, activations)
+    opt.step(grads)
+'''
+
+#: The notebook of the holders view: a session recording stacks, its dashboard, the model
+#: made in one ``%%gpudash_track`` cell and trained in the next (labels ``cell [N]``).
+HOLDERS_CELLS = (
+    ("%load_ext gpudash\nimport gpudash\nfrom train import MLP, Adam, train_step\n"
+     "sess = gpudash.default_session(record_stacks=True)\n"
+     "dash = gpudash.Dashboard(sess)\ndash"),
+    ("%%gpudash_track\nmodel = MLP(sess, (8192, 8192, 8192, 4096, 1024))\n"
+     "opt = Adam(sess, model)"),
+    "%%gpudash_track\nfor step in range(4):\n    train_step(sess, model, opt, batch=4096)",
+)
+
 #: JupyterLab settings for the test user: no windowing (every cell stays in the DOM, so the
 #: figures of cells scrolled away are still there), no news and no update checks.
 _LAB_SETTINGS = {

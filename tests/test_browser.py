@@ -743,3 +743,133 @@ def test_segment_map_holds_at_1000_segments(page, lab, tmp_path):
     assert not page.console_errors, page.console_errors
     page.mouse.move(5, 5)
     screenshot(page, dash, tmp_path / "segments_1000.png")
+
+
+def holders_state(root: Any) -> dict:
+    """The holders view as drawn: its total, whether it is live, its moment, the root bar's
+    width in bytes (the x axis' unit applied) and the nodes' names."""
+    return root.evaluate("""(r) => {
+        const gd = r.querySelector('[data-view=holders] .js-plotly-plot');
+        if (!gd || !gd._fullData) return null;
+        const unit = {'B': 1, 'KiB': 1024, 'MiB': 1048576, 'GiB': 1073741824}[
+            (gd._fullLayout.xaxis.ticksuffix || ' B').trim()];
+        const all = gd._fullData.find(t => t.name === 'all');
+        return {total: Number(gd.dataset.total), live: gd.dataset.live === '1',
+                at: gd.dataset.at === '' ? null : Number(gd.dataset.at),
+                root_bytes: all ? all.x[0] * unit : null,
+                names: gd._fullData.flatMap(t => Array.from(t.text || [])),
+                title: r.querySelector('[data-view=holders] .gd-title').innerText};
+    }""")
+
+
+def test_holders_view_draws_moves_to_a_moment_clicked_on_the_timeline_and_hovers(
+        page, lab, tmp_path):
+    """A session recording stacks trains a small MLP (``train.py``) in two
+    ``%%gpudash_track`` cells: the holders view draws the blocks in use under their cells
+    and lines; a click on the timeline at its peak shows the holders then (the drawn total
+    is the kernel's figure for that moment, with a training step's blocks);
+    hovering a node names its frame in full; "live" goes back."""
+    import nbformat
+
+    from browser_helpers import HOLDERS_CELLS, HOLDERS_TRAIN_PY
+
+    (lab.root / "train.py").write_text(HOLDERS_TRAIN_PY)
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in HOLDERS_CELLS]
+    nbformat.write(nb, lab.root / "holders.ipynb")
+    open_and_run_all(page, lab, "holders.ipynb")
+    collapse_left_sidebar(page)
+    dash = page.locator(".gd-root").first
+    dash.wait_for(state="attached")
+    wait_for_views(page, dash, 5)
+    cell = dash.locator('[data-view="holders"]')
+    cell.scroll_into_view_if_needed()
+    # live: the blocks in use now, under their cells, each node a frame of train.py
+    kernel = kernel_int(page, "print(sess.devices[0].allocator.stats().bytes_in_use)")
+    page.wait_for_function("([r, n]) => { const gd = r.querySelector('[data-view=holders] "
+                           ".js-plotly-plot'); return gd && Number(gd.dataset.total) === n; }",
+                           arg=[dash.element_handle(), kernel], timeout=20_000)
+    live = holders_state(dash)
+    assert live["live"] and live["at"] is None
+    assert abs(live["root_bytes"] - kernel) <= 0.005 * kernel
+    prompts = [cell_of(page, "%%gpudash_track\nmodel")["count"],
+               cell_of(page, "%%gpudash_track\nfor step")["count"]]
+    assert f"cell [{prompts[0]}]" in live["names"], live["names"]
+    assert any(re.fullmatch(r"train\.py:\d+ __init__", n) for n in live["names"])
+    assert not any("gpudash" in n for n in live["names"]), live["names"]
+    assert "click the timeline" in live["title"]
+
+    # click the timeline at its peak: the holders at that moment
+    timeline = dash.locator('[data-view="timeline"] .js-plotly-plot')
+    timeline.scroll_into_view_if_needed()
+    peak = timeline.evaluate("""(gd) => { const d = gd._fullData[0]; let best = 0;
+        for (let i = 0; i < d.y.length; i++) if (d.y[i] > d.y[best]) best = i;
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const box = gd.getBoundingClientRect();
+        return {x: d.x[best], px: box.left + xa._offset + xa.d2p(d.x[best]),
+                py: box.top + ya._offset + ya._length * 0.6}; }""")
+    page.mouse.click(peak["px"] + 1, peak["py"])
+    status = dash.locator(".gd-status", has_text="holders at ")
+    status.wait_for(timeout=20_000)
+    page.wait_for_function("(r) => { const gd = r.querySelector('[data-view=holders] "
+                           ".js-plotly-plot'); return gd.dataset.live === '0'; }",
+                           arg=dash.element_handle(), timeout=20_000)
+    moment = holders_state(dash)
+    at = moment["at"]
+    assert abs(at - peak["x"]) < 0.05, (at, peak)
+    # the kernel's figure for that moment: its timeline's point then
+    figure = kernel_int(page, "import numpy as np\ntl = dash.model.state(0).timeline\n"
+                              f"t = dash.model.start_ms + {at!r} * 1e3\n"
+                              "i = np.searchsorted(tl['time_ms'], t + 1e-3, 'right') - 1\n"
+                              "print(int(tl['in_use'][i]))")
+    assert moment["total"] == figure, (moment["total"], figure)
+    assert abs(moment["root_bytes"] - figure) <= 0.005 * figure
+    assert moment["total"] > kernel                 # the peak: activations held then
+    # a step under way: its activations or gradients, under train_step
+    assert any(re.fullmatch(r"train\.py:\d+ train_step", n) for n in moment["names"]), moment
+    assert f"cell [{prompts[1]}]" in moment["names"]
+    assert re.search(rf"at {at:.2f} s", moment["title"]), moment["title"]
+    assert status.inner_text().startswith(f"holders at {at:.2f} s: ")
+    # the moment is marked on the timeline
+    marks = timeline.evaluate("gd => (gd._fullLayout.shapes || []).map(s => s.x0)")
+    assert marks and abs(marks[0] - at) < 1e-6
+    # more refreshes leave the moment alone
+    page.wait_for_timeout(1000)
+    assert holders_state(dash)["at"] == at
+
+    # hover a node of the step: its frame in full, bytes and blocks
+    cell.scroll_into_view_if_needed()
+    node = cell.locator(".js-plotly-plot").evaluate("""(gd) => {
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const box = gd.getBoundingClientRect();
+        for (const t of gd._fullData) {
+            const text = Array.from(t.text || []);
+            const i = text.findIndex(s => /^train\\.py:\\d+ train_step$/.test(s));
+            if (i < 0) continue;
+            return {name: text[i], px: box.left + xa._offset + xa.d2p(t.base[i] + t.x[i] / 2),
+                    py: box.top + ya._offset + ya.d2p(t.y[i])};
+        }
+        return null; }""")
+    assert node, "no train_step node drawn"
+    page.mouse.move(node["px"], node["py"])
+    hover = cell.locator(".hoverlayer .hovertext")
+    hover.first.wait_for(timeout=10_000)
+    text = hover.first.text_content()
+    line = node["name"].split(":")[1].split()[0]
+    assert f"{lab.root / 'train.py'}:{line} train_step" in text, text
+    assert re.search(r"\d+\.\d\d [KMG]iB in use \(\d+\.\d %\) in \d+ chunk\(s\)", text), text
+
+    # live again
+    dash.locator('button[data-ctl="holders-live"]').click()
+    page.wait_for_function("(r) => { const gd = r.querySelector('[data-view=holders] "
+                           ".js-plotly-plot'); return gd.dataset.live === '1'; }",
+                           arg=dash.element_handle(), timeout=20_000)
+    back = holders_state(dash)
+    assert back["total"] == kernel and back["at"] is None
+    assert timeline.evaluate("gd => (gd._fullLayout.shapes || []).length") == 0
+    assert not page_problems(page), page_problems(page)
+    assert not page.console_errors, page.console_errors
+    page.mouse.move(5, 5)
+    screenshot(page, dash, tmp_path / "holders.png")

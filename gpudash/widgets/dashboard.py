@@ -8,6 +8,18 @@ One `anywidget <https://anywidget.dev>`_ (one comm, one small ES module,
     refresh rate)
     timeline      | heatmap          (one time base: seconds since the model started)
     chunk map     | bins
+    holders (the width of both)
+
+The holders view is a flame graph of who holds the blocks in use
+(:func:`gpudash.holder_tree.holder_tree`, the grouping of ``top_holders(by="stack")``):
+labels at the top when blocks have them (``Session.label``, a ``%%gpudash_track`` cell),
+then the frames of the user's code, outermost first, then the library code they called
+into; widths in bytes, the hover a node's bytes, blocks and its frame in full. It shows the
+latest state; a click on the timeline shows the state at that moment instead (the
+:class:`~gpudash.widgets.LiveModel` keeps a bounded history of the blocks in use and who
+held them: :meth:`~gpudash.widgets.LiveModel.held_blocks`), and its "live" button goes
+back. It is shown by default on a session that records stacks (``record_stacks=True``);
+``views=`` adds it to any other (:data:`EXTRA_VIEWS`).
 
 What differs between allocators comes from the device's allocator model
 (:mod:`gpudash.models`), sent with the controls: its controls (TensorFlow's BFC: fraction,
@@ -42,6 +54,10 @@ What crosses the wire
   columns that are new, and the chunk table only when it changed (at most once a second
   when it is large). The model's refresher coalesces events, so a busy allocator still
   sends at most ``rate_hz`` updates a second.
+- **The holders' tree** as arrays (each node's offset and bytes, parent, blocks, level,
+  kind, and the ids of its name and full text in the same string table), at most
+  ``holder_nodes`` nodes (the largest; the rest in their parents), sent when it changed
+  (at most ``rate_hz`` times a second) and, for a moment picked on the timeline, once.
 - **Snapshots on (re)connect.** Each rendered view says hello; the kernel answers with the
   whole history, so a reloaded page or a re-displayed dashboard shows what happened before.
 
@@ -78,13 +94,18 @@ import traitlets
 from .. import style
 from .._comm_routing import follow_the_page
 from .._errors import ConfigError, GpudashError
+from .._units import format_bytes
+from ..holder_tree import MAX_NODES, holder_tree
 from ..maplayout import row_layout
 from .model import LiveModel, bin_labels
 
-__all__ = ["Dashboard", "VIEWS", "plotly_bundle"]
+__all__ = ["Dashboard", "VIEWS", "EXTRA_VIEWS", "plotly_bundle"]
 
-#: View names accepted by ``Dashboard(views=...)``, in layout order.
+#: The views ``Dashboard(views=...)`` shows by default, in layout order.
 VIEWS = ("stats", "timeline", "heatmap", "chunkmap", "bins")
+#: Views ``views=`` also accepts: ``holders`` (who holds the memory, a flame graph), shown
+#: by default on a session that records stacks.
+EXTRA_VIEWS = ("holders",)
 
 #: A chunk table larger than this is sent at most once a second.
 LARGE_TABLE = 2000
@@ -152,10 +173,14 @@ class Dashboard(anywidget.AnyWidget):
         Instead of a source: one feed per device (a framework monitor's, a Dask worker's).
     rate_hz : float
         Model refreshes a second (adjustable in the controls).
-    views : sequence of str
-        Which of :data:`VIEWS` to show (controls are always shown).
+    views : sequence of str, optional
+        Which of :data:`VIEWS` and :data:`EXTRA_VIEWS` to show (controls are always shown).
+        Default: :data:`VIEWS`, and ``holders`` too on a session with ``record_stacks``.
     device : int
         The device shown first.
+    holder_nodes : int
+        Nodes the holders view draws at most (the largest; a smaller one's bytes stay in
+        its parent).
     model : LiveModel, optional
         Show an existing model (its history included) instead of making one; the dashboard
         then leaves the model open when it closes.
@@ -190,12 +215,17 @@ class Dashboard(anywidget.AnyWidget):
     lib_version = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, source: Any = None, *, feeds: Any = None, rate_hz: float = 4.0,
-                 views: Any = VIEWS, device: int = 0, model: LiveModel | None = None,
-                 **model_options: Any) -> None:
-        names = tuple(views)
-        unknown = [n for n in names if n not in VIEWS]
+                 views: Any = None, device: int = 0, model: LiveModel | None = None,
+                 holder_nodes: int = MAX_NODES, **model_options: Any) -> None:
+        names = tuple(views) if views is not None else None
+        unknown = [n for n in names or () if n not in VIEWS + EXTRA_VIEWS]
         if unknown:
-            raise ConfigError(f"unknown view(s) {unknown}; choose from {list(VIEWS)}")
+            raise ConfigError(f"unknown view(s) {unknown}; choose from "
+                              f"{list(VIEWS + EXTRA_VIEWS)}")
+        if isinstance(holder_nodes, bool) or not isinstance(holder_nodes, int) or \
+                not 1 <= holder_nodes <= 10_000:
+            raise ConfigError(f"holder_nodes must be an integer from 1 to 10,000; got "
+                              f"{holder_nodes!r}")
         if model is not None:
             self._owns_model = False
             self.model = model
@@ -217,6 +247,16 @@ class Dashboard(anywidget.AnyWidget):
         self._driver_cache: dict[int, tuple[float, dict]] = {}
         self.sent: dict[str, list[int]] = {}
         self._hellos = 0
+        if names is None:
+            stacks = getattr(self.model.session, "stacks", None)
+            names = VIEWS + (("holders",) if stacks is not None else ())
+        # the holders view: the tree shown (live, or at a moment picked on the timeline),
+        # the one the page has, and the paths of the session's stacks (kept between trees)
+        self.holder_nodes = holder_nodes
+        self._tree: tuple | None = None        # (key, tree, meta) of the latest live tree
+        self._moment: tuple | None = None      # (device, tree, meta) of a moment picked
+        self._tree_sent: Any = None            # the tree the page has
+        self._path_cache: dict = {}
         version, _ = plotly_bundle()
         super().__init__(device=device, views=names, lib_version=version,
                          setup=self._setup())
@@ -436,6 +476,86 @@ class Dashboard(anywidget.AnyWidget):
         ids[:] = idmap[inv.reshape(-1)]
         return ids, {"base": base, "new": new}
 
+    # ------------------------------------------------------------------ the holders view
+    def _make_tree(self, held: Any) -> tuple[Any, dict]:
+        """The holders' tree of some blocks (:meth:`LiveModel.held_blocks`), in the
+        device's framework's words, and what the page says about it."""
+        words = self.model.model(held.device).words()
+        in_use, chunk = words.get("in_use", "in use"), words.get("chunk", "chunk")
+        total = held.total
+        root = f"{format_bytes(total)} {in_use} in {len(held):,} {chunk}(s)"
+        tree = holder_tree(held.size, held.stack, held.stacks, label=held.label,
+                           labels=held.labels, max_nodes=self.holder_nodes, root=root,
+                           chunk=chunk, path_cache=self._path_cache)
+        notes = list(tree.notes)
+        if held.note:
+            notes.insert(0, held.note)
+        meta = {"n": len(tree), "live": bool(held.live),
+                "at": None if held.live else round(self.model.seconds(held.time_ms), 6),
+                "total": int(total), "blocks": len(held), "nodes": int(tree.nodes),
+                "left_out": int(tree.left_out), "depth": int(tree.depth.max()),
+                "rule": tree.rule, "notes": notes, "root": root,
+                "stacks": held.stacks is not None}
+        return tree, meta
+
+    def _live_tree(self, state: Any) -> tuple[Any, dict]:
+        """The tree of a state's blocks in use, made again only when they changed."""
+        held = self.model.held_blocks(state.device, state=state)
+        h = hashlib.blake2b(digest_size=16)
+        for a in (held.size, held.stack, held.label):
+            h.update(np.ascontiguousarray(a).data)
+        n_stacks = len(held.stacks) if held.stacks is not None else -1
+        h.update(f"{state.device} {len(held.labels)} {n_stacks}".encode())
+        key = h.digest()
+        if self._tree is None or self._tree[0] != key:
+            tree, meta = self._make_tree(held)
+            self._tree = (key, tree, meta)
+        return self._tree[1], self._tree[2]
+
+    def _shown_tree(self, state: Any) -> tuple[Any, dict]:
+        """The tree the holders view shows for a state: the moment picked, else live."""
+        if self._moment is not None and self._moment[0] == state.device:
+            return self._moment[1], self._moment[2]
+        return self._live_tree(state)
+
+    def _new_strings(self, names: Any) -> int:
+        have = self._strings
+        return sum(1 for u in set(names) if u and u not in have)
+
+    def _tree_buffers(self, tree: Any, meta: dict, at: int) -> tuple[dict, list]:
+        """The tree as the page draws it: ``meta`` (``buf``: the index of its first
+        buffer) and ``[f64 2 x n: offset and bytes of each node, int32 4 x n: parent,
+        blocks, name id and text id, int8 2 x n: level and kind]``; strings the page lacks
+        in ``meta["strings"]`` (as the chunk map's)."""
+        base = len(self._strings)
+        new = []
+        ids = np.empty((2, len(tree)), dtype=np.int32)
+        for row, texts in enumerate((tree.name, tree.text)):
+            for i, u in enumerate(texts):
+                sid = self._strings.get(u)
+                if sid is None:
+                    sid = self._strings[u] = len(self._strings)
+                    new.append(u)
+                ids[row, i] = sid
+        f = np.vstack([tree.x0, tree.value]).astype(np.float64)
+        i32 = np.vstack([tree.parent, np.minimum(tree.blocks, 2**31 - 1), ids[0], ids[1]]
+                        ).astype(np.int32)
+        i8 = np.vstack([np.minimum(tree.depth, 127), tree.kind]).astype(np.int8)
+        meta = dict(meta, strings={"base": base, "new": new}, buf=at)
+        return meta, [_f64(f), memoryview(i32.tobytes()), memoryview(i8.tobytes())]
+
+    def _send_holders(self) -> None:
+        """The tree shown now, on its own (after a moment was picked, or "live")."""
+        with self._send_lock:
+            state = self.model.state(self.device)
+            if state is None or self.model.closed:
+                return
+            tree, meta = self._shown_tree(state)
+            meta, buffers = self._tree_buffers(tree, meta, 0)
+            self._tree_sent = tree
+            self._post("holders", {"type": "holders", "device": state.device,
+                                   "holders": meta}, buffers)
+
     def _message(self, state: Any, full: bool) -> tuple[dict, list]:
         """A snapshot (``full``) or an update of one device's state."""
         cur = self._cursor if not full else {}
@@ -467,14 +587,39 @@ class Dashboard(anywidget.AnyWidget):
             "chunks": None,
         }
         buffers = [_f64(timeline), memoryview(heat.tobytes()), _f64((hm_t[j:] - start) / 1e3)]
+        tree = None
+        if "holders" in self.views:
+            tree, tree_meta = self._shown_tree(state)
+            send_tree = full or tree is not self._tree_sent
+            if not full and (send_tree or send_chunks):
+                # past MAX_STRINGS the table starts afresh: both users of it come again
+                names = list(tree.name) + list(tree.text) if send_tree else []
+                if send_chunks and "holder" in state.table:
+                    names += np.unique(np.asarray(state.table["holder"], dtype=object)
+                                       .astype(str)).tolist()
+                if len(self._strings) + self._new_strings(names) > MAX_STRINGS:
+                    full_strings = True
+                    send_chunks = send_tree = True
+                else:
+                    full_strings = False
+            else:
+                full_strings = full
+        else:
+            send_tree = False
+            full_strings = full
         if send_chunks:
-            if full:   # the page starts its string table afresh with a snapshot
+            if full_strings:   # the page starts its string table afresh
                 self._strings = {}
             meta, bufs = self._chunk_buffers(state)
             content["chunks"] = meta
             buffers += bufs
             self._chunks_version = layout
             self._chunks_sent_ms = now
+        if send_tree and tree is not None:
+            meta, bufs = self._tree_buffers(tree, tree_meta, len(buffers))
+            content["holders"] = meta
+            buffers += bufs
+            self._tree_sent = tree
         controls = self._controls_info(state.device)
         if full or controls != self._controls_sent:  # settings changed from code, too
             content["controls"] = controls
@@ -515,6 +660,7 @@ class Dashboard(anywidget.AnyWidget):
 
     def _on_device(self, change: dict) -> None:
         self._chunks_version = None
+        self._moment = None   # a moment picked on another device's timeline
         if self._hellos:
             self._send_state(full=True)
 
@@ -569,6 +715,8 @@ class Dashboard(anywidget.AnyWidget):
             except traitlets.TraitError as exc:
                 raise ConfigError(str(exc)) from None
             return {"ok": True, "text": f"{m.rate_hz:g} refreshes/s"}
+        if name == "holders_at":
+            return self._holders_at(value)
         if name == "restart":
             feed = m.feed(dev)
             lines = feed.restart_lines() if feed is not None else []
@@ -594,6 +742,40 @@ class Dashboard(anywidget.AnyWidget):
                 raise ConfigError(f"{name} needs a gpudash.Session (deferred frees live there)")
             result = getattr(m, control.action)(dev)
         return {"ok": True, **model.answer(name, value, result, m.answer_facts(dev))}
+
+    def _holders_at(self, value: Any) -> dict:
+        """The holders view at a moment (``value``: seconds since the model started, as the
+        timeline's x axis reads), or live again (``None``)."""
+        if "holders" not in self.views:
+            raise ConfigError("this dashboard has no holders view; show one with "
+                              "Dashboard(..., views=[..., 'holders'])")
+        m = self.model
+        dev = self.device
+        if value is None:
+            self._moment = None
+            self._send_holders()
+            return {"ok": True, "text": "holders: live"}
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+                not np.isfinite(float(value)):
+            raise ConfigError(f"holders_at must be a time in seconds on the timeline, or "
+                              f"null for live; got {value!r}")
+        held = m.held_blocks(dev, at_ms=m.start_ms + float(value) * 1e3)
+        tree, meta = self._make_tree(held)
+        self._moment = (dev, tree, meta)
+        self._send_holders()
+        words = m.model(dev).words()
+        text = (f"holders at {meta['at']:.2f} s: {format_bytes(held.total)} "
+                f"{words.get('in_use', 'in use')} in {len(held):,} "
+                f"{words.get('chunk', 'chunk')}(s)")
+        return {"ok": True, "text": text + (f" ({held.note})" if held.note else "")}
+
+    def holders_tree(self, at: float | None = None) -> Any:
+        """The holders view's tree (:class:`gpudash.holder_tree.HolderTree`) of the device
+        shown: live, or at ``at`` seconds on the timeline."""
+        m = self.model
+        held = m.held_blocks(self.device, at_ms=None if at is None else
+                             m.start_ms + float(at) * 1e3)
+        return self._make_tree(held)[0]
 
     # ------------------------------------------------------------------ Python side
     def refresh(self) -> None:

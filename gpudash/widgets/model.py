@@ -49,9 +49,9 @@ from ..bfc import AllocatorStats
 from ..events import EventKind
 from ..models import BFC, AllocatorModel, model_of
 
-__all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark",
+__all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark", "HeldBlocks",
            "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "typed_array",
-           "decode_array"]
+           "decode_array", "HOLDER_HISTORY"]
 
 logger = logging.getLogger("gpudash")
 
@@ -65,6 +65,9 @@ _LIMIT = int(EventKind.LIMIT)
 
 #: Most OOM marks and setting marks a device keeps (oldest dropped).
 MAX_MARKS = 200
+#: Allocations and frees a device's history of who held what keeps by default (the oldest
+#: are folded into the state they leave: see :class:`_HolderLog`).
+HOLDER_HISTORY = 500_000
 
 
 # --------------------------------------------------------------------------------------
@@ -406,6 +409,221 @@ class _Heatmap:
         self.n += 1
 
 
+class _Columns:
+    """Numpy columns of one length, appended to at the end and dropped from the front; the
+    arrays grow by doubling (and are compacted when the front has room)."""
+
+    def __init__(self, **dtypes: Any) -> None:
+        self.cols = {k: np.zeros(64, dtype=d) for k, d in dtypes.items()}
+        self.start = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, **arrays: Any) -> None:
+        n = len(next(iter(arrays.values())))
+        cap = len(next(iter(self.cols.values())))
+        if self.end + n > cap:
+            live = self.end - self.start
+            size = cap if live + n <= cap // 2 else max(64, 2 * (live + n))
+            for k, col in self.cols.items():
+                new = np.empty(size, dtype=col.dtype)
+                new[:live] = col[self.start:self.end]
+                self.cols[k] = new
+            self.start, self.end = 0, live
+        for k, col in self.cols.items():
+            col[self.end:self.end + n] = arrays[k]
+        self.end += n
+
+    def drop(self, n: int) -> None:
+        self.start = min(self.end, self.start + int(n))
+
+    def view(self, name: str) -> np.ndarray:
+        return self.cols[name][self.start:self.end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cols.values())
+
+
+class _HolderLog:
+    """Who held what at each refresh of a device: the history the holders view's moments in
+    the past are read from.
+
+    Each refresh that changed the blocks in use appends one entry: its time, the blocks in
+    use that were not at the entry before (allocation id, size, stack id, label code) and
+    the allocation ids of those no longer in use. The blocks in use after entry ``e`` are
+    those that appeared up to ``e`` and were not gone by it: the state the views showed from
+    that refresh until the next (a block allocated and freed between two refreshes was in no
+    state they showed, and is not here either).
+
+    Bounded: past ``max_events`` blocks that appeared or went, the oldest entries are folded
+    into :attr:`base` (the blocks in use after the last entry folded, at :attr:`base_ms`),
+    so every moment after it stays exact; an earlier moment is answered with the base.
+    Memory: 32 bytes per block that appeared (int64 id, size and entry, int32 stack and
+    label), 16 per block that went, 8 per entry, in arrays that grow by doubling (so at most
+    twice that), plus the base (the blocks in use at one moment).
+    """
+
+    def __init__(self, max_events: int) -> None:
+        self.max_events = max(16, int(max_events))
+        self.times = _Columns(t=np.float64)
+        self.adds = _Columns(aid=np.int64, size=np.int64, stack=np.int32, label=np.int32,
+                             at=np.int64)
+        self.gone = _Columns(aid=np.int64, at=np.int64)
+        self.first = 0          # the entry times' first row is entry number `first`
+        self.entries = 0        # entries ever appended
+        self.folded = 0         # entries folded into the base
+        z8, z4 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        self.base = (z8, z8, z4, z4)
+        self.base_ms: float | None = None
+        self.prev = (z8, z4, z4)   # aid (sorted), stack, label of the blocks in use now
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the history's arrays (the base and the blocks in use now included)."""
+        return (self.times.nbytes + self.adds.nbytes + self.gone.nbytes
+                + sum(a.nbytes for a in self.base) + sum(a.nbytes for a in self.prev))
+
+    def update(self, t_ms: float, aid: np.ndarray, size: np.ndarray, stack: np.ndarray,
+               label: np.ndarray) -> None:
+        """The blocks in use at a refresh (their allocation ids, sizes, stacks, labels)."""
+        order = np.argsort(aid, kind="stable")
+        aid = aid[order].astype(np.int64)
+        size = size[order].astype(np.int64)
+        stack = stack[order].astype(np.int32)
+        label = label[order].astype(np.int32)
+        p_aid, p_stack, p_label = self.prev
+        if len(p_aid):
+            pos = np.minimum(np.searchsorted(p_aid, aid), len(p_aid) - 1)
+            seen = p_aid[pos] == aid
+            back = np.minimum(np.searchsorted(aid, p_aid), max(len(aid) - 1, 0))
+            gone = ~(aid[back] == p_aid) if len(aid) else np.ones(len(p_aid), dtype=bool)
+            # a holder noted after a refresh saw its block (the session notes it once the
+            # allocator has answered): the block's history takes it
+            changed = seen & ((p_stack[pos] != stack) | (p_label[pos] != label))
+            if changed.any():
+                self._relabel(aid[changed], stack[changed], label[changed])
+        else:
+            seen = np.zeros(len(aid), dtype=bool)
+            gone = np.zeros(0, dtype=bool)
+        new = ~seen
+        self.prev = (aid, stack, label)
+        if self.entries and not new.any() and not gone.any():
+            return
+        e = self.entries
+        self.entries += 1
+        self.times.append(t=np.array([t_ms]))
+        k = int(new.sum())
+        self.adds.append(aid=aid[new], size=size[new], stack=stack[new], label=label[new],
+                         at=np.full(k, e, dtype=np.int64))
+        g = p_aid[gone]
+        self.gone.append(aid=g, at=np.full(len(g), e, dtype=np.int64))
+        if len(self.adds) + len(self.gone) > self.max_events:
+            self._fold()
+
+    def _relabel(self, aid: np.ndarray, stack: np.ndarray, label: np.ndarray) -> None:
+        for a_aid, a_stack, a_label in ((self.adds.view("aid"), self.adds.view("stack"),
+                                         self.adds.view("label")),
+                                        (self.base[0], self.base[2], self.base[3])):
+            hit = np.flatnonzero(np.isin(a_aid, aid))
+            if len(hit):
+                j = np.searchsorted(aid, a_aid[hit])
+                a_stack[hit] = stack[j]
+                a_label[hit] = label[j]
+
+    def _fold(self) -> None:
+        """Fold the oldest entries into the base until a quarter of the bound is free."""
+        a_at, g_at = self.adds.view("at"), self.gone.view("at")
+        n_ent = self.entries - self.first
+        per = (np.bincount(a_at - self.first, minlength=n_ent)
+               + np.bincount(g_at - self.first, minlength=n_ent))
+        excess = len(a_at) + len(g_at) - self.max_events * 3 // 4
+        k = min(n_ent, int(np.searchsorted(np.cumsum(per), excess)) + 1)
+        cut = self.first + k
+        na = int(np.searchsorted(a_at, cut))
+        ng = int(np.searchsorted(g_at, cut))
+        adds = [self.adds.view(c)[:na] for c in ("aid", "size", "stack", "label")]
+        base = [np.concatenate((b, a)) for b, a in zip(self.base, adds)]
+        keep = ~np.isin(base[0], self.gone.view("aid")[:ng])
+        self.base = tuple(b[keep] for b in base)  # type: ignore[assignment]
+        self.base_ms = float(self.times.view("t")[k - 1])
+        self.adds.drop(na)
+        self.gone.drop(ng)
+        self.times.drop(k)
+        self.first = cut
+        self.folded += k
+
+    def at(self, t_ms: float, start_ms: float = np.inf) -> tuple[float, tuple, str]:
+        """The blocks in use at ``t_ms`` (ms since the epoch): the time of the state taken
+        (the last refresh at or before it that changed something), its arrays (aid, size,
+        stack, label) and a note ("" when the moment is exact). The first state holds from
+        ``start_ms`` (when the model started, just before it took that state)."""
+        tv = self.times.view("t")
+        # a time read back from the page's seconds: a hair's tolerance
+        e = int(np.searchsorted(tv, t_ms + 1e-3, side="right")) - 1
+        if e < 0:
+            if self.base_ms is not None:   # the state the folded refreshes left
+                return self.base_ms, self.base, "" if t_ms + 1e-3 >= self.base_ms else (
+                    f"the history kept reaches back to this moment ({self.folded:,} older "
+                    "refreshes were folded into it)")
+            if not len(tv):
+                z8, z4 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+                return t_ms, (z8, z8, z4, z4), "no state taken yet"
+            e = 0
+            note = "" if t_ms >= start_ms else \
+                "before the model started: the first state it took"
+        else:
+            note = ""
+        cut = self.first + e + 1
+        na = int(np.searchsorted(self.adds.view("at"), cut))
+        ng = int(np.searchsorted(self.gone.view("at"), cut))
+        arrays = [np.concatenate((b, self.adds.view(c)[:na]))
+                  for b, c in zip(self.base, ("aid", "size", "stack", "label"))]
+        keep = ~np.isin(arrays[0], self.gone.view("aid")[:ng])
+        return float(tv[e]), tuple(a[keep] for a in arrays), note
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeldBlocks:
+    """The blocks in use on a device at one moment, with who holds them.
+
+    Attributes
+    ----------
+    device : int
+    time_ms : float
+        When that state was taken (a refresh; ms since the epoch).
+    live : bool
+        True for the latest state, False for a moment of the history.
+    size, stack, label : numpy.ndarray
+        Each block's bytes, stack id in ``stacks`` (-1: none recorded) and label, an index
+        into ``labels`` (-1: none).
+    labels : list of str
+    stacks : StackTable or None
+        The session's stacks (``record_stacks=True``), else None.
+    note : str
+        What the moment is short of ("" when exact): a moment before the history kept.
+    """
+
+    device: int
+    time_ms: float
+    live: bool
+    size: np.ndarray
+    stack: np.ndarray
+    label: np.ndarray
+    labels: list
+    stacks: Any
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return int(self.size.sum())
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+
 class _Device:
     """What the model keeps for one allocator."""
 
@@ -434,6 +652,7 @@ class _Device:
         self.settings: deque = deque(maxlen=MAX_MARKS)
         self.version = 0
         self.state: DeviceState | None = None
+        self.holder_log: _HolderLog | None = None
 
 
 def _capacity_of(allocator: Any, session_device: Any) -> int:
@@ -463,6 +682,11 @@ class LiveModel(traitlets.HasTraits):
         Timeline points kept per device (older ones are merged in pairs).
     heatmap_rows, heatmap_columns : int
         Address rows of the heatmap, and how many columns (states) it keeps.
+    holder_history : int
+        Blocks that appeared in use or went a device's history of who held what keeps
+        (:meth:`held_blocks` at a moment in the past; 0 keeps none). Past it, the oldest
+        refreshes are folded into the state they left; about 32 bytes a block allocated and
+        16 a block freed, at most twice that while its arrays grow.
     start : bool
         Start the refresher thread (default True); without it, call :meth:`refresh_now`.
 
@@ -497,16 +721,20 @@ class LiveModel(traitlets.HasTraits):
 
     def __init__(self, source: Any = None, *, rate_hz: float = 4.0, history: int = 5000,
                  heatmap_rows: int = 256, heatmap_columns: int = 600,
-                 start: bool = True, feeds: Any = None) -> None:
+                 start: bool = True, feeds: Any = None,
+                 holder_history: int = HOLDER_HISTORY) -> None:
         super().__init__()
         checked = []
-        for label, v, top in (("history", history, 10_000_000),
-                              ("heatmap_rows", heatmap_rows, 65_536),
-                              ("heatmap_columns", heatmap_columns, 100_000)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= top:
-                raise ConfigError(f"{label} must be an integer from 1 to {top:,}; got {v!r}")
+        for label, v, low, top in (("history", history, 1, 10_000_000),
+                                   ("heatmap_rows", heatmap_rows, 1, 65_536),
+                                   ("heatmap_columns", heatmap_columns, 1, 100_000),
+                                   ("holder_history", holder_history, 0, 100_000_000)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
+                    not low <= v <= top:
+                raise ConfigError(f"{label} must be an integer from {low} to {top:,}; "
+                                  f"got {v!r}")
             checked.append(int(v))
-        history, heatmap_rows, heatmap_columns = checked
+        history, heatmap_rows, heatmap_columns, holder_history = checked
         try:
             self.rate_hz = rate_hz
         except traitlets.TraitError as exc:
@@ -539,10 +767,17 @@ class LiveModel(traitlets.HasTraits):
         self.errors: deque = deque(maxlen=20)
         self.refreshes = 0
         self._devices: list[_Device] = []
+        # labels of the blocks (Session.label) as codes, for the holders' history
+        self._label_codes: dict[str, int] = {}
+        self._label_names: list[str] = []
+        self._stack_lock = threading.Lock()
+        self._stack_table: Any = None   # the session's stacks as a StackTable (stack_table)
         for i, (alloc, sdev) in enumerate(pairs):
             name = sdev.name if sdev is not None else alloc.name
             dev = _Device(i, name, alloc, _capacity_of(alloc, sdev), history, heatmap_rows,
                           heatmap_columns, sdev)
+            if holder_history:
+                dev.holder_log = _HolderLog(holder_history)
             self._devices.append(dev)
         for feed in feed_list:
             dev = _Device(len(self._devices), str(feed.name), None,
@@ -811,14 +1046,18 @@ class LiveModel(traitlets.HasTraits):
         alloc = dev.allocator
         table = alloc.chunk_table()
         holders = getattr(dev.session_device, "_holders", None)
-        if holders:  # labels of a session's live blocks (Session.label, record_stacks)
-            get = holders.get
-            table["holder"] = np.array([get(p, "") for p in table["ptr"].tolist()],
-                                       dtype=object)
+        if holders:  # who holds a session's live blocks (Session.label, record_stacks)
+            self._add_holders(table, holders)
         raw = alloc.stats()
         now_ms = time.time_ns() / 1e6
         size = table["size"]
         used = table["in_use"]
+        if dev.holder_log is not None:
+            n = int(used.sum())
+            none = np.full(n, -1, dtype=np.int32)
+            dev.holder_log.update(now_ms, table["alloc_id"][used], size[used],
+                                  table["stack"][used] if "stack" in table else none,
+                                  table["label"][used] if "label" in table else none)
         in_use = int(size[used].sum())
         pool = int(table["regions"][:, 1].sum())
         free_sizes = size[~used]
@@ -834,6 +1073,112 @@ class LiveModel(traitlets.HasTraits):
         return self._finish_state(dev, now_ms, stats, table, internal, pool,
                                   figures=model.figures(alloc),
                                   in_force=model.live_settings(alloc))
+
+    def _add_holders(self, table: dict, holders: dict) -> None:
+        """Who holds each chunk of a session's table: ``holder`` (the words the chunk map
+        shows: ``label``, ``file.py:42 step``, ``label @ file.py:42 step``; "" for none),
+        ``stack`` (the stack id in :meth:`stack_table`, -1 for none) and ``label`` (an index
+        into :attr:`labels`, -1 for none)."""
+        text_of = self._session._holder_text
+        get = holders.get
+        n = len(table["ptr"])
+        texts = [""] * n
+        stack = np.full(n, -1, dtype=np.int32)
+        label = np.full(n, -1, dtype=np.int32)
+        seen: dict[tuple, tuple] = {}
+        for i, p in enumerate(table["ptr"].tolist()):
+            h = get(p)
+            if h is None:
+                continue
+            r = seen.get(h)
+            if r is None:
+                r = seen[h] = (text_of(h), h[1], self._label_code(h[0]))
+            texts[i], stack[i], label[i] = r
+        table["holder"] = np.array(texts, dtype=object)
+        table["stack"] = stack
+        table["label"] = label
+
+    def _label_code(self, name: str) -> int:
+        if not name:
+            return -1
+        code = self._label_codes.get(name)
+        if code is None:
+            with self._stack_lock:
+                code = self._label_codes.setdefault(name, len(self._label_names))
+                if code == len(self._label_names):
+                    self._label_names.append(name)
+        return code
+
+    @property
+    def labels(self) -> list[str]:
+        """The labels of the blocks seen (``Session.label``), by their code."""
+        return list(self._label_names)
+
+    def stack_table(self) -> Any:
+        """The session's allocating stacks (``Session(record_stacks=True)``) as a
+        :class:`~gpudash.trace.stacks.StackTable` with the session's stack ids (kept and
+        extended as the session meets new stacks), or None when it records none."""
+        stacks = getattr(self._session, "stacks", None)
+        if stacks is None:
+            return None
+        from ..trace.stacks import StackTable
+
+        with self._stack_lock:
+            st = self._stack_table
+            if st is None:
+                st = self._stack_table = StackTable()
+            n_stacks = len(stacks.stacks)      # stacks first: their frames came before them
+            n_frames = len(stacks.frames)
+            if n_stacks > len(st.stacks) or n_frames > len(st.frames):
+                st.extend_json(stacks.frames[len(st.frames):n_frames],
+                               [(list(ids), "", "")
+                                for ids in stacks.stacks[len(st.stacks):n_stacks]])
+            return st
+
+    def held_blocks(self, device: int = 0, at_ms: float | None = None,
+                    state: DeviceState | None = None) -> HeldBlocks:
+        """The blocks in use on a device and who holds them: in ``state`` (default: the
+        latest state), or, with ``at_ms`` (ms since the epoch), at that moment of the
+        history (the state the views showed then: the last refresh at or before it).
+
+        Raises
+        ------
+        ConfigError
+            ``at_ms`` for a device without a history (a framework's feed, or
+            ``holder_history=0``).
+        """
+        i = self._index(device)
+        dev = self._devices[i]
+        if at_ms is not None:
+            log = dev.holder_log
+            if log is None or dev.allocator is None:
+                raise ConfigError(f"{dev.name}: no history of who held what (it is kept for "
+                                  "a gpudash session or allocator, with holder_history > 0)")
+            with self._refresh_lock:
+                t, (_, size, stack, label), note = log.at(float(at_ms), self.start_ms)
+            return HeldBlocks(i, t, False, size, stack.astype(np.int64),
+                              label.astype(np.int64), self.labels, self.stack_table(), note)
+        state = state if state is not None else dev.state
+        if state is None:
+            z = np.zeros(0, dtype=np.int64)
+            return HeldBlocks(i, time.time_ns() / 1e6, True, z, z, z, [], None)
+        t = state.table
+        used = t["in_use"]
+        n = int(used.sum())
+        stack = t["stack"][used].astype(np.int64) if "stack" in t else \
+            np.full(n, -1, dtype=np.int64)
+        labels = self.labels
+        if "label" in t:
+            label = t["label"][used].astype(np.int64)
+        elif "holder" in t:   # a feed's holder strings: labels of their own
+            names, code = np.unique(np.asarray(t["holder"], dtype=object)[used].astype(str),
+                                    return_inverse=True)
+            labels = names.tolist()
+            label = np.where(names[code] != "", code, -1).astype(np.int64)
+        else:
+            label = np.full(n, -1, dtype=np.int64)
+        return HeldBlocks(i, state.time_ms, True, t["size"][used].astype(np.int64), stack,
+                          label, labels, self.stack_table() if "stack" in t else None)
 
     def _build_from_feed(self, dev: _Device) -> DeviceState:
         sample, dev.sample = dev.sample, None

@@ -83,6 +83,10 @@ const CSS = `
 .gd-cell{min-width:0;border:1px solid #f0f0f0;border-radius:4px;padding:2px}
 .gd-title{font-weight:600;padding:2px 4px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .gd-plot{height:260px}
+.gd-wide{grid-column:1 / -1}
+.gd-title button{margin-left:8px;padding:0 8px;font-weight:normal;cursor:pointer}
+.gd-hint{font-weight:normal;color:#777;margin-left:8px}
+.gd-moment{font-weight:normal;background:#efe6f7;border-radius:3px;padding:0 4px;margin-left:6px}
 .gd-none{height:260px;display:flex;align-items:center;justify-content:center;color:#777;text-align:center;padding:0 20px}
 `;
 
@@ -135,16 +139,34 @@ class View {
     this.grid = r.appendChild(el("div", { class: "gd-grid" }));
     this.cells = {};
     const titles = { timeline: "memory over time", heatmap: "address x time: bytes in use",
-      chunkmap: "chunk map", bins: "bins" };
-    for (const name of ["timeline", "heatmap", "chunkmap", "bins"]) {
+      chunkmap: "chunk map", bins: "bins", holders: "who holds the memory" };
+    for (const name of ["timeline", "heatmap", "chunkmap", "bins", "holders"]) {
       if (!this.views.includes(name)) continue;
-      const cell = this.grid.appendChild(el("div", { class: "gd-cell", "data-view": name }));
+      const cls = name === "holders" ? "gd-cell gd-wide" : "gd-cell";
+      const cell = this.grid.appendChild(el("div", { class: cls, "data-view": name }));
       const title = cell.appendChild(el("div", { class: "gd-title" }, titles[name]));
       const plot = cell.appendChild(el("div", { class: "gd-plot" }));
       const none = cell.appendChild(el("div", { class: "gd-none", style: "display:none" }));
       this.cells[name] = { cell, title, plot, none, drawn: false };
     }
+    if (this.cells.holders) this.buildHoldersTitle(this.cells.holders);
     if (!this.views.includes("stats")) this.head.style.display = "none";
+  }
+
+  // The holders view's title: what it shows, the moment picked on the timeline (or a hint
+  // that one can be), and a "live" button back to the latest state.
+  buildHoldersTitle(cell) {
+    const t = cell.title;
+    t.textContent = "";
+    cell.label = t.appendChild(el("span", { "data-holders": "title" }, "who holds the memory"));
+    cell.moment = t.appendChild(el("span", { class: "gd-moment", "data-holders": "moment",
+      style: "display:none" }));
+    cell.hint = t.appendChild(el("span", { class: "gd-hint", "data-holders": "hint" },
+      "click the timeline for another moment"));
+    const live = t.appendChild(el("button", { "data-ctl": "holders-live", style: "display:none" },
+      "live"));
+    live.addEventListener("click", () => this.act("holders_at", null));
+    cell.live = live;
   }
 
   buildControls() {
@@ -337,6 +359,7 @@ class View {
       this.binLabels = info.model.bin_labels;
       for (const [name, key] of [["chunkmap", "map"], ["bins", "bins"]])
         if (this.cells[name] && !this.cells[name].drawn) this.cells[name].title.textContent = words[key];
+      if (this.cells.holders && this.holders) this.dirty.add("holders");
     }
   }
 
@@ -344,6 +367,15 @@ class View {
   onMessage(msg, buffers) {
     if (!msg) return;
     if (msg.type === "reply") return this.onReply(msg);
+    if (msg.type === "holders") {
+      // a moment picked on the timeline, or live again: after a snapshot only (the
+      // strings it names build on the page's table)
+      if (!this.ready || msg.device !== this.model.get("device")) return;
+      this.stats.bytes += buffers.reduce((a, b) => a + b.byteLength, 0);
+      this.takeHolders(msg.holders, buffers);
+      this.schedule();
+      return;
+    }
     if (msg.type !== "snapshot" && msg.type !== "update") return;
     if (msg.type === "update" && !this.ready) return;
     this.stats.bytes += buffers.reduce((a, b) => a + b.byteLength, 0);
@@ -392,8 +424,36 @@ class View {
         holders: ids, regions: f64(buffers[6]), kinds: new Int8Array(u8(buffers[7]).slice().buffer) };
       this.dirty.add("chunkmap"); this.dirty.add("bins");
     }
+    if (msg.holders) this.takeHolders(msg.holders, buffers);
+    else if (msg.type === "snapshot") this.holders = null;
     this.dirty.add("head"); this.dirty.add("timeline"); this.dirty.add("heatmap");
     this.schedule();
+  }
+
+  // The holders' tree (gpudash/widgets/dashboard.py, Dashboard._tree_buffers): per node its
+  // offset and bytes (f64), parent, blocks, name and text ids (int32), level and kind (int8).
+  takeHolders(meta, buffers) {
+    const st = meta.strings || { base: 0, new: [] };
+    if (!this.strings || st.base === 0) this.strings = [];
+    this.strings.length = st.base;
+    for (const x of st.new) this.strings.push(x);
+    const n = meta.n;
+    const f = f64(buffers[meta.buf]);
+    const ib = u8(buffers[meta.buf + 1]);
+    const i32 = new Int32Array(ib.byteLength / 4);
+    new Uint8Array(i32.buffer).set(ib);
+    const i8 = new Int8Array(u8(buffers[meta.buf + 2]).slice().buffer);
+    const nodes = [];
+    for (let i = 0; i < n; i++) {
+      nodes.push({ x0: f[i], value: f[n + i], parent: i32[i], blocks: i32[n + i],
+        name: this.strings[i32[2 * n + i]] || "", text: this.strings[i32[3 * n + i]] || "",
+        depth: i8[i], kind: i8[n + i] });
+    }
+    const was = this.holders;
+    this.holders = { meta, nodes };
+    this.dirty.add("holders");
+    // the moment's mark on the timeline comes and goes with it
+    if (!was || (was.meta.at !== meta.at)) this.dirty.add("timeline");
   }
 
   schedule() {
@@ -410,7 +470,8 @@ class View {
     const t0 = performance.now();
     const order = [["head", () => this.drawHead()],
       ["timeline", () => this.drawTimeline()], ["heatmap", () => this.drawHeatmap()],
-      ["chunkmap", () => this.drawChunks()], ["bins", () => this.drawBins()]];
+      ["chunkmap", () => this.drawChunks()], ["bins", () => this.drawBins()],
+      ["holders", () => this.drawHolders()]];
     for (const [name, fn] of order) {
       if (!this.dirty.has(name)) continue;
       if (name !== "head" && !this.cells[name]) { this.dirty.delete(name); continue; }
@@ -555,10 +616,46 @@ class View {
       marker: { color: C.oom, symbol: "x", size: 10 },
       customdata: ooms.map((o) => fmtBytes(o[1])),
       hovertemplate: "out of memory: %{customdata} at %{x:.1f} s<extra></extra>" });
+    // the moment the holders view shows, when one was picked here
+    const at = this.holders && !this.holders.meta.live ? this.holders.meta.at : null;
+    const shapes = at == null ? [] : [{ type: "line", x0: at, x1: at, yref: "paper", y0: 0, y1: 1,
+      line: { color: C["over limit"], width: 2, dash: "dot" } }];
     this.plot("timeline", traces, this.legendLayout({
       xaxis: { title: { text: this.setup.time_title }, range: this.xRange(), gridcolor: C.grid },
       yaxis: { title: { text: "bytes" }, ticksuffix: " " + u.name, rangemode: "tozero", gridcolor: C.grid },
+      shapes,
     }));
+    if (this.cells.holders) this.watchTimeline(this.cells.timeline);
+  }
+
+  // Once per plot: a click on the timeline (on a line or anywhere in its plot area) asks the
+  // kernel for the holders at that moment (seconds since the model started, as the x axis).
+  watchTimeline(cell) {
+    if (!cell || cell.clickWatched || !cell.plot.on) return;
+    cell.clickWatched = true;
+    let last = 0;
+    const pick = (x) => {
+      if (!isFinite(x)) return;
+      const now = performance.now();
+      if (now - last < 250) return;  // plotly's click and the page's click of one press
+      last = now;
+      this.act("holders_at", x);
+    };
+    cell.plot.on("plotly_click", (ev) => {
+      const p = ev && ev.points && ev.points[0];
+      if (p) pick(Number(p.x));
+    });
+    // a click away from the lines: the x under the mouse, from the axis
+    cell.plot.addEventListener("click", (ev) => {
+      const L = cell.plot._fullLayout;
+      const xa = L && L.xaxis;
+      if (!xa || typeof xa.p2d !== "function") return;
+      const box = cell.plot.getBoundingClientRect();
+      const px = ev.clientX - box.left - xa._offset;
+      const py = ev.clientY - box.top - L.yaxis._offset;
+      if (px < 0 || px > xa._length || py < 0 || py > L.yaxis._length) return;
+      pick(Number(xa.p2d(px)));
+    });
   }
 
   drawHeatmap() {
@@ -763,6 +860,83 @@ class View {
       annotations: k > 4 ? [] : labels.map((x, i) => ({ x, y: (used[i] + free[i]) / u.scale,
         text: `${fmtBytes(used[i])} ${inUse}, ${fmtBytes(free[i])} free`, showarrow: false,
         yanchor: "bottom", font: { size: 10, color: "#444" } })) }));
+  }
+
+  // The holders view: a flame graph (an icicle) of who holds the blocks in use, the root on
+  // top, each node a bar as wide as its bytes under its parent; horizontal bars with a base
+  // (plotly's cartesian bundle has no icicle trace).
+  drawHolders() {
+    const cell = this.cells.holders;
+    const H = this.holders;
+    if (!cell) return;
+    const w = this.words || {};
+    const inUse = w.in_use || "in use", piece = w.chunk || "chunk";
+    if (!H) {
+      cell.label.textContent = "who holds the memory";
+      return;
+    }
+    const m = H.meta;
+    const nodes = H.nodes;
+    const C = this.C;
+    const total = m.total || 0;
+    const u = unitFor(Math.max(1, total));
+    // the part of each node its children drawn do not cover: allocated at that frame
+    // itself, or in smaller nodes left out
+    const kids = new Float64Array(nodes.length);
+    const hasKids = new Uint8Array(nodes.length);
+    for (const nd of nodes) if (nd.parent >= 0) { kids[nd.parent] += nd.value; hasKids[nd.parent] = 1; }
+    const kinds = [
+      ["all", "#c7c7c7", "#222"], ["label", C["over limit"], "#fff"],
+      ["your code", C["in use"], "#fff"], ["libraries, C++", C.marker, "#fff"],
+      ["no frame of your code", C.waste, "#222"]];
+    const T = kinds.map(() => ({ y: [], base: [], x: [], text: [], h: [] }));
+    let depth = 0;
+    nodes.forEach((nd, i) => {
+      const t = T[Math.min(nd.kind, kinds.length - 1)];
+      const pct = total ? (100 * nd.value / total).toFixed(1) : "0.0";
+      const rest = nd.value - kids[i];
+      let hv = `<b>${esc(nd.name)}</b>`;
+      if (nd.text && nd.text !== nd.name) hv += "<br>" + esc(nd.text);
+      hv += `<br>${fmtBytes(nd.value)} ${esc(inUse)} (${pct} %) in ${nd.blocks} ${esc(piece)}(s)`;
+      if (hasKids[i] && rest > 0.5) hv += `<br>${fmtBytes(rest)} not under the frames drawn below ` +
+        "(allocated here, or in smaller nodes left out)";
+      t.y.push(nd.depth); t.base.push(nd.x0 / u.scale); t.x.push(nd.value / u.scale);
+      t.text.push(i === 0 ? m.root : nd.name); t.h.push(hv);
+      if (nd.depth > depth) depth = nd.depth;
+    });
+    const traces = T.map((t, k) => ({ type: "bar", orientation: "h", name: kinds[k][0], y: t.y,
+      base: t.base, x: t.x, text: t.text, textposition: "inside", insidetextanchor: "start",
+      textfont: { color: kinds[k][2], size: 11 }, width: 0.92, hovertext: t.h, hoverinfo: "text",
+      marker: { color: kinds[k][1], line: { width: 1, color: "white" } },
+      showlegend: t.y.length > 0 && k > 0 })).filter((t) => t.y.length);
+    const rows = depth + 1;
+    const margin = { l: 10, r: 10, t: 26, b: 36 };
+    const height = Math.max(200, Math.min(MAP_MAX_PX, margin.t + margin.b + 26 * rows));
+    if (cell.plot.style.height !== height + "px") cell.plot.style.height = height + "px";
+    // the title: what is shown, and when
+    cell.label.textContent = `who holds the memory - ${fmtBytes(total)} ${inUse} in ${m.blocks} ${piece}(s)`;
+    if (m.live) {
+      cell.moment.style.display = "none";
+      cell.live.style.display = "none";
+      cell.hint.style.display = "";
+    } else {
+      cell.moment.style.display = "";
+      cell.moment.textContent = `at ${Number(m.at).toFixed(2)} s`;
+      cell.live.style.display = "";
+      cell.hint.style.display = "none";
+    }
+    cell.title.title = [m.rule].concat(m.notes || []).filter((x) => x).join("\n");
+    cell.plot.dataset.total = String(total);
+    cell.plot.dataset.live = m.live ? "1" : "0";
+    cell.plot.dataset.at = m.at == null ? "" : String(m.at);
+    this.plot("holders", traces, this.legendLayout({ barmode: "overlay", height, margin,
+      uniformtext: { mode: "hide", minsize: 9 },
+      xaxis: { title: { text: "bytes " + inUse }, ticksuffix: " " + u.name,
+        range: [0, Math.max(total, 1) / u.scale], gridcolor: C.grid, zeroline: false },
+      yaxis: { autorange: "reversed", showticklabels: false, zeroline: false, showgrid: false,
+        fixedrange: true },
+      annotations: total ? [] : [{ text: `nothing ${esc(inUse)} at this moment`, x: 0.5, y: 0.5,
+        xref: "paper", yref: "paper", showarrow: false, font: { color: "#777" } }] }));
   }
 
   close() {
