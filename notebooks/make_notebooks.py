@@ -391,6 +391,89 @@ write("07_pytorch.ipynb", [
          "    print('no real snapshots here (../shared/reference/external is not present)')"),
     code("folder.cleanup()"),
 ])
+write("08_who_holds_it.ipynb", [
+    md("# Who holds the memory\n\n"
+       "The first question after an out-of-memory error is *which line of my code holds the "
+       "memory?* PyTorch records a call stack with every allocation (in a memory snapshot, "
+       "and in a profiler trace recorded with `profile_memory=True, with_stack=True`); gpudash "
+       "keeps them (interned: a few bytes an event) and answers by line, stack, "
+       "`record_function` range or category, at the peak, at an OOM, at any moment, and "
+       "between two moments.\n\n"
+       "The data here is real: PyTorch 2.13's profiler trace of four training steps of a small "
+       "MLP with Adam, on the CPU (`tests/data/real/record_torch_profile.py` made it; it "
+       "ships with gpudash as a sample). The script has a leak on purpose: each step also "
+       "computes a validation loss and keeps it in a list, with its graph. No GPU is "
+       "needed."),
+    code("from pathlib import Path\n"
+         "import tempfile\n"
+         "\n"
+         "import gpudash\n"
+         "from gpudash import samples\n"
+         "from gpudash.trace import load_trace\n"
+         "from gpudash.trace.diff import diff_holders, leaks\n"
+         "\n"
+         "PROFILE = samples.path('torch_mlp.profile.json.gz')\n"
+         "trace = load_trace(PROFILE)\n"
+         "print(trace)\n"
+         "print(f\"peak allocated: {trace.summary()['peak_allocated_bytes']:,} bytes\")"),
+    md("## At the peak, by line\n\n"
+       "`top_holders` adds up the blocks live at the peak by the innermost frame of *your* "
+       "code (not torch's, not a library's, not C++), and says which rule it used. (A "
+       "profile names the line where each function begins; a memory snapshot names the line "
+       "that ran.)"),
+    code("print(gpudash.top_holders(trace))"),
+    md("By whole stack, the training step's blocks and the validation pass's come apart, "
+       "though both call `forward`:"),
+    code("print(gpudash.top_holders(trace, by='stack', limit=4))"),
+    md("## By category and by `record_function` range\n\n"
+       "Categories follow the rules of PyTorch's memory profiler and Mosaic, from the stacks "
+       "and each block's lifetime; every row says which rule placed its bytes."),
+    code("print(gpudash.top_holders(trace, by='category'))\n"
+         "print()\n"
+         "print(gpudash.top_holders(trace, by='annotation'))"),
+    md("## What each step keeps\n\n"
+       "`leaks` cuts the run into iterations (here at the end of each `Optimizer.step`, from "
+       "the trace's own `record_function` ranges) and lists what one iteration allocated that "
+       "is still live at the end of the next. The validation pass's activations are kept in "
+       "three of four steps: the leak."),
+    code("print(leaks(trace, by='stack'))"),
+    md("`diff_holders` compares two moments of a run (or two runs), as lines a person reads:"),
+    code("change = diff_holders(trace, at=100, to='end')\n"
+         "print(change)\n"
+         "change   # the same as a table"),
+    md("## The stacks as an icicle\n\n"
+       "The outermost frame of your code at the top, each deeper frame below, then the library "
+       "code it called into; widths are bytes at the peak. The HTML report "
+       "(`gpudash replay TRACE --html`) draws the same, with the holders table and each row's "
+       "stack."),
+    code("from gpudash.report import stack_icicle_figure\n"
+         "\n"
+         "stack_icicle_figure(trace)"),
+    md("## Under other settings: who would hold it at the OOM\n\n"
+       "gpudash replays the same calls through its model of PyTorch's CUDA caching allocator "
+       "(`torch_mlp.replayed_snapshot.pickle` is that replay's snapshot, in PyTorch's "
+       "layout, with the stacks: memory_viz opens it). On a 9 MiB GPU the run fails; "
+       "the replay's recording says who held the memory at the failure."),
+    code("from gpudash.trace.replay import replay\n"
+         "from gpudash.trace.torch_snapshot import load_torch_snapshot\n"
+         "\n"
+         "snap = load_torch_snapshot(samples.path('torch_mlp.replayed_snapshot.pickle'))\n"
+         "r = replay(snap, device_bytes='9MiB', record=True)\n"
+         "print(r)\n"
+         "print(gpudash.top_holders(r.recording, at='oom'))"),
+    md("## Beside the kernels, in Perfetto\n\n"
+       "The memory as counters (allocated, reserved), OOMs as instants and `record_function` "
+       "ranges as slices, in Chrome's trace format; `merge=` writes them into the PyTorch "
+       "profiler trace itself, aligned on its clock, for ui.perfetto.dev "
+       "(`gpudash convert TRACE OUT.json --to perfetto --merge PROFILE.json`)."),
+    code("from gpudash.trace.perfetto import write_chrome_trace\n"
+         "\n"
+         "out = tempfile.TemporaryDirectory()\n"
+         "merged = Path(out.name) / 'merged.json.gz'\n"
+         "write_chrome_trace(trace, merged, merge=PROFILE)\n"
+         "print(f'{merged.name}: {merged.stat().st_size:,} bytes')\n"
+         "out.cleanup()"),
+])
 write("04_cluster.ipynb", [
     md("# gpudash on a Dask cluster\n\n"
        "Every Dask worker gets its own gpudash session (`GpudashPlugin`), and streams what its "

@@ -31,6 +31,8 @@ from gpudash.widgets import Dashboard, LiveModel
 from gpudash.widgets.dashboard import VIEWS
 from gpudash.widgets.model import _HolderLog
 
+pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
+
 comms = shared.comms
 MIB = 1 << 20
 HERE = __file__

@@ -498,6 +498,32 @@ def test_pytorch_notebook_replays_explains_and_answers_in_pytorchs_words(run_not
     assert "'reserved_bytes.all.peak':" in done and "WorkloadRun(allocs=" in done, done
 
 
+def test_who_holds_it_notebook_finds_the_lines_the_leak_and_the_holders_at_an_oom(run_notebook):
+    """Notebook 08 on PyTorch's real profile: the peak by the script's lines, the validation
+    pass's activations kept step after step, and who held the memory when a replay on a
+    smaller GPU failed."""
+    ex = run_notebook("08_who_holds_it.ipynb")
+    first = ex.text("trace = load_trace(PROFILE)")
+    assert "peak allocated: 8,479,928 bytes" in first, first
+    by_line = ex.text("print(gpudash.top_holders(trace))")
+    rows = [line.split()[-2:] for line in by_line.splitlines()[1:4]]
+    assert rows == [["record_torch_profile.py:38", "train_step"],
+                    ["record_torch_profile.py:32", "forward"],
+                    ["record_torch_profile.py:46", "validate"]], by_line
+    assert "user code: default" in by_line
+    cats = ex.text("by='category'")
+    assert "optimizer state" in cats and "activations" in cats, cats
+    kept = ex.text("leaks(trace")
+    first_row = kept.splitlines()[1]
+    assert "validate" in first_row and "in 3 of 4 iterations" in first_row, kept
+    assert "+1.50 MiB" in first_row, kept
+    oom = ex.text("r = replay(snap")
+    assert "OOMs (first at call" in oom and "at the out-of-memory error" in oom, oom
+    assert "record_torch_profile.py:38 train_step" in oom, oom
+    merged = ex.text("write_chrome_trace(")
+    assert re.search(r"merged\.json\.gz: [\d,]+ bytes", merged), merged
+
+
 def test_running_the_notebooks_leaves_nothing_behind(run_notebook, notebook_copy):
     """Notebooks write what they make to a temporary folder, not beside themselves (where a
     clone would show it as an untracked file), and the repository's notebooks are never
@@ -529,14 +555,14 @@ def test_the_stored_notebooks_are_what_the_generator_writes(tmp_path):
 
 # ------------------------------------------------------------------------------ packaging
 def test_the_samples_carry_the_real_files_the_postmortem_notebook_reads():
-    """Notebook 06 reads TensorFlow's files through ``gpudash.samples`` (package data, so a
-    wheel has them): the same bytes as ``tests/data/real/``, whose README says how they were
-    made."""
+    """Notebooks 06 and 08 read TensorFlow's and PyTorch's files through ``gpudash.samples``
+    (package data, so a wheel has them): the same bytes as ``tests/data/real/``, whose README
+    says how they were made."""
     import gpudash
     from gpudash import samples
 
     real = REPO / "tests" / "data" / "real"
-    for name in samples.TENSORFLOW_FILES:
+    for name in samples.TENSORFLOW_FILES + samples.TORCH_FILES:
         assert name in samples.files()
         assert samples.path(name).read_bytes() == (real / name).read_bytes(), name
     with pytest.raises(gpudash.ConfigError, match="no sample file 'nope.log'"):

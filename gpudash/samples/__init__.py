@@ -13,6 +13,13 @@ were made), for :func:`gpudash.explain` and :func:`gpudash.trace.load_trace`:
 - ``tf_oom_fragment.log``: a fragmentation out-of-memory error (two dumps);
 - ``tf_mlp_training.xplane.pb``: a profile of two epochs of a Keras MLP.
 
+Files from PyTorch 2.13 (copies of ``tests/data/real/``), for who holds the memory:
+
+- ``torch_mlp.profile.json.gz``: the profiler trace (memory events and Python stacks) of four
+  training steps of an MLP on the CPU, with a leak;
+- ``torch_mlp.replayed_snapshot.pickle``: that trace's calls replayed by gpudash's model of
+  PyTorch's CUDA caching allocator, as the snapshot PyTorch writes (with the stacks).
+
 >>> from gpudash import samples
 >>> samples.names()
 ['fragmentation.gdtrace', 'inference.gdtrace', 'training.gdtrace']
@@ -33,6 +40,8 @@ __all__ = ["names", "files", "path", "load"]
 
 #: The files TensorFlow wrote (the rest of the samples are ``.gdtrace`` traces).
 TENSORFLOW_FILES = ("tf_mlp_training.xplane.pb", "tf_oom_fragment.log", "tf_oom_mixed.log")
+#: The files from PyTorch: its profiler's trace, and a replay of it as PyTorch's snapshot.
+TORCH_FILES = ("torch_mlp.profile.json.gz", "torch_mlp.replayed_snapshot.pickle")
 
 
 def _folder() -> Path:
@@ -47,7 +56,8 @@ def names() -> list[str]:
 def files() -> list[str]:
     """Every sample file's name: the sample traces and the files TensorFlow wrote."""
     folder = _folder()
-    return sorted(names() + [n for n in TENSORFLOW_FILES if (folder / n).is_file()])
+    return sorted(names() + [n for n in TENSORFLOW_FILES + TORCH_FILES
+                             if (folder / n).is_file()])
 
 
 def path(name: str) -> Path:
