@@ -1013,8 +1013,8 @@ def test_cli_whatif_on_a_dask_scheduler_and_worker_of_its_own(tmp_path, capsys):
         for proc in reversed(procs):
             proc.terminate()
         for proc in reversed(procs):
-            try:
-                proc.wait(timeout=30)
+            try:  # a worker that lost its scheduler may try to reach it again: not for long
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
