@@ -540,7 +540,7 @@ def test_merge_refuses_times_that_are_not_wall_clock_unless_given_an_offset(tmp_
 
 @pytest.mark.parametrize("content, message", [
     (b"{not json", "not a JSON profiler trace"),
-    (gzip.compress(b'{"traceEvents": [')[:-6], "not a gzipped JSON profiler trace"),
+    (gzip.compress(b'{"traceEvents": [', mtime=0)[:-6], "not a gzipped JSON profiler trace"),
     (b'[{"ph": "X", "ts": 1, "pid": 1}]', "JSON array of events, with no baseTimeNano"),
     (b'"trace"', "a JSON str, not a profiler trace"),
     (b'{"baseTimeNanoseconds": 1696118400000000000}', "no traceEvents list"),
