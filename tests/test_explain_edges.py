@@ -19,7 +19,7 @@ from gpudash.proto import bfc_memory_map_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "tests" / "data" / "real"
-EXTERNAL = ROOT.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")
 OOM_LINE = "ran out of memory trying to allocate 3.00MiB (rounded to 3145728)"
 

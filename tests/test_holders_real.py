@@ -5,7 +5,6 @@ show of it."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 from collections import Counter
@@ -18,8 +17,7 @@ from gpudash.trace.holders import top_holders
 from gpudash.trace.stacks import Frame
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTERNAL = Path(os.environ.get("GPUDASH_EXTERNAL") or ROOT.parent / "shared" / "reference" /
-                "external")
+from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")
 
 # the real snapshots whose trace starts at an empty allocator, and their devices

@@ -256,7 +256,7 @@ def test_expandable_segment_maps_are_read_in_n_log_n(tmp_path):
     assert [(seg.address, seg.size) for seg in start_state(small)[0]] == [(100, 50)]
 
 
-EXTERNAL = ROOT.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 
 
 @pytest.mark.skipif(not EXTERNAL.is_dir(), reason="needs ../shared/reference/external")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "tests" / "data" / "real"
-EXTERNAL = ROOT.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")
 
 JAX_LOG = (

@@ -5,7 +5,6 @@ frameworks are tested in test_monitors.py (TensorFlow, for real, on its CPU BFC)
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from gpudash.monitors._parse import (
 )
 from gpudash.widgets.model import NUM_BINS, bin_of_sizes, heatmap_column
 
-EXTERNAL = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 PICKLES = sorted(EXTERNAL.glob("*.p*")) if EXTERNAL.is_dir() else []
 MiB = 1 << 20
 

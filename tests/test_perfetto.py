@@ -39,9 +39,7 @@ from gpudash.trace.workloads import training_loop
 # ../shared beside the checkout (as tests/test_torch_fidelity.py finds it), or beside the
 # folder of worktrees that holds this one
 _ROOT = Path(__file__).resolve().parent.parent
-EXTERNAL = next((p for p in (_ROOT.parent / "shared" / "reference" / "external",
-                             _ROOT.parent.parent / "shared" / "reference" / "external")
-                 if p.is_dir()), _ROOT.parent / "shared" / "reference" / "external")
+from shared_files import EXTERNAL  # noqa: E402
 A, F, E, R, O = "alloc", "free", "extend", "release", "oom"
 KIND = {A: EventKind.ALLOC, F: EventKind.FREE, E: EventKind.EXTEND, R: EventKind.RELEASE,
         O: EventKind.OOM}

@@ -24,7 +24,7 @@ from gpudash.trace.tf_dump import read_dumps, read_log_dumps
 
 DATA = Path(__file__).parent / "data"
 REAL = DATA / "real"
-EXTERNAL = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from gpudash.events import EventKind
 from gpudash.trace import load_trace
 from gpudash.trace.io import sniff_format
 
-EXTERNAL = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")
 
 HEADERLESS = ("1979932,14:21:19.998533,allocate,0x30a000000,256,0x2\n"

@@ -103,8 +103,9 @@ def test_what_is_not_pytorchs_or_has_no_failure_is_said(oom_snapshot, tmp_path):
         explain(text, framework="torch")
 
 
-EXTERNAL = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / \
-    "reference" / "external" / "code_location.memory_snapshot.pickle"
+from shared_files import EXTERNAL as _EXTERNAL_DIR  # noqa: E402
+
+EXTERNAL = _EXTERNAL_DIR / "code_location.memory_snapshot.pickle"
 
 
 @pytest.mark.skipif(not EXTERNAL.exists(), reason="../shared/reference/external is not here")

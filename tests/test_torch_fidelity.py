@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
-EXTERNAL = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "external"
+from shared_files import EXTERNAL  # noqa: E402
 SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL.is_dir() else []
 MiB = 1 << 20
 GiB = 1 << 30

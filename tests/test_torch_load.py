@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import json
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,16 +17,8 @@ from gpudash.trace import torch_trace as tt
 from gpudash.trace.torch_snapshot import _import, load_torch_snapshot, load_torch_snapshot_dict
 
 
-def _external() -> Path | None:
-    for up in Path(__file__).resolve().parents[1:4]:
-        cand = up / "shared" / "reference" / "external"
-        if cand.is_dir():
-            return cand
-    return None
-
-
-EXTERNAL = _external()
-SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL else []
+from shared_files import EXTERNAL  # noqa: E402
+SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL.is_dir() else []
 F1 = {"filename": "train.py", "line": 10, "name": "step"}
 F2 = {"filename": "model.py", "line": 20, "name": "forward"}
 

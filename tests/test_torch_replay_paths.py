@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,15 +28,7 @@ from gpudash.trace.torch_trace import (
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
 
-def _external() -> Path | None:
-    for up in Path(__file__).resolve().parents[1:4]:
-        cand = up / "shared" / "reference" / "external"
-        if cand.is_dir():
-            return cand
-    return None
-
-
-EXTERNAL = _external()
+from shared_files import EXTERNAL  # noqa: E402
 MID_RUN = ["cs336_notHanmin.memory_snapshot.pickle", "ftcourse.memory_snapshot.pickle",
            "LayoutEditing.memory_snapshot.pkl", "cs336_MAGMA27.memory_snapshot.pickle"]
 
@@ -97,7 +88,7 @@ def test_a_mid_run_start_made_by_calls_replays_as_the_rebuilt_one(seed, monkeypa
     _same_replays(fast, slow)
 
 
-@pytest.mark.skipif(EXTERNAL is None, reason="../shared/reference/external is not here")
+@pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared/reference/external is not here")
 @pytest.mark.parametrize("name", MID_RUN)
 def test_real_mid_run_snapshots_replay_alike_both_ways(name, monkeypatch):
     t = load_torch_snapshot(EXTERNAL / name)

@@ -11,7 +11,6 @@ import io
 import json
 import pickle
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,17 +22,8 @@ from gpudash.trace.stacks import Frame
 from gpudash.trace.torch_snapshot import load_torch_snapshot, load_torch_snapshot_dict
 
 
-def _external() -> Path | None:
-    """../shared/reference/external from the project's checkout (main or a worktree)."""
-    for up in Path(__file__).resolve().parents[1:4]:
-        cand = up / "shared" / "reference" / "external"
-        if cand.is_dir():
-            return cand
-    return None
-
-
-EXTERNAL = _external()
-SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL else []
+from shared_files import EXTERNAL  # noqa: E402
+SNAPSHOTS = sorted(p.name for p in EXTERNAL.glob("*.p*k*l*")) if EXTERNAL.is_dir() else []
 needs_external = pytest.mark.skipif(not SNAPSHOTS, reason="../shared/reference/external "
                                                           "is not here")
 ROW_ACTIONS = {"alloc", "free_completed", "segment_alloc", "segment_free", "segment_map",
