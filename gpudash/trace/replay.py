@@ -16,12 +16,10 @@ counters read directly); ``benchmarks/bench_replay.py`` measures it.
 from __future__ import annotations
 
 import array
-import contextlib
-import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +27,7 @@ import numpy as np
 
 from .. import _accel
 from .._errors import ConfigError
+from .._gc import collector_paused
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
@@ -1517,7 +1516,7 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
     if settings["allocator"] == "torch" and settings["exact"]:
-        with _gc_paused():
+        with collector_paused():
             result = _replay_exact(trace, settings, record=record, per_call=per_call,
                                    progress=report)
     elif record and trace.stack is not None:   # the recording carries the calls' stacks
@@ -1700,20 +1699,6 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
             np.sort(start_frees[start_frees >= 0]), tt.rows)
     return result
 
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off during an exact replay (back on after, if it
-    was on): the replay keeps millions of trace entries (the model's history, then its
-    snapshot), which each full collection would walk; the model makes no cycles to
-    collect."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _prefix_rows(trace: Trace, device: int) -> np.ndarray:

@@ -62,14 +62,11 @@ those that only end). No key when the snapshot has none.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import gc
 import io
 import json
 import os
 import pickle
 from collections import Counter, deque
-from collections.abc import Iterator
 from itertools import compress, repeat
 from operator import itemgetter
 from typing import IO, Any
@@ -77,6 +74,7 @@ from typing import IO, Any
 import numpy as np
 
 from .._errors import TraceFormatError
+from .._gc import collector_paused
 from ..events import EventKind
 from .format import Trace, _bins, _device_entries, _open_new, _open_regular, _regions, _source_name
 from .stacks import StackTable
@@ -95,6 +93,7 @@ from .torch_trace import (
     TorchTrace,
     _int,
     _short,
+    _stream_value,
     _time_ns,
     compact_segments,
     guess_version,
@@ -136,7 +135,7 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
     TraceFormatError
         Neither a builtin-only pickle nor JSON, a pickle naming a global, or not a snapshot.
     """
-    with _gc_paused():
+    with collector_paused():
         return _load_snapshot_dict(path_or_file)[0]
 
 
@@ -307,30 +306,13 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
         Unreadable file, a refused pickle global, or an entry without the fields its action
         needs (names ``device_traces[d][i]`` or ``segments[i]``).
     """
-    with _gc_paused():
+    with collector_paused():
         if isinstance(path_or_file, dict):
             return _import(path_or_file, "<dict>", None, reconstruct, release=False)
         name = _source_name(path_or_file)
         snap, nbytes = _load_snapshot_dict(path_or_file)
         return _import(snap, name, nbytes, reconstruct, release=True)
 
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a while (back on after, if it was on).
-
-    A snapshot is millions of dicts and lists; each collection of the oldest generation
-    walks them all, and building them (unpickling) and reading them set off dozens: more
-    than half of ``pickle.load``'s time on a large snapshot. Nothing a load makes holds a
-    cycle, so nothing is left for the collector to find.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _final_state(segments: list, name: str) -> tuple:
@@ -520,7 +502,7 @@ def _rebuilt_rows(dev: int, tt: TorchTrace, final_frames: dict, stacks: StackInt
             sid.append(-1 if made is None else stacks.of(made[0], None, None, made[1]))
             n_blocks += 1
     n = len(code)
-    streams = np.array([_stream({"stream": s}, where) for s in stream], dtype=np.int64)
+    streams = np.array([_stream_value({"stream": s}, where) for s in stream], dtype=np.int64)
     return (np.full(n, t0, np.int64), np.zeros(n, np.int8), np.full(n, dev, np.int16),
             np.arange(n, dtype=np.int64), np.array(code, np.int8),
             np.array(addr, np.int64), np.array(size, np.int64), streams,
@@ -609,17 +591,6 @@ def _in_order(t: np.ndarray, phase: np.ndarray, dev: np.ndarray, idx: np.ndarray
     dd = np.diff(dev.astype(np.int64))[tie]
     di = np.diff(idx)[tie]
     return bool(((dp > 0) | ((dp == 0) & ((dd > 0) | ((dd == 0) & (di > 0))))).all())
-
-
-def _stream(entry: dict, where: str) -> int:
-    """An entry's stream as a signed int64 (a cudaStream_t value; 0 when absent)."""
-    s = entry.get("stream", 0)
-    if s is None:
-        return 0
-    if isinstance(s, bool) or not isinstance(s, int) or not -(1 << 63) <= s < (1 << 64):
-        raise TraceFormatError(f"{where}: expected an integer stream (a cudaStream_t value), "
-                               f"found {s!r:.60}")
-    return s - (1 << 64) if s >= 1 << 63 else s
 
 
 def _jsonable(obj: Any, name: str = "<dict>") -> Any:
