@@ -102,6 +102,7 @@ include "_csrc/bfc.pxi"
 include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"
 include "_csrc/session.pxi"
+include "_csrc/pluggable.pxi"
 
 
 def make_bfc_class(pure, module):
