@@ -25,7 +25,8 @@ from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES"]
+__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES", "install",
+           "InstalledAllocator"]
 
 #: Ring size of the allocator history gpudash turns on (entries, each a few hundred bytes
 #: plus its stack).
@@ -182,3 +183,4 @@ def capture_oom(path: str | os.PathLike = "oom_snapshot.pickle", *,
 
 
 _keep: list[OomCapture] = []
+from .torch_install import InstalledAllocator, install  # noqa: E402 - install mode

@@ -1,0 +1,513 @@
+"""Install mode: a PyTorch job's CUDA allocations on gpudash's compiled allocator.
+
+``gpudash.torch.install()`` hands PyTorch the C functions ``gpudash._core`` exports
+(``gpudash_torch_malloc``, and the 4-argument ``gpudash_torch_free``) through
+``torch.cuda.memory.CUDAPluggableAllocator`` and ``change_current_allocator``. From then on
+every CUDA tensor's memory comes from gpudash's model of PyTorch's caching allocator
+(best fit by stream and size, blocks split and merged, 2 MiB / 20 MiB / rounded segments,
+``max_split_size``, the memory fraction), run in C with no Python and no GIL on the path,
+over ``cudaMalloc``/``cudaFree`` reached in the CUDA runtime PyTorch loaded.
+
+PyTorch's pluggable allocator answers only ``alloc`` and ``free`` from Python (its init,
+reset, fraction and record_stream hooks can be set from C++ only), and it has no
+statistics or snapshot. So while installed, gpudash answers for it:
+``torch.cuda.memory_stats()`` (and ``memory_allocated``, ``memory_reserved``,
+``max_memory_allocated``..., which read it), ``torch.cuda.memory._snapshot()`` and
+``memory_snapshot()`` (PyTorch's segment and block layout: memory_viz opens it),
+``torch.cuda.empty_cache()``, ``torch.cuda.set_per_process_memory_fraction()`` and
+``torch.cuda.reset_peak_memory_stats()``. :meth:`InstalledAllocator.uninstall` puts
+PyTorch's functions back; the allocator itself stays for the life of the process (PyTorch
+cannot swap an allocator that has allocated).
+
+Limits, said at install too (:data:`LIMITS`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["install", "installed", "InstalledAllocator", "LIMITS"]
+
+#: What PyTorch's pluggable allocator, and so install mode, cannot do.
+LIMITS = (
+    "CUDA graphs: graph capture's private memory pools are not supported (PyTorch's "
+    "pluggable allocator has no pool hooks from Python); torch.cuda.graphs and "
+    "torch.compile(mode='reduce-overhead') fail or allocate outside the graph pool",
+    "CUDA IPC: tensors cannot be shared with other processes (shareIpcHandle is not "
+    "supported), so torch.multiprocessing's CUDA sharing and DataLoader workers that "
+    "return CUDA tensors fail",
+    "cuDNN benchmark workspace queries: with torch.backends.cudnn.benchmark=True, cuDNN "
+    "asks for large trial workspaces; they come from gpudash's allocator and are cached "
+    "like any block, and the out-of-memory retries PyTorch does for them are not made",
+    "an out-of-memory cannot be raised as torch.OutOfMemoryError: gpudash stops the "
+    "process with a message (on_oom='abort', the default) or returns a null pointer "
+    "(on_oom='null')",
+    "expandable_segments, garbage_collection_threshold and roundup_power2_divisions are "
+    "not modelled; record_stream makes a block's free wait for the other stream",
+)
+
+_PY_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+             "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STAT_TYPES = ("all", "small_pool", "large_pool")
+_PATCHED = ("memory_stats", "_snapshot", "memory_snapshot", "empty_cache",
+            "set_per_process_memory_fraction", "get_per_process_memory_fraction",
+            "reset_peak_memory_stats")
+_installed: InstalledAllocator | None = None
+
+
+def _core() -> Any:
+    from . import _accel
+
+    core = getattr(_accel, "_core", None)
+    if core is None:
+        try:
+            from . import _core as core  # noqa: F811
+        except ImportError as exc:
+            raise ConfigError(
+                "install mode needs gpudash's compiled core (gpudash._core), which is not "
+                f"built here ({exc}); install a C compiler and reinstall gpudash") from None
+    if not hasattr(core, "pluggable_setup"):
+        raise ConfigError("gpudash._core was built without install mode; rebuild it "
+                          "(python setup.py build_ext --inplace)")
+    return core
+
+
+def _cudart_path() -> str:
+    """The CUDA runtime library this process loaded (PyTorch's), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    raise ConfigError("cannot find the CUDA runtime (libcudart) PyTorch loaded; install mode "
+                      "needs a CUDA build of PyTorch (pip's torch wheels bring one)")
+
+
+def _is_initialized(torch: Any) -> bool:
+    probe = getattr(torch.cuda, "is_initialized", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def install(allocator: str = "torch", *, fraction: float | None = None,
+            max_split_size_mb: int | None = None, on_oom: str = "abort",
+            quiet: bool = False, torch: Any = None, backend: str = "cuda",
+            total: int | None = None) -> InstalledAllocator:
+    """Run this process's PyTorch CUDA allocations on gpudash's compiled allocator.
+
+    Call it first, before anything touches CUDA (a tensor on the GPU, ``torch.cuda.
+    device_count()`` is fine, ``torch.cuda.init()`` is not).
+
+    Parameters
+    ----------
+    allocator : "torch"
+        gpudash's model of PyTorch's caching allocator. ``"bfc"`` (TensorFlow's) is not
+        available in install mode yet and is refused.
+    fraction : float, optional
+        ``set_per_process_memory_fraction`` for every device, from the start.
+    max_split_size_mb : int, optional
+        PyTorch's ``max_split_size_mb`` (> 20).
+    on_oom : "abort" or "null"
+        What an allocation that cannot be served does (see :data:`LIMITS`).
+    quiet : bool
+        Do not print the limits.
+    torch, backend, total
+        For tests: a stand-in ``torch``, ``backend="host"`` (host memory, ``total`` bytes
+        a device) instead of the GPU.
+
+    Returns
+    -------
+    InstalledAllocator
+
+    Raises
+    ------
+    ConfigError
+        CUDA is already initialised ("too late"), an unknown allocator or setting, install
+        mode already on, or no compiled core.
+    """
+    global _installed
+    if allocator != "torch":
+        if allocator == "bfc":
+            raise ConfigError(
+                "allocator='bfc' is not available in install mode: gpudash's BFC core holds "
+                "the GIL and has no C entry points yet; use allocator='torch', or replay a "
+                "recorded run under the BFC with gpudash.replay(..., allocator='bfc')")
+        raise ConfigError(f"allocator must be 'torch'; got {allocator!r}")
+    if _installed is not None:
+        raise ConfigError("gpudash's allocator is already installed in this process")
+    if fraction is not None and (isinstance(fraction, bool) or not 0.0 <= float(fraction) <= 1):
+        raise ConfigError(f"fraction must be a number in [0, 1]; got {fraction!r}")
+    if max_split_size_mb is not None and (isinstance(max_split_size_mb, bool) or
+                                          not isinstance(max_split_size_mb, int) or
+                                          max_split_size_mb <= 20):
+        raise ConfigError("max_split_size_mb must be an integer > 20 (PyTorch's rule); got "
+                          f"{max_split_size_mb!r}")
+    if torch is None:
+        from .monitors._base import require_installed
+
+        require_installed("torch")
+        import torch
+    if _is_initialized(torch):
+        raise ConfigError(
+            "too late: CUDA is already initialised in this process, and PyTorch cannot "
+            "swap its allocator once it has allocated. Call gpudash.torch.install() first, "
+            "before any tensor goes to the GPU (restart the kernel, then install, then the "
+            "job)")
+    core = _core()
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"install mode needs a CUDA device; torch {torch.__version__} "
+                              "sees none")
+        core.pluggable_bind_cuda(_cudart_path())
+        core.pluggable_setup("cuda", on_oom=on_oom)
+    elif backend == "host":
+        core.pluggable_setup("host", total=total or (16 << 30), on_oom=on_oom)
+    else:
+        raise ConfigError(f"backend must be 'cuda' or 'host'; got {backend!r}")
+    n = int(torch.cuda.device_count()) or 1
+    mss = None if max_split_size_mb is None else max_split_size_mb << 20
+    for d in range(n):
+        core.pluggable_settings(d, max_split_size=mss, fraction=fraction)
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+        core.__file__, core.PLUGGABLE_SYMBOLS["alloc"], core.PLUGGABLE_SYMBOLS["free"])
+    torch.cuda.memory.change_current_allocator(pluggable)
+    handle = InstalledAllocator(torch, core, n, pluggable)
+    handle._patch()
+    _installed = handle
+    if not quiet:
+        warnings.warn(handle.limits_text(), stacklevel=2)
+    return handle
+
+
+class InstalledAllocator:
+    """gpudash's allocator as this process's PyTorch CUDA allocator (from :func:`install`).
+
+    Its figures are PyTorch's keys (:meth:`memory_stats`, :meth:`snapshot`); :meth:`feed`
+    gives the dashboard a controllable device; :meth:`uninstall` gives PyTorch its own
+    ``memory_stats``, ``_snapshot``, ``empty_cache`` and fraction functions back."""
+
+    def __init__(self, torch: Any, core: Any, devices: int, pluggable: Any) -> None:
+        self._torch = torch
+        self._core = core
+        self.devices = devices
+        self.pluggable = pluggable
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.installed = True
+
+    # ------------------------------------------------------------------ figures
+    def state(self, device: int = 0) -> dict:
+        """The C core's reading of a device (statistics, counters, blocks, OOMs)."""
+        return self._core.pluggable_state(self._device(device))
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: PyTorch's flat keys, sorted."""
+        s = self.state(self._device(device))
+        out: dict[str, int] = {}
+        for name in _PY_STATS:
+            flat = s["stats"][{"active": "allocation",
+                               "active_bytes": "allocated_bytes"}.get(name, name)]
+            for ti, tname in enumerate(_STAT_TYPES):
+                cur, peak, alloc, freed = flat[4 * ti:4 * ti + 4]
+                out[f"{name}.{tname}.current"] = cur
+                out[f"{name}.{tname}.peak"] = peak
+                out[f"{name}.{tname}.allocated"] = alloc
+                out[f"{name}.{tname}.freed"] = freed
+        for name in ("oversize_allocations", "oversize_segments"):
+            cur, peak, alloc, freed = s[name]
+            out.update({f"{name}.current": cur, f"{name}.peak": peak,
+                        f"{name}.allocated": alloc, f"{name}.freed": freed})
+        for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                     "num_device_alloc", "num_device_free"):
+            out[name] = s[name]
+        out["max_split_size"] = -1 if s["max_split_size"] is None else s["max_split_size"]
+        return dict(sorted(out.items()))
+
+    def segments(self, device: int = 0) -> list[dict]:
+        """The segments as ``torch.cuda.memory_snapshot()`` lists them, by address."""
+        out: list[dict] = []
+        seg: dict | None = None
+        for ptr, size, req, stream, pool, allocated, head in self.state(device)["blocks"]:
+            if head or seg is None:
+                seg = {"device": device, "address": ptr, "total_size": 0,
+                       "allocated_size": 0, "active_size": 0, "requested_size": 0,
+                       "stream": stream, "segment_type": "small" if pool == 0 else "large",
+                       "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                       "blocks": []}
+                out.append(seg)
+            seg["blocks"].append({"address": ptr, "size": size, "requested_size": req,
+                                  "state": "active_allocated" if allocated else "inactive",
+                                  "frames": []})
+            seg["total_size"] += size
+            if allocated:
+                seg["allocated_size"] += size
+                seg["active_size"] += size
+                seg["requested_size"] += req
+        return out
+
+    def snapshot(self, mempool_id: Any = None) -> dict:
+        """``torch.cuda.memory._snapshot()``: segments of every device, no traces (install
+        mode keeps no history), the settings; memory_viz opens it."""
+        segs = [s for d in range(self.devices) for s in self.segments(d)]
+        s0 = self.state(0)
+        settings = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": s0["max_split_size"]
+                    if s0["max_split_size"] is not None else -1,
+                    "garbage_collection_threshold": 0.0, "expandable_segments": False,
+                    "allocator": "gpudash install mode"}
+        return {"segments": segs, "device_traces": [[] for _ in range(self.devices)],
+                "allocator_settings": settings, "external_annotations": []}
+
+    # ------------------------------------------------------------------ controls
+    def empty_cache(self, device: int = -1) -> int:
+        """``torch.cuda.empty_cache()``: whole free segments back; the bytes returned."""
+        return self._core.pluggable_empty_cache(device)
+
+    def set_fraction(self, fraction: float, device: Any = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``: live."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+                not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"fraction must be a number in [0, 1]; got {fraction!r}")
+        self._settings(self._device(device), fraction=float(fraction))
+
+    def set_allocator_settings(self, conf: str, device: Any = None) -> None:
+        """PyTorch's settings string, live, with PyTorch's rule that what it leaves out
+        returns to its default: ``max_split_size_mb`` and ``max_non_split_rounding_mb``
+        are applied; the others install mode does not model are refused."""
+        mss = None
+        tol = 20 << 20
+        for part in filter(None, (p.strip() for p in str(conf).split(","))):
+            key, sep, value = part.partition(":")
+            key = key.strip()
+            if not sep:
+                raise ConfigError(f"allocator setting {part!r} is not key:value")
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if key == "max_split_size_mb" and number is not None and number > 20:
+                mss = number << 20
+            elif key == "max_non_split_rounding_mb" and number is not None and number >= 0:
+                tol = number << 20
+            else:
+                raise ConfigError(
+                    f"install mode cannot apply {part!r}: it models max_split_size_mb (> 20) "
+                    "and max_non_split_rounding_mb only")
+        for d in self._devices(device):
+            self._core.pluggable_settings(d, max_split_size=mss,
+                                          max_non_split_rounding_size=tol)
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._core.pluggable_reset_peaks(self._device(device))
+
+    def feed(self, device: int = 0) -> Any:
+        """A controllable :class:`~gpudash.widgets.feeds.DeviceFeed` of a device
+        (``InstallFeed``)."""
+        return _feed_class()(self, self._device(device))
+
+    def limits_text(self) -> str:
+        return ("gpudash's allocator is installed for PyTorch's CUDA memory. Limits: "
+                + "; ".join(f"({i}) {text}" for i, text in enumerate(LIMITS, 1)))
+
+    # ------------------------------------------------------------------ internals
+    def _settings(self, device: int, **kw: Any) -> None:
+        s = self.state(device)
+        self._core.pluggable_settings(device, max_split_size=s["max_split_size"],
+                                      max_non_split_rounding_size=s[
+                                          "max_non_split_rounding_size"], **kw)
+
+    def _device(self, device: Any) -> int:
+        if device is None:
+            return 0
+        index = getattr(device, "index", device)
+        if index is None:
+            return 0
+        if isinstance(device, str):
+            index = int(device.rpartition(":")[2] or 0)
+        if isinstance(index, bool) or not isinstance(index, int) or \
+                not 0 <= index < max(self.devices, 1):
+            raise ConfigError(f"no CUDA device {device!r} (install mode sees "
+                              f"{self.devices})")
+        return index
+
+    def _devices(self, device: Any) -> list[int]:
+        return list(range(self.devices)) if device is None else [self._device(device)]
+
+    def _patch(self) -> None:
+        torch = self._torch
+        mine = {
+            "memory_stats": lambda device=None: self.memory_stats(device),
+            "_snapshot": lambda mempool_id=None, *a, **k: self.snapshot(mempool_id),
+            "memory_snapshot": lambda mempool_id=None, *a, **k: self.snapshot()["segments"],
+            "empty_cache": lambda: self.empty_cache(),
+            "set_per_process_memory_fraction":
+                lambda fraction, device=None: self.set_fraction(fraction, device),
+            "get_per_process_memory_fraction":
+                lambda device=None: self.state(self._device(device))["fraction"] or 1.0,
+            "reset_peak_memory_stats":
+                lambda device=None: self.reset_peak_memory_stats(device),
+        }
+        for space in (torch.cuda, getattr(torch.cuda, "memory", None)):
+            if space is None:
+                continue
+            for name in _PATCHED:
+                self._saved.append((space, name, space.__dict__.get(name, _MISSING)
+                                    if hasattr(space, "__dict__") else getattr(space, name)))
+                setattr(space, name, mine[name])
+
+    def uninstall(self) -> None:
+        """PyTorch's own functions back (``memory_stats``, ``_snapshot``, ``empty_cache``,
+        the fraction, the peaks). The allocator stays: PyTorch cannot swap one that has
+        allocated, so the job's memory still comes from gpudash until the process ends."""
+        global _installed
+        for space, name, old in reversed(self._saved):
+            if old is _MISSING:
+                try:
+                    delattr(space, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(space, name, old)
+        self._saved.clear()
+        self.installed = False
+        if _installed is self:
+            _installed = None
+
+    def __repr__(self) -> str:
+        s = self.state(0)
+        return (f"InstalledAllocator(devices={self.devices}, reserved={s['reserved']}, "
+                f"allocated={s['stats']['allocated_bytes'][0]}, installed={self.installed})")
+
+
+_MISSING = object()
+
+
+def installed() -> InstalledAllocator | None:
+    """The allocator :func:`install` put in place, or None."""
+    return _installed
+
+
+def _reset_for_tests() -> None:
+    global _installed
+    if _installed is not None:
+        _installed.uninstall()
+    _installed = None
+
+
+# ------------------------------------------------------------------------------ the feed
+def _make_feed_class() -> type:
+    from .bfc import AllocatorStats
+    from .widgets.feeds import DeviceFeed, FeedSample
+
+    class InstallFeed(DeviceFeed):
+        """One device of the installed allocator, for a live model: samples from the C
+        core's counters and blocks, controls that act on the real allocator (the fraction
+        live, ``empty_cache``), as a CuPy session routed through ``sess.install()``."""
+
+        kind = "torch"
+        controls = None
+
+        def __init__(self, owner: InstalledAllocator, device: int) -> None:
+            self._owner = owner
+            self.device = device
+            self.name = f"cuda:{device} (gpudash installed)"
+            s = owner.state(device)
+            self.capacity = s["total"]
+            self._seen = (s["allocs"], s["frees"], s["oom_count"])
+            self._settings_log: list = []
+
+        def sample(self) -> Any:
+            import numpy as np
+
+            s = self._owner.state(self.device)
+            allocs, frees, ooms = self._seen
+            new_ooms = tuple((t, r, q) for t, r, q in s["ooms"][-(s["oom_count"] - ooms):]
+                             ) if s["oom_count"] > ooms else ()
+            self._seen = (s["allocs"], s["frees"], s["oom_count"])
+            rows = s["blocks"]
+            ptr = np.array([r[0] for r in rows], dtype=np.int64)
+            size = np.array([r[1] for r in rows], dtype=np.int64)
+            used = np.array([r[5] for r in rows], dtype=bool)
+            heads = np.array([r[6] for r in rows], dtype=bool)
+            seg_id = np.cumsum(heads) - 1 if len(rows) else np.zeros(0, dtype=np.int64)
+            region = ptr[heads][seg_id] if len(rows) else ptr
+            seg_sizes = np.bincount(seg_id, weights=size).astype(np.int64) if len(rows) \
+                else np.zeros(0, dtype=np.int64)
+            free_sizes = size[~used]
+            in_use = int(s["stats"]["allocated_bytes"][0])
+            free = s["reserved"] - in_use
+            largest = int(free_sizes.max()) if len(free_sizes) else 0
+            stats = AllocatorStats(
+                num_allocs=int(s["stats"]["allocation"][2]), bytes_in_use=in_use,
+                peak_bytes_in_use=int(s["stats"]["allocated_bytes"][1]),
+                bytes_limit=s["allowed"] if s["allowed"] is not None else s["total"],
+                pool_bytes=s["reserved"], peak_pool_bytes=s["peak_reserved"],
+                largest_free_block_bytes=largest,
+                fragmentation=(free - largest) / free if free > 0 else 0.0)
+            table = {"ptr": ptr, "size": size,
+                     "requested": np.array([r[2] if r[5] else 0 for r in rows], dtype=np.int64),
+                     "alloc_id": np.full(len(rows), -1, dtype=np.int64),
+                     "bin": np.array([r[4] for r in rows], dtype=np.int8),
+                     "region": region, "in_use": used,
+                     "expandable": np.zeros(len(rows), dtype=bool),
+                     "regions": np.stack([ptr[heads], seg_sizes], axis=1) if len(rows)
+                     else np.zeros((0, 2), dtype=np.int64)}
+            settings, self._settings_log = tuple(self._settings_log), []
+            return FeedSample(time_ms=time.time() * 1000.0, stats=stats, table=table,
+                              allocs=s["allocs"] - allocs, frees=s["frees"] - frees,
+                              events=(s["allocs"] - allocs) + (s["frees"] - frees),
+                              ooms=new_ooms, settings=settings,
+                              extra={"reserved": s["reserved"],
+                                     "stream_waits": s["stream_waits"]})
+
+        def settings(self) -> dict:
+            s = self._owner.state(self.device)
+            return {"fraction": s["fraction"], "allow_growth": True,
+                    "deferred_deletion_bytes": None, "limit": s["allowed"] or s["total"],
+                    "total": s["total"] or None}
+
+        def configure(self, **changes: Any) -> None:
+            from .widgets.feeds import CONTROL_NAMES
+
+            unknown = sorted(set(changes) - set(CONTROL_NAMES))
+            if unknown:
+                raise ConfigError(f"unknown setting(s) {unknown}; expected {CONTROL_NAMES}")
+            if changes.get("allow_growth") is False:
+                raise ConfigError("PyTorch's caching allocator always grows on demand; "
+                                  "allow_growth=False has no meaning for it (set a fraction)")
+            if changes.get("deferred_deletion_bytes") not in (None, 0):
+                raise ConfigError("PyTorch's caching allocator defers no frees; "
+                                  "deferred_deletion_bytes does not apply")
+            frac = changes.get("per_process_gpu_memory_fraction")
+            if frac is not None:
+                old = self._owner.state(self.device)["fraction"]
+                self._owner.set_fraction(frac, self.device)
+                self._settings_log.append((time.time_ns(), "fraction", old, float(frac)))
+
+        def release_free_regions(self) -> int:
+            return self._owner.empty_cache(self.device)
+
+        def flush_deferred(self) -> int:
+            return 0
+
+    return InstallFeed
+
+
+_FEED: list = []
+
+
+def _feed_class() -> type:
+    if not _FEED:
+        _FEED.append(_make_feed_class())
+    return _FEED[0]
+
+
+def __getattr__(name: str) -> Any:
+    # InstallFeed is made on first use: the widgets layer is imported only then
+    if name == "InstallFeed":
+        return _feed_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

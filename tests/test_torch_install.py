@@ -1,0 +1,346 @@
+"""Install mode: the C functions gpudash._core exports for PyTorch's CUDAPluggableAllocator,
+called through ctypes as PyTorch's loader calls them, over host memory; held to the Python
+model of PyTorch's caching allocator (gpudash.caching) call for call; install() against the
+torch stand-in. The GPU run is marked ``gpu``."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import shutil
+import subprocess
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from gpudash import ConfigError
+from gpudash.caching import CachingAllocator
+
+core = pytest.importorskip("gpudash._core")
+if not hasattr(core, "pluggable_setup"):  # pragma: no cover - an old build
+    pytest.skip("gpudash._core was built without install mode", allow_module_level=True)
+
+from gpudash import torch_install  # noqa: E402
+from torch_standin import StandInTorch  # noqa: E402
+
+pytestmark = pytest.mark.core
+
+MiB = 1 << 20
+TOTAL = 512 * MiB
+
+
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(core.__file__)
+    lib.gpudash_torch_malloc.restype = ctypes.c_void_p
+    lib.gpudash_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.gpudash_torch_free.restype = None
+    lib.gpudash_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                       ctypes.c_void_p]
+    lib.gpudash_torch_init.argtypes = [ctypes.c_int]
+    lib.gpudash_torch_reset.argtypes = []
+    lib.gpudash_torch_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    lib.gpudash_torch_base_alloc.restype = ctypes.c_void_p
+    lib.gpudash_torch_base_alloc.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    lib.gpudash_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def _free_everything() -> None:
+    lib = _lib()
+    for dev in range(2):
+        for ptr, size, _req, stream, _pool, allocated, _head in \
+                core.pluggable_state(dev)["blocks"]:
+            if allocated:
+                lib.gpudash_torch_free(ptr, size, dev, stream)
+    core.pluggable_empty_cache(-1)
+
+
+@pytest.fixture
+def lib():
+    _free_everything()
+    core.pluggable_setup("host", total=TOTAL, on_oom="null")
+    lib = _lib()
+    lib.gpudash_torch_init(2)
+    yield lib
+    torch_install._reset_for_tests()
+    _free_everything()
+
+
+def _stats(dev: int = 0) -> dict:
+    return torch_install.InstalledAllocator(None, core, 2, None).memory_stats(dev)
+
+
+class _Replaying:
+    """A sub-allocator for the Python model that hands out the segments the C core got:
+    the one segment of the asked size the core holds and the model does not yet. It
+    refuses as the core's host backend does: past ``total`` bytes held."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.live: dict[int, int] = {}
+
+    def alloc(self, n: int) -> int:
+        if sum(self.live.values()) + n > self.total:
+            raise MemoryError(n)
+        fresh = [p for p, size in _heads().items() if size == n and p not in self.live]
+        if not fresh:
+            raise MemoryError(n)
+        assert len(fresh) == 1, fresh
+        self.live[fresh[0]] = n
+        return fresh[0]
+
+    def free(self, ptr: int, n: int) -> None:
+        assert self.live.pop(ptr) == n
+
+
+def _heads(dev: int = 0) -> dict[int, int]:
+    out: dict[int, int] = {}
+    head = None
+    for ptr, size, *_rest, is_head in core.pluggable_state(dev)["blocks"]:
+        if is_head:
+            head = ptr
+            out[head] = 0
+        out[head] += size
+    return out
+
+
+# ------------------------------------------------------------------------------ the symbols
+def test_the_hooks_are_exported_and_ctypes_finds_them():
+    lib = ctypes.CDLL(core.__file__)
+    for hook, name in core.PLUGGABLE_SYMBOLS.items():
+        assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value, hook
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm here")
+    out = subprocess.run([nm, "-D", "--defined-only", core.__file__], capture_output=True,
+                         text=True, check=True).stdout
+    exported = {line.split()[-1] for line in out.splitlines() if " T " in line}
+    assert set(core.PLUGGABLE_SYMBOLS.values()) <= exported
+
+
+# ------------------------------------------------------------------------------ differential
+@pytest.mark.parametrize("conf, fraction", [(None, None), ("max_split_size_mb:40", None),
+                                            (None, 0.25)])
+def test_same_addresses_and_statistics_as_the_python_model(lib, conf, fraction):
+    if conf:
+        core.pluggable_settings(0, max_split_size=40 * MiB)
+    if fraction:
+        lib.gpudash_torch_memory_fraction(fraction, 0)
+    sub = _Replaying(TOTAL)
+    model = CachingAllocator(sub, conf, fraction=fraction)
+    rng = random.Random(36)
+    live: list[tuple[int, int, int]] = []
+    sizes = [1, 500, 512, 4000, 100_000, 1 * MiB, 1 * MiB + 1, 3 * MiB, 9 * MiB, 12 * MiB,
+             25 * MiB, 45 * MiB, 70 * MiB]
+    streams = [0, 0, 0, 0x7000]
+    ooms = 0
+    for step in range(1500):
+        if live and (rng.random() < 0.45 or len(live) > 60):
+            ptr, n, stream = live.pop(rng.randrange(len(live)))
+            lib.gpudash_torch_free(ptr, n, 0, stream)
+            model.deallocate(ptr)
+        elif step % 311 == 310:
+            lib.gpudash_torch_reset()
+            model.empty_cache()
+        else:
+            n = rng.choice(sizes) + rng.randrange(0, 3000)
+            stream = rng.choice(streams)
+            got = lib.gpudash_torch_malloc(n, 0, stream or None) or 0
+            want = model.try_allocate(n, stream=stream)
+            assert got == want, f"step {step}: {n} bytes on stream {stream:#x}"
+            if got:
+                live.append((got, n, stream))
+            else:
+                ooms += 1
+        assert sub.live == _heads()
+    assert _stats() == model.memory_stats()
+    if fraction:
+        assert ooms and _stats()["num_ooms"] == ooms
+    for ptr, n, stream in live:
+        lib.gpudash_torch_free(ptr, n, 0, stream)
+        model.deallocate(ptr)
+    lib.gpudash_torch_reset()
+    model.empty_cache()
+    assert _stats() == model.memory_stats()
+    assert core.pluggable_state(0)["reserved"] == 0
+
+
+def test_free_of_an_unknown_pointer_changes_nothing(lib, capfd):
+    p = lib.gpudash_torch_malloc(1000, 0, None)
+    before = _stats()
+    lib.gpudash_torch_free(p + 512, 1000, 0, None)
+    assert _stats() == before
+    assert "not a live block" in capfd.readouterr().err
+    lib.gpudash_torch_free(p, 1000, 0, None)
+    lib.gpudash_torch_free(p, 1000, 0, None)   # a double free: refused, said
+    assert "not a live block" in capfd.readouterr().err
+    assert _stats()["allocation.all.current"] == 0
+
+
+def test_oom_returns_null_and_is_recorded(lib, capfd):
+    lib.gpudash_torch_memory_fraction(0.1, 0)    # 51.2 MiB
+    assert lib.gpudash_torch_malloc(40 * MiB, 0, None)
+    assert lib.gpudash_torch_malloc(40 * MiB, 0, None) is None
+    s = core.pluggable_state(0)
+    assert s["num_ooms"] == 1 and s["ooms"][0][1:] == (40 * MiB, 40 * MiB)
+    assert "out of memory on cuda:0" in capfd.readouterr().err
+    assert lib.gpudash_torch_malloc(0, 0, None) is None   # size 0: no memory, no OOM
+    assert core.pluggable_state(0)["num_ooms"] == 1
+
+
+def test_base_alloc_record_stream_and_devices(lib):
+    a = lib.gpudash_torch_malloc(1000, 0, None)
+    b = lib.gpudash_torch_malloc(3000, 0, None)
+    size = ctypes.c_size_t(0)
+    assert lib.gpudash_torch_base_alloc(b, ctypes.byref(size)) == a
+    assert size.value == 2 * MiB
+    other = 0x1234
+    lib.gpudash_torch_record_stream(b, other)
+    lib.gpudash_torch_free(b, 3000, 0, None)
+    assert core.pluggable_state(0)["stream_waits"] == 1
+    c = lib.gpudash_torch_malloc(5000, 1, None)     # another device: its own state
+    assert core.pluggable_state(1)["stats"]["allocation"][0] == 1
+    assert core.pluggable_state(0)["stats"]["allocation"][0] == 1
+    lib.gpudash_torch_free(c, 5000, 1, None)
+    lib.gpudash_torch_free(a, 1000, 0, None)
+
+
+def test_threads_allocate_without_the_gil(lib):
+    """ctypes releases the GIL around each call: eight threads run the C entry points at
+    once, each writing its own byte into its blocks and checking it is still there."""
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        rng = random.Random(k)
+        mine: list[tuple[int, int]] = []
+        for _ in range(1500):
+            if mine and rng.random() < 0.5:
+                p, n = mine.pop(rng.randrange(len(mine)))
+                if ctypes.string_at(p, min(n, 64)) != bytes([k]) * min(n, 64):
+                    errors.append(f"thread {k}: block {p:#x} was overwritten")
+                lib.gpudash_torch_free(p, n, 0, None)
+            else:
+                n = rng.choice([64, 700, 5000, 200_000, 3 * MiB])
+                p = lib.gpudash_torch_malloc(n, 0, None)
+                if not p:
+                    errors.append(f"thread {k}: out of memory")
+                    continue
+                ctypes.memset(p, k, min(n, 64))
+                mine.append((p, n))
+        for p, n in mine:
+            lib.gpudash_torch_free(p, n, 0, None)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = core.pluggable_state(0)
+    assert s["stats"]["allocation"][0] == 0 and s["stats"]["allocated_bytes"][0] == 0
+    assert s["allocs"] == s["frees"]
+    # every segment is whole again: one free block each
+    assert all(head and not used for *_x, used, head in s["blocks"])
+    assert sum(size for _p, size, *_r in s["blocks"]) == s["reserved"]
+
+
+# ------------------------------------------------------------------------------ install()
+def _standin(initialized: bool = False) -> StandInTorch:
+    torch = StandInTorch()
+    made = []
+    torch.cuda.is_initialized = lambda: initialized
+    torch.cuda.memory = SimpleNamespace(
+        CUDAPluggableAllocator=lambda path, a, f: made.append((path, a, f)) or (path, a, f),
+        change_current_allocator=lambda alloc: made.append(("changed", alloc)),
+        memory_stats=lambda device=None: {"theirs": 1},
+        _snapshot=lambda mempool_id=None: {"theirs": 1})
+    torch.made = made
+    return torch
+
+
+def test_install_too_late_says_so():
+    torch = _standin(initialized=True)
+    with pytest.raises(ConfigError, match="too late: CUDA is already initialised"):
+        torch_install.install(torch=torch, backend="host", quiet=True)
+    with pytest.raises(ConfigError, match="allocator='bfc' is not available"):
+        torch_install.install("bfc", torch=_standin(), backend="host", quiet=True)
+
+
+def test_install_routes_stats_snapshot_and_controls(lib):
+    torch = _standin()
+    theirs = torch.cuda.memory.memory_stats
+    with pytest.warns(UserWarning, match="CUDA graphs.*CUDA IPC.*cuDNN benchmark"):
+        handle = torch_install.install(torch=torch, backend="host", total=TOTAL,
+                                       on_oom="null")
+    assert torch.made[0] == (core.__file__, "gpudash_torch_malloc", "gpudash_torch_free")
+    lib = _lib()
+    sub = _Replaying(TOTAL)
+    model = CachingAllocator(sub)
+    ptrs = []
+    for n in (1000, 5 * MiB, 30 * MiB):
+        p = lib.gpudash_torch_malloc(n, 0, None)
+        assert model.allocate(n) == p
+        ptrs.append((p, n))
+    lib.gpudash_torch_free(ptrs[1][0], ptrs[1][1], 0, None)
+    model.deallocate(ptrs[1][0])
+    for space in (torch.cuda, torch.cuda.memory):
+        assert space.memory_stats() == model.memory_stats()
+    snap = torch.cuda.memory._snapshot()
+    assert snap["segments"] == model.snapshot()["segments"]
+    assert set(snap) >= {"segments", "device_traces", "allocator_settings"}
+    # the controls act on the real allocator
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    assert core.pluggable_state(0)["allowed"] == TOTAL // 2
+    assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+    torch.cuda.empty_cache()
+    model.empty_cache()
+    assert torch.cuda.memory_stats() == model.memory_stats()
+    feed = handle.feed(0)
+    sample = feed.sample()
+    assert sample.stats.bytes_in_use == 1024 + 30 * MiB
+    assert sample.table["ptr"].tolist() == model.chunk_table()["ptr"].tolist()
+    assert sample.table["regions"].tolist() == model.chunk_table()["regions"].tolist()
+    feed.configure(per_process_gpu_memory_fraction=0.2)
+    assert core.pluggable_state(0)["allowed"] == int(0.2 * TOTAL)
+    assert feed.sample().settings[0][1:] == ("fraction", 0.5, 0.2)
+    with pytest.raises(ConfigError, match="always grows"):
+        feed.configure(allow_growth=False)
+    handle.set_allocator_settings("max_split_size_mb:64")
+    assert torch.cuda.memory_stats()["max_split_size"] == 64 * MiB
+    handle.set_allocator_settings("")          # what the string leaves out: default
+    assert torch.cuda.memory_stats()["max_split_size"] == -1
+    with pytest.raises(ConfigError, match="expandable_segments"):
+        handle.set_allocator_settings("expandable_segments:True")
+    with pytest.raises(ConfigError, match="already installed"):
+        torch_install.install(torch=torch, backend="host", quiet=True)
+    handle.uninstall()
+    assert torch.cuda.memory.memory_stats is theirs
+    assert torch.cuda.memory.memory_stats() == {"theirs": 1}
+    assert "_snapshot" not in vars(torch.cuda)      # the stand-in's own method again
+    for p, n in (ptrs[0], ptrs[2]):
+        lib.gpudash_torch_free(p, n, 0, None)
+
+
+# ------------------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+def test_install_on_a_gpu_in_a_fresh_process(tmp_path):
+    """A fresh interpreter installs before CUDA starts, trains a few steps, and reads the
+    figures through torch.cuda.memory_stats()."""
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, gpudash.torch as gt\n"
+        "h = gt.install(quiet=True)\n"
+        "m = torch.nn.Linear(256, 256).cuda()\n"
+        "x = torch.randn(64, 256, device='cuda')\n"
+        "m(x).sum().backward()\n"
+        "s = torch.cuda.memory_stats()\n"
+        "assert s['allocated_bytes.all.current'] > 0, s\n"
+        "assert torch.cuda.memory_allocated() == s['allocated_bytes.all.current']\n"
+        "print('ok', s['reserved_bytes.all.current'])\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
