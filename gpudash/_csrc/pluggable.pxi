@@ -1004,3 +1004,35 @@ def pluggable_empty_cache(int device=-1):
                 after += pl_devs[i].reserved
                 pthread_mutex_unlock(&pl_locks[i])
     return before - after
+
+
+def pluggable_bench(int64_t pairs, int device=0):
+    """benchmarks/bench_install.py: ns per alloc/free pair through the hooks, driven from a
+    C loop with the GIL released (sizes cycling over both pools, one in 8 kept live for 64
+    pairs, so blocks split and merge)."""
+    cdef int64_t i, t0, t1, k
+    cdef size_t n
+    cdef size_t sizes[8]
+    cdef void* keep[64]
+    cdef size_t keep_n[64]
+    cdef void* p
+    sizes[:] = [512, 4096, 65536, 300000, 2 << 20, 6 << 20, 24 << 20, 1000]
+    memset(keep, 0, sizeof(keep))
+    with nogil:
+        t0 = now_ns()
+        for i in range(pairs):
+            n = sizes[i & 7]
+            p = gpudash_torch_malloc(n, device, NULL)
+            if i & 7 == 0:
+                k = (i >> 3) & 63
+                if keep[k] != NULL:
+                    gpudash_torch_free(keep[k], keep_n[k], device, NULL)
+                keep[k] = p
+                keep_n[k] = n
+            else:
+                gpudash_torch_free(p, n, device, NULL)
+        t1 = now_ns()
+        for k in range(64):
+            if keep[k] != NULL:
+                gpudash_torch_free(keep[k], keep_n[k], device, NULL)
+    return (t1 - t0) / <double>pairs if pairs > 0 else 0.0

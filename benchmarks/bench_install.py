@@ -1,0 +1,79 @@
+"""Install mode's hot path: ns per alloc/free pair through the C entry points PyTorch's
+CUDAPluggableAllocator calls (gpudash_torch_malloc / gpudash_torch_free), over host memory.
+
+A C loop drives the pair (ctypes' own cost, about 1 us a call, would hide the allocator's);
+the sizes cycle through a small-pool and a large-pool mix with one tensor in 8 kept live,
+so blocks split and merge. Also the same pairs through ctypes, one thread and four.
+
+    python benchmarks/bench_install.py [--pairs 2000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import threading
+import time
+
+from gpudash import _core as core
+
+
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(core.__file__)
+    lib.gpudash_torch_malloc.restype = ctypes.c_void_p
+    lib.gpudash_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.gpudash_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                       ctypes.c_void_p]
+    return lib
+
+
+SIZES = (512, 4096, 65536, 300_000, 2 << 20, 6 << 20, 24 << 20, 1000)
+
+
+def through_ctypes(lib: ctypes.CDLL, pairs: int) -> float:
+    keep = []
+    t0 = time.perf_counter_ns()
+    for i in range(pairs):
+        n = SIZES[i & 7]
+        p = lib.gpudash_torch_malloc(n, 0, None)
+        if i & 7 == 0:
+            keep.append((p, n))
+            if len(keep) > 64:
+                q, m = keep.pop(0)
+                lib.gpudash_torch_free(q, m, 0, None)
+        else:
+            lib.gpudash_torch_free(p, n, 0, None)
+    dt = time.perf_counter_ns() - t0
+    for q, m in keep:
+        lib.gpudash_torch_free(q, m, 0, None)
+    return dt / pairs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=2_000_000)
+    args = ap.parse_args()
+    core.pluggable_setup("host", total=8 << 30, on_oom="null")
+    lib = _lib()
+    lib.gpudash_torch_init(1)
+    ns = core.pluggable_bench(args.pairs)
+    print(f"C loop:          {ns:8.1f} ns per alloc/free pair ({args.pairs:,} pairs)")
+    n = max(args.pairs // 20, 1000)
+    print(f"ctypes, 1 thread:{through_ctypes(lib, n):8.1f} ns per pair ({n:,} pairs)")
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(through_ctypes(lib, n // 4)))
+               for _ in range(4)]
+    t0 = time.perf_counter_ns()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = (time.perf_counter_ns() - t0) / (n // 4 * 4)
+    print(f"ctypes, 4 threads: {wall:6.1f} ns per pair, wall clock over all pairs")
+    core.pluggable_empty_cache(-1)
+    s = core.pluggable_state(0)
+    assert s["stats"]["allocation"][0] == 0 and s["reserved"] == 0, s
+
+
+if __name__ == "__main__":
+    main()
