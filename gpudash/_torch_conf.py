@@ -504,6 +504,32 @@ class CachingAllocatorConfig:
         return vec
 
     # ------------------------------------------------------------------ views
+    def unsupported(self) -> str | None:
+        """PyTorch's rule for ``max_split_size_mb`` with ``expandable_segments:True``: None
+        unless these settings combine them, else why no answer should offer them together.
+
+        PyTorch's parser takes both, but the allocator does not support them together: when
+        a new segment is refused, ``release_available_cached_blocks`` frees cached blocks of
+        ``max_split_size`` or more without passing over expandable ones, and
+        ``release_block`` stops on ``TORCH_INTERNAL_ASSERT(!block->expandable_segment_)``
+        (c10/cuda/CUDACachingAllocator.cpp; pytorch/pytorch#123548) instead of raising out
+        of memory. With expandable segments ``max_split_size_mb`` no longer keeps blocks
+        whole either (``should_split`` splits every block). The models reproduce the
+        assert where a replay reaches it; what-if, the dashboard and sessions use this rule
+        so that a replay that happens not to reach it is never offered as a setting.
+        """
+        if not (self.expandable_segments and self.max_split_size is not None
+                and self.version >= (2, 1)):
+            return None
+        return (f"expandable_segments:True with max_split_size_mb:"
+                f"{self.max_split_size // _MIB} is not supported by PyTorch: it takes both, "
+                "but when memory runs short it frees cached oversize blocks without passing "
+                "over expandable ones and stops on an internal assert "
+                "(TORCH_INTERNAL_ASSERT(!block->expandable_segment_), "
+                "pytorch/pytorch#123548) instead of raising out of memory; and with "
+                "expandable segments max_split_size_mb keeps no block whole. Use one of the "
+                "two")
+
     def divisions_for(self, size: int) -> int:
         """PyTorch's ``roundup_power2_divisions(size)``: the divisions of size's interval."""
         i = size.bit_length() - 1 - 20

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 from ._errors import ConfigError, GpudashError
 from ._units import format_bytes, parse_bytes
 from ._version import __version__
+from .models import fraction_text
 
 __all__ = ["main"]
 
@@ -103,8 +105,10 @@ def _fraction_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"a fraction must be a number; got {text!r}") from None
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(
-            f"a fraction must be in 0..1 (0 = TensorFlow's default; a simulated device has no "
-            f"unified memory to oversubscribe); got {text}")
+            f"a fraction must be in 0..1 (PyTorch's set_per_process_memory_fraction, "
+            f"TensorFlow's per_process_gpu_memory_fraction with 0 for its default, JAX's "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION; a simulated device has no unified memory to "
+            f"oversubscribe); got {text}")
     return value
 
 
@@ -120,12 +124,14 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True,
                   torch: bool = False) -> None:
     if fraction:
         p.add_argument("--fraction", type=_fraction_arg, default=None, metavar="F",
-                       help="per_process_gpu_memory_fraction (default: TensorFlow's rule, "
-                            "free memory minus the system reserve); for PyTorch "
-                            "torch.cuda.set_per_process_memory_fraction (default: none)")
+                       help="PyTorch: torch.cuda.set_per_process_memory_fraction (default: "
+                            "none); TensorFlow: per_process_gpu_memory_fraction, JAX: "
+                            "XLA_PYTHON_CLIENT_MEM_FRACTION (default: TensorFlow's rule, free "
+                            "memory minus the system reserve)")
     p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=None,
-                   help="allow_growth (default: what the trace was recorded with, else "
-                        "TensorFlow's default, off)")
+                   help="TensorFlow/JAX: allow_growth (JAX: XLA_PYTHON_CLIENT_PREALLOCATE="
+                        "false); default: what the trace was recorded with, else off. "
+                        "PyTorch always grows on demand")
     if torch:
         p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
                        help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default: what "
@@ -136,7 +142,8 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True,
         p.add_argument("--device", type=_device_arg, default=16 << 30, metavar="SIZE",
                        help="simulated device size, 1MiB..1PiB, e.g. 16GiB (default 16GiB)")
     p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=None,
-                   help="garbage collection of free regions before an OOM (default: off)")
+                   help="TensorFlow's BFC: garbage collection of free regions before an OOM "
+                        "(default: off; PyTorch: --conf garbage_collection_threshold:F)")
     if torch:
         p.add_argument("--conf", default=None, metavar="TEXT",
                        help="PyTorch's PYTORCH_CUDA_ALLOC_CONF, e.g. "
@@ -282,21 +289,34 @@ def _chosen_devices(trace: Any, args: argparse.Namespace) -> list[int]:
 
 
 def _parser() -> _Parser:
-    parser = _Parser(prog="gpudash", description="See and tune GPU memory: TensorFlow's BFC "
-                     "allocator, live and replayed.", epilog=EXIT_CODES_TEXT)
+    parser = _Parser(prog="gpudash", description="See, explain and tune GPU memory for "
+                     "PyTorch, TensorFlow and JAX: their allocators (PyTorch's caching "
+                     "allocator, the BFC allocator of TensorFlow and XLA), live and replayed "
+                     "from PyTorch snapshots and profiler traces, TensorFlow logs and "
+                     "profiles, JAX/XLA dumps, RMM and CuPy logs.", epilog=EXIT_CODES_TEXT)
     parser.add_argument("--version", action="version", version=f"gpudash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("demo", help="run a synthetic workload live on a simulated device, "
-                       "print TensorFlow's memory log and write the HTML report",
+    p = sub.add_parser("demo", help="run a synthetic workload live on a simulated device "
+                       "through PyTorch's, TensorFlow's or JAX's allocator and write the HTML "
+                       "report",
                        description="Run a synthetic workload through a gpudash session on a "
-                       "simulated device, print TensorFlow's memory log at the peak and "
-                       "write the HTML report.")
+                       "simulated device and write the HTML report. --framework tensorflow "
+                       "(the default) or jax: the BFC allocator, with its memory log at the "
+                       "peak, in TensorFlow's or XLA's settings; --framework torch: PyTorch's "
+                       "caching allocator, with torch.cuda.memory_summary()'s figures at the "
+                       "peak and the smallest set_per_process_memory_fraction that fits, as a "
+                       "line to paste with PYTORCH_CUDA_ALLOC_CONF.")
     p.add_argument("--workload", choices=WORKLOADS, default="training")
     p.add_argument("--steps", type=_int_arg(1, MAX_STEPS), default=8,
                    help=f"size of the workload, 1..{MAX_STEPS} (default 8)")
     p.add_argument("--seed", type=_int_arg(0, MAX_SEED), default=0)
     _add_settings(p)
+    _add_framework(p, "whose allocator runs the workload, in its words: torch (PyTorch's "
+                      "caching allocator), tensorflow (default) or jax (the BFC allocator)")
+    p.add_argument("--conf", default=None, metavar="TEXT",
+                   help="PyTorch: PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True "
+                        "(default: PyTorch's defaults)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT",
                    help=f"report file (default {DEMO_REPORT}, which a later demo replaces)")
     p.add_argument("--no-html", action="store_true", help="do not write the report")
@@ -354,37 +374,46 @@ def _parser() -> _Parser:
 
     p = sub.add_parser(
         "explain", help="why an allocation ran out of memory, from the allocator's dump",
-        description="Explain an out-of-memory error from the allocator dump in a TensorFlow, "
-        "JAX or XLA log (pasted or whole; several dumps: the last failure unless --dump or "
-        "--allocator), or from the MemoryDump protobuf TF_BFC_MEMORY_DUMP writes: the "
-        "request, bytes in use, pool and limit, free bytes and the largest free chunk, the "
-        "cause (limit reached or fragmentation), the smallest limit that would have served "
-        "the request, in the setting of the framework that printed the dump, and the "
-        "holders when the dump names them.")
+        description="Explain an out-of-memory error: PyTorch's message ('CUDA out of "
+        "memory. Tried to allocate ...', pasted or in a log) or its memory snapshot "
+        "(replayed to the failure; without an 'oom' entry, the state it holds), the "
+        "allocator dump in a TensorFlow, JAX or XLA log (pasted or whole), or the MemoryDump "
+        "protobuf TF_BFC_MEMORY_DUMP writes; several errors: the last unless --dump or "
+        "--allocator. It gives the request, what was allocated, reserved or in use, the "
+        "free memory and the largest free block, the cause (fragmentation, the limit, "
+        "another process, the device full), the setting that would have served the "
+        "request, in the words of the framework that failed, and the holders where the "
+        "input names them.")
     p.add_argument("path", type=Path, metavar="PATH", help="a log or a MemoryDump protobuf")
     p.add_argument("--device", type=_device_arg, default=None, metavar="SIZE",
                    help="device size, e.g. 16GiB: also give the smallest limit as a memory "
-                        "fraction (TensorFlow's per_process_gpu_memory_fraction, JAX's "
-                        "XLA_PYTHON_CLIENT_MEM_FRACTION)")
+                        "fraction (PyTorch's set_per_process_memory_fraction, TensorFlow's "
+                        "per_process_gpu_memory_fraction, JAX's "
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION); for a PyTorch snapshot, the GPU's "
+                        "size where it does not say")
     p.add_argument("--framework", choices=("tensorflow", "jax", "torch"), default=None,
                    help="who printed the dump, for the setting to answer in (default: read "
                         "from the file; a protobuf is TensorFlow's; PyTorch's message or "
                         "snapshot is PyTorch's)")
     p.add_argument("--allocator", default=None, metavar="NAME",
-                   help="the dump of this allocator (e.g. GPU_1_bfc; for PyTorch cuda:1)")
+                   help="the error of this device: PyTorch's cuda:1, TensorFlow's or XLA's "
+                        "allocator name (GPU_1_bfc)")
     p.add_argument("--conf", default=None, metavar="TEXT",
                    help="PyTorch: the job's PYTORCH_CUDA_ALLOC_CONF (default: the snapshot's "
                         "allocator_settings)")
     p.add_argument("--torch-version", default=None, metavar="X.Y",
                    help="PyTorch: whose allocator rules to follow")
     p.add_argument("--dump", type=_int_arg(-MAX_DUMP, MAX_DUMP), default=None, metavar="N",
-                   help="the N-th dump of the log (1 = the first; -1 = the last)")
+                   help="the N-th error of the input: PyTorch's message or snapshot 'oom' "
+                        "entry, TensorFlow's or XLA's dump (1 = the first; -1 = the last)")
     p.add_argument("--request", type=_bytes_arg, default=None, metavar="SIZE",
-                   help="the bytes asked for, when the dump does not say (a protobuf)")
+                   help="TensorFlow: the bytes asked for, when the dump does not say (a "
+                        "protobuf)")
     p.add_argument("--limit", type=_bytes_arg, default=None, metavar="SIZE",
-                   help="the allocator's limit, when the dump does not say (a protobuf)")
+                   help="TensorFlow: the allocator's limit, when the dump does not say (a "
+                        "protobuf)")
     p.add_argument("--html", type=Path, default=None, metavar="OUT",
-                   help="write a report with the chunk map and bins")
+                   help="write a report with the segment or chunk map and the pools or bins")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
 
     p = sub.add_parser(
@@ -487,8 +516,34 @@ def _parser() -> _Parser:
 
 
 # ---------------------------------------------------------------------------- commands
+#: The library's keyword hints (``pass format=...``) as this command's flags: messages and
+#: notes come from the library, which names its own keywords.
+_FLAGS = {"format": "--format FORMAT", "overwrite": "--overwrite",
+          "device_bytes": "--device SIZE", "conf": "--conf TEXT",
+          "torch_version": "--torch-version X.Y", "boundaries": "--boundaries M,M,...",
+          "fractions": "--fractions F,F,...", "allocator": "--framework",
+          "jobs": "--jobs N", "fraction": "--fraction F"}
+_PASS = re.compile(r"\bpass (\w+)=(?:\.\.\.|True|'(\w+)')?(?: \(--[^)]*\)| or --[\w-]+(?: [A-Z.,]+)?)?")
+
+
+def _flags(text: str) -> str:
+    """``text`` with the library's ``pass name=...`` hints given as the command's flags
+    (``pass format=...`` -> ``pass --format FORMAT``); hints without a flag stay."""
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        named = m.group(0).partition(" (--")[2]
+        if named:   # the hint names its flag already: that alone
+            return f"pass --{named.rstrip(')')}"
+        if name not in _FLAGS:
+            return m.group(0)
+        if name == "allocator" and value:
+            return f"pass --framework {value}"
+        return f"pass {_FLAGS[name]}"
+    return _PASS.sub(flag, text) if "pass " in text else text
+
+
 def _say(*parts: Any) -> None:
-    print(*parts, flush=True)
+    print(*(_flags(p) if isinstance(p, str) else p for p in parts), flush=True)
 
 
 def _load(path: Path, format: str | None = None):
@@ -534,8 +589,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if html_out is None:   # the demo's own report: a later demo replaces it
         html_out = DEMO_REPORT
         overwrite = overwrite or _is_demo_report(html_out)
+    torch = args.framework == "torch"
+    for flag, given in (("--growth/--no-growth", args.growth is not None and torch),
+                        ("--gc/--no-gc", args.gc is not None and torch)):
+        if given:
+            raise _UserError(f"{flag} is a setting of the BFC allocator (TensorFlow, JAX); "
+                             "PyTorch's caching allocator takes --conf PYTORCH_CUDA_ALLOC_CONF "
+                             "and --fraction")
+    if args.conf is not None and not torch:
+        raise _UserError("--conf is PyTorch's PYTORCH_CUDA_ALLOC_CONF; add --framework torch")
+    if args.framework == "jax" and args.gc:
+        raise _UserError("--framework jax runs XLA's BFC, which never garbage-collects; "
+                         "drop --gc")
     if not args.no_html:
         _check_out(html_out, overwrite)
+    if torch:
+        return _demo_torch(args, html_out, overwrite)
     config = ConfigProto(allow_soft_placement=True)
     config.gpu_options.allow_growth = bool(args.growth)  # None: TensorFlow's default, off
     if args.fraction is not None:
@@ -570,7 +639,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         trace = rec.to_trace({"workload": args.workload})
         rec.detach()
     _say("")
-    _say(f"TensorFlow's memory log at the peak ({format_bytes(peak['bytes'])} in use):")
+    who = ("the BFC allocator's memory log at the peak, as XLA prints it for JAX"
+           if args.framework == "jax" else "TensorFlow's memory log at the peak")
+    _say(f"{who} ({format_bytes(peak['bytes'])} in use):")
     _say(peak["log"])
     _say("")
     _say(f"{run.allocs} allocations, {run.frees} frees, {run.ooms} out of memory; "
@@ -583,6 +654,86 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      device_bytes=args.device, overwrite=overwrite,
                      replay_options={"allow_growth": bool(args.growth),
                                      "fraction": args.fraction, "garbage_collection": args.gc})
+        _say(f"report: {html_out}")
+    return 0
+
+
+def _demo_torch(args: argparse.Namespace, html_out: Path, overwrite: bool) -> int:
+    """``gpudash demo --framework torch``: the workload through PyTorch's caching allocator,
+    its ``memory_summary()`` at the peak, and the smallest fraction that fits as the lines
+    to paste."""
+    from .recorder import Recorder
+    from .session import Session
+    from .trace.whatif import min_fraction
+    from .trace.workloads import run_workload
+
+    try:
+        sess = Session(allocator="torch", config=args.conf or "", simulate=args.device,
+                       environ={}, fraction=args.fraction)
+    except ConfigError as exc:
+        raise _UserError(str(exc)) from None
+    _say(f"gpudash demo: {args.workload} workload on a simulated "
+         f"{format_bytes(args.device)} device, through PyTorch's caching allocator")
+    with sess:
+        alloc = sess.devices[0].allocator
+        _say(f"  {alloc.name}: limit {format_bytes(alloc.memory_limit)}, "
+             f"{_torch_settings_text({'conf': alloc.config.as_conf(), 'fraction': args.fraction})}")
+        rec = Recorder(sess)
+        peak = {"bytes": -1, "summary": ""}
+
+        def allocated() -> int:
+            return int(alloc.memory_stats()["allocated_bytes.all.current"])
+
+        def allocate(nbytes: int) -> int:
+            ptr = sess.allocate(nbytes)
+            if allocated() > peak["bytes"]:
+                peak["bytes"] = allocated()
+                peak["pending"] = True
+            return ptr
+
+        def deallocate(ptr: int) -> None:
+            if peak.pop("pending", False):  # about to fall from a peak: keep its summary
+                peak["summary"] = alloc.memory_summary()
+            sess.free(ptr)
+
+        run = run_workload(_workload_calls(args.workload, args.steps, args.seed),
+                           allocate, deallocate)
+        if peak.pop("pending", False):
+            peak["summary"] = alloc.memory_summary()
+        st = alloc.memory_stats()
+        trace = rec.to_trace({"workload": args.workload})
+        rec.detach()
+    _say("")
+    _say(f"torch.cuda.memory_summary() at the peak ({format_bytes(max(peak['bytes'], 0))} "
+         "allocated):")
+    _say(peak["summary"])
+    _say("")
+    _say(f"{run.allocs} allocations, {run.frees} frees, {run.ooms} out of memory; "
+         f"peak allocated {format_bytes(int(st['allocated_bytes.all.peak']))}, "
+         f"peak reserved {format_bytes(int(st['reserved_bytes.all.peak']))}, "
+         f"{int(st['num_device_alloc'])} segment(s) from cudaMalloc; {len(trace)} events "
+         "recorded")
+    try:
+        best = min_fraction(trace, args.device, allocator="torch", conf=args.conf or "")
+    except ConfigError as exc:   # settings PyTorch does not support together
+        _say(f"no fraction to paste: {exc}")
+        best = None
+    if best is not None and best.fraction is not None:
+        _say(f"smallest set_per_process_memory_fraction that fits: "
+             f"{fraction_text(best.fraction)} (bisected to within {best.tolerance:g}); "
+             "PyTorch: paste these (the environment variable before PyTorch starts; the "
+             "fraction any time):")
+        for line in best.paste_lines("torch"):
+            _say(f"  {line}")
+    elif best is not None:
+        _say(f"does not fit on a {format_bytes(args.device)} device even at fraction 1.0")
+    if not args.no_html:
+        from .report import write_report
+
+        write_report(trace, html_out, title=f"{DEMO_TITLE}{args.workload}",
+                     device_bytes=args.device, overwrite=overwrite,
+                     replay_options={"allocator": "torch", "fraction": args.fraction,
+                                     "conf": args.conf or None})
         _say(f"report: {html_out}")
     return 0
 
@@ -663,6 +814,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             _say(f"assumed: {note}")
         for warning in result.warnings:
             _say(f"warning: {warning}")
+        if torch and result.calls == 0 and trace.meta.get("source") == "pytorch-snapshot":
+            _say_snapshot_state(trace, dev, args)
+            continue
         if result.fits and result.warnings:
             _say("fits: no allocation ran out of memory, of the calls the trace holds (no "
                  "answer for the job: see the warning)")
@@ -700,6 +854,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _say(f"report: {args.html}" + (f" ({index.label(devices[0])})"
                                        if len(devices) > 1 else ""))
     return EXIT_OOM if out_of_memory else EXIT_OK
+
+
+def _say_snapshot_state(trace: Any, dev: int, args: argparse.Namespace) -> None:
+    """``replay`` of a PyTorch snapshot without trace entries (one saved in an out-of-memory
+    handler without ``_record_memory_history``): no call to replay, so no "fits"; the state
+    the snapshot holds instead (:func:`gpudash.torch_explain.snapshot_state`)."""
+    from .torch_explain import snapshot_state
+
+    state = snapshot_state(trace, dev, path=args.trace, conf=args.conf,
+                           torch_version=args.torch_version)
+    _say("no answer: the snapshot's trace records no allocation on this device, so there is "
+         "nothing to replay (neither fits nor out of memory); the state it holds, at the "
+         "failure where it was saved in an out-of-memory handler:")
+    rows = [r for r in state.lines() if r[0] != "assumed"]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        _say(f"  {k:<{width}}  {v}")
 
 
 def _refuse_empty(trace: Any, args: argparse.Namespace, devices: list[int], what: str) -> None:
@@ -768,7 +939,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             best = min_fraction(trace, device_bytes, device=dev, progress=True, client=client,
                                 jobs=1 if client is not None else args.jobs, **kwargs)
         except ConfigError as exc:
-            raise _UserError(str(exc)) from None
+            raise _UserError(str(exc).removeprefix("min_fraction: ")) from None
         total = best.device_bytes
         for note in best.assumed:
             _say(f"assumed: {note}")
@@ -784,7 +955,8 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             what = (_torch_settings_text(best.settings, fraction=False) if torch
                     else f"allow_growth={kwargs['allow_growth']}")
             _say(f"{args.trace}:{label} smallest {'fraction' if not torch else setting} that "
-                 f"fits{held}: {best.fraction:.3f} ({format_bytes(best.limit_bytes)} of "
+                 f"fits{held}: {_fraction_shown(best, framework)} "
+                 f"({format_bytes(best.limit_bytes)} of "
                  f"{format_bytes(total)}; bisected to within {best.tolerance:g}, "
                  f"{step}), {what}, {best.replays} replays"
                  + (f" ({best.known} more fractions known from them)" if best.known else "")
@@ -812,7 +984,8 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
                 for line in flipped.paste_lines("torch"):
                     _say(f"    {line}")
         elif framework is not None and best.fraction is not None:
-            _say_paste_lines(framework, best.limit_bytes, total, kwargs["allow_growth"])
+            _say_paste_lines(framework, _fraction_shown(best, framework), best.limit_bytes,
+                             total, kwargs["allow_growth"])
         kwargs = {"device_bytes": total, "progress": True, "device": dev,
                   **{k: v for k, v in _model_kwargs(args, model, index, dev).items()
                      if k in ("allocator", "conf", "torch_version", "garbage_collection")}}
@@ -953,10 +1126,15 @@ def _say_expandable(trace: Any, args: argparse.Namespace, best: Any, dev: int, k
 
     conf = (best.settings.get("conf") or "")
     on = "expandable_segments:True" in conf
-    flipped = min_fraction(trace, best.device_bytes, device=dev, client=client,
-                           jobs=1 if client is not None else args.jobs,
-                           **dict(kwargs, expandable_segments=not on))
     name = f"expandable_segments:{not on}"
+    try:
+        flipped = min_fraction(trace, best.device_bytes, device=dev, client=client,
+                               jobs=1 if client is not None else args.jobs,
+                               **dict(kwargs, expandable_segments=not on))
+    except ConfigError as exc:   # PyTorch's rule: settings it does not support together
+        _say(f"{args.trace}:{label} with {name}: not offered: "
+             f"{str(exc).removeprefix('min_fraction: ')}")
+        return None
     if flipped.fraction is None:
         _say(f"{args.trace}:{label} with {name}: does not fit even at fraction 1.0")
         return flipped
@@ -964,16 +1142,31 @@ def _say_expandable(trace: Any, args: argparse.Namespace, best: Any, dev: int, k
     how = ("where the other setting does not fit at all" if best.fraction is None else
            f"{format_bytes(saved)} less" if saved > 0 else
            f"{format_bytes(-saved)} more" if saved < 0 else "the same")
-    _say(f"{args.trace}:{label} with {name}: {flipped.fraction:.3f} "
+    _say(f"{args.trace}:{label} with {name}: {fraction_text(flipped.fraction)} "
          f"({format_bytes(flipped.limit_bytes)}, {how})")
     return flipped
 
 
-def _say_paste_lines(framework: str, limit: int, device: int, growth: bool) -> None:
-    """``whatif --framework``: the answer as lines to paste, and the restart note."""
-    from .options import paste_fraction, restart_lines
+def _fraction_shown(best: Any, framework: str | None) -> str:
+    """The fraction that fits, as ``whatif`` prints it and pastes it (one value for both):
+    :func:`~gpudash.models.fraction_text`; for TensorFlow's and JAX's lines, no less than
+    what gives the limit the framework's own way (:func:`~gpudash.options.paste_fraction`:
+    JAX computes it in single precision)."""
+    from .options import paste_fraction
 
-    fraction = paste_fraction(limit, device, framework)
+    shown = float(fraction_text(best.fraction))
+    if framework in ("tensorflow", "jax") and best.allocator != "torch":
+        shown = max(shown, paste_fraction(best.limit_bytes, best.device_bytes, framework))
+    return fraction_text(shown)
+
+
+def _say_paste_lines(framework: str, shown: str, limit: int, device: int,
+                     growth: bool) -> None:
+    """``whatif --framework``: the answer as lines to paste (at the fraction printed,
+    ``shown``), and the restart note."""
+    from .options import restart_lines
+
+    fraction = float(shown)
     name = {"jax": "JAX", "tensorflow": "TensorFlow"}[framework]
     _say("")
     _say(f"{name}: paste these (the limit they give covers the "
@@ -1188,7 +1381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return COMMANDS[args.command](args)
     except _UserError as exc:
-        print(f"gpudash: error: {exc}", file=sys.stderr)
+        print(f"gpudash: error: {_flags(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
         # the reader went away (`gpudash whatif X | head -1`): stop quietly, as Unix tools
@@ -1203,7 +1396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PIPE
     except (GpudashError, OSError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"gpudash: error: {message}", file=sys.stderr)
+        print(f"gpudash: error: {_flags(message)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("gpudash: interrupted", file=sys.stderr)

@@ -88,6 +88,20 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def fitting_fraction(fraction: float) -> float:
+    """The memory fraction to print and to paste for one that fits: rounded *up* to three
+    decimals (at most 1), so the limit it gives is never below the one that fitted. Every
+    answer that shows a fraction found to fit (``gpudash whatif``, the what-if view, the
+    lines to paste) shows this one, through :func:`fraction_text`."""
+    value = math.ceil(float(fraction) * 1000 - 1e-9) / 1000
+    return min(1.0, max(value, 0.0))
+
+
+def fraction_text(fraction: float) -> str:
+    """:func:`fitting_fraction` as every answer writes it: ``0.954``, ``0.5``, ``1``."""
+    return f"{fitting_fraction(fraction):g}"
+
+
 def _flag_text(setting: str, text: str) -> bool:
     low = text.strip().lower()
     if low in _TRUE:
@@ -555,8 +569,8 @@ class _TorchModel(AllocatorModel):
         lines = []
         if text:
             lines.append(f"PYTORCH_CUDA_ALLOC_CONF={text}")
-        frac = min(1.0, math.ceil(fraction * 1000) / 1000)
-        lines.append(f"torch.cuda.set_per_process_memory_fraction({frac:g})  # "
+        frac = fitting_fraction(fraction)
+        lines.append(f"torch.cuda.set_per_process_memory_fraction({fraction_text(frac)})  # "
                      f"{format_bytes(int(frac * device_bytes))} of {format_bytes(device_bytes)}")
         if text:
             lines.append(f"# or live, for the segments PyTorch makes from then on: "
@@ -654,8 +668,7 @@ class _TorchModel(AllocatorModel):
     def fraction_line(self, fraction: float, settings: dict) -> str:
         """``torch.cuda.set_per_process_memory_fraction(0.623)`` (rounded up to what still
         fits), with the settings string when it is not PyTorch's defaults."""
-        frac = min(1.0, math.ceil(fraction * 1000) / 1000)
-        line = f"torch.cuda.set_per_process_memory_fraction({frac:g})"
+        line = f"torch.cuda.set_per_process_memory_fraction({fraction_text(fraction)})"
         conf = settings.get("conf")
         text = conf if isinstance(conf, str) else (conf.as_conf() if conf is not None else "")
         return line + (f" with PYTORCH_CUDA_ALLOC_CONF={text}" if text else "")
@@ -692,7 +705,7 @@ class _TorchModel(AllocatorModel):
                        "requests need them, unmapped at empty cache), and large-pool blocks "
                        "split down to 512 B" if on else "are plain cudaMalloc segments")
                     + f"; the {segments} segment(s) held stay as they are")
-            return {"text": text + self._paste(settings, "expandable_segments", on)}
+            return self._with_paste(text, settings, "expandable_segments", on)
         if name == "max_split":
             if value is None:
                 text = ("max_split_size_mb: unset: from the next request any block may be "
@@ -702,7 +715,7 @@ class _TorchModel(AllocatorModel):
                 text = (f"max_split_size_mb: {value}: from the next request, blocks of "
                         f"{value} MiB or more are not split and serve only requests of that "
                         f"size or more within {tol} MiB; blocks already split stay split")
-            return {"text": text + self._paste(settings, "max_split_size_mb", value)}
+            return self._with_paste(text, settings, "max_split_size_mb", value)
         if name == "gc":
             value = float(value or 0.0)
             if not value:
@@ -730,6 +743,20 @@ class _TorchModel(AllocatorModel):
                    f"each of the {segments} segment(s) holds an allocated block")
             return {"text": f"empty_cache(): returned 0 B: {why}"}
         raise ConfigError(f"unknown control {name!r}")
+
+    def _with_paste(self, text: str, settings: dict, key: str, value: Any) -> dict[str, str]:
+        """A control's answer with its line to paste, unless the settings now combine
+        ``expandable_segments`` with ``max_split_size_mb``: then PyTorch's rule for that
+        (:meth:`~gpudash.CachingAllocatorConfig.unsupported`) as the warning, and no line."""
+        from ._torch_conf import CachingAllocatorConfig
+
+        try:
+            rule = CachingAllocatorConfig(settings.get("conf") or "").unsupported()
+        except ConfigError:
+            rule = None
+        if rule is not None:
+            return {"text": text, "warning": rule + " (no line to paste)"}
+        return {"text": text + self._paste(settings, key, value)}
 
     @staticmethod
     def _paste(settings: dict, key: str, value: Any) -> str:

@@ -47,6 +47,7 @@ from ._errors import (
     ConfigError,
     GpudashWarning,
     InvalidPointerError,
+    warn_user,
 )
 from ._units import format_bytes, parse_bytes
 from .bfc import AllocatorStats, BFCAllocator
@@ -1387,6 +1388,8 @@ class TorchSession(Session):
                 f"{type(config).__name__} (ConfigProto and GPUOptions are TensorFlow's)")
         if fraction is not None:
             TORCH.check_setting("fraction", fraction)
+        if conf.unsupported() is not None:   # PyTorch's rule, as what-if and the dashboard
+            warn_user(conf.unsupported())
         self._torch_conf = conf
         self._torch_fraction = fraction
         device_env = {k: env[k] for k in ("GPUDASH_SIMULATE", "CUDA_VISIBLE_DEVICES")
@@ -1490,6 +1493,8 @@ class TorchSession(Session):
             new.apply(conf)
         if parts:
             new.update(**parts)
+        if (conf is not None or parts) and new.unsupported() is not None:
+            warn_user(new.unsupported())
         targets = self.devices if device is None else [self.device(device)]
         with self._lock:
             if conf is not None or parts:

@@ -38,7 +38,7 @@ from ._errors import ConfigError, TraceFormatError
 from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
 
-__all__ = ["explain_torch", "TorchExplanation", "is_torch_file"]
+__all__ = ["explain_torch", "TorchExplanation", "is_torch_file", "snapshot_state"]
 
 _SMALL = 1 << 20          # PyTorch's kSmallSize: requests up to 1 MiB use the small pool
 _TEXT_LIMIT = 64 << 20    # a log larger than this is read as its first 64 MiB
@@ -94,6 +94,17 @@ class TorchExplanation(_ExplanationViews):
         of the user's code that allocated them (:func:`gpudash.trace.holders.top_holders`).
     request_stack : list of Frame
         A snapshot: the refused request's own stack, innermost first ([] when not recorded).
+    segments : dict
+        ``source="state"``: segments held, ``{"small": n, "large": n}``.
+    pools : dict
+        ``source="state"``: per pool, ``(free blocks, largest free block)``.
+    missing : list of str
+        ``source="state"``: what the snapshot lacks to say more (the request, the cause).
+
+    A snapshot without an ``oom`` entry (taken in an out-of-memory handler without
+    ``_record_memory_history``, or a trace that ends before the failure) gives
+    ``source="state"``: the allocator's state the snapshot holds, summed up, with
+    ``cause="unknown"`` and ``request=0``, and :attr:`missing` saying why no more is said.
     """
 
     path: str
@@ -120,6 +131,9 @@ class TorchExplanation(_ExplanationViews):
     count: int = 1
     holders: Any = None
     request_stack: list = field(default_factory=list)
+    segments: dict = field(default_factory=dict)
+    pools: dict = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
     _oom: Any = field(default=None, repr=False)
     #: who holds each block at the failure (address -> lines), for the map's hover
     _holders: dict = field(default_factory=dict, repr=False)
@@ -132,7 +146,7 @@ class TorchExplanation(_ExplanationViews):
         rows: list[tuple[str, str]] = []
         table = self.holders
         if table is not None and len(table):
-            rows.append(("held at the OOM",
+            rows.append(("held at the OOM" if self.source != "state" else "held",
                          f"{format_bytes(table.total_bytes)} in {table.total_allocations:,} "
                          f"block(s), by the line of your code that allocated them (the "
                          f"largest {min(len(table), self.HOLDER_ROWS)} of "
@@ -148,8 +162,30 @@ class TorchExplanation(_ExplanationViews):
                 rows.append(("request's stack" if i == 0 else "", line))
         return rows
 
+    def _state_lines(self) -> list[tuple[str, str]]:
+        """``source="state"``: the allocator's state the snapshot holds, and what it lacks."""
+        small, large = self.segments.get("small", 0), self.segments.get("large", 0)
+        rows = [("state", "the segments and blocks the snapshot holds: the state at the "
+                          "failure where it was taken in the job's out-of-memory handler"),
+                ("segments", f"{small + large:,} ({small:,} small pool, {large:,} large "
+                             "pool)"),
+                ("reserved", f"{format_bytes(self.reserved or 0)} held in segments"),
+                ("allocated", f"{format_bytes(self.allocated or 0)} in tensors"),
+                ("reserved, unused", f"{self._unused_text()}: free blocks in segments that "
+                                     "still hold tensors")]
+        for pool in ("small", "large"):
+            count, largest = self.pools.get(pool, (0, 0))
+            rows.append(("largest free" if pool == "small" else "",
+                         f"{pool} pool: {format_bytes(largest)} "
+                         f"({count:,} free block(s))"))
+        rows.extend(self._holder_lines())
+        rows.extend(("not known", m) for m in self.missing)
+        return rows
+
     def lines(self) -> list[tuple[str, str]]:
         """The summary as (label, text) rows."""
+        if self.source == "state":
+            return self._state_lines() + [("assumed", a) for a in self.assumed]
         if self._oom is not None:         # the message's own reading
             rows = [r for r in self._oom.lines() if r[0] not in ("warning",)]
         else:
@@ -188,6 +224,9 @@ class TorchExplanation(_ExplanationViews):
         how = ("replayed from the snapshot" if self.source == "snapshot"
                else "from PyTorch's message")
         head = f"{self.path}: PyTorch ran out of memory on {dev}{which}, {how}"
+        if self.source == "state":
+            head = (f"{self.path}: PyTorch's memory on {dev} as the snapshot holds it (no "
+                    "out-of-memory entry: the failure itself is not in the snapshot)")
         rows = self.lines()
         width = max(len(k) for k, _ in rows)
         body = [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -335,10 +374,18 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     rows = np.flatnonzero(is_oom)
     if not len(rows):
         where = f" of GPU {gpu}" if gpu is not None else ""
-        raise TraceFormatError(
-            f"{path}: the snapshot has no out-of-memory entry{where} (its trace has no 'oom'): "
-            "nothing failed to explain; 'gpudash replay' and 'gpudash whatif' answer what "
-            "it needs")
+        rebuilt = sum((trace.meta.get("torch", {}).get("prefix") or {}).values())
+        devices = sorted(set(np.unique(col["device"]).tolist()))
+        if len(col["kind"]) > rebuilt or (gpu is not None and int(gpu) not in devices):
+            raise TraceFormatError(
+                f"{path}: the snapshot has no out-of-memory entry{where} (its trace has no "
+                "'oom'): nothing failed to explain; 'gpudash replay' and 'gpudash whatif' "
+                "answer what it needs")
+        # only the segments were saved (an out-of-memory handler without
+        # _record_memory_history): the state they hold, and what it lacks
+        dev = int(gpu) if gpu is not None else (devices[-1] if devices else 0)
+        return snapshot_state(trace, dev, path=path, conf=conf,
+                              torch_version=torch_version)
     order = rows[np.lexsort((rows, col["device"][rows]))]
     pick = _pick(index, len(order), path, "out-of-memory entry")
     row = int(order[pick])
@@ -400,6 +447,75 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
         assumed=assumed, warnings=warnings, index=pick, count=len(order), holders=holders,
         request_stack=list(trace.frames_of(row)),
         _holders=chunk_holders(trace, dump, device=dev, before_row=row))
+
+
+def snapshot_state(trace: Any, device: int = 0, *, path: Any = "<snapshot>",
+                   conf: str | None = None, torch_version: str | None = None
+                   ) -> TorchExplanation:
+    """The allocator's state a PyTorch snapshot holds on ``device`` at its end, summed up:
+    segments by pool, reserved, allocated, reserved but unallocated, the largest free
+    block of each pool, the holders by line where the snapshot kept stacks, and what it
+    lacks to say more (``source="state"``, see :class:`TorchExplanation`).
+
+    For a snapshot without an ``oom`` entry: one taken in an out-of-memory handler
+    without ``_record_memory_history`` holds the state at the failure, but not the
+    request that failed.
+    """
+    import numpy as np
+
+    from .events import EventKind
+    from .trace.torch_replay import from_trace, replay_exact
+
+    col = trace.columns
+    mine = col["device"] == int(device)
+    tt = from_trace(trace, int(device))
+    res = replay_exact(tt, conf=conf, version=torch_version)
+    alloc = res.allocator
+    st = alloc.memory_stats()
+    allocated = int(st["allocated_bytes.all.current"])
+    reserved = int(st["reserved_bytes.all.current"])
+    pools = {}
+    for name, pool in (("small", alloc._small), ("large", alloc._large)):
+        sizes = [(k >> 64) & ((1 << 64) - 1) for k in pool.keys]
+        pools[name] = (len(sizes), max(sizes, default=0))
+    rebuilt = int((trace.meta.get("torch", {}).get("prefix") or {}).get(str(device), 0))
+    calls = int(np.count_nonzero(mine)) - rebuilt   # the trace's own entries
+    ooms = int(np.count_nonzero(mine & (col["kind"] == int(EventKind.OOM))))
+    missing = []
+    if not ooms:
+        missing.append("the request that failed: the snapshot has no 'oom' entry"
+                       + (" (its trace records no allocation: only the segments were saved)"
+                          if calls == 0 else "")
+                       + ", so neither its size nor its pool is known, and no cause or "
+                       "setting can be given; record with "
+                       "torch.cuda.memory._record_memory_history() before the failure "
+                       "(the trace's 'oom' entry holds the request and the driver's free "
+                       "memory), or paste PyTorch's out-of-memory message to gpudash "
+                       "explain")
+        missing.append("the GPU's size and free memory, and what other processes held "
+                       "(only an 'oom' entry or the message gives them)")
+    assumed = [n for n in res.notes if "rebuilt" not in n]
+    warnings = []
+    if not res.exact:
+        warnings.append(f"the replay did not follow the snapshot exactly ({res.summary()}); "
+                        "the state shown is the model's")
+    last = np.flatnonzero(mine)
+    holders = _holders_at(trace, int(last[-1]), int(device)) if len(last) else None
+    if holders is not None and holders.moment is not None:
+        import dataclasses
+
+        holders.moment = dataclasses.replace(holders.moment,
+                                             text=f"the snapshot's end on cuda:{device}")
+    return TorchExplanation(
+        path=os.fspath(path), source="state", device=int(device), request=0,
+        allocated=allocated, reserved=reserved, unallocated=reserved - allocated,
+        largest_free=max(p[1] for p in pools.values()),
+        free_blocks=sum(p[0] for p in pools.values()), total_known=False,
+        cause="unknown", why="the snapshot does not hold the failure", dump=alloc.memory_dump(),
+        assumed=assumed, warnings=warnings, holders=holders,
+        segments={"small": int(st.get("segment.small_pool.current", 0)),
+                  "large": int(st.get("segment.large_pool.current", 0))},
+        pools=pools, missing=missing)
 
 
 def _holders_at(trace: Any, row: int, dev: int) -> Any:

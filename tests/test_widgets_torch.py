@@ -147,10 +147,13 @@ def test_each_control_acts_as_pytorch_does_and_answers_in_words(comms, tsess, da
                                   "'expandable_segments:True')")
     p = tsess.allocate(50 * MIB)
     assert {s["address"]: s["is_expandable"] for s in alloc.segments()}[p] is True
-    reply = act(comms, dash, "max_split", 128)
+    with pytest.warns(gpudash.GpudashWarning, match="pytorch/pytorch#123548"):   # the session's
+        reply = act(comms, dash, "max_split", 128)
     assert reply["ok"] and alloc.config.max_split_size == 128 * MIB
     assert "blocks of 128 MiB or more are not split" in reply["text"]
-    assert "'expandable_segments:True,max_split_size_mb:128'" in reply["text"]
+    # with expandable segments on: PyTorch's rule for the two, and no line to paste
+    assert "_set_allocator_settings" not in reply["text"]
+    assert "pytorch/pytorch#123548" in reply["warning"]
     reply = act(comms, dash, "max_split", None)  # an empty field: unset
     assert reply["ok"] and alloc.config.max_split_size is None
     reply = act(comms, dash, "gc", 0.6)
@@ -207,8 +210,10 @@ def test_controls_view_builds_pytorch_s_controls_and_acts(comms, tsess, model):
     assert alloc.fraction == 0.5 and "fraction 0.500: limit 8.00 GiB" in c.status.value
     c.expandable.value = True
     assert alloc.config.expandable_segments and "expandable_segments: on" in c.status.value
-    c.max_split.value = "256"
+    with pytest.warns(gpudash.GpudashWarning, match="pytorch/pytorch#123548"):
+        c.max_split.value = "256"
     assert alloc.config.max_split_size == 256 * MIB
+    assert "123548" in c.status.value and "_set_allocator_settings" not in c.status.value
     c.max_split.value = "12"  # refused: snaps back, says why
     assert "max_split_size_mb must be" in c.error.value and c.max_split.value == "256"
     c.max_split.value = ""
@@ -221,7 +226,8 @@ def test_controls_view_builds_pytorch_s_controls_and_acts(comms, tsess, model):
     tsess.free(tsess.allocate(40 * MIB))
     c.empty_cache.click()
     assert "empty_cache(): returned 40.00 MiB" in c.status.value  # two 20 MiB pages
-    tsess.configure(max_split_size_mb=64)  # from a cell: the field follows
+    with pytest.warns(gpudash.GpudashWarning, match="123548"):
+        tsess.configure(max_split_size_mb=64)  # from a cell: the field follows
     model.refresh_now()
     assert c.max_split.value == "64"
     c.close()

@@ -234,6 +234,9 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     jobs = _check_jobs(jobs, client)
     extra = options.pop("options", None)
     base = _base_settings(trace, extra, device_bytes, options)
+    rule = _unsupported(base)
+    if rule is not None:
+        raise ConfigError(f"min_fraction: {rule}")
     dev_bytes = base["device_bytes"]
     ops, keys, nbytes, streams, n_events = _model_calls(trace, base)
     report = _progress_fn(progress, "min_fraction")
@@ -434,6 +437,14 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 if combo:
                     s["varied"] = dict(combo)
                 settings.append(s)
+    # settings PyTorch does not support together are answered by its rule, not replayed
+    every, rules = settings, [_unsupported(s) for s in settings]
+    settings = [s for s, rule in zip(every, rules) if rule is None]
+    if not settings:
+        return SweepTable([_unsupported_row(s, rule) for s, rule in zip(every, rules)],
+                          device_bytes=every[0]["device_bytes"],
+                          warnings=trace_warnings(trace, every[0]["device"]),
+                          allocator=model.name, assumed=every[0].get("assumed") or [])
     lists = _model_calls(trace, settings[0])
     report = _progress_fn(progress, "sweep")
     total = len(settings)
@@ -459,10 +470,36 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 done += 1
                 if report is not None:
                     report(done, total)
+    if len(settings) < len(every):
+        replayed = iter(rows)
+        rows = [_unsupported_row(s, rule) if rule is not None else next(replayed)
+                for s, rule in zip(every, rules)]
     return SweepTable([r for r in rows if r is not None],
                       device_bytes=settings[0]["device_bytes"],
                       warnings=trace_warnings(trace, settings[0]["device"]),
                       allocator=model.name, assumed=settings[0].get("assumed") or [])
+
+
+def _unsupported(settings: dict) -> str | None:
+    """PyTorch's rule for settings it does not support together
+    (:meth:`~gpudash.CachingAllocatorConfig.unsupported`), None for other settings."""
+    conf = settings.get("conf") if settings.get("allocator") == "torch" else None
+    return conf.unsupported() if conf is not None else None
+
+
+def _unsupported_row(settings: dict, rule: str) -> dict:
+    """A sweep row for settings PyTorch does not support together: no fit, the rule as
+    its error (as the row of a replay that reaches PyTorch's assert,
+    :func:`~.tasks.sweep_row`)."""
+    conf = settings["conf"]
+    row: dict[str, Any] = {"fraction": settings["fraction"],
+                           "expandable_segments": conf.expandable_segments}
+    for knob in settings.get("varied") or ():
+        row[knob] = settings["varied"][knob]
+    row.update({"limit_bytes": 0, "fits": False, "oom_count": 0, "first_oom": None,
+                "peak_pool_bytes": 0, "peak_bytes_in_use": 0, "worst_fragmentation": 0.0,
+                "extensions": 0, "error": rule})
+    return row
 
 
 #: The PyTorch knobs a sweep may vary besides the fraction and expandable_segments.
