@@ -113,4 +113,64 @@ def describe() -> str:
 #: twin of each pure-Python method lives, for every method the compiled class replaces.
 #: ``tests/test_accel.py`` checks that it names exactly the methods each compiled class
 #: overrides and that each named definition is in the named file.
-TWINS: dict[str, str] = {}
+TWINS: dict[str, str] = {
+    # bfc.PyBFCAllocator: class BFCAllocator(BFCCore, PyBFCAllocator)
+    "bfc.PyBFCAllocator._init_state": "_csrc/bfc.pxi: BFCCore._init_state",
+    "bfc.PyBFCAllocator.allocate": "_csrc/bfc.pxi: BFCCore.allocate",
+    "bfc.PyBFCAllocator.try_allocate": "_csrc/bfc.pxi: BFCCore.try_allocate",
+    "bfc.PyBFCAllocator._take": "_csrc/bfc.pxi: BFCCore._take",
+    "bfc.PyBFCAllocator._allocate_slow": "_csrc/bfc.pxi: BFCCore._allocate_slow",
+    "bfc.PyBFCAllocator.deallocate": "_csrc/bfc.pxi: BFCCore.deallocate",
+    "bfc.PyBFCAllocator._deallocate_batch": "_csrc/bfc.pxi: BFCCore._deallocate_batch",
+    "bfc.PyBFCAllocator.requested_size": "_csrc/bfc.pxi: BFCCore.requested_size",
+    "bfc.PyBFCAllocator.allocated_size": "_csrc/bfc.pxi: BFCCore.allocated_size",
+    "bfc.PyBFCAllocator.allocation_id": "_csrc/bfc.pxi: BFCCore.allocation_id",
+    "bfc.PyBFCAllocator.owns": "_csrc/bfc.pxi: BFCCore.owns",
+    "bfc.PyBFCAllocator._live_size": "_csrc/bfc.pxi: BFCCore._live_size",
+    "bfc.PyBFCAllocator._add_region": "_csrc/bfc.pxi: BFCCore._add_region",
+    "bfc.PyBFCAllocator._extend": "_csrc/bfc.pxi: BFCCore._extend",
+    "bfc.PyBFCAllocator._deallocate_regions": "_csrc/bfc.pxi: BFCCore._deallocate_regions",
+    "bfc.PyBFCAllocator._deallocate_free_regions":
+        "_csrc/bfc.pxi: BFCCore._deallocate_free_regions",
+    "bfc.PyBFCAllocator._largest_free_chunk": "_csrc/bfc.pxi: BFCCore._largest_free_chunk",
+    "bfc.PyBFCAllocator._region_table": "_csrc/bfc.pxi: BFCCore._region_table",
+    "bfc.PyBFCAllocator._region_at": "_csrc/bfc.pxi: BFCCore._region_at",
+    "bfc.PyBFCAllocator.close": "_csrc/bfc.pxi: BFCCore.close",
+    "bfc.PyBFCAllocator._expand_journal": "_csrc/base.pxi: expand_journal",
+    "bfc.PyBFCAllocator._count_events": "_csrc/base.pxi: count_journal_events",
+    "bfc.PyBFCAllocator._keep_journal": "_csrc/base.pxi: keep_journal",
+    # caching.PyCachingAllocator: class CachingAllocator(CachingCore, PyCachingAllocator)
+    "caching.PyCachingAllocator._init_state": "_csrc/caching.pxi: CachingCore._init_state",
+    "caching.PyCachingAllocator._settings_changed":
+        "_csrc/caching.pxi: CachingCore._settings_changed",
+    "caching.PyCachingAllocator.allocate": "_csrc/caching.pxi: CachingCore.allocate",
+    "caching.PyCachingAllocator.try_allocate": "_csrc/caching.pxi: CachingCore.try_allocate",
+    "caching.PyCachingAllocator._malloc": "_csrc/caching.pxi: CachingCore._malloc",
+    "caching.PyCachingAllocator._release_cached_blocks":
+        "_csrc/caching.pxi: CachingCore._release_cached_blocks",
+    "caching.PyCachingAllocator.deallocate": "_csrc/caching.pxi: CachingCore.deallocate",
+    "caching.PyCachingAllocator.owns": "_csrc/caching.pxi: CachingCore.owns",
+    "caching.PyCachingAllocator.allocated_size": "_csrc/caching.pxi: CachingCore.allocated_size",
+    "caching.PyCachingAllocator.requested_size": "_csrc/caching.pxi: CachingCore.requested_size",
+    "caching.PyCachingAllocator.allocation_id": "_csrc/caching.pxi: CachingCore.allocation_id",
+    "caching.PyCachingAllocator.reset_peak_stats":
+        "_csrc/caching.pxi: CachingCore.reset_peak_stats",
+    "caching.PyCachingAllocator.reset_accumulated_stats":
+        "_csrc/caching.pxi: CachingCore.reset_accumulated_stats",
+    "caching.PyCachingAllocator._largest_free_block":
+        "_csrc/caching.pxi: CachingCore._largest_free_block",
+    "caching.PyCachingAllocator._region_table": "_csrc/caching.pxi: CachingCore._region_table",
+    "caching.PyCachingAllocator._region_at": "_csrc/caching.pxi: CachingCore._region_at",
+    "caching.PyCachingAllocator.close": "_csrc/caching.pxi: CachingCore.close",
+    "caching.PyCachingAllocator._expand_journal": "_csrc/base.pxi: expand_journal",
+    "caching.PyCachingAllocator._count_events": "_csrc/base.pxi: count_journal_events",
+    "caching.PyCachingAllocator._keep_journal": "_csrc/base.pxi: keep_journal",
+    # session.PySession: class Session(PySession)
+    "session.PySession.allocate": "_csrc/session.pxi: session_allocate",
+    "session.PySession.free": "_csrc/session.pxi: session_free",
+    # whole classes and loops
+    "devices._FirstFitTable": "_csrc/devices.pxi: FirstFit",
+    "trace.replay._Engine._run_plain": "_csrc/replay.pxi: run_bfc",
+    "trace.replay._Engine._run_deferred": "_csrc/replay.pxi: run_bfc_deferred",
+    "trace.replay._Engine._run_torch": "_csrc/replay.pxi: run_torch",
+}
