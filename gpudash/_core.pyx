@@ -73,7 +73,7 @@ cdef extern from *:
 #: The sha256 of the sources this extension was built from (gpudash._sourcehash).
 SOURCE_HASH = GPUDASH_SOURCE_HASH.decode("ascii")
 
-# Event codes (gpudash.events.EventKind)
+# Event codes: gpudash.events.EventKind's, which gpudash._accel holds them to (EVENT_KINDS)
 cdef enum:
     K_ALLOC = 1
     K_FREE = 2
@@ -84,12 +84,16 @@ cdef enum:
     K_OOM = 7
     K_LIMIT = 8
 
+#: The event codes this core was built with, by gpudash.events.EventKind name.
+EVENT_KINDS = {"ALLOC": K_ALLOC, "FREE": K_FREE, "SPLIT": K_SPLIT, "MERGE": K_MERGE,
+               "EXTEND": K_EXTEND, "RELEASE": K_RELEASE, "OOM": K_OOM, "LIMIT": K_LIMIT}
+
 cdef Py_ssize_t JOURNAL_FLUSH = _eventsource.JOURNAL_FLUSH
 cdef int64_t MAX_ALLOCATION = (1 << 63) - 1 - 256
 cdef int64_t K_FIRST_GROWTH_REGION = 2 << 20
 
-# Names of the pure-Python modules, bound by make_bfc_class / make_caching_class (the
-# modules import this one at their end).
+# What the core takes from the Python side: handed in by keyword when gpudash._accel.twin
+# calls bind_bfc_allocator / bind_caching_allocator / bind_session (see _core.pyi).
 _PyChunk = _PyRegion = None
 _coerce_size = _negative_size = _pointer_or_none = None
 _logger = None
@@ -105,18 +109,30 @@ include "_csrc/session.pxi"
 include "_csrc/pluggable.pxi"
 
 
-def make_bfc_class(pure, module):
+def _check_constants(what, given, built):
+    """ImportError unless the Python model's constants ``given`` are those the core was
+    built with (``built``)."""
+    if dict(given) != built:
+        wrong = sorted(k for k in built.keys() | given.keys()
+                       if given.get(k) != built.get(k))
+        raise ImportError(f"gpudash._core was built for other {what} constants "
+                          f"({', '.join(wrong)}); rebuild it")
+
+
+def bind_bfc_allocator(pure, *, chunk, region, coerce_size, negative_size, pointer_or_none,
+                       logger, gc_message, constants):
     """The compiled ``BFCAllocator``: :class:`BFCCore` first, the pure-Python model
-    ``pure`` for everything the core does not replace."""
+    ``pure`` (``gpudash.bfc.PyBFCAllocator``) for everything the core does not replace.
+    The rest is what the core takes from ``gpudash.bfc``: its chunk and region classes, its
+    size checks, its logger and garbage-collection message, and its constants (checked)."""
     global _PyChunk, _PyRegion, _coerce_size, _negative_size, _pointer_or_none, _logger
     global _GC_MESSAGE, _BFCClass
-    _PyChunk, _PyRegion = module._Chunk, module._Region
-    _coerce_size, _negative_size = module._coerce_size, module._negative_size
-    _pointer_or_none = module._pointer_or_none
-    _logger, _GC_MESSAGE = module.logger, module._GC_MESSAGE
-    if (module.MAX_ALLOCATION != MAX_ALLOCATION or module.K_NUM_BINS != NUM_BINS
-            or module.K_FIRST_GROWTH_REGION != K_FIRST_GROWTH_REGION):
-        raise ImportError("gpudash._core was built for other BFC constants; rebuild it")
+    _check_constants("BFC", constants, {"MAX_ALLOCATION": MAX_ALLOCATION,
+                                        "K_NUM_BINS": NUM_BINS,
+                                        "K_FIRST_GROWTH_REGION": K_FIRST_GROWTH_REGION})
+    _PyChunk, _PyRegion = chunk, region
+    _coerce_size, _negative_size, _pointer_or_none = coerce_size, negative_size, pointer_or_none
+    _logger, _GC_MESSAGE = logger, gc_message
 
     class BFCAllocator(BFCCore, pure):
         __doc__ = pure.__doc__
@@ -131,19 +147,23 @@ def make_bfc_class(pure, module):
     return BFCAllocator
 
 
-def make_caching_class(pure, module):
+def bind_caching_allocator(pure, *, stats, block, pool, expandable_segment, stream_of,
+                           stat_types, constants):
     """The compiled ``CachingAllocator``: :class:`CachingCore` first, the pure-Python model
-    ``pure`` for everything the core does not replace."""
+    ``pure`` (``gpudash.caching.PyCachingAllocator``) for everything the core does not
+    replace. The rest is what the core takes from ``gpudash.caching``: its statistics,
+    block, pool and expandable-segment classes, its stream parser, the names of its
+    statistics' pools, and its constants (checked)."""
     global _PyCaching, _PyStats, _PyBlock, _PyPool, _PyES, _stream_of
-    _PyCaching, _PyStats, _PyBlock = pure, module._Stats, module._Block
-    _PyPool, _PyES, _stream_of = module._Pool, module._ExpandableSegment, module._stream_of
-    if (module.K_MIN_BLOCK_SIZE != KMIN_BLOCK or module.K_SMALL_SIZE != KSMALL_SIZE
-            or module.K_SMALL_BUFFER != KSMALL_BUFFER or module.K_LARGE_BUFFER != KLARGE_BUFFER
-            or module.K_MIN_LARGE_ALLOC != KMIN_LARGE_ALLOC
-            or module.K_ROUND_LARGE != KROUND_LARGE or module.K_ONE_EXA != K_ONE_EXA
-            or tuple(module._STAT_TYPES) != ("all", "small_pool", "large_pool")):
-        raise ImportError("gpudash._core was built for other caching-allocator constants; "
-                          "rebuild it")
+    _check_constants("caching-allocator", constants, {
+        "K_MIN_BLOCK_SIZE": KMIN_BLOCK, "K_SMALL_SIZE": KSMALL_SIZE,
+        "K_SMALL_BUFFER": KSMALL_BUFFER, "K_LARGE_BUFFER": KLARGE_BUFFER,
+        "K_MIN_LARGE_ALLOC": KMIN_LARGE_ALLOC, "K_ROUND_LARGE": KROUND_LARGE,
+        "K_ONE_EXA": K_ONE_EXA})
+    if tuple(stat_types) != ("all", "small_pool", "large_pool"):
+        raise ImportError("gpudash._core was built for other statistics pools; rebuild it")
+    _PyCaching, _PyStats, _PyBlock = pure, stats, block
+    _PyPool, _PyES, _stream_of = pool, expandable_segment, stream_of
 
     class CachingAllocator(CachingCore, pure):
         __doc__ = pure.__doc__
@@ -155,3 +175,44 @@ def make_caching_class(pure, module):
         _keep_journal = staticmethod(keep_journal)
 
     return CachingAllocator
+
+
+def bind_session(pure, *, device, deferred):
+    """The compiled ``Session``: the pure-Python ``pure`` (``gpudash.session.PySession``)
+    with :func:`session_allocate` and :func:`session_free` as its ``allocate`` and ``free``,
+    each handing every case but the common one to ``pure``'s method, whose name, document
+    and signature it takes (``__wrapped__``). They read the ``__slots__`` of the session, of
+    ``device`` (``gpudash.session.Device``) and of ``deferred`` (a device's
+    deferred-deletion queue) by offset."""
+    global _Session, _Device, _DeferredClass, _py_allocate, _py_free
+    global _off_devices, _off_lock, _off_closed, _off_track, _off_log
+    global _off_allocator, _off_deferred
+    global _off_pending, _off_queued, _off_pending_bytes, _off_threshold
+    _off_devices = _slot_offset(pure, "devices")
+    _off_lock = _slot_offset(pure, "_lock")
+    _off_closed = _slot_offset(pure, "_closed")
+    _off_track = _slot_offset(pure, "_track_holders")
+    _off_log = _slot_offset(pure, "_log_placement")
+    _off_allocator = _slot_offset(device, "allocator")
+    _off_deferred = _slot_offset(device, "_deferred")
+    _off_pending = _slot_offset(deferred, "pending")
+    _off_queued = _slot_offset(deferred, "queued")
+    _off_pending_bytes = _slot_offset(deferred, "pending_bytes")
+    _off_threshold = _slot_offset(deferred, "threshold")
+    _Device, _DeferredClass = device, deferred
+    _py_allocate, _py_free = pure.allocate, pure.free
+    for fast, py in ((session_allocate, pure.allocate), (session_free, pure.free)):
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(fast, attr, getattr(py, attr))
+        fast.__wrapped__ = py
+
+    class Session(pure):
+        __doc__ = pure.__doc__
+        __module__ = pure.__module__
+        __qualname__ = "Session"
+        __slots__ = ()
+        allocate = session_allocate
+        free = session_free
+
+    _Session = Session
+    return Session

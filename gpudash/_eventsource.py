@@ -35,7 +35,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ._errors import GpudashWarning
-from .events import COLUMN_DTYPES, Event, EventKind
+from .events import (
+    COLUMN_DTYPES, Event, ALLOC as _ALLOC, FREE as _FREE, SPLIT as _SPLIT, MERGE as _MERGE,
+    EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM, LIMIT as _LIMIT,
+)
 
 __all__ = ["EventSource", "JournalBatch", "code_counts", "count_events", "expand_records", "W",
            "JOURNAL_FLUSH", "OUTBOX_MAX"]
@@ -46,14 +49,6 @@ JOURNAL_FLUSH = 8192 * W  # journal ints buffered before batch sinks receive the
 #: one more waits for the callbacks to catch up (see ``EventSource._deliver``).
 OUTBOX_MAX = 4096
 
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_SPLIT = int(EventKind.SPLIT)
-_MERGE = int(EventKind.MERGE)
-_EXTEND = int(EventKind.EXTEND)
-_RELEASE = int(EventKind.RELEASE)
-_OOM = int(EventKind.OOM)
-_LIMIT = int(EventKind.LIMIT)
 
 now_ns = time.time_ns
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._errors import ConfigError
 from .bfc import AllocatorStats, MemoryDump
-from .events import EventKind
+from .events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE
 from .options import GPUOptions
 from .trace.format import Trace
 from .trace.replay import (
@@ -52,11 +52,6 @@ __all__ = [
     "chunk_map_at_peak",
     "bin_occupancy",
 ]
-
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_EXTEND = int(EventKind.EXTEND)
-_RELEASE = int(EventKind.RELEASE)
 
 
 # =============================================================================== helpers

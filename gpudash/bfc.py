@@ -34,11 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from ._accel import compiled_class as _compiled_class
+from . import _accel
 from ._errors import ConfigError, InvalidPointerError, OutOfMemoryError
 from ._eventsource import EventSource, bin_num_for_size
 from ._units import human_readable_num_bytes as _hr
-from .events import EventKind
+from .events import (
+    ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM,
+)
 
 __all__ = [
     "BFCAllocator",
@@ -70,14 +72,6 @@ K_FIRST_GROWTH_REGION = 2 << 20
 _MASK64 = (1 << 64) - 1
 
 # Event kinds as plain ints for the hot path.
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_SPLIT = int(EventKind.SPLIT)
-_MERGE = int(EventKind.MERGE)
-_EXTEND = int(EventKind.EXTEND)
-_RELEASE = int(EventKind.RELEASE)
-_OOM = int(EventKind.OOM)
-_LIMIT = int(EventKind.LIMIT)
 
 _now = time.time_ns
 
@@ -287,7 +281,7 @@ def _coerce_size(nbytes: Any) -> int:
 
 
 
-class BFCAllocator(EventSource):
+class PyBFCAllocator(EventSource):
     """TensorFlow's best-fit-with-coalescing allocator over any sub-allocator.
 
     Parameters
@@ -1489,8 +1483,14 @@ class BFCAllocator(EventSource):
         self.flush_events()
 
 
-#: The pure-Python model: the readable reference, and what runs without the compiled core.
-PyBFCAllocator = BFCAllocator
-#: The class gpudash uses: the compiled core's subclass of the pure-Python model where
-#: gpudash._core is built (and GPUDASH_PURE_PYTHON is not set), else the model itself.
-BFCAllocator = _compiled_class("bfc", PyBFCAllocator, sys.modules[__name__])
+#: TensorFlow's BFC allocator, the class gpudash uses: where the compiled core runs
+#: (gpudash._accel), ``class BFCAllocator(BFCCore, PyBFCAllocator)`` built by
+#: ``gpudash._core.bind_bfc_allocator``, whose ``BFCCore`` (``_csrc/bfc.pxi``) replaces the
+#: methods that change the state (``gpudash._accel.TWINS`` says where each lives); else
+#: :class:`PyBFCAllocator` above, the pure-Python model and readable reference.
+BFCAllocator = _accel.twin(
+    "bind_bfc_allocator", PyBFCAllocator,
+    chunk=_Chunk, region=_Region, coerce_size=_coerce_size, negative_size=_negative_size,
+    pointer_or_none=_pointer_or_none, logger=logger, gc_message=_GC_MESSAGE,
+    constants={"MAX_ALLOCATION": MAX_ALLOCATION, "K_NUM_BINS": K_NUM_BINS,
+               "K_FIRST_GROWTH_REGION": K_FIRST_GROWTH_REGION})

@@ -47,7 +47,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Any
 
-from ._accel import compiled_class as _compiled_class
+from . import _accel
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -58,7 +58,10 @@ from ._errors import (
 from ._eventsource import EventSource, now_ns
 from ._torch_conf import CachingAllocatorConfig, parse_torch_version
 from .bfc import AllocatorStats
-from .events import EventKind
+from .events import (
+    ALLOC as _ALLOC, FREE as _FREE, MERGE as _MERGE, EXTEND as _EXTEND, RELEASE as _RELEASE,
+    OOM as _OOM,
+)
 
 __all__ = [
     "CachingAllocator",
@@ -84,13 +87,6 @@ K_ROUND_LARGE = 2 << 20
 K_ONE_EXA = 1 << 60
 _MASK64 = (1 << 64) - 1
 
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_SPLIT = int(EventKind.SPLIT)
-_MERGE = int(EventKind.MERGE)
-_EXTEND = int(EventKind.EXTEND)
-_RELEASE = int(EventKind.RELEASE)
-_OOM = int(EventKind.OOM)
 
 # DeviceStats: the per-pool statistics, each an [current, peak, allocated, freed] for the
 # aggregate (0), the small pool (1) and the large pool (2).
@@ -290,7 +286,7 @@ def _dec1(stat: list[int], n: int) -> None:
 
 
 # ------------------------------------------------------------------------------ allocator
-class CachingAllocator(EventSource):
+class PyCachingAllocator(EventSource):
     """PyTorch's CUDA caching allocator over any sub-allocator.
 
     Parameters
@@ -1998,8 +1994,17 @@ class CachingAllocator(EventSource):
         self.flush_events()
 
 
-#: The pure-Python model: the readable reference, and what runs without the compiled core.
-PyCachingAllocator = CachingAllocator
-#: The class gpudash uses: the compiled core's subclass of the pure-Python model where
-#: gpudash._core is built (and GPUDASH_PURE_PYTHON is not set), else the model itself.
-CachingAllocator = _compiled_class("caching", PyCachingAllocator, sys.modules[__name__])
+#: PyTorch's caching allocator, the class gpudash uses: where the compiled core runs
+#: (gpudash._accel), ``class CachingAllocator(CachingCore, PyCachingAllocator)`` built by
+#: ``gpudash._core.bind_caching_allocator``, whose ``CachingCore`` (``_csrc/caching.pxi``)
+#: replaces the methods that change the state (``gpudash._accel.TWINS`` says where each
+#: lives); else :class:`PyCachingAllocator` above, the pure-Python model and readable
+#: reference.
+CachingAllocator = _accel.twin(
+    "bind_caching_allocator", PyCachingAllocator,
+    stats=_Stats, block=_Block, pool=_Pool, expandable_segment=_ExpandableSegment,
+    stream_of=_stream_of, stat_types=_STAT_TYPES,
+    constants={"K_MIN_BLOCK_SIZE": K_MIN_BLOCK_SIZE, "K_SMALL_SIZE": K_SMALL_SIZE,
+               "K_SMALL_BUFFER": K_SMALL_BUFFER, "K_LARGE_BUFFER": K_LARGE_BUFFER,
+               "K_MIN_LARGE_ALLOC": K_MIN_LARGE_ALLOC, "K_ROUND_LARGE": K_ROUND_LARGE,
+               "K_ONE_EXA": K_ONE_EXA})

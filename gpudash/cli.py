@@ -1218,11 +1218,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     _say(f"allocator core: {_accel.describe()}")
     if _accel.COMPILED:
         _say(f"  (set {_accel.ENV}=1 to run the pure-Python models instead)")
-        from . import _core
-
         clock = ("the time-stamp counter, read as time.time_ns() values"
-                 if _core.JOURNAL_CLOCK == "tsc" else "time.time_ns()")
-        _say(f"  event times: {clock} ({_core.JOURNAL_CLOCK_REASON}; "
+                 if _accel.twin("JOURNAL_CLOCK", "") == "tsc" else "time.time_ns()")
+        _say(f"  event times: {clock} ({_accel.twin('JOURNAL_CLOCK_REASON', '')}; "
              f"GPUDASH_JOURNAL_CLOCK=realtime stamps time.time_ns() directly)")
     return 0
 

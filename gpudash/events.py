@@ -30,7 +30,8 @@ import enum
 
 import numpy as np
 
-__all__ = ["EventKind", "Event", "COLUMNS", "COLUMN_DTYPES"]
+__all__ = ["EventKind", "Event", "COLUMNS", "COLUMN_DTYPES", "ALLOC", "FREE", "SPLIT", "MERGE",
+           "EXTEND", "RELEASE", "OOM", "LIMIT"]
 
 
 class EventKind(enum.IntEnum):
@@ -48,6 +49,18 @@ class EventKind(enum.IntEnum):
     def __str__(self) -> str:
         return self.name.lower()
 
+
+#: The event codes as plain ints (:class:`EventKind`'s values), for the journals, the
+#: ``kind`` column's comparisons and the hot loops: gpudash defines them here only (the
+#: compiled core's copy, ``_core.pyx``, is held to them when it loads: ``gpudash._accel``).
+ALLOC = int(EventKind.ALLOC)
+FREE = int(EventKind.FREE)
+SPLIT = int(EventKind.SPLIT)
+MERGE = int(EventKind.MERGE)
+EXTEND = int(EventKind.EXTEND)
+RELEASE = int(EventKind.RELEASE)
+OOM = int(EventKind.OOM)
+LIMIT = int(EventKind.LIMIT)
 
 #: Column names of an event table, in order.
 COLUMNS = ("seq", "time_ns", "kind", "ptr", "size", "requested", "bin", "region",

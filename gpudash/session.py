@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ._accel import compiled, compiled_methods
+from . import _accel
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -123,7 +123,7 @@ class CudaMallocAllocator(BFCAllocator):
 #: The set of queued addresses: where gpudash._core is built, its ``AddressSet`` (a set of
 #: ints in a C hash table; a block address's low bits are all zero, which a Python set
 #: hashes poorly), else a set.
-_AddressSet = compiled("AddressSet", set)
+_AddressSet = _accel.twin("AddressSet", set)
 
 
 @dataclass(slots=True)
@@ -141,7 +141,7 @@ class _Deferred:
 
 #: The session's lock: where gpudash._core is built, its reentrant lock (GIL-guarded, usable
 #: by threading.Condition), else threading.RLock.
-_SessionLock = compiled("RLock", threading.RLock)
+_SessionLock = _accel.twin("RLock", threading.RLock)
 
 
 class Device:
@@ -412,7 +412,7 @@ def _simulate_sizes(simulate: Any) -> list[int]:
     return [parse_bytes(simulate, name="the simulated device size")]
 
 
-class Session:
+class PySession:
     """A set of devices, each with its own BFC allocator, configured like TensorFlow.
 
     Parameters
@@ -1254,23 +1254,16 @@ class Session:
             pass
 
 
+#: A set of devices configured like TensorFlow, the class gpudash uses: where the compiled
+#: core runs (gpudash._accel), ``class Session(PySession)`` built by
+#: ``gpudash._core.bind_session``, whose ``allocate`` and ``free`` are the fast paths of
+#: ``_csrc/session.pxi`` (``session_allocate``, ``session_free``: the common case in C,
+#: every other case handed to :data:`PY_SESSION_METHODS`); else :class:`PySession` above.
+Session = _accel.twin("bind_session", PySession, device=Device, deferred=_Deferred)
+
 #: Session's Python methods that the compiled core has fast paths for: the reference, what
 #: runs on the pure-Python path, and what each fast path hands every case but the common one.
-PY_SESSION_METHODS = {"allocate": Session.allocate, "free": Session.free}
-
-
-def _install_fast_paths() -> None:
-    """Put the compiled core's fast paths on Session, under the Python methods' names,
-    documents and signatures (``__wrapped__``); nothing on the pure-Python path."""
-    for name, fast in compiled_methods("session", Session, sys.modules[__name__]).items():
-        py = PY_SESSION_METHODS[name]
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(fast, attr, getattr(py, attr))
-        fast.__wrapped__ = py
-        setattr(Session, name, fast)
-
-
-_install_fast_paths()
+PY_SESSION_METHODS = {"allocate": PySession.allocate, "free": PySession.free}
 
 
 class TorchDevice(Device):

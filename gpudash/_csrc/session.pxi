@@ -3,8 +3,8 @@
 # the compiled BFC allocator, no holder tracking or placement log; for free one device and an
 # int address), which read the __slots__ of Session, Device and the deferred-deletion queue
 # by offset. Every other case, and every error, is the Python method's: the fast path hands
-# the call to it unchanged. Included by _core.pyx; bound to gpudash.session by
-# make_session_methods.
+# the call to it unchanged. Included by _core.pyx; bound to gpudash.session by its
+# bind_session.
 
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
@@ -13,7 +13,7 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF
 cdef extern from "pythread.h":
     unsigned long PyThread_get_thread_ident() nogil
 
-# bound by make_session_methods and make_bfc_class
+# bound by bind_session and bind_bfc_allocator (_core.pyx)
 cdef object _Session = None, _BFCClass = None, _DeferredClass = None
 cdef object _py_allocate = None, _py_free = None
 
@@ -253,7 +253,7 @@ cdef extern from "Python.h":
 cdef int _T_OBJECT_EX = 16   # a __slots__ member (structmember.h's T_OBJECT_EX)
 cdef object _False = False
 
-# offsets of the __slots__ the fast paths read (set by make_session_methods)
+# offsets of the __slots__ the fast paths read (set by bind_session, _core.pyx)
 cdef Py_ssize_t _off_devices = 0, _off_lock = 0, _off_closed = 0, _off_track = 0, _off_log = 0
 cdef Py_ssize_t _off_allocator = 0, _off_deferred = 0
 cdef Py_ssize_t _off_pending = 0, _off_queued = 0, _off_pending_bytes = 0, _off_threshold = 0
@@ -372,28 +372,3 @@ def session_free(self, ptr, device=None):
     finally:
         if lock is not None:
             lock.give()
-
-
-def make_session_methods(session, module):
-    """``{name: function}``: the compiled fast paths of ``session``'s (gpudash.Session's)
-    methods, each handing every case but its own to the Python method it replaces. They
-    read the ``__slots__`` of Session, ``module.Device`` and ``module._Deferred`` by offset."""
-    global _Session, _Device, _DeferredClass, _py_allocate, _py_free
-    global _off_devices, _off_lock, _off_closed, _off_track, _off_log
-    global _off_allocator, _off_deferred
-    global _off_pending, _off_queued, _off_pending_bytes, _off_threshold
-    device, deferred = module.Device, module._Deferred
-    _off_devices = _slot_offset(session, "devices")
-    _off_lock = _slot_offset(session, "_lock")
-    _off_closed = _slot_offset(session, "_closed")
-    _off_track = _slot_offset(session, "_track_holders")
-    _off_log = _slot_offset(session, "_log_placement")
-    _off_allocator = _slot_offset(device, "allocator")
-    _off_deferred = _slot_offset(device, "_deferred")
-    _off_pending = _slot_offset(deferred, "pending")
-    _off_queued = _slot_offset(deferred, "queued")
-    _off_pending_bytes = _slot_offset(deferred, "pending_bytes")
-    _off_threshold = _slot_offset(deferred, "threshold")
-    _Session, _Device, _DeferredClass = session, device, deferred
-    _py_allocate, _py_free = session.allocate, session.free
-    return {"allocate": session_allocate, "free": session_free}

@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import TraceFormatError
 from .._eventsource import code_counts
 
+from ..events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE
 __all__ = ["TOPIC", "WIRE_VERSION", "encode_table", "decode_table", "encode_records",
            "decode_records", "table_stats", "Layout"]
 
@@ -37,7 +38,6 @@ TOPIC = "gpudash"
 WIRE_VERSION = 1
 
 _W = 8  # ints per journal record (``BFCAllocator`` journal layout)
-_ALLOC, _FREE, _EXTEND, _RELEASE = 1, 2, 5, 6
 
 
 def _pack(arrays: list[np.ndarray]) -> bytes:

@@ -10,15 +10,13 @@ import numpy as np
 
 from .._errors import ConfigError
 from .._eventsource import expand_records as _expand_numpy
-from ..events import COLUMN_DTYPES, COLUMNS
+from ..events import COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, EXTEND as _EXTEND, RELEASE as _RELEASE
 from . import _wire
 from .model import ClusterModel, _Hub
 
 __all__ = ["collect_traces"]
 
 logger = logging.getLogger("gpudash")
-
-_EXTEND, _RELEASE, _ALLOC = 5, 6, 1
 
 
 def _segment_columns(seg: dict, device: int) -> tuple[dict, list[dict]]:

@@ -61,7 +61,10 @@ from numpy.lib import format as npformat
 
 from .._errors import GpudashWarning, TraceFormatError
 from .._version import __version__
-from ..events import COLUMN_DTYPES, COLUMNS, Event, EventKind
+from ..events import (
+    COLUMN_DTYPES, COLUMNS, Event, EventKind, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
+    RELEASE as _RELEASE, OOM as _OOM, LIMIT as _LIMIT,
+)
 from .stacks import STACK_DTYPE, Stack, StackTable
 
 __all__ = [
@@ -97,9 +100,6 @@ _REC_NAMES = {1: "metadata", 2: "event batch", 3: "metadata update", 4: "end"}
 # a JSON header larger than this is not one gpudash wrote (guards against garbage lengths)
 _MAX_JSON = 1 << 30
 
-_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM, _LIMIT = (
-    int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND), int(EventKind.RELEASE),
-    int(EventKind.OOM), int(EventKind.LIMIT))
 # Calls.op's codes (1, 2, 7) are these kinds' own: _calls_by_id copies the kinds
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._errors import ConfigError, GpudashError
 from .._units import format_bytes
-from ..events import EventKind
+from ..events import ALLOC as _ALLOC, FREE as _FREE, OOM as _OOM
 from ..models import trace_model
 from .callers import (NO_ANNOTATION, NO_STACK, CallSites, annotation_ranges, annotations_at,
                       call_sites, frame_text, short_paths, stack_lines, user_code_rule)
@@ -52,7 +52,6 @@ UNNAMED = "(no holder)"
 #: What ``by=`` accepts.
 BY = ("line", "function", "file", "stack", "annotation", "category", "holder")
 _STACK_BY = ("line", "function", "file", "stack")
-_ALLOC, _FREE, _OOM = int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.OOM)
 _NEVER = np.iinfo(np.int64).max
 _TIME = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(s|ms|us|µs|ns)\s*$")
 _UNIT_NS = {"s": 1e9, "ms": 1e6, "us": 1e3, "µs": 1e3, "ns": 1.0}

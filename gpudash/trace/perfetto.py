@@ -81,7 +81,9 @@ import numpy as np
 
 from .._errors import ConfigError, TraceFormatError
 from .._version import __version__
-from ..events import EventKind
+from ..events import (
+    ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM,
+)
 from ..models import trace_model
 from .format import Trace, _device_entries, _file_kind
 
@@ -99,9 +101,6 @@ PID_BASE = 1 << 22
 #: Times gpudash reads as nanoseconds since the Unix epoch: from 2000-01-01 to 2100-01-01.
 WALL_CLOCK_NS = (946_684_800 * 10**9, 4_102_444_800 * 10**9)
 
-_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM = (int(EventKind.ALLOC), int(EventKind.FREE),
-                                           int(EventKind.EXTEND), int(EventKind.RELEASE),
-                                           int(EventKind.OOM))
 _CAT = "gpudash.memory"
 _CAT_ANNOTATION = "gpudash.annotation"
 _INT64 = (-(1 << 63), (1 << 63) - 1)

@@ -31,7 +31,10 @@ from .._gc import collector_paused
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
-from ..events import COLUMN_DTYPES, COLUMNS, EventKind
+from ..events import (
+    COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
+    RELEASE as _RELEASE, OOM as _OOM,
+)
 from ..models import BFC, TORCH, AllocatorModel, model_for, trace_model
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
@@ -40,10 +43,12 @@ from .format import Trace, _byte_count, _device_entries, _flag
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
            "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
 
-_core = _accel._core  # the compiled core's loops, or None
-_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM = (int(EventKind.ALLOC), int(EventKind.FREE),
-                                          int(EventKind.EXTEND), int(EventKind.RELEASE),
-                                          int(EventKind.OOM))
+# The compiled core's replay loops (_csrc/replay.pxi) and key -> pointer map, used when the
+# replayed allocator is compiled; None on the pure-Python path (the Python loops run).
+_KeyMap = _accel.twin("KeyMap", None)
+_run_bfc = _accel.twin("run_bfc", None)
+_run_bfc_deferred = _accel.twin("run_bfc_deferred", None)
+_run_torch = _accel.twin("run_torch", None)
 
 #: Device size replay assumes when none is given: 16 GiB.
 DEFAULT_DEVICE_BYTES = 16 << 30
@@ -767,7 +772,7 @@ class _Engine:
         # the compiled core's loops (gpudash._core) keep the key -> pointer map in C
         self.compiled = getattr(self.alloc, "compiled", False)
         self._columns: tuple | None = None
-        self.ptrs: Any = _core.KeyMap() if self.compiled else {}
+        self.ptrs: Any = _KeyMap() if self.compiled else {}
         self.held: list[int] = []  # pointers whose free is deferred
         self.held_bytes = 0
         self.pos = 0
@@ -806,23 +811,23 @@ class _Engine:
                             max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_plain` in C (gpudash._core.run_bfc), call for call."""
         ops, keys, nbytes, _ = self._core_columns()
-        self.pos, skipped = _core.run_bfc(self.alloc, ops, keys, nbytes, start, stop,
-                                          self.ptrs, self.oom_calls, sample, max_ooms)
+        self.pos, skipped = _run_bfc(self.alloc, ops, keys, nbytes, start, stop,
+                                     self.ptrs, self.oom_calls, sample, max_ooms)
         self.skipped_frees += skipped
 
     def _run_torch_compiled(self, start: int, stop: int, sample: list | None,
                             max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_torch` in C (gpudash._core.run_torch), call for call."""
         ops, keys, nbytes, streams = self._core_columns()
-        self.pos, skipped = _core.run_torch(self.alloc, ops, keys, nbytes, streams, start,
-                                            stop, self.ptrs, self.oom_calls, sample, max_ooms)
+        self.pos, skipped = _run_torch(self.alloc, ops, keys, nbytes, streams, start,
+                                       stop, self.ptrs, self.oom_calls, sample, max_ooms)
         self.skipped_frees += skipped
 
     def _run_deferred_compiled(self, start: int, stop: int, sample: list | None,
                                max_ooms: int = sys.maxsize) -> None:
         """:meth:`_run_deferred` in C (gpudash._core.run_bfc_deferred), call for call."""
         ops, keys, nbytes, _ = self._core_columns()
-        self.pos, skipped, retried, self.held_bytes = _core.run_bfc_deferred(
+        self.pos, skipped, retried, self.held_bytes = _run_bfc_deferred(
             self.alloc, ops, keys, nbytes, start, stop, self.ptrs, self.oom_calls, sample,
             max_ooms, self.held, self.settings["deferred_deletion_bytes"], self.held_bytes)
         self.skipped_frees += skipped

@@ -128,6 +128,7 @@ from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, _bins
                      _regions, _source_name)
 from .stacks import STACK_DTYPE, StackTable
 
+from ..events import ALLOC as _ALLOC, FREE as _FREE
 __all__ = ["load_torch_profile", "MAX_GZIP_RATIO", "MIN_OBJECTS", "MAX_STACK_DEPTH"]
 
 #: A gzip-compressed trace may expand to at most this many times its size (Kineto's JSON
@@ -152,7 +153,6 @@ _DEVICE_TYPES = {0: "cpu", 1: "cuda", 2: "mkldnn", 3: "opengl", 4: "opencl", 5: 
                  12: "xpu", 13: "mps", 14: "meta", 15: "hpu", 16: "ve", 17: "lazy",
                  18: "ipu", 19: "mtia", 20: "privateuseone"}
 _CPU, _CUDA = 0, 1
-_ALLOC, _FREE = 1, 2                 # EventKind.ALLOC, EventKind.FREE
 _NO_MEMORY = ("a PyTorch profiler trace without memory events: record it with "
               "torch.profiler.profile(profile_memory=True) (and with_stack=True for the lines "
               "that allocated)")

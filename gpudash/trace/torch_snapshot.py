@@ -75,7 +75,9 @@ import numpy as np
 
 from .._errors import TraceFormatError
 from .._gc import collector_paused
-from ..events import EventKind
+from ..events import (
+    EventKind, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM,
+)
 from .format import Trace, _bins, _device_entries, _open_new, _open_regular, _regions, _source_name
 from .stacks import StackTable
 from .torch_trace import (
@@ -376,9 +378,6 @@ for _code, _kind in ((A_ALLOC, EventKind.ALLOC), (A_FREE, EventKind.FREE),
                      (A_SEG_FREE, EventKind.RELEASE), (A_UNMAP, EventKind.RELEASE),
                      (A_OOM, EventKind.OOM)):
     _KIND_OF_CODE[_code] = int(_kind)
-_ALLOC, _FREE, _EXTEND, _RELEASE, _OOM = (int(EventKind.ALLOC), int(EventKind.FREE),
-                                          int(EventKind.EXTEND), int(EventKind.RELEASE),
-                                          int(EventKind.OOM))
 
 
 def _import(snap: dict, name: str, nbytes: int | None, reconstruct: bool,
@@ -690,9 +689,7 @@ def _snapshot_dict(trace: Trace) -> dict:
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
     allocs: dict[tuple[int, int], tuple[int, int, int]] = {}
     segs: dict[tuple[int, int], tuple[int, int]] = {}
-    ALLOC, FREE, EXTEND, RELEASE, OOM = (
-        int(EventKind.ALLOC), int(EventKind.FREE), int(EventKind.EXTEND),
-        int(EventKind.RELEASE), int(EventKind.OOM))
+    ALLOC, FREE, EXTEND, RELEASE, OOM = _ALLOC, _FREE, _EXTEND, _RELEASE, _OOM
     for k, p, s, r, d, t, sid in zip(kind, ptr, size, req, dev_col, t_col, sid_col,
                                      strict=True):
         if k == ALLOC:

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..events import COLUMN_DTYPES, EventKind
+from ..events import COLUMN_DTYPES, ALLOC as _ALLOC, FREE as _FREE
 from .format import Trace
 
 __all__ = [
@@ -78,8 +78,6 @@ __all__ = [
 #: A workload call: ``("alloc", key, nbytes)`` or ``("free", key)``.
 Call = tuple
 
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
 _KIB = 1 << 10
 _MIB = 1 << 20
 _T0 = 1_000_000_000  # first event at t = 1 s (traces start at a fixed, plausible time)

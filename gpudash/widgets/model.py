@@ -46,7 +46,7 @@ import traitlets
 from .._errors import ConfigError
 from .._eventsource import code_counts
 from ..bfc import AllocatorStats
-from ..events import EventKind
+from ..events import ALLOC as _ALLOC, FREE as _FREE, OOM as _OOM, LIMIT as _LIMIT
 from ..models import BFC, AllocatorModel, model_of
 
 __all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark", "HeldBlocks",
@@ -58,10 +58,6 @@ logger = logging.getLogger("gpudash")
 #: TensorFlow's number of BFC bins (256 B << b, the last one open-ended).
 NUM_BINS = 21
 
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_OOM = int(EventKind.OOM)
-_LIMIT = int(EventKind.LIMIT)
 
 #: Most OOM marks and setting marks a device keeps (oldest dropped).
 MAX_MARKS = 200

@@ -34,17 +34,12 @@ import traitlets
 from .. import style
 from .._comm_routing import follow_the_page
 from .._units import format_bytes
-from ..events import EventKind
+from ..events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, OOM as _OOM
 from . import _layout
 from .model import typed_array
 from .plot import PlotView
 
 __all__ = ["WhatIfView", "replay_heatmap"]
-
-_ALLOC = int(EventKind.ALLOC)
-_FREE = int(EventKind.FREE)
-_OOM = int(EventKind.OOM)
-_EXTEND = int(EventKind.EXTEND)
 
 
 # --------------------------------------------------------------------------------------
