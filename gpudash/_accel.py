@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from . import events
 
-__all__ = ["COMPILED", "ENV", "REASON", "TWINS", "describe", "twin"]
+__all__ = ["COMPILED", "ENV", "REASON", "TWINS", "describe", "extension", "twin"]
 
 #: Set to 1 to run the pure-Python models even where the compiled core is built.
 ENV = "GPUDASH_PURE_PYTHON"
@@ -100,6 +100,28 @@ def twin(name: str, pure: T, **needs: Any) -> T:
     if needs:
         raise TypeError(f"gpudash._core.{name} is not a binder; it takes no needs")
     return found
+
+
+def extension(purpose: str) -> Any:
+    """The compiled extension itself, for a use with no pure-Python twin: install mode, where
+    PyTorch loads C functions from the shared object. Built from these sources, it is
+    returned even where ``GPUDASH_PURE_PYTHON`` runs the pure models; otherwise ImportError
+    says why, naming ``purpose``."""
+    if _core is not None:
+        return _core
+    try:
+        from . import _core as core
+    except ImportError as exc:
+        raise ImportError(f"{purpose} needs gpudash's compiled core (gpudash._core), which is "
+                          f"not built here ({exc}); install a C compiler and reinstall "
+                          "gpudash") from None
+    from ._sourcehash import source_hash
+
+    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
+    if here is not None and here != getattr(core, "SOURCE_HASH", None):
+        raise ImportError(f"{purpose} needs gpudash._core built from these sources; "
+                          f"{_REBUILD}")
+    return core
 
 
 def describe() -> str:

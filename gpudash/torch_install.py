@@ -28,6 +28,7 @@ import time
 import warnings
 from typing import Any
 
+from . import _accel
 from ._errors import ConfigError
 
 __all__ = ["install", "installed", "InstalledAllocator", "LIMITS"]
@@ -60,16 +61,10 @@ _installed: InstalledAllocator | None = None
 
 
 def _core() -> Any:
-    from . import _accel
-
-    core = getattr(_accel, "_core", None)
-    if core is None:
-        try:
-            from . import _core as core  # noqa: F811
-        except ImportError as exc:
-            raise ConfigError(
-                "install mode needs gpudash's compiled core (gpudash._core), which is not "
-                f"built here ({exc}); install a C compiler and reinstall gpudash") from None
+    try:
+        core = _accel.extension("install mode")
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
     if not hasattr(core, "pluggable_setup"):
         raise ConfigError("gpudash._core was built without install mode; rebuild it "
                           "(python setup.py build_ext --inplace)")
