@@ -249,7 +249,7 @@ def bench_holders(repeat: int, history_refreshes: int = 100_000) -> dict:
                 x.close()
     # a long history: blocks coming and going over many refreshes (their changes fed to the
     # history as the model's refreshes feed it)
-    from gpudash.widgets.model import _HolderLog
+    from gpudash.live.model import _HolderLog
 
     log = _HolderLog(10**9)
     aid = np.arange(1, 2001, dtype=np.int64)

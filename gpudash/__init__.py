@@ -44,7 +44,7 @@ _LAZY = {
     "Device": "gpudash.session",
     "default_session": "gpudash.session",
     "Dashboard": "gpudash.widgets.dashboard",
-    "LiveModel": "gpudash.widgets.model",
+    "LiveModel": "gpudash.live.model",
     "WhatIfView": "gpudash.widgets.whatif",
     "BackgroundTask": "gpudash.background",
     "run_in_background": "gpudash.background",

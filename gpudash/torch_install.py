@@ -300,7 +300,7 @@ class InstalledAllocator:
         self._core.pluggable_reset_peaks(self._device(device))
 
     def feed(self, device: int = 0) -> Any:
-        """A controllable :class:`~gpudash.widgets.feeds.DeviceFeed` of a device
+        """A controllable :class:`~gpudash.live.feeds.DeviceFeed` of a device
         (``InstallFeed``)."""
         return _feed_class()(self, self._device(device))
 
@@ -396,7 +396,7 @@ def _reset_for_tests() -> None:
 # ------------------------------------------------------------------------------ the feed
 def _make_feed_class() -> type:
     from .bfc import AllocatorStats
-    from .widgets.feeds import DeviceFeed, FeedSample
+    from .live.feeds import DeviceFeed, FeedSample
 
     class InstallFeed(DeviceFeed):
         """One device of the installed allocator, for a live model: samples from the C
@@ -466,7 +466,7 @@ def _make_feed_class() -> type:
                     "total": s["total"] or None}
 
         def configure(self, **changes: Any) -> None:
-            from .widgets.feeds import CONTROL_NAMES
+            from .live.feeds import CONTROL_NAMES
 
             unknown = sorted(set(changes) - set(CONTROL_NAMES))
             if unknown:
@@ -502,7 +502,7 @@ def _feed_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    # InstallFeed is made on first use: the widgets layer is imported only then
+    # InstallFeed is made on first use: the live layer is imported only then
     if name == "InstallFeed":
         return _feed_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ from gpudash.session import STACK_DEPTH
 from gpudash.trace.stacks import StackTable
 from gpudash.widgets import Dashboard, LiveModel
 from gpudash.widgets.dashboard import VIEWS
-from gpudash.widgets.model import _HolderLog
+from gpudash.live.model import _HolderLog
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

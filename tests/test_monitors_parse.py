@@ -17,7 +17,7 @@ from gpudash.monitors._parse import (
     stats_from_torch_memory_stats,
     torch_chunk_table,
 )
-from gpudash.widgets.model import NUM_BINS, bin_of_sizes, heatmap_column
+from gpudash.live.model import NUM_BINS, bin_of_sizes, heatmap_column
 
 from shared_files import EXTERNAL  # noqa: E402
 PICKLES = sorted(EXTERNAL.glob("*.p*")) if EXTERNAL.is_dir() else []

@@ -22,7 +22,7 @@ from test_widgets_model import GIB, MIB, fill, wait_for
 import gpudash
 from gpudash.widgets import Dashboard, LiveModel
 from gpudash.widgets.dashboard import VIEWS, plotly_bundle
-from gpudash.widgets.feeds import DeviceFeed, FeedSample
+from gpudash.live.feeds import DeviceFeed, FeedSample
 from gpudash._units import format_bytes
 from gpudash.bfc import AllocatorStats
 

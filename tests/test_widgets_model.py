@@ -1,7 +1,8 @@
-"""The live model: coalescing, consistent states, bins, heatmap columns, bounds, lifecycle.
+"""The live model (:mod:`gpudash.live.model`): coalescing, consistent states, bins, heatmap
+columns, bounds, lifecycle.
 
-Also home of the recording comm the widget tests share (``comms`` fixture): real ipywidgets
-and plotly ``FigureWidget`` objects whose every message is kept (and byte-counted as the
+Also home of the recording comm the widget tests share (``comms`` fixture): real widgets
+(the dashboard, the what-if view) whose every message is kept (and byte-counted as the
 kernel would send it: JSON plus binary buffers), with no kernel and no browser.
 """
 
@@ -20,14 +21,12 @@ import traitlets
 
 import gpudash
 from gpudash import BFCAllocator, SimulatedDevice
-from gpudash.widgets.model import (
+from gpudash.live.model import (
     NUM_BINS,
     LiveModel,
     bin_labels,
     bin_of_sizes,
-    decode_array,
     heatmap_column,
-    typed_array,
 )
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
@@ -161,6 +160,8 @@ def test_bin_labels():
 
 
 def test_typed_array_round_trip():
+    from gpudash.widgets.plot import decode_array, typed_array
+
     z = np.arange(12, dtype=np.uint8).reshape(3, 4)
     spec = typed_array(z, np.uint8)
     np.testing.assert_array_equal(decode_array(spec), z)

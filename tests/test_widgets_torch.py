@@ -1,6 +1,6 @@
 """The live views on a PyTorch session, over real widgets and a recording comm: the dashboard
-and the ipywidgets views take the allocator model's controls, words, pools and stats, and
-every control acts on the session as PyTorch would and answers in words.
+takes the allocator model's controls, words, pools and stats, and every control acts on the
+session as PyTorch would and answers in words.
 
 The same dashboard on a BFC session (test_widgets_dashboard.py) keeps TensorFlow's controls
 and words; the browser side is in test_browser.py.
@@ -16,16 +16,7 @@ from test_widgets_model import GIB, MIB
 
 import gpudash
 from gpudash.models import BFC, TORCH
-from gpudash.widgets import (
-    BinsView,
-    ChunkMapView,
-    ControlsView,
-    Dashboard,
-    LiveModel,
-    StatsView,
-    TimelineView,
-)
-from gpudash.widgets.stats import stats_rows
+from gpudash.widgets import Dashboard, LiveModel
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
@@ -89,7 +80,8 @@ def test_states_count_pools_and_carry_pytorch_s_figures(tsess, model):
 def test_stats_rows_are_pytorch_s_names(tsess, model):
     _work(tsess)
     tsess.configure(fraction=0.5)
-    rows = {label: (value, exact) for label, value, exact in stats_rows(model.refresh_now()[0])}
+    state = model.refresh_now()[0]
+    rows = {label: (value, exact) for label, value, exact in state.model.stats_rows(state)}
     alloc = tsess.devices[0].allocator
     stats = alloc.memory_stats()
     assert rows["allocated_bytes.all.current"][1] == \
@@ -199,61 +191,7 @@ def test_a_fraction_below_what_is_reserved_says_what_pytorch_does(comms, tsess, 
     assert reply["text"] == "empty_cache(): returned 3.00 GiB"
 
 
-# ------------------------------------------------------------------------------ ipywidgets
-def test_controls_view_builds_pytorch_s_controls_and_acts(comms, tsess, model):
-    c = ControlsView(model)
-    assert set(c.controls) == {"fraction", "expandable", "max_split", "gc", "empty_cache"}
-    assert not hasattr(c, "growth") and not hasattr(c, "deferred")
-    assert c.expandable.description == "expandable segments" and c.max_split.value == ""
-    alloc = tsess.devices[0].allocator
-    c.fraction.value = 0.5
-    assert alloc.fraction == 0.5 and "fraction 0.500: limit 8.00 GiB" in c.status.value
-    c.expandable.value = True
-    assert alloc.config.expandable_segments and "expandable_segments: on" in c.status.value
-    with pytest.warns(gpudash.GpudashWarning, match="pytorch/pytorch#123548"):
-        c.max_split.value = "256"
-    assert alloc.config.max_split_size == 256 * MIB
-    assert "123548" in c.status.value and "_set_allocator_settings" not in c.status.value
-    c.max_split.value = "12"  # refused: snaps back, says why
-    assert "max_split_size_mb must be" in c.error.value and c.max_split.value == "256"
-    c.max_split.value = ""
-    assert alloc.config.max_split_size is None and c.error.value == ""
-    c.gc.value = "0.75"
-    assert alloc.config.garbage_collection_threshold == 0.75
-    c.gc.value = "lots"
-    assert "garbage_collection_threshold must be a number" in c.error.value
-    assert c.gc.value == "0.75"
-    tsess.free(tsess.allocate(40 * MIB))
-    c.empty_cache.click()
-    assert "empty_cache(): returned 40.00 MiB" in c.status.value  # two 20 MiB pages
-    with pytest.warns(gpudash.GpudashWarning, match="123548"):
-        tsess.configure(max_split_size_mb=64)  # from a cell: the field follows
-    model.refresh_now()
-    assert c.max_split.value == "64"
-    c.close()
-
-
-def test_views_speak_pytorch_s_words(comms, tsess, model):
-    _work(tsess)
-    model.refresh_now()
-    bins = BinsView(model)
-    assert list(bins.figure.data[0].x) == ["small pool (≤ 1 MiB)", "large pool"]
-    assert bins.figure.data[2].name == "free blocks"
-    assert bins.figure.layout.title.text == "cuda:0: bytes and free blocks per pool"
-    cmap = ChunkMapView(model, max_rate_hz=None)
-    labels = list(cmap.figure.layout.yaxis.ticktext)
-    assert [t.split(") ")[1] for t in labels] == ["small", "large", "large", "large"]
-    assert cmap.figure.data[0].name == "allocated"
-    assert cmap.figure.layout.title.text.startswith("cuda:0: 4 segment(s), 3 blocks allocated")
-    tl = TimelineView(model)
-    assert [t.name for t in tl.figure.data[:3]] == ["allocated", "reserved", "limit"]
-    assert "allocated, reserved" in tl.figure.layout.title.text
-    stats = StatsView(model)
-    assert "reserved_bytes.all.peak" in stats.html.value and "pool_bytes" not in stats.html.value
-    for view in (bins, cmap, tl, stats):
-        view.close()
-
-
+# ------------------------------------------------------------------------------ what-if
 def test_the_what_if_view_of_a_pytorch_trace_speaks_pytorch_s_settings(comms):
     """A PyTorch snapshot replays through PyTorch's model: allocated and reserved lines, an
     expandable_segments toggle, and the minimum fraction with the line that sets it."""

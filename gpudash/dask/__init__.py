@@ -11,7 +11,7 @@
   ``"gpudash"`` and in the workers' heartbeat metrics; :func:`worker_session` inside a task
   or a ``client.run`` function;
 - :class:`ClusterModel`: every worker's figures, history, feeds and recorded events;
-  :class:`WorkerFeed`: one worker device as a :class:`~gpudash.widgets.feeds.DeviceFeed`;
+  :class:`WorkerFeed`: one worker device as a :class:`~gpudash.live.feeds.DeviceFeed`;
 - :class:`ClusterDashboard`: a row per worker, controls for all workers or one, the usual
   views of a picked worker;
 - :func:`configure_workers` (validated on the client, then on every worker, before anything

@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 from .._errors import ConfigError
+from ..live.feeds import CONTROL_NAMES
 from ..options import GPUOptions
-from ..widgets.feeds import CONTROL_NAMES
 from .plugin import run_apply, run_check, run_settings
 
 __all__ = ["configure_workers", "current_settings", "validate_changes"]
@@ -16,10 +16,11 @@ __all__ = ["configure_workers", "current_settings", "validate_changes"]
 logger = logging.getLogger("gpudash")
 
 
-
 def validate_changes(changes: dict) -> dict:
     """Check live-setting changes on the client: names among
-    :data:`~gpudash.widgets.feeds.CONTROL_NAMES`, values as ``GPUOptions`` accepts them.
+    :data:`~gpudash.live.feeds.CONTROL_NAMES`, values as ``GPUOptions`` accepts them (the
+    BFC model's :meth:`~gpudash.models.AllocatorModel.check_setting`, which
+    :meth:`gpudash.live.LiveModel.act` runs before a worker's control acts).
 
     Returns the converted values; raises :class:`~gpudash.ConfigError` naming the field, the
     value and what is accepted."""

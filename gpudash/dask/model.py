@@ -29,7 +29,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from ..bfc import AllocatorStats
-from ..widgets.feeds import DeviceFeed, FeedSample
+from ..live.feeds import DeviceFeed, FeedSample
 from . import _wire
 from .plugin import run_flush_deferred, run_lease, run_release, run_sync
 
@@ -547,7 +547,7 @@ class ClusterModel:
         return rec
 
     def feed(self, address: str, device: int = 0) -> WorkerFeed:
-        """A :class:`~gpudash.widgets.feeds.DeviceFeed` of one worker device."""
+        """A :class:`~gpudash.live.feeds.DeviceFeed` of one worker device."""
         with self._lock:
             rec = self._need(address)
             if device not in rec.devices:
@@ -766,7 +766,7 @@ class ClusterModel:
 
 
 class WorkerFeed(DeviceFeed):
-    """One Dask worker device as a :class:`~gpudash.widgets.feeds.DeviceFeed`.
+    """One Dask worker device as a :class:`~gpudash.live.feeds.DeviceFeed`.
 
     Its samples carry the worker's chunk table (sent by the worker while the feed is
     started, when the layout changed, within the worker's ``table_bytes_per_s``) with

@@ -1,7 +1,7 @@
 """Live, read-only monitors of a real framework's allocator: TensorFlow, JAX, PyTorch.
 
 A :class:`Monitor` polls the framework's own figures a few times a second in a thread of its
-own and exposes one :class:`~gpudash.widgets.feeds.DeviceFeed` per device
+own and exposes one :class:`~gpudash.live.feeds.DeviceFeed` per device
 (:attr:`Monitor.feeds`), the source a live model's devices take, next to gpudash's own
 allocators:
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import BackendUnavailableError, ConfigError
 from ..bfc import AllocatorStats
-from ..widgets.feeds import DeviceFeed, FeedSample
+from ..live.feeds import DeviceFeed, FeedSample
 
 __all__ = ["Monitor", "FrameworkFeed", "Poll", "FRAMEWORK_MODULES", "require_installed"]
 
@@ -60,7 +60,7 @@ class Poll:
 
 
 class FrameworkFeed(DeviceFeed):
-    """One device of a framework, as a :class:`~gpudash.widgets.feeds.DeviceFeed`.
+    """One device of a framework, as a :class:`~gpudash.live.feeds.DeviceFeed`.
 
     Read-only: :attr:`controls` says why (the framework fixes its allocator's settings when
     it starts); :meth:`restart_lines` gives the settings to restart with.

@@ -115,7 +115,7 @@ def torch_chunk_table(segments: Iterable[Mapping[str, Any]], device: int | None 
     device : int, optional
         Keep only this device's segments (``segment["device"]``).
     """
-    from ..widgets.model import bin_of_sizes
+    from ..live.model import bin_of_sizes
 
     regions: list[tuple[int, int]] = []
     ptrs: list[int] = []

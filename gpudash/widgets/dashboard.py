@@ -97,7 +97,7 @@ from .._errors import ConfigError, GpudashError
 from .._units import format_bytes
 from ..holder_tree import MAX_NODES, holder_tree
 from ..maplayout import row_layout
-from .model import LiveModel, bin_labels
+from ..live.model import LiveModel, bin_labels
 
 __all__ = ["Dashboard", "VIEWS", "EXTRA_VIEWS", "plotly_bundle"]
 
@@ -691,10 +691,12 @@ class Dashboard(anywidget.AnyWidget):
     def _act(self, content: dict) -> dict:
         """Run one control from the browser; the answer says what happened, in words.
 
-        A value is checked before anything is set, as :meth:`gpudash.Session.configure`
-        checks it (no coercion: growth ``"false"`` is refused, not read as true); a bad
-        one is a :class:`~gpudash.ConfigError` naming the setting and the value, and
-        nothing changes."""
+        The dashboard's own controls (device, pause, rate, the holders' moment, restart)
+        act here; every control of the allocator model goes to
+        :meth:`gpudash.live.LiveModel.act`, which checks the value first (no coercion:
+        growth ``"false"`` is refused, not read as true): a bad one is a
+        :class:`~gpudash.ConfigError` naming the setting and the value, and nothing
+        changes."""
         name = content.get("name")
         m = self.model
         dev = self.device
@@ -723,25 +725,8 @@ class Dashboard(anywidget.AnyWidget):
             text = "\n".join(lines) if lines else "no settings to restart with"
             print(text)
             return {"ok": True, "text": text}
-        model = m.model(dev)
-        control = model.control(name)
-        if control is None:
-            raise ConfigError(f"unknown control {name!r}")
-        if control.setting:
-            # the model's own checks, before anything changes (a None would otherwise
-            # read as "no change" and be answered as if it had acted)
-            model.check_setting(control.setting, value)
-        reason = m.controls_disabled(dev)
-        if reason:
-            raise ConfigError(reason)
-        result = None
-        if control.setting:
-            m.configure(device=dev, **{control.setting: value})
-        else:
-            if control.needs_session and m.session is None and m.feed(dev) is None:
-                raise ConfigError(f"{name} needs a gpudash.Session (deferred frees live there)")
-            result = getattr(m, control.action)(dev)
-        return {"ok": True, **model.answer(name, value, result, m.answer_facts(dev))}
+        # a control of the device's allocator model: the live layer's one path
+        return m.act(dev, name, value)
 
     def _holders_at(self, value: Any) -> dict:
         """The holders view at a moment (``value``: seconds since the model started, as the

@@ -23,17 +23,76 @@ The figure fits the width of the box it is shown in, and follows it when the box
 
 from __future__ import annotations
 
+import base64
 import threading
 from typing import Any
 
 import anywidget
+import numpy as np
 import traitlets
 
 from .._errors import GpudashError
 from .._comm_routing import follow_the_page
 from .dashboard import esm, lib_message, plotly_bundle
 
-__all__ = ["PlotView"]
+__all__ = ["PlotView", "typed_array", "decode_array"]
+
+
+# --- arrays on the wire ---------------------------------------------------------------
+
+def _plotly_typed_arrays() -> bool:
+    import plotly
+
+    try:
+        return int(plotly.__version__.split(".")[0]) >= 6
+    except ValueError:  # pragma: no cover - odd version string
+        return False
+
+
+_TYPED: bool | None = None
+
+
+def typed_array(values: Any, dtype: Any) -> Any:
+    """An array for a plotly figure: a typed-array spec (``{"dtype", "bdata", "shape"}``,
+    base64) with plotly >= 6, whose plotly.js decodes it; else a numpy array.
+
+    A spec is one string to the widget machinery, where a nested list costs a Python call per
+    element (ipywidgets walks lists looking for buffers) and several bytes per number.
+    """
+    global _TYPED
+    arr = np.ascontiguousarray(values, dtype=dtype)
+    if _TYPED is None:
+        _TYPED = _plotly_typed_arrays()
+    if not _TYPED:
+        return arr
+    spec = {"dtype": _DTYPE_CODES[arr.dtype.str[1:]],
+            "bdata": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+                                      .tobytes()).decode("ascii")}
+    if arr.ndim > 1:
+        spec["shape"] = ",".join(str(n) for n in arr.shape)
+    return spec
+
+
+_DTYPE_CODES = {"i1": "i1", "u1": "u1", "i2": "i2", "u2": "u2", "i4": "i4", "u4": "u4",
+                "f4": "f4", "f8": "f8"}
+_CODE_DTYPES = {"i1": np.int8, "u1": np.uint8, "i2": np.int16, "u2": np.uint16,
+                "i4": np.int32, "u4": np.uint32, "f4": np.float32, "f8": np.float64,
+                "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16,
+                "int32": np.int32, "uint32": np.uint32, "float32": np.float32,
+                "float64": np.float64}
+
+
+def decode_array(value: Any) -> np.ndarray:
+    """The numpy array behind a figure attribute (a typed-array spec, an array or a list)."""
+    if isinstance(value, dict) and "bdata" in value:
+        arr = np.frombuffer(base64.b64decode(value["bdata"]), dtype=_CODE_DTYPES[value["dtype"]])
+        shape = value.get("shape")
+        if shape is not None and "," in str(shape):
+            arr = arr.reshape([int(n) for n in str(shape).split(",")])
+        return arr
+    if value is None:
+        return np.zeros(0)
+    return np.asarray(value)
 
 
 class PlotView(anywidget.AnyWidget):

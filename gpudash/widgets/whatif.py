@@ -35,9 +35,7 @@ from .. import style
 from .._comm_routing import follow_the_page
 from .._units import format_bytes
 from ..events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, OOM as _OOM
-from . import _layout
-from .model import typed_array
-from .plot import PlotView
+from .plot import PlotView, typed_array
 
 __all__ = ["WhatIfView", "replay_heatmap"]
 
@@ -520,6 +518,14 @@ class WhatIfView(widgets.VBox):
         r = self.result
         verdict = "none yet" if r is None else ("fits" if r.fits else f"{r.oom_count} OOMs")
         return f"WhatIfView(fraction={self.slider.value:.2f}, last replay: {verdict})"
+
+
+def _layout(height: int, title: str) -> dict:
+    # no width: the figure is as wide as its box (PlotView follows it)
+    return dict(height=height, margin=dict(l=60, r=20, t=72, b=40), template="plotly_white",
+                title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top",
+                           font=dict(size=14)),
+                legend=dict(orientation="h", x=1, xanchor="right", y=1.01, yanchor="bottom"))
 
 
 def _new_figure(height: int, title: str) -> Any:

@@ -1,10 +1,12 @@
-"""Feeds: where the devices of a :class:`~gpudash.widgets.LiveModel` get their data.
+"""Feeds: where the devices of a :class:`~gpudash.live.LiveModel` get their data.
 
-A live model shows devices; each device is fed by one :class:`DeviceFeed`. gpudash's own
-allocators are one kind of feed; a Dask worker's event stream (``gpudash.dask``) and a
-framework monitor (TensorFlow, JAX, PyTorch) are others. Views never see feeds: they read
-the model, which asks each feed for a :class:`FeedSample` at most ``rate_hz`` times a second
-and turns samples into the states the views draw (timeline, heatmap, bins, chunk map, stats).
+A live model shows devices. A gpudash session's allocators it watches itself (it attaches to
+their events); every other device is fed by one :class:`DeviceFeed`: a Dask worker's event
+stream (``gpudash.dask``), a framework monitor (TensorFlow, JAX, PyTorch). Views never see
+feeds: they read the model, which asks each feed for a :class:`FeedSample` at most
+``rate_hz`` times a second and turns samples into the states the dashboard draws (timeline,
+heatmap, bins, chunk map), and they act through the model (:meth:`LiveModel.act
+<gpudash.live.LiveModel.act>`), which calls the feed's control methods.
 
 A feed
 
@@ -31,11 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..bfc import AllocatorStats
+from ..models import BFC
 
 __all__ = ["FeedSample", "DeviceFeed", "CONTROL_NAMES"]
 
-#: Changes a controllable feed's :meth:`DeviceFeed.configure` accepts.
-CONTROL_NAMES = ("per_process_gpu_memory_fraction", "allow_growth", "deferred_deletion_bytes")
+#: Changes a controllable feed's :meth:`DeviceFeed.configure` accepts: the settings of the
+#: BFC model's controls (a feed is drawn, and acted on, as the BFC model):
+#: ``per_process_gpu_memory_fraction``, ``allow_growth``, ``deferred_deletion_bytes``.
+CONTROL_NAMES = tuple(c.setting for c in BFC.controls if c.setting)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,21 +15,23 @@ kernel's event loop, but widget messages sent from a thread still reach the brow
   the device's address space (regions laid end to end, exact partial coverage, computed with
   difference arrays),
 
-and hands the changed states to its listeners (the views), in the refresher thread.
+and hands the changed states to its listeners (the dashboard), in the refresher thread.
 
 Threading: the sinks run in the allocating thread, under the allocator's lock, and only take
 the model's small lock to add counters. The refresher copies what it needs under the
 allocator's lock (``chunk_table``) and computes outside it. ``refresh_now`` and the thread
 never refresh at the same time.
 
-Views read the model (``state(device)``, ``add_listener``) and act through it
-(``configure``, ``release_free_regions``, ``flush_deferred``); they never reach the session
-or the allocator themselves.
+Views read the model (``state(device)``, ``add_listener``) and act through it: a control
+goes to :meth:`LiveModel.act`, which has the allocator model check the value, the device's
+source (the session, the allocator, or a feed) apply it, and the model answer in words.
+Views never reach the session, the allocator or a feed themselves. Nothing here imports a
+UI library: the model is a ``traitlets.HasTraits`` (for ``rate_hz`` and ``paused``), no
+widget.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import threading
@@ -50,8 +52,7 @@ from ..events import ALLOC as _ALLOC, FREE as _FREE, OOM as _OOM, LIMIT as _LIMI
 from ..models import BFC, AllocatorModel, model_of
 
 __all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark", "HeldBlocks",
-           "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "typed_array",
-           "decode_array", "HOLDER_HISTORY"]
+           "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "HOLDER_HISTORY"]
 
 logger = logging.getLogger("gpudash")
 
@@ -125,63 +126,6 @@ def heatmap_column(table: dict, rows: int, row_bytes: int) -> np.ndarray:
     np.add.at(diff, r1m, -1)
     full = np.cumsum(diff[:rows])
     return (partial + full * float(row_bytes)) / row_bytes
-
-
-# --- arrays on the wire ---------------------------------------------------------------
-
-def _plotly_typed_arrays() -> bool:
-    import plotly
-
-    try:
-        return int(plotly.__version__.split(".")[0]) >= 6
-    except ValueError:  # pragma: no cover - odd version string
-        return False
-
-
-_TYPED: bool | None = None
-
-
-def typed_array(values: Any, dtype: Any) -> Any:
-    """An array for a plotly figure: a typed-array spec (``{"dtype", "bdata", "shape"}``,
-    base64) with plotly >= 6, whose plotly.js decodes it; else a numpy array.
-
-    A spec is one string to the widget machinery, where a nested list costs a Python call per
-    element (ipywidgets walks lists looking for buffers) and several bytes per number.
-    """
-    global _TYPED
-    arr = np.ascontiguousarray(values, dtype=dtype)
-    if _TYPED is None:
-        _TYPED = _plotly_typed_arrays()
-    if not _TYPED:
-        return arr
-    spec = {"dtype": _DTYPE_CODES[arr.dtype.str[1:]],
-            "bdata": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-                                      .tobytes()).decode("ascii")}
-    if arr.ndim > 1:
-        spec["shape"] = ",".join(str(n) for n in arr.shape)
-    return spec
-
-
-_DTYPE_CODES = {"i1": "i1", "u1": "u1", "i2": "i2", "u2": "u2", "i4": "i4", "u4": "u4",
-                "f4": "f4", "f8": "f8"}
-_CODE_DTYPES = {"i1": np.int8, "u1": np.uint8, "i2": np.int16, "u2": np.uint16,
-                "i4": np.int32, "u4": np.uint32, "f4": np.float32, "f8": np.float64,
-                "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16,
-                "int32": np.int32, "uint32": np.uint32, "float32": np.float32,
-                "float64": np.float64}
-
-
-def decode_array(value: Any) -> np.ndarray:
-    """The numpy array behind a figure attribute (a typed-array spec, an array or a list)."""
-    if isinstance(value, dict) and "bdata" in value:
-        arr = np.frombuffer(base64.b64decode(value["bdata"]), dtype=_CODE_DTYPES[value["dtype"]])
-        shape = value.get("shape")
-        if shape is not None and "," in str(shape):
-            arr = arr.reshape([int(n) for n in str(shape).split(",")])
-        return arr
-    if value is None:
-        return np.zeros(0)
-    return np.asarray(value)
 
 
 # --------------------------------------------------------------------------------------
@@ -704,7 +648,7 @@ class LiveModel(traitlets.HasTraits):
     Examples
     --------
     >>> import gpudash
-    >>> from gpudash.widgets import LiveModel
+    >>> from gpudash.live import LiveModel
     >>> with gpudash.Session(simulate="1GiB", poll=False) as sess, LiveModel(sess) as model:
     ...     p = sess.allocate(1000)
     ...     model.refresh_now()[0].stats.bytes_in_use
@@ -745,7 +689,7 @@ class LiveModel(traitlets.HasTraits):
             feed_list = list(feeds)
             if not feed_list or not all(hasattr(f, "sample") for f in feed_list):
                 raise TypeError("feeds must be a non-empty list of DeviceFeed objects "
-                                "(gpudash.widgets.feeds)")
+                                "(gpudash.live.feeds)")
         elif hasattr(source, "devices") and hasattr(source, "configure"):
             self._session = source
             pairs = [(d.allocator, d) for d in source.devices]
@@ -1222,7 +1166,7 @@ class LiveModel(traitlets.HasTraits):
         return state
 
     def feed(self, device: int = 0) -> Any:
-        """The :class:`~gpudash.widgets.feeds.DeviceFeed` of a device, or None (an
+        """The :class:`~gpudash.live.feeds.DeviceFeed` of a device, or None (an
         allocator the model watches directly)."""
         return self._devices[self._index(device)].feed
 
@@ -1291,6 +1235,51 @@ class LiveModel(traitlets.HasTraits):
             out["regions"] = len(dev.allocator.chunk_table()["regions"])
             out.update(dev.model.figures(dev.allocator))
         return out
+
+    def act(self, device: int, name: str, value: Any = None) -> dict[str, Any]:
+        """Run one control of a device: the one path by which a control acts.
+
+        ``name`` is one of the device's allocator model's :class:`~gpudash.models.Control`
+        names (``"fraction"``, ``"growth"``, ``"expandable"``, ``"empty_cache"``...);
+        ``value`` the setting's new value (ignored for a button). In order:
+
+        1. the model checks the value (:meth:`~gpudash.models.AllocatorModel.check_setting`:
+           no coercion, so growth ``"false"`` or a fraction of ``None`` is refused);
+        2. the device's source applies it: the session's ``configure`` (TensorFlow's BFC:
+           ``set_memory_limit``; PyTorch's: ``set_memory_fraction``), the allocator's own
+           ``release_free_regions``, or the feed's control methods (a Dask worker's:
+           :func:`gpudash.dask.configure_workers`); a source that cannot be controlled (a
+           framework watched read-only) refuses with its reason;
+        3. the refresher is woken, and the model answers in its framework's words
+           (:meth:`~gpudash.models.AllocatorModel.answer`, from :meth:`answer_facts`).
+
+        Returns ``{"ok": True, "text": ..., "warning": ...}`` (``warning`` when there is
+        one). Raises :class:`~gpudash.ConfigError` naming the control and the value when any
+        step refuses; nothing has changed then.
+        """
+        i = self._index(device)
+        dev = self._devices[i]
+        model = dev.model
+        control = model.control(name)
+        if control is None:
+            raise ConfigError(f"unknown control {name!r}; {model.title}'s are: "
+                              f"{', '.join(c.name for c in model.controls)}")
+        if control.setting:
+            # before anything changes (a None would otherwise read as "no change" and be
+            # answered as if it had acted)
+            model.check_setting(control.setting, value)
+        reason = self.controls_disabled(i)
+        if reason:
+            raise ConfigError(reason)
+        result = None
+        if control.setting:
+            self.configure(device=i, **{control.setting: value})
+        else:
+            if control.needs_session and self._session is None and dev.feed is None:
+                raise ConfigError(f"{name} needs a gpudash.Session (deferred frees live "
+                                  "there)")
+            result = getattr(self, control.action)(i)
+        return {"ok": True, **model.answer(name, value, result, self.answer_facts(i))}
 
     def configure(self, device: int | None = None, **changes: Any) -> None:
         """``Session.configure(**changes, device=...)`` on the watched session, then wake
