@@ -1,8 +1,12 @@
 """gpudash: see and tune GPU memory from a Jupyter notebook.
 
-A faithful Python port of TensorFlow's BFC allocator with event hooks, backends (simulated
-device, host memory, CUDA through CuPy), sessions that mirror ``ConfigProto``/``GPUOptions``
-and can be reconfigured while they run, trace replay, and notebook views.
+Faithful models of two allocators, each with event hooks and a compiled twin: TensorFlow's
+(and JAX's) BFC allocator (:class:`BFCAllocator`) and PyTorch's caching allocator
+(:class:`CachingAllocator`). Around them: backends (simulated device, host memory, CUDA
+through CuPy), sessions that take either allocator's settings in its framework's words
+(``ConfigProto``/``GPUOptions``, ``PYTORCH_CUDA_ALLOC_CONF``) and can be reconfigured while
+they run, traces imported from both frameworks with replay and what-if, monitors of a running
+TensorFlow, JAX or PyTorch, and a live dashboard.
 
 Public names are loaded on first use, so ``import gpudash`` stays cheap.
 """

@@ -17,7 +17,8 @@ Replay, what-if, the live session, the views, the report and the command ask the
 an allocator or a trace (:func:`model_for`, :func:`trace_model`, :func:`model_of`) instead of
 testing which one it is.
 
-The live layers (the session, the live model, the dashboard and the views) ask a model for:
+The live layers (the session, the live model and its one control path, the dashboard) ask a
+model for:
 
 - its :class:`Control` list: what the controls are, what each sets
   (:meth:`gpudash.Session.configure`'s keyword) or calls, and how it is drawn;
@@ -165,7 +166,8 @@ def _external(in_use: int, pool: int, largest_free: int) -> float:
 
 @dataclass(frozen=True)
 class Control:
-    """One live control of an allocator model, as the dashboard and ``ControlsView`` draw it.
+    """One live control of an allocator model, as the dashboard draws it and
+    :meth:`gpudash.live.LiveModel.act` runs it.
 
     Attributes
     ----------
@@ -173,19 +175,17 @@ class Control:
         The control's name on the wire and in the page (``data-ctl``).
     kind : str
         ``"fraction"`` (a slider, 0.01-1), ``"toggle"`` (on/off), ``"bytes"`` (a byte count:
-        a number of ``unit`` in the page, a log slider in ``ControlsView``), ``"number"``
+        a number of ``unit`` in the page), ``"number"``
         (a number; an empty field means ``None``) or ``"button"``.
     label : str
         What the dashboard shows.
     setting : str
         The :meth:`gpudash.Session.configure` keyword it sets ("" for a button).
     action : str
-        A button's :class:`~gpudash.widgets.LiveModel` method (``release_free_regions``,
+        A button's :class:`~gpudash.live.LiveModel` method (``release_free_regions``,
         ``flush_deferred``, ``empty_cache``).
     tooltip : str
         What hovering it says.
-    widget_label, icon : str
-        ``ControlsView``'s description (default ``label``) and Font Awesome icon.
     min, max, step : float or None
         A number's range and step.
     unit : int
@@ -202,8 +202,6 @@ class Control:
     setting: str = ""
     action: str = ""
     tooltip: str = ""
-    widget_label: str = ""
-    icon: str = ""
     min: float | None = None
     max: float | None = None
     step: float | None = None
@@ -872,18 +870,15 @@ BFC = _BFCModel(
         Control("fraction", "fraction", "fraction", setting="per_process_gpu_memory_fraction",
                 tooltip="per_process_gpu_memory_fraction: the share of the device the "
                         "allocator may hold"),
-        Control("growth", "toggle", "growth", setting="allow_growth", widget_label="allow growth",
-                icon="expand", tooltip="BFC allow_growth: start small and double"),
+        Control("growth", "toggle", "growth", setting="allow_growth",
+                tooltip="BFC allow_growth: start small and double"),
         Control("deferred", "bytes", "deferred (MiB)", setting="deferred_deletion_bytes",
-                widget_label="deferred", unit=1 << 20, min=1 << 10, max=1 << 30,
-                needs_session=True,
+                unit=1 << 20, min=1 << 10, max=1 << 30, needs_session=True,
                 tooltip="deferred_deletion_bytes: frees wait until this many bytes are queued"),
         Control("release", "button", "release free regions", action="release_free_regions",
-                widget_label="Release free regions", icon="recycle",
                 tooltip="Return wholly free regions to the device"),
         Control("flush", "button", "flush deferred", action="flush_deferred",
-                widget_label="Flush deferred frees", icon="download", needs_session=True,
-                tooltip="Hand queued frees to the allocator now"),
+                needs_session=True, tooltip="Hand queued frees to the allocator now"),
     ))
 TORCH = _TorchModel(
     name="torch", title="PyTorch's caching allocator", frameworks=("torch",),
@@ -912,7 +907,6 @@ TORCH = _TorchModel(
                 tooltip="torch.cuda.set_per_process_memory_fraction: segments may total at "
                         "most this share of the device (memory held stays)"),
         Control("expandable", "toggle", "expandable_segments", setting="expandable_segments",
-                widget_label="expandable segments", icon="arrows-h",
                 tooltip="PYTORCH_CUDA_ALLOC_CONF expandable_segments: segments made from now "
                         "on grow and shrink by pages"),
         Control("max_split", "number", "max_split_size_mb", setting="max_split_size_mb",
@@ -924,7 +918,6 @@ TORCH = _TorchModel(
                 tooltip="with a fraction set: free cached segments when reserved passes this "
                         "share of the limit (0: off)"),
         Control("empty_cache", "button", "empty cache", action="empty_cache",
-                widget_label="Empty cache", icon="recycle",
                 tooltip="torch.cuda.empty_cache(): return every wholly free cached segment"),
     ))
 MODELS = {"bfc": BFC, "torch": TORCH}

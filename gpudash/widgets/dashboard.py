@@ -16,8 +16,8 @@ labels at the top when blocks have them (``Session.label``, a ``%%gpudash_track`
 then the frames of the user's code, outermost first, then the library code they called
 into; widths in bytes, the hover a node's bytes, blocks and its frame in full. It shows the
 latest state; a click on the timeline shows the state at that moment instead (the
-:class:`~gpudash.widgets.LiveModel` keeps a bounded history of the blocks in use and who
-held them: :meth:`~gpudash.widgets.LiveModel.held_blocks`), and its "live" button goes
+:class:`~gpudash.live.LiveModel` keeps a bounded history of the blocks in use and who
+held them: :meth:`~gpudash.live.LiveModel.held_blocks`), and its "live" button goes
 back. It is shown by default on a session that records stacks (``record_stacks=True``);
 ``views=`` adds it to any other (:data:`EXTRA_VIEWS`).
 
@@ -63,9 +63,9 @@ What crosses the wire
 
 The browser redraws on animation frames, at most once per frame, whatever arrives.
 
-Controls act through the :class:`~gpudash.widgets.LiveModel` (``configure``,
-``release_free_regions``, ``flush_deferred``, ``empty_cache``) at once, and answer in the
-model's words ("released 0 B: no region is wholly free"; "expandable_segments: on: segments
+Controls act through the live layer's one path, :meth:`gpudash.live.LiveModel.act`, at once
+(the source's ``configure``, ``release_free_regions``, ``flush_deferred``, ``empty_cache``),
+and answer in the model's words ("released 0 B: no region is wholly free"; "expandable_segments: on: segments
 made from now on are expandable..."). A value is checked before anything is set, by the
 model's checks (a device the source does not have, growth ``"false"``, a fraction of ``true``,
 ``max_split_size_mb`` below 20):
