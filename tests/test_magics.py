@@ -8,6 +8,7 @@ from IPython.testing import globalipapp
 
 import gpudash
 from gpudash import session as session_mod
+from gpudash._errors import GpudashWarning
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
@@ -310,8 +311,11 @@ def test_gpudash_config_takes_pytorch_s_names(ip, capsys):
         "PYTORCH_CUDA_ALLOC_CONF='' (the defaults)",
         "gpudash (torch): cuda:1 fraction not set, limit 8.00 GiB, "
         "PYTORCH_CUDA_ALLOC_CONF='' (the defaults)"]
-    ip.run_line_magic("gpudash_config", "fraction=0.25 device=cuda:1 expandable_segments=true "
-                                        "max_split_size_mb=128 gc=0.6")
+    # PyTorch takes both settings but stops on an internal assert when memory runs short
+    # (pytorch/pytorch#123548): the session sets them and says so
+    with pytest.warns(GpudashWarning, match="pytorch/pytorch#123548"):
+        ip.run_line_magic("gpudash_config", "fraction=0.25 device=cuda:1 "
+                                            "expandable_segments=true max_split_size_mb=128 gc=0.6")
     out = capsys.readouterr().out
     assert out.strip() == ("gpudash (torch): cuda:1 fraction 0.25, limit 2.00 GiB, "
                            "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True,"
