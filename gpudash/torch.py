@@ -11,6 +11,9 @@ with ``gpudash replay`` or ``gpudash.trace.load_trace``.
 PyTorch cannot detach an observer, so gpudash attaches one, once per process, and
 dispatches to the captures and monitors that are active; :meth:`OomCapture.disable` stops
 one. PyTorch is imported only when these functions are called.
+
+``attach()`` (shadow mode, :mod:`gpudash.torch_shadow`) follows a running job live: its
+allocator's history through gpudash's exact model, controls that act on it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES"]
+__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES", "attach",
+           "Shadow"]
 
 #: Ring size of the allocator history gpudash turns on (entries, each a few hundred bytes
 #: plus its stack).
@@ -182,3 +186,12 @@ def capture_oom(path: str | os.PathLike = "oom_snapshot.pickle", *,
 
 
 _keep: list[OomCapture] = []
+
+
+def __getattr__(name: str) -> Any:
+    # shadow mode lives in its own module (imported when first used)
+    if name in ("attach", "Shadow"):
+        from . import torch_shadow
+
+        return getattr(torch_shadow, name)
+    raise AttributeError(f"module 'gpudash.torch' has no attribute {name!r}")
