@@ -188,10 +188,5 @@ def capture_oom(path: str | os.PathLike = "oom_snapshot.pickle", *,
 _keep: list[OomCapture] = []
 
 
-def __getattr__(name: str) -> Any:
-    # shadow mode lives in its own module (imported when first used)
-    if name in ("attach", "Shadow"):
-        from . import torch_shadow
-
-        return getattr(torch_shadow, name)
-    raise AttributeError(f"module 'gpudash.torch' has no attribute {name!r}")
+# shadow mode lives in its own module
+from .torch_shadow import Shadow, attach  # noqa: E402
