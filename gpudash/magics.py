@@ -86,6 +86,7 @@ class GpudashMagics(Magics):
         self.session: Any = None
         self.dashboard: Any = None
         self.monitor: Any = None  # %gpudash --watch
+        self.shadow: Any = None   # %gpudash --attach torch
         self._cells_on = False
         self._cell_start: tuple[Any, float] | None = None
 
@@ -157,10 +158,14 @@ class GpudashMagics(Magics):
         parser.add_argument("--watch", default=None, metavar="FRAMEWORK")
         parser.add_argument("--allocator", default=None)
         parser.add_argument("--conf", default=None)
+        parser.add_argument("--attach", default=None, metavar="FRAMEWORK")
         args = _parse(parser, line, "%gpudash [--allocator bfc|torch] [--conf "
                                     "PYTORCH_CUDA_ALLOC_CONF] [--fraction F] [--growth|"
                                     "--no-growth] [--simulate SIZE] [--device N] | %gpudash "
-                                    "--watch torch|jax|tensorflow [--device NAME]")
+                                    "--watch torch|jax|tensorflow [--device NAME] | %gpudash "
+                                    "--attach torch [--device N]")
+        if args.attach is not None:
+            return self._attach(args)
         if args.watch is not None:  # a framework's own allocator, read-only (gpudash.watch)
             if args.allocator is not None or args.conf is not None:
                 raise UsageError("%gpudash: --watch reads a framework's own allocator; "
@@ -197,6 +202,33 @@ class GpudashMagics(Magics):
                 if default_session(create=False) is sess:
                     set_default_session(None)
                 self.session = None
+            raise UsageError(f"%gpudash: {exc}") from None
+
+    def _attach(self, args: argparse.Namespace, module: Any = None) -> Any:
+        """``%gpudash --attach torch``: shadow mode on this process's PyTorch job."""
+        if args.attach != "torch":
+            raise UsageError(f"%gpudash: --attach follows a PyTorch job (--attach torch); got "
+                             f"{args.attach!r} (other frameworks: --watch)")
+        if args.watch is not None or args.allocator is not None or args.conf is not None \
+                or args.simulate is not None or args.growth is not None:
+            raise UsageError("%gpudash: --attach torch follows the job's own allocator; "
+                             "--watch, --allocator, --conf, --simulate and --growth do not go "
+                             "with it (change its settings from the dashboard's controls)")
+        from .torch_shadow import attach
+
+        try:
+            device = None if args.device is None else int(args.device)
+        except ValueError:
+            raise UsageError(f"%gpudash: --device must be a CUDA device index; got "
+                             f"{args.device!r}") from None
+        if self.shadow is not None:
+            self.shadow.stop()
+        try:
+            self.shadow = attach(module)
+            if args.fraction is not None:
+                self.shadow.configure(fraction=args.fraction, device=device)
+            return self.shadow.dashboard(device=device or 0)
+        except GpudashError as exc:
             raise UsageError(f"%gpudash: {exc}") from None
 
     def _show(self, sess: Any, device: int) -> Any:
@@ -410,6 +442,9 @@ class GpudashMagics(Magics):
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
+        if self.shadow is not None:
+            self.shadow.stop()
+            self.shadow = None
         if self.dashboard is not None:
             self.dashboard.close()
             self.dashboard = None

@@ -11,6 +11,9 @@ with ``gpudash replay`` or ``gpudash.trace.load_trace``.
 PyTorch cannot detach an observer, so gpudash attaches one, once per process, and
 dispatches to the captures and monitors that are active; :meth:`OomCapture.disable` stops
 one. PyTorch is imported only when these functions are called.
+
+``attach()`` (shadow mode, :mod:`gpudash.torch_shadow`) follows a running job live: its
+allocator's history through gpudash's exact model, controls that act on it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES", "install",
-           "InstalledAllocator"]
+__all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES", "attach",
+           "Shadow", "install", "InstalledAllocator"]
 
 #: Ring size of the allocator history gpudash turns on (entries, each a few hundred bytes
 #: plus its stack).
@@ -183,4 +186,8 @@ def capture_oom(path: str | os.PathLike = "oom_snapshot.pickle", *,
 
 
 _keep: list[OomCapture] = []
-from .torch_install import InstalledAllocator, install  # noqa: E402 - install mode
+
+
+# shadow mode and install mode live in their own modules
+from .torch_install import InstalledAllocator, install  # noqa: E402
+from .torch_shadow import Shadow, attach  # noqa: E402

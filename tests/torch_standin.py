@@ -182,48 +182,132 @@ class _Cuda:
 
 class ModelTorch(StandInTorch):
     """A stand-in whose CUDA allocator is gpudash's model of PyTorch's caching allocator
-    (:class:`gpudash.CachingAllocator` on a simulated device): ``memory_stats``,
-    ``memory_snapshot`` and ``memory._snapshot()`` (segments, ``device_traces`` while the
-    history is on, ``allocator_settings``) come in PyTorch's exact layout, so a watched run
-    can be replayed and its fidelity checked where no GPU is. ``allocate`` raises what the
-    model raises (gpudash's ``OutOfMemoryError``, PyTorch's message) after the
-    out-of-memory observers ran, as PyTorch calls them."""
+    (:class:`gpudash.CachingAllocator` on a simulated device), made to record history as
+    PyTorch 2.11 does, where no GPU is:
+
+    - ``torch.cuda.memory._record_memory_history(enabled="all", context="all",
+      stacks="python", max_entries=N)``: one bounded ring of trace entries per device that
+      wraps (the oldest entries overwritten); ``enabled=None`` turns it off and clears it;
+      ``clear_history=True`` clears it. Each entry is PyTorch's dict (``action``, ``addr``
+      or ``device_free`` for ``oom``, ``size``, ``stream``, ``time_us``, ``frames``: the
+      calling Python stack, innermost first, while stacks are recorded).
+    - ``torch.cuda.memory._snapshot()``: ``segments`` (with blocks), ``device_traces`` (a
+      ``snapshot`` entry is added first, as PyTorch records one per snapshot while
+      recording), ``allocator_settings``, ``external_annotations``.
+    - ``torch._C._accelerator_setAllocatorSettings(s)`` (2.9 on) and
+      ``torch.cuda.memory._set_allocator_settings(s)``: the whole settings string; what it
+      leaves out of ``max_split_size_mb``, ``roundup_power2_divisions`` and
+      ``garbage_collection_threshold`` goes back to its default, ``expandable_segments``
+      keeps its value (PyTorch's ``AcceleratorAllocatorConfig::parseArgs``). A ``backend``
+      other than the one loaded raises PyTorch's ``RuntimeError``; so does a bad value.
+    - ``torch.cuda.set_per_process_memory_fraction`` (``ValueError`` outside [0, 1]),
+      ``torch.cuda.empty_cache()``, the OOM observers (called after the ``oom`` entry is
+      recorded, outside the allocator's lock, before the error is raised).
+
+    ``allocate``/``free`` are the job's tensors; ``step_annotation`` records a
+    ``record_function``-like ``ProfilerStep#N`` annotation."""
 
     __version__ = "2.11.0+model"
 
     def __init__(self, devices: int = 1, total: int = 16 * GiB, conf: str | None = None,
-                 fraction: float | None = None) -> None:
+                 fraction: float | None = None, version: str = "2.11.0") -> None:
         super().__init__(devices=devices, total=total)
+        self.__version__ = version + "+model"
         self.cuda = _ModelCuda(self, devices, total, conf, fraction)
+        self._C = SimpleNamespace(_cuda_attach_out_of_memory_observer=self._attach)
+        if tuple(int(x) for x in version.split(".")[:2]) >= (2, 9):
+            self._C._accelerator_setAllocatorSettings = self.cuda._set_allocator_settings
+        self.settings_calls: list[tuple[str, str]] = []  # (which call, string)
 
-    def allocate(self, nbytes: int, device: int = 0) -> int:
-        return self.cuda.allocate(nbytes, device)
+    def allocate(self, nbytes: int, device: int = 0, stream: int = 0) -> int:
+        return self.cuda.allocate(nbytes, device, stream)
 
     def free(self, handle: int, device: int = 0) -> None:
-        self.cuda.allocators[device].deallocate(handle)
+        self.cuda.free(handle, device)
+
+    def step_annotation(self, step: int, stage: str = "START") -> None:
+        """A ``ProfilerStep#<step>`` range boundary, as ``record_function`` annotates the
+        allocator's history (``external_annotations``)."""
+        self.cuda.annotations.append({"device": 0, "stage": stage,
+                                      "name": f"ProfilerStep#{step}",
+                                      "time_us": time.time_ns() // 1000})
+
+
+def _python_frames(skip: int) -> list[dict]:
+    """The calling Python stack as PyTorch records it (``stacks="python"``), innermost
+    first, without the stand-in's own frames."""
+    import sys
+
+    f = sys._getframe(skip)
+    out = []
+    while f is not None and len(out) < 64:
+        if f.f_code.co_filename != __file__:
+            out.append({"filename": f.f_code.co_filename, "line": f.f_lineno,
+                        "name": f.f_code.co_name})
+        f = f.f_back
+    return out
 
 
 class _ModelCuda(_Cuda):
     def __init__(self, torch: ModelTorch, devices: int, total: int, conf: str | None,
                  fraction: float | None) -> None:
+        from collections import deque
+
         from gpudash import CachingAllocator, SimulatedDevice
 
         super().__init__(torch, devices, total, True, True)
         self.allocators = [CachingAllocator(SimulatedDevice(total), conf, fraction=fraction,
                                             device=i) for i in range(devices)]
+        for a in self.allocators:   # the model's entries, moved into the rings after each call
+            a.record_history(True, 1 << 40)
+        self.rings: list[deque] = [deque(maxlen=1) for _ in range(devices)]
+        self.recording = False
+        self.stacks = True
+        self.annotations: list[dict] = []
+        self.backend = "native"
         self.memory._snapshot = self._full_snapshot
+        self.memory._set_allocator_settings = self._set_allocator_settings
         self.memory_snapshot = lambda mempool_id=None, include_traces=True: self._snapshot()
+        self._op = threading.RLock()   # one call at a time, its entries moved in order
 
-    def allocate(self, nbytes: int, device: int = 0) -> int:
+    def _drain(self, frames: list[dict] | None) -> None:
+        for d, a in enumerate(self.allocators):
+            h = a._history
+            ring = self.rings[d]
+            for _ in range(len(h)):
+                action, addr, size, stream, t_us = h.popleft()
+                if not self.recording:
+                    continue
+                entry = {"action": action, "size": size, "stream": stream, "time_us": t_us,
+                         "frames": list(frames) if (frames and self.stacks) else [],
+                         "compile_context": "N/A", "user_metadata": ""}
+                entry["device_free" if action == "oom" else "addr"] = addr
+                ring.append(entry)
+
+    def allocate(self, nbytes: int, device: int = 0, stream: int = 0) -> int:
         from gpudash import OutOfMemoryError
 
         alloc = self.allocators[device]
-        try:
-            return alloc.allocate(nbytes)
-        except OutOfMemoryError:
-            for observer in list(self._torch.observers):
-                observer(device, nbytes, alloc.bytes_in_use, alloc.device_total - alloc.pool_bytes)
-            raise
+        frames = _python_frames(2)
+        with self._op:
+            try:
+                p = alloc.allocate(nbytes, stream)
+                failed = None
+            except OutOfMemoryError as exc:
+                failed = exc
+            self._drain(frames)
+        if failed is None:
+            return p
+        limit = alloc.memory_limit if alloc.fraction is not None else alloc.device_total
+        for observer in list(self._torch.observers):   # outside the lock, as PyTorch does
+            observer(device, nbytes, alloc.bytes_in_use, limit - alloc.pool_bytes)
+        raise failed
+
+    def free(self, handle: int, device: int = 0) -> None:
+        frames = _python_frames(2)
+        with self._op:
+            self.allocators[device].deallocate(handle)
+            self._drain(frames)
 
     def memory_stats(self, device: int = 0) -> dict:
         self._torch._call("stats")
@@ -231,29 +315,88 @@ class _ModelCuda(_Cuda):
 
     def _snapshot(self) -> list[dict]:
         self._torch._call("snapshot")
-        return [seg for a in self.allocators for seg in a.segments()]
+        with self._op:
+            return [seg for a in self.allocators for seg in a.segments()]
 
     def _full_snapshot(self) -> dict:
         self._torch._call("snapshot")
-        snaps = [a.snapshot() for a in self.allocators]
-        return {"segments": [seg for s in snaps for seg in s["segments"]],
-                "device_traces": [s["device_traces"][i] for i, s in enumerate(snaps)],
-                "allocator_settings": snaps[0]["allocator_settings"],
-                "external_annotations": []}
+        with self._op:
+            segs = [a.segments() for a in self.allocators]
+            traces = []
+            for d, ring in enumerate(self.rings):
+                if self.recording:
+                    active = sum(s["active_size"] for s in segs[d])
+                    ring.append({"action": "snapshot", "addr": 0, "size": active, "stream": 0,
+                                 "time_us": time.time_ns() // 1000, "frames": [],
+                                 "compile_context": "N/A", "user_metadata": ""})
+                traces.append([dict(e) for e in ring])
+            return {"segments": [seg for s in segs for seg in s], "device_traces": traces,
+                    "allocator_settings": self.allocators[0].config.snapshot_settings(),
+                    "external_annotations": [dict(a) for a in self.annotations]}
 
-    def get_per_process_memory_fraction(self, i: int) -> float:
+    def get_per_process_memory_fraction(self, i: int = 0) -> float:
         frac = self.allocators[i].fraction
         return 1.0 if frac is None else frac
 
     def set_per_process_memory_fraction(self, fraction: float, device: int = 0) -> None:
-        self.allocators[device].set_memory_fraction(fraction)
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        with self._op:
+            self.allocators[device].set_memory_fraction(fraction)
+            self._drain(None)
 
     def empty_cache(self) -> None:
-        for a in self.allocators:
-            a.empty_cache()
+        with self._op:
+            for a in self.allocators:
+                a.empty_cache()
+            self._drain(_python_frames(2))
 
-    def _record_memory_history(self, enabled: Any = "all", max_entries: int = 0,
-                               stacks: str = "all", **kwargs: Any) -> None:
-        super()._record_memory_history(enabled, max_entries, stacks, **kwargs)
-        for a in self.allocators:
-            a.record_history(enabled is not None, max_entries or 1_000_000)
+    def _set_allocator_settings(self, env: str) -> None:
+        """PyTorch's parse of a settings string on the live allocator (all or nothing)."""
+        from gpudash._errors import ConfigError
+
+        self._torch.settings_calls.append(("set", env))
+        parts = [p.strip() for p in env.split(",") if p.strip()]
+        rest = []
+        for part in parts:
+            key, _, value = part.partition(":")
+            if key.strip() == "backend":
+                if value.strip() != self.backend:
+                    raise RuntimeError(
+                        "Allocator async backend parsed at runtime != allocator async backend "
+                        f"parsed at load time, {int(value.strip() != 'native')} != "
+                        f"{int(self.backend != 'native')}")
+                continue
+            rest.append(part)
+        try:
+            for a in self.allocators:   # checked on a copy first: nothing changes on error
+                a.config.copy().apply(",".join(rest))
+        except ConfigError as exc:
+            raise RuntimeError(str(exc)) from None
+        with self._op:
+            for a in self.allocators:
+                a.set_allocator_settings(",".join(rest))
+            self._drain(None)
+
+    def _record_memory_history(self, enabled: Any = "all", context: Any = "all",
+                               stacks: str = "all", max_entries: int = 1 << 62,
+                               device: Any = None, clear_history: bool = False,
+                               **kwargs: Any) -> None:
+        from collections import deque
+
+        _Cuda._record_memory_history(self, enabled, max_entries, stacks, context=context)
+        with self._op:
+            self._drain(None)
+            if enabled is None:
+                self.recording = False
+                self.rings = [deque(maxlen=1) for _ in self.rings]
+                return
+            if enabled not in ("all", "state"):
+                raise ValueError(f"enabled must be None, 'state' or 'all'; got {enabled!r}")
+            keep = max(1, int(max_entries)) if enabled == "all" else 1
+            self.recording = True
+            self.stacks = context is not None and stacks in ("python", "all")
+            self.rings = [deque([] if clear_history else list(r)[-keep:], maxlen=keep)
+                          for r in self.rings]
