@@ -14,6 +14,8 @@
 # segments, garbage_collection_threshold or roundup_power2_divisions; tests/
 # test_torch_install.py holds the two to the same addresses and statistics. No journal: the
 # counters and a ring of the last out-of-memory failures are read by the dashboard's feed.
+# pluggable_setup(allocator="bfc") makes the same hooks run TensorFlow's BFC instead (the
+# section "the BFC" below, held to gpudash.bfc.BFCAllocator the same way).
 
 from libc.stdlib cimport malloc as c_malloc, free as c_free, realloc as c_realloc
 from libc.stdlib cimport calloc as c_calloc
