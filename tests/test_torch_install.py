@@ -411,8 +411,8 @@ def _check_bfc_against(model: BFCAllocator, peaks: dict | None) -> None:
     (True, True, TOTAL, 200 * MiB),              # garbage collection before an OOM
     (False, False, 200 * MiB, 256 * MiB),        # the device refuses: the backpedal
 ])
-def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, growth, gc,
-                                                                   host_total, limit):
+def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, capfd, growth,
+                                                                   gc, host_total, limit):
     """PyTorch's calls on the BFC through the C hooks (ctypes, as PyTorch's loader calls
     them), and the same calls on gpudash.bfc.BFCAllocator over the same regions: the same
     addresses (so the same offsets in the same regions), chunks, ids, statistics and OOMs,
@@ -427,7 +427,8 @@ def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, g
     sizes = [1, 200, 256, 1000, 4000, 100_000, 1 * MiB, 3 * MiB, 9 * MiB, 25 * MiB,
              70 * MiB, 140 * MiB]
     weights = [6, 6, 3, 6, 6, 5, 4, 4, 3, 2, 1, 1]
-    ooms, peaks = [], {}
+    ooms, peaks, seen = [], {}, set()
+    first_growth = growth
     for step in range(1200):
         if live and (rng.random() < 0.45 or len(live) > 40):
             ptr, n = live.pop(rng.randrange(len(live)))
@@ -457,6 +458,7 @@ def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, g
             else:
                 ooms.append(((n + 255) & ~255, n))
         assert sub.live == _heads(), f"step {step}"
+        seen |= set(sub.live.values())
         if step % 10 == 0 or not live:
             _check_bfc_against(model, peaks)
         else:    # the peaks PyTorch's keys must show: every step's state counts
@@ -466,6 +468,11 @@ def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, g
     s = core.pluggable_state(0)
     assert ooms and s["num_ooms"] == len(ooms)
     assert [o[1:] for o in s["ooms"]] == ooms[-64:]
+    if gc:      # the run went through DeallocateFreeRegions
+        assert "garbage collection" in capfd.readouterr().err
+    if limit > host_total and not first_growth:
+        # the first region (the whole limit) was refused: regions were cut by 0.9
+        assert seen and max(seen) < host_total
     for ptr, n in live:
         lib.gpudash_torch_free(ptr, n, 0, None)
         model.deallocate(ptr)
