@@ -3,9 +3,11 @@ CUDAPluggableAllocator calls (gpudash_torch_malloc / gpudash_torch_free), over h
 
 A C loop drives the pair (ctypes' own cost, about 1 us a call, would hide the allocator's);
 the sizes cycle through a small-pool and a large-pool mix with one tensor in 8 kept live,
-so blocks split and merge. Also the same pairs through ctypes, one thread and four.
+so blocks split and merge. Also the same pairs through ctypes, one thread and four. Each
+allocator install mode runs: ``torch`` (PyTorch's caching allocator) and ``bfc``
+(TensorFlow's, growth on, a 8 GiB limit).
 
-    python benchmarks/bench_install.py [--pairs 2000000]
+    python benchmarks/bench_install.py [--pairs 2000000] [--allocator torch|bfc|both]
 """
 
 from __future__ import annotations
@@ -52,13 +54,20 @@ def through_ctypes(lib: ctypes.CDLL, pairs: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=2_000_000)
+    ap.add_argument("--allocator", choices=("torch", "bfc", "both"), default="both")
     args = ap.parse_args()
-    core.pluggable_setup("host", total=8 << 30, on_oom="null")
+    for allocator in (("torch", "bfc") if args.allocator == "both" else (args.allocator,)):
+        run(allocator, args.pairs)
+
+
+def run(allocator: str, pairs: int) -> None:
+    core.pluggable_setup("host", total=8 << 30, on_oom="null", allocator=allocator)
     lib = _lib()
     lib.gpudash_torch_init(1)
-    ns = core.pluggable_bench(args.pairs)
-    print(f"C loop:          {ns:8.1f} ns per alloc/free pair ({args.pairs:,} pairs)")
-    n = max(args.pairs // 20, 1000)
+    print(f"allocator={allocator!r}")
+    ns = core.pluggable_bench(pairs)
+    print(f"C loop:          {ns:8.1f} ns per alloc/free pair ({pairs:,} pairs)")
+    n = max(pairs // 20, 1000)
     print(f"ctypes, 1 thread:{through_ctypes(lib, n):8.1f} ns per pair ({n:,} pairs)")
     out = []
     threads = [threading.Thread(target=lambda: out.append(through_ctypes(lib, n // 4)))

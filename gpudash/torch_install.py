@@ -4,9 +4,12 @@
 (``gpudash_torch_malloc``, and the 4-argument ``gpudash_torch_free``) through
 ``torch.cuda.memory.CUDAPluggableAllocator`` and ``change_current_allocator``. From then on
 every CUDA tensor's memory comes from gpudash's model of PyTorch's caching allocator
-(best fit by stream and size, blocks split and merged, 2 MiB / 20 MiB / rounded segments,
-``max_split_size``, the memory fraction), run in C with no Python and no GIL on the path,
-over ``cudaMalloc``/``cudaFree`` reached in the CUDA runtime PyTorch loaded.
+(``allocator="torch"``: best fit by stream and size, blocks split and merged, 2 MiB / 20 MiB
+/ rounded segments, ``max_split_size``, the memory fraction) or of TensorFlow's BFC
+(``allocator="bfc"``: best fit by size over regions that grow by doubling, or one region of
+the whole limit without growth; the limit, garbage collection), run in C with no Python and
+no GIL on the path, over ``cudaMalloc``/``cudaFree`` reached in the CUDA runtime PyTorch
+loaded.
 
 PyTorch's pluggable allocator answers only ``alloc`` and ``free`` from Python (its init,
 reset, fraction and record_stream hooks can be set from C++ only), and it has no
@@ -51,6 +54,16 @@ LIMITS = (
     "not modelled; record_stream makes a block's free wait for the other stream",
 )
 
+#: What allocator="bfc" adds to :data:`LIMITS`.
+BFC_LIMITS = (
+    "allocator='bfc' does not tell streams apart (TensorFlow's BFC serves one compute "
+    "stream): a block freed on one stream is reused at once by any other, so a job that "
+    "allocates on side streams should call record_stream or stay on one stream",
+    "allocator='bfc' takes PyTorch's words where they fit: the fraction is the BFC's memory "
+    "limit, empty_cache returns wholly free regions; max_split_size_mb and the other "
+    "PyTorch settings do not apply to it",
+)
+
 _PY_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
              "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 _STAT_TYPES = ("all", "small_pool", "large_pool")
@@ -91,7 +104,8 @@ def _is_initialized(torch: Any) -> bool:
 
 
 def install(allocator: str = "torch", *, fraction: float | None = None,
-            max_split_size_mb: int | None = None, on_oom: str = "abort",
+            max_split_size_mb: int | None = None, allow_growth: bool = True,
+            garbage_collection: bool = False, on_oom: str = "abort",
             quiet: bool = False, torch: Any = None, backend: str = "cuda",
             total: int | None = None) -> InstalledAllocator:
     """Run this process's PyTorch CUDA allocations on gpudash's compiled allocator.
@@ -101,13 +115,20 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
 
     Parameters
     ----------
-    allocator : "torch"
-        gpudash's model of PyTorch's caching allocator. ``"bfc"`` (TensorFlow's) is not
-        available in install mode yet and is refused.
+    allocator : "torch" or "bfc"
+        gpudash's model of PyTorch's caching allocator, or of TensorFlow's BFC allocator
+        (``gpudash.bfc.BFCAllocator``) running PyTorch's allocations.
     fraction : float, optional
-        ``set_per_process_memory_fraction`` for every device, from the start.
+        ``set_per_process_memory_fraction`` for every device, from the start. For the BFC,
+        its memory limit is this share of the device's memory; without it, the memory free
+        when the device is first used (TensorFlow's default).
     max_split_size_mb : int, optional
-        PyTorch's ``max_split_size_mb`` (> 20).
+        PyTorch's ``max_split_size_mb`` (> 20); ``allocator="torch"`` only.
+    allow_growth, garbage_collection : bool
+        The BFC's options (``allocator="bfc"`` only): with growth (the default here;
+        TensorFlow's is off) regions start at 2 MiB and double; without it the first
+        allocation takes one region of the whole limit. Garbage collection returns wholly
+        free regions before an allocation would fail, and extends again.
     on_oom : "abort" or "null"
         What an allocation that cannot be served does (see :data:`LIMITS`).
     quiet : bool
@@ -127,13 +148,20 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
         mode already on, or no compiled core.
     """
     global _installed
-    if allocator != "torch":
-        if allocator == "bfc":
-            raise ConfigError(
-                "allocator='bfc' is not available in install mode: gpudash's BFC core holds "
-                "the GIL and has no C entry points yet; use allocator='torch', or replay a "
-                "recorded run under the BFC with gpudash.replay(..., allocator='bfc')")
-        raise ConfigError(f"allocator must be 'torch'; got {allocator!r}")
+    if allocator not in ("torch", "bfc"):
+        raise ConfigError(f"allocator must be 'torch' or 'bfc'; got {allocator!r}")
+    for name, flag in (("allow_growth", allow_growth),
+                       ("garbage_collection", garbage_collection)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False; got {flag!r}")
+    if allocator == "torch" and (allow_growth is not True or garbage_collection):
+        raise ConfigError("allow_growth and garbage_collection are the BFC's options "
+                          "(allocator='bfc'); PyTorch's caching allocator always grows on "
+                          "demand and has no region garbage collection")
+    if allocator == "bfc" and max_split_size_mb is not None:
+        raise ConfigError("max_split_size_mb is PyTorch's caching allocator's setting; "
+                          "TensorFlow's BFC (allocator='bfc') has none: it splits a chunk "
+                          "when the rest would be at least as large, or 128 MiB")
     if _installed is not None:
         raise ConfigError("gpudash's allocator is already installed in this process")
     if fraction is not None and (isinstance(fraction, bool) or not 0.0 <= float(fraction) <= 1):
@@ -155,14 +183,16 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
             "before any tensor goes to the GPU (restart the kernel, then install, then the "
             "job)")
     core = _core()
+    kw = dict(on_oom=on_oom, allocator=allocator, allow_growth=allow_growth,
+              garbage_collection=garbage_collection)
     if backend == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"install mode needs a CUDA device; torch {torch.__version__} "
                               "sees none")
         core.pluggable_bind_cuda(_cudart_path())
-        core.pluggable_setup("cuda", on_oom=on_oom)
+        core.pluggable_setup("cuda", **kw)
     elif backend == "host":
-        core.pluggable_setup("host", total=total or (16 << 30), on_oom=on_oom)
+        core.pluggable_setup("host", total=total or (16 << 30), **kw)
     else:
         raise ConfigError(f"backend must be 'cuda' or 'host'; got {backend!r}")
     n = int(torch.cuda.device_count()) or 1
@@ -172,7 +202,7 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(
         core.__file__, core.PLUGGABLE_SYMBOLS["alloc"], core.PLUGGABLE_SYMBOLS["free"])
     torch.cuda.memory.change_current_allocator(pluggable)
-    handle = InstalledAllocator(torch, core, n, pluggable)
+    handle = InstalledAllocator(torch, core, n, pluggable, allocator)
     handle._patch()
     _installed = handle
     if not quiet:
@@ -187,7 +217,9 @@ class InstalledAllocator:
     gives the dashboard a controllable device; :meth:`uninstall` gives PyTorch its own
     ``memory_stats``, ``_snapshot``, ``empty_cache`` and fraction functions back."""
 
-    def __init__(self, torch: Any, core: Any, devices: int, pluggable: Any) -> None:
+    def __init__(self, torch: Any, core: Any, devices: int, pluggable: Any,
+                 allocator: str = "torch") -> None:
+        self.allocator = allocator
         self._torch = torch
         self._core = core
         self.devices = devices
@@ -227,7 +259,8 @@ class InstalledAllocator:
         """The segments as ``torch.cuda.memory_snapshot()`` lists them, by address."""
         out: list[dict] = []
         seg: dict | None = None
-        for ptr, size, req, stream, pool, allocated, head in self.state(device)["blocks"]:
+        for ptr, size, req, stream, pool, allocated, head, _aid in \
+                self.state(device)["blocks"]:
             if head or seg is None:
                 seg = {"device": device, "address": ptr, "total_size": 0,
                        "allocated_size": 0, "active_size": 0, "requested_size": 0,
@@ -254,6 +287,11 @@ class InstalledAllocator:
                     if s0["max_split_size"] is not None else -1,
                     "garbage_collection_threshold": 0.0, "expandable_segments": False,
                     "allocator": "gpudash install mode"}
+        if s0["bfc"] is not None:
+            b = s0["bfc"]
+            settings.update(allocator="gpudash install mode (TensorFlow's BFC)",
+                            memory_limit=b["memory_limit"], allow_growth=b["allow_growth"],
+                            garbage_collection=b["garbage_collection"])
         return {"segments": segs, "device_traces": [[] for _ in range(self.devices)],
                 "allocator_settings": settings, "external_annotations": []}
 
@@ -272,7 +310,18 @@ class InstalledAllocator:
     def set_allocator_settings(self, conf: str, device: Any = None) -> None:
         """PyTorch's settings string, live, with PyTorch's rule that what it leaves out
         returns to its default: ``max_split_size_mb`` and ``max_non_split_rounding_mb``
-        are applied; the others install mode does not model are refused."""
+        are applied; the others install mode does not model are refused. The BFC
+        (``allocator="bfc"``) has none of PyTorch's settings: any is refused (an empty
+        string changes nothing)."""
+        if self.allocator == "bfc":
+            parts = [p.strip() for p in str(conf).split(",") if p.strip()]
+            if parts:
+                raise ConfigError(
+                    f"install mode's BFC (allocator='bfc') cannot apply {parts[0]!r}: "
+                    "PyTorch's allocator settings do not apply to TensorFlow's BFC; its "
+                    "settings are the limit (set_per_process_memory_fraction or "
+                    "set_memory_limit) and growth (set_allow_growth)")
+            return
         mss = None
         tol = 20 << 20
         for part in filter(None, (p.strip() for p in str(conf).split(","))):
@@ -296,6 +345,57 @@ class InstalledAllocator:
             self._core.pluggable_settings(d, max_split_size=mss,
                                           max_non_split_rounding_size=tol)
 
+    def set_memory_limit(self, nbytes: int, device: Any = None) -> None:
+        """The BFC's memory limit in bytes, live (``allocator="bfc"``): raising it lets
+        later regions grow further; lowering it returns wholly free regions, largest first,
+        until the pool fits, and while the pool stays above the limit, allocations that
+        would take bytes in use past it are refused and regions go back as they empty
+        (``gpudash.bfc.BFCAllocator.set_memory_limit``)."""
+        self._require_bfc("set_memory_limit")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"memory limit must be an integer number of bytes >= 0; got "
+                              f"{nbytes!r}")
+        for d in self._devices(device):
+            self._core.pluggable_settings(d, memory_limit=nbytes)
+
+    def set_allow_growth(self, allow_growth: bool, device: Any = None) -> None:
+        """The BFC's growth, live (``allocator="bfc"``): on, the next regions start again at
+        2 MiB and double; off, the next region is everything the limit leaves."""
+        self._require_bfc("set_allow_growth")
+        if not isinstance(allow_growth, bool):
+            raise ConfigError(f"allow_growth must be True or False; got {allow_growth!r}")
+        for d in self._devices(device):
+            self._core.pluggable_settings(d, allow_growth=allow_growth)
+
+    def pending_release(self, device: Any = None) -> tuple[int, int]:
+        """``(bytes, regions)``: how far the BFC's pool is above a limit lowered live, and
+        the regions still holding memory in use (each goes back as it empties); ``(0, 0)``
+        when the pool fits, and always for ``allocator="torch"``."""
+        s = self.state(self._device(device))
+        if s["bfc"] is None:
+            return 0, 0
+        excess = s["reserved"] - s["bfc"]["memory_limit"]
+        if excess <= 0:
+            return 0, 0
+        held: set[int] = set()
+        head = 0
+        for ptr, _size, _req, _stream, _pool, allocated, is_head, _aid in s["blocks"]:
+            if is_head:
+                head = ptr
+            if allocated:
+                held.add(head)
+        return excess, len(held)
+
+    def fraction(self, device: Any = None) -> float:
+        """``torch.cuda.get_per_process_memory_fraction``: the fraction set, else 1.0 (the
+        BFC: its limit over the device's memory)."""
+        s = self.state(self._device(device))
+        if s["fraction"] is not None:
+            return s["fraction"]
+        if s["bfc"] is not None and s["total"]:
+            return s["bfc"]["memory_limit"] / s["total"]
+        return 1.0
+
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self._core.pluggable_reset_peaks(self._device(device))
 
@@ -305,10 +405,19 @@ class InstalledAllocator:
         return _feed_class()(self, self._device(device))
 
     def limits_text(self) -> str:
-        return ("gpudash's allocator is installed for PyTorch's CUDA memory. Limits: "
-                + "; ".join(f"({i}) {text}" for i, text in enumerate(LIMITS, 1)))
+        limits = LIMITS + (BFC_LIMITS if self.allocator == "bfc" else ())
+        which = ("TensorFlow's BFC allocator" if self.allocator == "bfc" else
+                 "PyTorch's caching allocator")
+        return (f"gpudash's allocator ({which}, compiled) is installed for PyTorch's CUDA "
+                "memory. Limits: "
+                + "; ".join(f"({i}) {text}" for i, text in enumerate(limits, 1)))
 
     # ------------------------------------------------------------------ internals
+    def _require_bfc(self, what: str) -> None:
+        if self.allocator != "bfc":
+            raise ConfigError(f"{what}() is the BFC's (install(allocator='bfc')); PyTorch's "
+                              "caching allocator takes set_per_process_memory_fraction")
+
     def _settings(self, device: int, **kw: Any) -> None:
         s = self.state(device)
         self._core.pluggable_settings(device, max_split_size=s["max_split_size"],
@@ -341,8 +450,7 @@ class InstalledAllocator:
             "empty_cache": lambda: self.empty_cache(),
             "set_per_process_memory_fraction":
                 lambda fraction, device=None: self.set_fraction(fraction, device),
-            "get_per_process_memory_fraction":
-                lambda device=None: self.state(self._device(device))["fraction"] or 1.0,
+            "get_per_process_memory_fraction": lambda device=None: self.fraction(device),
             "reset_peak_memory_stats":
                 lambda device=None: self.reset_peak_memory_stats(device),
         }
@@ -374,7 +482,8 @@ class InstalledAllocator:
 
     def __repr__(self) -> str:
         s = self.state(0)
-        return (f"InstalledAllocator(devices={self.devices}, reserved={s['reserved']}, "
+        return (f"InstalledAllocator(allocator={self.allocator!r}, devices={self.devices}, "
+                f"reserved={s['reserved']}, "
                 f"allocated={s['stats']['allocated_bytes'][0]}, installed={self.installed})")
 
 
@@ -395,13 +504,16 @@ def _reset_for_tests() -> None:
 
 # ------------------------------------------------------------------------------ the feed
 def _make_feed_class() -> type:
+    from ._eventsource import bin_num_for_size
     from .bfc import AllocatorStats
     from .live.feeds import DeviceFeed, FeedSample
 
     class InstallFeed(DeviceFeed):
         """One device of the installed allocator, for a live model: samples from the C
-        core's counters and blocks, controls that act on the real allocator (the fraction
-        live, ``empty_cache``), as a CuPy session routed through ``sess.install()``."""
+        core's counters and blocks, controls that act on the real allocator, as a CuPy
+        session routed through ``sess.install()``: the fraction live and ``empty_cache``;
+        with ``allocator="bfc"`` the fraction is the BFC's memory limit, growth switches
+        live, and a limit lowered below the pool says what waits to be returned."""
 
         kind = "torch"
         controls = None
@@ -409,7 +521,8 @@ def _make_feed_class() -> type:
         def __init__(self, owner: InstalledAllocator, device: int) -> None:
             self._owner = owner
             self.device = device
-            self.name = f"cuda:{device} (gpudash installed)"
+            which = "BFC" if owner.allocator == "bfc" else "caching allocator"
+            self.name = f"cuda:{device} (gpudash installed, {which})"
             s = owner.state(device)
             self.capacity = s["total"]
             self._seen = (s["allocs"], s["frees"], s["oom_count"])
@@ -419,6 +532,7 @@ def _make_feed_class() -> type:
             import numpy as np
 
             s = self._owner.state(self.device)
+            bfc = s["bfc"]
             allocs, frees, ooms = self._seen
             new_ooms = tuple((t, r, q) for t, r, q in s["ooms"][-(s["oom_count"] - ooms):]
                              ) if s["oom_count"] > ooms else ()
@@ -436,18 +550,26 @@ def _make_feed_class() -> type:
             in_use = int(s["stats"]["allocated_bytes"][0])
             free = s["reserved"] - in_use
             largest = int(free_sizes.max()) if len(free_sizes) else 0
+            if bfc is not None:
+                limit = bfc["memory_limit"]
+                num_allocs, largest_alloc = bfc["num_allocs"], bfc["largest_alloc_size"]
+                bins = np.array([-1 if r[5] else bin_num_for_size(r[1]) for r in rows],
+                                dtype=np.int8)
+            else:
+                limit = s["allowed"] if s["allowed"] is not None else s["total"]
+                num_allocs, largest_alloc = int(s["stats"]["allocation"][2]), 0
+                bins = np.array([r[4] for r in rows], dtype=np.int8)
             stats = AllocatorStats(
-                num_allocs=int(s["stats"]["allocation"][2]), bytes_in_use=in_use,
+                num_allocs=num_allocs, bytes_in_use=in_use,
                 peak_bytes_in_use=int(s["stats"]["allocated_bytes"][1]),
-                bytes_limit=s["allowed"] if s["allowed"] is not None else s["total"],
+                largest_alloc_size=largest_alloc, bytes_limit=limit,
                 pool_bytes=s["reserved"], peak_pool_bytes=s["peak_reserved"],
                 largest_free_block_bytes=largest,
                 fragmentation=(free - largest) / free if free > 0 else 0.0)
             table = {"ptr": ptr, "size": size,
                      "requested": np.array([r[2] if r[5] else 0 for r in rows], dtype=np.int64),
-                     "alloc_id": np.full(len(rows), -1, dtype=np.int64),
-                     "bin": np.array([r[4] for r in rows], dtype=np.int8),
-                     "region": region, "in_use": used,
+                     "alloc_id": np.array([r[7] for r in rows], dtype=np.int64),
+                     "bin": bins, "region": region, "in_use": used,
                      "expandable": np.zeros(len(rows), dtype=bool),
                      "regions": np.stack([ptr[heads], seg_sizes], axis=1) if len(rows)
                      else np.zeros((0, 2), dtype=np.int64)}
@@ -461,9 +583,19 @@ def _make_feed_class() -> type:
 
         def settings(self) -> dict:
             s = self._owner.state(self.device)
+            if s["bfc"] is not None:
+                return {"fraction": self._owner.fraction(self.device),
+                        "allow_growth": s["bfc"]["allow_growth"],
+                        "deferred_deletion_bytes": None, "limit": s["bfc"]["memory_limit"],
+                        "total": s["total"] or None}
             return {"fraction": s["fraction"], "allow_growth": True,
                     "deferred_deletion_bytes": None, "limit": s["allowed"] or s["total"],
                     "total": s["total"] or None}
+
+        def pending_release(self) -> tuple[int, int]:
+            """``(bytes, regions)`` above a BFC limit lowered live (the dashboard's
+            warning); ``(0, 0)`` for PyTorch's caching allocator."""
+            return self._owner.pending_release(self.device)
 
         def configure(self, **changes: Any) -> None:
             from .live.feeds import CONTROL_NAMES
@@ -471,17 +603,34 @@ def _make_feed_class() -> type:
             unknown = sorted(set(changes) - set(CONTROL_NAMES))
             if unknown:
                 raise ConfigError(f"unknown setting(s) {unknown}; expected {CONTROL_NAMES}")
-            if changes.get("allow_growth") is False:
+            bfc = self._owner.allocator == "bfc"
+            growth = changes.get("allow_growth")
+            if growth is not None and not isinstance(growth, bool):
+                raise ConfigError(f"allow_growth must be True or False; got {growth!r}")
+            if growth is False and not bfc:
                 raise ConfigError("PyTorch's caching allocator always grows on demand; "
                                   "allow_growth=False has no meaning for it (set a fraction)")
             if changes.get("deferred_deletion_bytes") not in (None, 0):
-                raise ConfigError("PyTorch's caching allocator defers no frees; "
-                                  "deferred_deletion_bytes does not apply")
+                raise ConfigError(("the BFC in install mode frees at once: PyTorch orders "
+                                   "frees on its stream, there is no EventMgr" if bfc else
+                                   "PyTorch's caching allocator defers no frees") +
+                                  "; deferred_deletion_bytes does not apply")
             frac = changes.get("per_process_gpu_memory_fraction")
+            if frac is not None and (isinstance(frac, bool) or
+                                     not isinstance(frac, (int, float)) or
+                                     not 0.0 <= frac <= 1.0):
+                raise ConfigError(f"per_process_gpu_memory_fraction must be a number in "
+                                  f"[0, 1]; got {frac!r}")
+            now = time.time_ns()
             if frac is not None:
-                old = self._owner.state(self.device)["fraction"]
+                old = self._owner.fraction(self.device) if bfc else \
+                    self._owner.state(self.device)["fraction"]
                 self._owner.set_fraction(frac, self.device)
-                self._settings_log.append((time.time_ns(), "fraction", old, float(frac)))
+                self._settings_log.append((now, "fraction", old, float(frac)))
+            if bfc and growth is not None:
+                old = self._owner.state(self.device)["bfc"]["allow_growth"]
+                self._owner.set_allow_growth(growth, self.device)
+                self._settings_log.append((now, "allow_growth", old, growth))
 
         def release_free_regions(self) -> int:
             return self._owner.empty_cache(self.device)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpudash import ConfigError
+from gpudash.bfc import BFCAllocator
 from gpudash.caching import CachingAllocator
 
 core = pytest.importorskip("gpudash._core")
@@ -49,7 +50,7 @@ def _lib() -> ctypes.CDLL:
 def _free_everything() -> None:
     lib = _lib()
     for dev in range(2):
-        for ptr, size, _req, stream, _pool, allocated, _head in \
+        for ptr, size, _req, stream, _pool, allocated, _head, _aid in \
                 core.pluggable_state(dev)["blocks"]:
             if allocated:
                 lib.gpudash_torch_free(ptr, size, dev, stream)
@@ -97,7 +98,8 @@ class _Replaying:
 def _heads(dev: int = 0) -> dict[int, int]:
     out: dict[int, int] = {}
     head = None
-    for ptr, size, *_rest, is_head in core.pluggable_state(dev)["blocks"]:
+    for ptr, size, _req, _stream, _pool, _used, is_head, _aid in \
+            core.pluggable_state(dev)["blocks"]:
         if is_head:
             head = ptr
             out[head] = 0
@@ -241,7 +243,7 @@ def test_threads_allocate_without_the_gil(lib):
     assert s["stats"]["allocation"][0] == 0 and s["stats"]["allocated_bytes"][0] == 0
     assert s["allocs"] == s["frees"]
     # every segment is whole again: one free block each
-    assert all(head and not used for *_x, used, head in s["blocks"])
+    assert all(head and not used for *_x, used, head, _aid in s["blocks"])
     assert sum(size for _p, size, *_r in s["blocks"]) == s["reserved"]
 
 
@@ -260,11 +262,20 @@ def _standin(initialized: bool = False) -> StandInTorch:
 
 
 def test_install_too_late_says_so():
-    torch = _standin(initialized=True)
-    with pytest.raises(ConfigError, match="too late: CUDA is already initialised"):
-        torch_install.install(torch=torch, backend="host", quiet=True)
-    with pytest.raises(ConfigError, match="allocator='bfc' is not available"):
-        torch_install.install("bfc", torch=_standin(), backend="host", quiet=True)
+    for allocator in ("torch", "bfc"):
+        torch = _standin(initialized=True)
+        with pytest.raises(ConfigError, match="too late: CUDA is already initialised"):
+            torch_install.install(allocator, torch=torch, backend="host", quiet=True)
+        assert torch.made == []
+    with pytest.raises(ConfigError, match="max_split_size_mb is PyTorch's"):
+        torch_install.install("bfc", max_split_size_mb=64, torch=_standin(), backend="host",
+                              quiet=True)
+    with pytest.raises(ConfigError, match="the BFC's options"):
+        torch_install.install("torch", allow_growth=False, torch=_standin(), backend="host",
+                              quiet=True)
+    with pytest.raises(ConfigError, match="'torch' or 'bfc'"):
+        torch_install.install("cuda_malloc_async", torch=_standin(), backend="host",
+                              quiet=True)
 
 
 def test_install_routes_stats_snapshot_and_controls(lib):
@@ -320,6 +331,289 @@ def test_install_routes_stats_snapshot_and_controls(lib):
     assert "_snapshot" not in vars(torch.cuda)      # the stand-in's own method again
     for p, n in (ptrs[0], ptrs[2]):
         lib.gpudash_torch_free(p, n, 0, None)
+
+
+# ------------------------------------------------------------------------------ the BFC
+def _bfc_setup(growth: bool = True, gc: bool = False, host_total: int = TOTAL) -> ctypes.CDLL:
+    _free_everything()
+    core.pluggable_setup("host", total=host_total, on_oom="null", allocator="bfc",
+                         allow_growth=growth, garbage_collection=gc)
+    lib = _lib()
+    lib.gpudash_torch_init(2)
+    return lib
+
+
+@pytest.fixture
+def bfc_after():
+    yield
+    torch_install._reset_for_tests()
+    _free_everything()
+    core.pluggable_setup("host", total=TOTAL, on_oom="null")   # the caching allocator again
+
+
+def _torch_figures(table: dict) -> dict[str, int]:
+    """The current values PyTorch's keys must show for a BFC state (its chunk table):
+    regions are segments, chunks are blocks, a free chunk of a region that holds more than
+    one is an inactive split; all in the large pool."""
+    size, used, region = table["size"], table["in_use"], table["region"]
+    chunks_in = {r: int((region == r).sum()) for r in set(region.tolist())}
+    split_free = [not u and chunks_in[r] > 1 for u, r in zip(used.tolist(), region.tolist())]
+    return {
+        "allocation": int(used.sum()), "segment": len(table["regions"]),
+        "inactive_split": sum(split_free),
+        "allocated_bytes": int(size[used].sum()),
+        "reserved_bytes": int(table["regions"][:, 1].sum()) if len(table["regions"]) else 0,
+        "inactive_split_bytes": int(sum(z for z, f in zip(size.tolist(), split_free) if f)),
+        "requested_bytes": int(table["requested"][used].sum()),
+    }
+
+
+def _check_bfc_against(model: BFCAllocator, peaks: dict | None) -> None:
+    """The C core's state is the model's: every chunk (address, size, requested, id, in
+    use, region), the BFC's statistics, and memory_stats() in PyTorch's keys."""
+    s = core.pluggable_state(0)
+    t = model.chunk_table()
+    rows = s["blocks"]
+    heads, region = [], 0
+    for r in rows:
+        if r[6]:
+            region = r[0]
+        heads.append(region)
+    assert [r[0] for r in rows] == t["ptr"].tolist()
+    assert [r[1] for r in rows] == t["size"].tolist()
+    assert [r[2] if r[5] else 0 for r in rows] == t["requested"].tolist()
+    assert [r[7] for r in rows] == t["alloc_id"].tolist()
+    assert heads == t["region"].tolist()
+    st = model.stats()
+    b = s["bfc"]
+    assert (b["num_allocs"], b["largest_alloc_size"], b["memory_limit"]) == (
+        st.num_allocs, st.largest_alloc_size, st.bytes_limit)
+    assert (s["stats"]["allocated_bytes"][0], s["stats"]["allocated_bytes"][1]) == (
+        st.bytes_in_use, st.peak_bytes_in_use)
+    assert (s["reserved"], s["peak_reserved"]) == (st.pool_bytes, st.peak_pool_bytes)
+    assert b["curr_region_allocation_bytes"] == model.curr_region_allocation_bytes
+    assert b["pool_over_limit"] == model.pool_over_limit
+    stats = _stats()
+    for name, value in _torch_figures(t).items():
+        if peaks is not None:
+            peaks[name] = max(peaks.get(name, value), value)
+        for pool, want in (("all", value), ("large_pool", value), ("small_pool", 0)):
+            assert stats[f"{name}.{pool}.current"] == want, (name, pool)
+        if peaks is not None:
+            assert stats[f"{name}.all.peak"] == peaks[name], name
+    assert stats["active_bytes.all.current"] == st.bytes_in_use
+    assert stats["allocation.all.allocated"] == st.num_allocs
+
+
+@pytest.mark.parametrize("growth, gc, host_total, limit", [
+    (True, False, TOTAL, TOTAL),                 # growth: 2 MiB regions doubling
+    (False, False, TOTAL, 300 * MiB),            # one region of the whole limit
+    (True, True, TOTAL, 200 * MiB),              # garbage collection before an OOM
+    (False, False, 200 * MiB, 256 * MiB),        # the device refuses: the backpedal
+])
+def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, capfd, growth,
+                                                                   gc, host_total, limit):
+    """PyTorch's calls on the BFC through the C hooks (ctypes, as PyTorch's loader calls
+    them), and the same calls on gpudash.bfc.BFCAllocator over the same regions: the same
+    addresses (so the same offsets in the same regions), chunks, ids, statistics and OOMs,
+    through live changes of the limit (the fraction hook too) and of growth, and
+    empty_cache."""
+    lib = _bfc_setup(growth, gc, host_total)
+    core.pluggable_settings(0, memory_limit=limit)
+    sub = _Replaying(host_total)
+    model = BFCAllocator(sub, limit, allow_growth=growth, garbage_collection=gc)
+    rng = random.Random(36 + growth + 2 * gc)
+    live: list[tuple[int, int]] = []
+    sizes = [1, 200, 256, 1000, 4000, 100_000, 1 * MiB, 3 * MiB, 9 * MiB, 25 * MiB,
+             70 * MiB, 140 * MiB]
+    weights = [6, 6, 3, 6, 6, 5, 4, 4, 3, 2, 1, 1]
+    ooms, peaks, seen = [], {}, set()
+    first_growth = growth
+    for step in range(1200):
+        if live and (rng.random() < 0.45 or len(live) > 40):
+            ptr, n = live.pop(rng.randrange(len(live)))
+            lib.gpudash_torch_free(ptr, n, 0, None)
+            model.deallocate(ptr)
+        elif step % 251 == 250:
+            lib.gpudash_torch_reset()                    # torch.cuda.empty_cache()
+            model.release_free_regions()
+        elif step % 199 == 198:                          # the limit, live, down or up
+            new = rng.choice([limit // 4, limit // 2, limit])
+            core.pluggable_settings(0, memory_limit=new)
+            model.set_memory_limit(new)
+        elif step % 307 == 306:
+            lib.gpudash_torch_memory_fraction(0.3, 0)    # the fraction hook: a limit
+            model.set_memory_limit(int(0.3 * host_total))
+        elif step % 401 == 400:
+            growth = not growth
+            core.pluggable_settings(0, allow_growth=growth)
+            model.set_allow_growth(growth)
+        else:
+            n = rng.choices(sizes, weights)[0] + rng.randrange(0, 3000)
+            got = lib.gpudash_torch_malloc(n, 0, None) or 0
+            want = model.try_allocate(n)
+            assert got == want, f"step {step}: {n} bytes"
+            if got:
+                live.append((got, n))
+            else:
+                ooms.append(((n + 255) & ~255, n))
+        assert sub.live == _heads(), f"step {step}"
+        seen |= set(sub.live.values())
+        if step % 10 == 0 or not live:
+            _check_bfc_against(model, peaks)
+        else:    # the peaks PyTorch's keys must show: every step's state counts
+            for name, value in _torch_figures(model.chunk_table()).items():
+                peaks[name] = max(peaks.get(name, value), value)
+    _check_bfc_against(model, peaks)
+    s = core.pluggable_state(0)
+    assert ooms and s["num_ooms"] == len(ooms)
+    assert [o[1:] for o in s["ooms"]] == ooms[-64:]
+    if gc:      # the run went through DeallocateFreeRegions
+        assert "garbage collection" in capfd.readouterr().err
+    if limit > host_total and not first_growth:
+        # the first region (the whole limit) was refused: regions were cut by 0.9
+        assert seen and max(seen) < host_total
+    for ptr, n in live:
+        lib.gpudash_torch_free(ptr, n, 0, None)
+        model.deallocate(ptr)
+    lib.gpudash_torch_reset()
+    model.release_free_regions()
+    _check_bfc_against(model, peaks)
+    assert core.pluggable_state(0)["reserved"] == 0
+
+
+def test_bfc_growth_regions_double_and_growth_off_takes_the_limit(bfc_after):
+    lib = _bfc_setup(growth=True)
+    core.pluggable_settings(0, memory_limit=TOTAL)
+    ptrs = [lib.gpudash_torch_malloc(4 * MiB, 0, None) for _ in range(16)]
+    assert all(ptrs)
+    # TensorFlow's doubling with a 512 MiB limit and 4 MiB requests: 4, 4, 8, 16, 32 MiB
+    # regions hold 1 + 1 + 2 + 4 + 8 of them
+    assert sorted(_heads().values()) == [4 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB]
+    assert core.pluggable_state(0)["bfc"]["curr_region_allocation_bytes"] == 64 * MiB
+    for p in ptrs:
+        lib.gpudash_torch_free(p, 4 * MiB, 0, None)
+    lib = _bfc_setup(growth=False)
+    core.pluggable_settings(0, fraction=0.5)
+    p = lib.gpudash_torch_malloc(1000, 0, None)
+    assert list(_heads().values()) == [TOTAL // 2]
+    assert _stats()["reserved_bytes.all.current"] == TOTAL // 2
+    lib.gpudash_torch_free(p, 1000, 0, None)
+
+
+def test_bfc_threads_allocate_without_the_gil(bfc_after):
+    lib = _bfc_setup(growth=True)
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        rng = random.Random(k)
+        mine: list[tuple[int, int]] = []
+        for _ in range(1200):
+            if mine and rng.random() < 0.5:
+                p, n = mine.pop(rng.randrange(len(mine)))
+                if ctypes.string_at(p, min(n, 64)) != bytes([k]) * min(n, 64):
+                    errors.append(f"thread {k}: block {p:#x} was overwritten")
+                lib.gpudash_torch_free(p, n, 0, None)
+            else:
+                n = rng.choice([64, 700, 5000, 200_000, 3 * MiB])
+                p = lib.gpudash_torch_malloc(n, 0, None)
+                if not p:
+                    errors.append(f"thread {k}: out of memory")
+                    continue
+                ctypes.memset(p, k, min(n, 64))
+                mine.append((p, n))
+        for p, n in mine:
+            lib.gpudash_torch_free(p, n, 0, None)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = core.pluggable_state(0)
+    assert s["stats"]["allocation"][0] == 0 and s["allocs"] == s["frees"]
+    assert all(head and not used for *_x, used, head, _aid in s["blocks"])
+    assert s["stats"]["inactive_split"][0] == 0
+
+
+def test_install_bfc_routes_stats_snapshot_feed_and_controls(bfc_after):
+    from gpudash.models import BFC
+    from gpudash.widgets.model import LiveModel
+
+    torch = _standin()
+    with pytest.warns(UserWarning, match="BFC.*does not tell streams apart"):
+        handle = torch_install.install("bfc", torch=torch, backend="host", total=TOTAL,
+                                       on_oom="null", fraction=0.5, allow_growth=True)
+    assert handle.allocator == "bfc"
+    lib = _lib()
+    sub = _Replaying(TOTAL)
+    model = BFCAllocator(sub, TOTAL // 2)
+    ptrs = []
+    for n in (1000, 5 * MiB, 30 * MiB, 3 * MiB):
+        p = lib.gpudash_torch_malloc(n, 0, None)
+        assert model.allocate(n) == p
+        ptrs.append((p, n))
+    lib.gpudash_torch_free(ptrs[1][0], ptrs[1][1], 0, None)
+    model.deallocate(ptrs[1][0])
+    _check_bfc_against(model, None)
+    stats = torch.cuda.memory_stats()
+    assert stats["allocated_bytes.all.current"] == model.stats().bytes_in_use
+    assert stats["reserved_bytes.all.current"] == model.pool_bytes
+    assert stats["max_split_size"] == -1
+    snap = torch.cuda.memory._snapshot()
+    t = model.chunk_table()
+    assert [(seg["address"], seg["total_size"]) for seg in snap["segments"]] == \
+        [tuple(r) for r in t["regions"].tolist()]
+    assert [b["address"] for seg in snap["segments"] for b in seg["blocks"]] == \
+        t["ptr"].tolist()
+    assert snap["allocator_settings"]["memory_limit"] == TOTAL // 2
+    assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+    with pytest.raises(ConfigError, match="PyTorch's allocator settings do not apply"):
+        handle.set_allocator_settings("max_split_size_mb:64")
+    # the feed: the BFC's figures, its chunk table, live controls answered in words
+    feed = handle.feed(0)
+    sample = feed.sample()
+    assert sample.stats.num_allocs == 4 and sample.stats.bytes_limit == TOTAL // 2
+    for col in ("ptr", "size", "requested", "alloc_id", "bin", "region", "in_use"):
+        assert sample.table[col].tolist() == t[col].tolist(), col
+    assert sample.table["regions"].tolist() == t["regions"].tolist()
+    live = LiveModel(feeds=[feed], start=False)
+    try:
+        assert live.controls_disabled(0) is None
+        live.configure(0, per_process_gpu_memory_fraction=0.05)   # 25.6 MiB: below the pool
+        model.set_memory_limit(int(0.05 * TOTAL))
+        _check_bfc_against(model, None)
+        assert core.pluggable_state(0)["bfc"]["pool_over_limit"]
+        pending, held = model.pending_release()
+        assert handle.pending_release(0) == (pending, held) and held >= 1
+        answer = BFC.answer("fraction", 0.05, None, live.answer_facts(0))
+        assert answer["text"] == "fraction 0.050: limit 25.60 MiB", answer
+        assert f"{held} region(s) go back as they empty" in answer["warning"]
+        # a capped pool refuses what would take bytes in use past the limit
+        assert lib.gpudash_torch_malloc(20 * MiB, 0, None) is None
+        assert model.try_allocate(20 * MiB) == 0
+        live.configure(0, allow_growth=False)
+        model.set_allow_growth(False)
+        assert core.pluggable_state(0)["bfc"]["allow_growth"] is False
+        assert BFC.answer("growth", False, None, live.answer_facts(0))["text"] == \
+            "growth: off"
+        assert [s[1:] for s in feed.sample().settings] == [("fraction", 0.5, 0.05),
+                                                          ("allow_growth", True, False)]
+        with pytest.raises(ConfigError, match="deferred_deletion_bytes does not apply"):
+            live.configure(0, deferred_deletion_bytes=1 << 20)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        model.set_memory_limit(TOTAL)
+        assert handle.pending_release(0) == (0, 0)
+        for p, n in (ptrs[0], ptrs[2], ptrs[3]):
+            lib.gpudash_torch_free(p, n, 0, None)
+            model.deallocate(p)
+        released = live.release_free_regions(0)
+        assert released == model.release_free_regions() and released > 0
+        _check_bfc_against(model, None)
+    finally:
+        live.close()
+    handle.uninstall()
 
 
 # ------------------------------------------------------------------------------ on a GPU

@@ -14,6 +14,8 @@
 # segments, garbage_collection_threshold or roundup_power2_divisions; tests/
 # test_torch_install.py holds the two to the same addresses and statistics. No journal: the
 # counters and a ring of the last out-of-memory failures are read by the dashboard's feed.
+# pluggable_setup(allocator="bfc") makes the same hooks run TensorFlow's BFC instead (the
+# section "the BFC" below, held to gpudash.bfc.BFCAllocator the same way).
 
 from libc.stdlib cimport malloc as c_malloc, free as c_free, realloc as c_realloc
 from libc.stdlib cimport calloc as c_calloc
@@ -52,6 +54,8 @@ cdef enum:
     PL_OOM_RING = 64
     PL_ON_OOM_NULL = 0
     PL_ON_OOM_ABORT = 1
+    PL_KIND_TORCH = 0
+    PL_KIND_BFC = 1
 
 # the statistics, each 12 numbers as gpudash.caching._Stats keeps them: [current, peak,
 # allocated, freed] for all, the small pool and the large pool
@@ -77,7 +81,8 @@ cdef struct PLBlock:
     int32_t prev            # neighbours in the segment (slots; -1: none)
     int32_t next
     int32_t uses            # record_stream calls naming another stream
-    int8_t pool             # 0 small, 1 large
+    int64_t aid             # the BFC's allocation id (-1: free)
+    int8_t pool             # 0 small, 1 large (the BFC: 1)
     int8_t allocated
     int8_t live
 
@@ -114,11 +119,17 @@ cdef struct PLDev:
     int64_t oom_rounded[64]
     int64_t oom_requested[64]
     int64_t oom_count
+    # allocator="bfc" (pluggable_bfc below): TensorFlow's BFC, its free chunks in pools[1]
+    # ordered by (size, address) (bins are size ranges: one ordered set is the same walk)
+    int64_t bf_limit, bf_curr, bf_max_frag, bf_next_aid, bf_num_allocs, bf_largest
+    int64_t bf_default_limit
+    bint bf_growth, bf_gc, bf_backpedal, bf_capped, bf_limit_set
 
 
 cdef PLDev pl_devs[64]
 cdef pthread_mutex_t pl_locks[64]
 cdef int pl_backend = PL_BACKEND_NONE
+cdef int pl_kind = 0          # PL_KIND_TORCH or PL_KIND_BFC
 cdef int pl_on_oom = PL_ON_OOM_ABORT
 cdef int64_t pl_host_total = 0
 cdef uint64_t pl_default_mss = <uint64_t>-1
@@ -680,8 +691,350 @@ cdef void pl_init_device(int device) noexcept nogil:
             d.tol = pl_default_tol
         if d.set_fraction:     # a fraction given before the device was first used
             pl_set_fraction(d, d.fraction)
+        if pl_kind == PL_KIND_BFC:
+            # TensorFlow's limit: the memory free when the device is first used (all of
+            # the host backend's), or the fraction of the total
+            d.bf_default_limit = <int64_t>free_b if pl_backend == PL_BACKEND_CUDA \
+                else pl_host_total
+            d.bf_growth = pl_bf_growth_default
+            d.bf_gc = pl_bf_gc_default
+            bf_construct(d, d.allowed if d.set_fraction else d.bf_default_limit)
         d.ready = True
     pthread_mutex_unlock(&pl_locks[device])
+
+
+# ------------------------------------------------------------------------------ the BFC
+# install(allocator="bfc"): TensorFlow's BFC allocator (gpudash.bfc.BFCAllocator, decision for
+# decision: _take, _extend with its doubling and once-only backpedal, _free_locked's
+# next-then-previous merge, _deallocate_free_regions, set_memory_limit's live cap,
+# set_allow_growth) on the same records as the caching allocator above: chunks are PLBlocks
+# (pool 1), a region is a run of chunks from a head (prev -1), the free chunks sit in
+# pools[1] ordered by (size, address) with stream 0. TensorFlow's bins are ranges of size,
+# so the first key >= (rounded, 0) is FindChunkPtr's best fit. Statistics are kept in
+# PyTorch's layout (all in the large pool): regions are segments, chunks are blocks.
+cdef int pl_bf_growth_default = 1
+cdef int pl_bf_gc_default = 0
+cdef float BF_BACKPEDAL = 0.9          # a C float, as TensorFlow's kBackpedalFactor
+cdef const char* BF_GC_MESSAGE = (
+    "gpudash install mode (bfc): garbage collection: deallocate free memory regions so "
+    "that a larger region can be allocated (TensorFlow's DeallocateFreeRegions)\n")
+
+cdef inline int64_t bf_rounded(int64_t n) noexcept nogil:
+    return (n + 255) & ~(<int64_t>255)
+
+cdef void bf_construct(PLDev* d, int64_t limit) noexcept nogil:
+    """The BFC's constructor: the limit, the first region's size; nothing allocated."""
+    d.bf_limit = limit
+    d.bf_curr = bf_rounded(min(limit, <int64_t>(2 << 20))) if d.bf_growth else bf_rounded(limit)
+    d.bf_max_frag = 128 << 20
+    d.bf_capped = False
+    if d.bf_next_aid == 0:
+        d.bf_next_aid = 1
+
+cdef void bf_set_cap(PLDev* d) noexcept nogil:
+    d.bf_capped = d.reserved > d.bf_limit
+    d.bf_max_frag = 1 if d.bf_capped else (128 << 20)
+
+cdef void bf_inactive(PLDev* d, int64_t net_blocks, int64_t net_bytes) noexcept nogil:
+    if net_blocks > 0:
+        pl_inc(d.st[PS_INACTIVE_SPLIT], 2, net_blocks)
+    elif net_blocks < 0:
+        pl_dec(d.st[PS_INACTIVE_SPLIT], 2, -net_blocks)
+    if net_bytes > 0:
+        pl_inc(d.st[PS_INACTIVE_SPLIT_BYTES], 2, net_bytes)
+    elif net_bytes < 0:
+        pl_dec(d.st[PS_INACTIVE_SPLIT_BYTES], 2, -net_bytes)
+
+cdef uint64_t bf_take(PLDev* d, int64_t n, int64_t rounded, uint64_t stream) noexcept nogil:
+    """FindChunkPtr with SplitChunk: the smallest free chunk >= rounded, lowest address on
+    ties; 0 when none."""
+    cdef PLPool* ps = &d.pools[1]
+    cdef int32_t i, s, r, nx
+    cdef PLBlock* b
+    cdef int64_t size, rem = 0
+    cdef bint was_split
+    if d.bf_capped and d.st[PS_ALLOCATED_BYTES][0] + rounded > d.bf_limit:
+        return 0
+    i = pl_lower(ps, 0, <uint64_t>rounded, 0)
+    if i == ps.n:
+        return 0
+    s = ps.k[i].slot
+    pl_pool_erase_at(ps, i)
+    b = &d.bk[s]
+    size = b.size
+    was_split = b.prev >= 0 or b.next >= 0
+    if size >= rounded * 2 or size - rounded >= d.bf_max_frag:
+        r = pl_new_block(d, b.ptr + <uint64_t>rounded, size - rounded, 0, 1)
+        if r >= 0 and not pl_put(d, d.bk[s].ptr + <uint64_t>rounded, r):
+            pl_drop_block(d, r)
+            r = -1
+        if r >= 0:      # else out of host memory for the records: the whole chunk
+            b = &d.bk[s]
+            d.bk[r].aid = -1
+            nx = b.next
+            d.bk[r].prev = s
+            d.bk[r].next = nx
+            if nx >= 0:
+                d.bk[nx].prev = r
+            b.next = r
+            rem = size - rounded
+            b.size = size = rounded
+            pl_pool_insert(ps, &d.bk[r], r)
+    bf_inactive(d, <int64_t>(rem > 0) - <int64_t>was_split, rem - (b.size + rem if was_split else 0))
+    b.allocated = 1
+    b.requested = n
+    b.stream = stream
+    b.aid = d.bf_next_aid
+    d.bf_next_aid += 1
+    d.bf_num_allocs += 1
+    if size > d.bf_largest:
+        d.bf_largest = size
+    pl_inc(d.st[PS_ALLOCATION], 2, 1)
+    pl_inc(d.st[PS_ALLOCATED_BYTES], 2, size)
+    pl_inc(d.st[PS_REQUESTED_BYTES], 2, n)
+    return b.ptr
+
+cdef bint bf_add_region(PLDev* d, int device, uint64_t p, int64_t nbytes) noexcept nogil:
+    cdef int32_t s = pl_new_block(d, p, nbytes, 0, 1)
+    if s < 0 or not pl_put(d, p, s):
+        if s >= 0:
+            pl_drop_block(d, s)
+        pl_dev_free(d, device, p)
+        return False
+    d.bk[s].aid = -1
+    pl_pool_insert(&d.pools[1], &d.bk[s], s)
+    d.reserved += nbytes
+    if d.reserved > d.peak_reserved:
+        d.peak_reserved = d.reserved
+    pl_inc(d.st[PS_SEGMENT], 2, 1)
+    pl_inc(d.st[PS_RESERVED_BYTES], 2, nbytes)
+    d.n_dev_alloc += 1
+    return True
+
+cdef bint bf_extend(PLDev* d, int device, int64_t rounded) noexcept nogil:
+    """Extend: one more region, doubling (growth on) or what the limit leaves (off); one
+    backpedal by 0.9 in the allocator's life when the device refuses."""
+    cdef int64_t available = d.bf_limit - d.reserved, nbytes, smaller
+    cdef bint increased = False
+    cdef uint64_t p
+    available = (available // 256) * 256 if available > 0 else 0
+    if rounded > available:
+        return False
+    if d.bf_curr <= 0:
+        d.bf_curr = bf_rounded(min(d.bf_limit, <int64_t>(2 << 20)) if d.bf_growth
+                               else d.bf_limit)
+        if d.bf_curr < 256:
+            d.bf_curr = 256
+    while rounded > d.bf_curr:
+        d.bf_curr *= 2
+        increased = True
+    nbytes = min(d.bf_curr, available)
+    p = pl_dev_alloc(d, device, nbytes)
+    if p == 0 and not d.bf_backpedal:
+        d.bf_backpedal = True
+        while p == 0:
+            smaller = bf_rounded(<int64_t>(<float>nbytes * BF_BACKPEDAL))
+            nbytes = smaller if smaller < nbytes else nbytes - 256
+            if nbytes < rounded:
+                break
+            p = pl_dev_alloc(d, device, nbytes)
+    if p == 0:
+        return False
+    if not increased:
+        d.bf_curr *= 2
+    return bf_add_region(d, device, p, nbytes)
+
+cdef int32_t bf_free_regions(PLDev* d, int32_t* out) noexcept nogil:
+    """The wholly free regions (one free chunk each: frees merge at once), by address,
+    into out (room for pools[1].n); their number."""
+    cdef PLPool* ps = &d.pools[1]
+    cdef int32_t i, j, n = 0, s, t
+    for i in range(ps.n):
+        s = ps.k[i].slot
+        if d.bk[s].prev < 0 and d.bk[s].next < 0:
+            j = n
+            while j > 0 and d.bk[out[j - 1]].ptr > d.bk[s].ptr:
+                out[j] = out[j - 1]
+                j -= 1
+            out[j] = s
+            n += 1
+    return n
+
+cdef int64_t bf_release(PLDev* d, int device, int32_t* slots, int32_t n) noexcept nogil:
+    """DeallocateRegions: these whole free regions back to the device; the bytes."""
+    cdef int32_t i
+    cdef int64_t freed = 0
+    for i in range(n):
+        freed += d.bk[slots[i]].size
+        pl_pool_erase(&d.pools[1], &d.bk[slots[i]])
+        pl_release_block(d, device, slots[i])
+    if d.bf_capped and d.reserved <= d.bf_limit:
+        bf_set_cap(d)
+    return freed
+
+cdef int64_t bf_release_all(PLDev* d, int device) noexcept nogil:
+    """release_free_regions (empty_cache): every wholly free region; the bytes."""
+    cdef int32_t n
+    cdef int64_t freed
+    cdef int32_t* slots
+    if d.pools[1].n == 0:
+        return 0
+    slots = <int32_t*>c_malloc(d.pools[1].n * sizeof(int32_t))
+    if slots == NULL:
+        return 0
+    n = bf_free_regions(d, slots)
+    freed = bf_release(d, device, slots, n)
+    c_free(slots)
+    return freed
+
+cdef bint bf_collect(PLDev* d, int device, int64_t rounded) noexcept nogil:
+    """DeallocateFreeRegions (garbage_collection before an OOM)."""
+    cdef int32_t n, i
+    cdef int64_t total_free = 0
+    cdef int32_t* slots
+    if d.pools[1].n == 0:
+        return False
+    slots = <int32_t*>c_malloc(d.pools[1].n * sizeof(int32_t))
+    if slots == NULL:
+        return False
+    n = bf_free_regions(d, slots)
+    for i in range(n):
+        total_free += d.bk[slots[i]].size
+    if total_free == 0 or rounded > d.bf_limit - d.reserved + total_free:
+        c_free(slots)
+        return False
+    fprintf(stderr, BF_GC_MESSAGE)
+    bf_release(d, device, slots, n)
+    c_free(slots)
+    return True
+
+cdef uint64_t bf_malloc(PLDev* d, int device, int64_t n, uint64_t stream,
+                        int64_t* rounded) noexcept nogil:
+    """try_allocate under the device's lock: the address, or 0 (out of memory)."""
+    cdef int64_t r = bf_rounded(n)
+    cdef uint64_t p
+    rounded[0] = r
+    d.n_alloc_calls += 1
+    p = bf_take(d, n, r, stream)
+    if p:
+        return p
+    if bf_extend(d, device, r):
+        p = bf_take(d, n, r, stream)
+        if p:
+            return p
+    if d.bf_gc and bf_collect(d, device, r) and bf_extend(d, device, r):
+        p = bf_take(d, n, r, stream)
+        if p:
+            return p
+    pl_oom(d, r, n)
+    return 0
+
+cdef bint bf_free(PLDev* d, int device, uint64_t ptr) noexcept nogil:
+    """FreeAndMaybeCoalesce: the next chunk merged first, then the previous one; while the
+    pool is above a limit lowered live, a region goes back as soon as it is wholly free."""
+    cdef int32_t s = pl_get(d, ptr), p, nx
+    cdef PLBlock* b
+    cdef int64_t size, prev_size = 0, next_size = 0, net_blocks, net_bytes
+    if s < 0 or not d.bk[s].allocated:
+        return False
+    b = &d.bk[s]
+    if b.uses:
+        pl_wait_uses(d, b)
+    d.n_free_calls += 1
+    size = b.size
+    b.allocated = 0
+    b.aid = -1
+    b.stream = 0
+    pl_dec(d.st[PS_ALLOCATION], 2, 1)
+    pl_dec(d.st[PS_ALLOCATED_BYTES], 2, size)
+    pl_dec(d.st[PS_REQUESTED_BYTES], 2, b.requested)
+    nx = b.next
+    if nx >= 0 and not d.bk[nx].allocated:
+        pl_pool_erase(&d.pools[1], &d.bk[nx])
+        pl_del(d, d.bk[nx].ptr)
+        b.next = d.bk[nx].next
+        if b.next >= 0:
+            d.bk[b.next].prev = s
+        next_size = d.bk[nx].size
+        b.size += next_size
+        pl_drop_block(d, nx)
+    p = b.prev
+    if p >= 0 and not d.bk[p].allocated:
+        pl_pool_erase(&d.pools[1], &d.bk[p])
+        prev_size = d.bk[p].size
+        d.bk[p].next = b.next
+        if b.next >= 0:
+            d.bk[b.next].prev = p
+        d.bk[p].size += b.size
+        pl_del(d, b.ptr)
+        pl_drop_block(d, s)
+        s = p
+        b = &d.bk[s]
+    pl_pool_insert(&d.pools[1], b, s)
+    net_blocks = -(prev_size > 0) - (next_size > 0)
+    net_bytes = -prev_size - next_size
+    if b.prev >= 0 or b.next >= 0:
+        net_blocks += 1
+        net_bytes += size + prev_size + next_size
+    bf_inactive(d, net_blocks, net_bytes)
+    if d.bf_capped and b.prev < 0 and b.next < 0:
+        bf_release(d, device, &s, 1)
+    return True
+
+cdef void bf_set_limit(PLDev* d, int device, int64_t nbytes) noexcept nogil:
+    """set_memory_limit, live: raising lets later regions grow further; lowering returns
+    whole free regions, largest first, until the pool fits, and caps the rest."""
+    cdef int32_t n, i, j, k, t
+    cdef int64_t excess
+    cdef int32_t* slots
+    d.bf_limit = nbytes
+    d.bf_limit_set = True
+    d.bf_max_frag = 128 << 20
+    if not d.bf_growth and bf_rounded(nbytes) > d.bf_curr:
+        d.bf_curr = bf_rounded(nbytes)
+    if d.reserved > nbytes and d.pools[1].n:
+        slots = <int32_t*>c_malloc(d.pools[1].n * sizeof(int32_t))
+        if slots != NULL:
+            n = bf_free_regions(d, slots)
+            # largest first (address on ties): a stable insertion sort of the address order
+            for i in range(1, n):
+                t = slots[i]
+                j = i
+                while j > 0 and d.bk[slots[j - 1]].size < d.bk[t].size:
+                    slots[j] = slots[j - 1]
+                    j -= 1
+                slots[j] = t
+            excess = d.reserved - nbytes
+            k = 0
+            while k < n and excess > 0:
+                excess -= d.bk[slots[k]].size
+                k += 1
+            # released in address order, as the model does
+            for i in range(1, k):
+                t = slots[i]
+                j = i
+                while j > 0 and d.bk[slots[j - 1]].ptr > d.bk[t].ptr:
+                    slots[j] = slots[j - 1]
+                    j -= 1
+                slots[j] = t
+            bf_release(d, device, slots, k)
+            c_free(slots)
+    bf_set_cap(d)
+
+cdef void bf_set_growth(PLDev* d, bint growth) noexcept nogil:
+    """set_allow_growth: on, regions start again at 2 MiB and double; off, the next region
+    is what the limit leaves."""
+    if growth == d.bf_growth:
+        return
+    d.bf_growth = growth
+    d.bf_curr = bf_rounded(min(d.bf_limit, <int64_t>(2 << 20))) if growth \
+        else bf_rounded(d.bf_limit)
+
+cdef inline int64_t pl_limit(PLDev* d) noexcept nogil:
+    """The bytes the device may hold: the BFC's limit, or the fraction's, or all."""
+    if pl_kind == PL_KIND_BFC:
+        return d.bf_limit
+    return d.allowed if d.set_fraction else d.total
 
 
 # ------------------------------------------------------------------------------ the hooks
@@ -713,13 +1066,15 @@ cdef public void* gpudash_torch_malloc(size_t size, int device, void* stream) no
         rounded = <int64_t>size
     else:
         pthread_mutex_lock(&pl_locks[device])
-        p = pl_malloc(d, device, <int64_t>size, <uint64_t>stream, &rounded)
+        if pl_kind == PL_KIND_BFC:
+            p = bf_malloc(d, device, <int64_t>size, <uint64_t>stream, &rounded)
+        else:
+            p = pl_malloc(d, device, <int64_t>size, <uint64_t>stream, &rounded)
         pthread_mutex_unlock(&pl_locks[device])
     if p == 0:
         how = PL_OOM_ABORTS if pl_on_oom == PL_ON_OOM_ABORT else PL_OOM_NULLS
         fprintf(stderr, PL_OOM_FORMAT, device, <long long>size, <long long>rounded,
-                <long long>d.reserved, <long long>(d.allowed if d.set_fraction else d.total),
-                how)
+                <long long>d.reserved, <long long>pl_limit(d), how)
         fflush(stderr)
         if pl_on_oom == PL_ON_OOM_ABORT:
             abort()
@@ -732,7 +1087,10 @@ cdef public void gpudash_torch_free(void* ptr, size_t size, int device,
     if ptr == NULL or device < 0 or device >= PL_MAX_DEVICES:
         return
     pthread_mutex_lock(&pl_locks[device])
-    ok = pl_free(&pl_devs[device], <uint64_t>ptr)
+    if pl_kind == PL_KIND_BFC:
+        ok = bf_free(&pl_devs[device], device, <uint64_t>ptr)
+    else:
+        ok = pl_free(&pl_devs[device], <uint64_t>ptr)
     pthread_mutex_unlock(&pl_locks[device])
     if not ok:
         fprintf(stderr, PL_BAD_FREE, ptr, device)
@@ -750,7 +1108,10 @@ cdef public void gpudash_torch_reset() noexcept nogil:
     for i in range(PL_MAX_DEVICES):
         if pl_devs[i].ready:
             pthread_mutex_lock(&pl_locks[i])
-            pl_release_cached(&pl_devs[i], i)
+            if pl_kind == PL_KIND_BFC:
+                bf_release_all(&pl_devs[i], i)
+            else:
+                pl_release_cached(&pl_devs[i], i)
             pthread_mutex_unlock(&pl_locks[i])
 
 cdef public void gpudash_torch_memory_fraction(double fraction, int device) noexcept nogil:
@@ -759,6 +1120,8 @@ cdef public void gpudash_torch_memory_fraction(double fraction, int device) noex
         return
     pthread_mutex_lock(&pl_locks[device])
     pl_set_fraction(&pl_devs[device], fraction)
+    if pl_kind == PL_KIND_BFC:
+        bf_set_limit(&pl_devs[device], device, pl_devs[device].allowed)
     pthread_mutex_unlock(&pl_locks[device])
 
 cdef public void* gpudash_torch_base_alloc(void* ptr, size_t* size) noexcept nogil:
@@ -846,14 +1209,20 @@ def pluggable_bind_cuda(path):
     cu_dev_sync = <cuda_devsync_t><size_t>found[b"cudaDeviceSynchronize"]
 
 
-def pluggable_setup(backend, total=0, on_oom="abort"):
+def pluggable_setup(backend, total=0, on_oom="abort", allocator="torch", allow_growth=True,
+                    garbage_collection=False):
     """Choose the backend (``"cuda"``: pluggable_bind_cuda first; ``"host"``: host memory,
-    ``total`` bytes a device) and what an out-of-memory does (``"abort"`` or ``"null"``).
-    Refused while any device holds memory."""
-    global pl_backend, pl_host_total, pl_on_oom
+    ``total`` bytes a device), what an out-of-memory does (``"abort"`` or ``"null"``) and
+    the allocator the hooks run: ``"torch"`` (PyTorch's caching allocator) or ``"bfc"``
+    (TensorFlow's, with ``allow_growth`` and ``garbage_collection``). Refused while any
+    device holds memory."""
+    global pl_backend, pl_host_total, pl_on_oom, pl_kind, pl_bf_growth_default
+    global pl_bf_gc_default
     cdef int i
     if backend not in ("cuda", "host"):
         raise ValueError(f"backend must be 'cuda' or 'host'; got {backend!r}")
+    if allocator not in ("torch", "bfc"):
+        raise ValueError(f"allocator must be 'torch' or 'bfc'; got {allocator!r}")
     if on_oom not in ("abort", "null"):
         raise ValueError(f"on_oom must be 'abort' or 'null'; got {on_oom!r}")
     if backend == "cuda" and cu_malloc == NULL:
@@ -869,6 +1238,9 @@ def pluggable_setup(backend, total=0, on_oom="abort"):
         pl_host_total = int(total)
     for i in range(PL_MAX_DEVICES):
         pl_reset_device(i)
+    pl_kind = PL_KIND_BFC if allocator == "bfc" else PL_KIND_TORCH
+    pl_bf_growth_default = bool(allow_growth)
+    pl_bf_gc_default = bool(garbage_collection)
     pl_backend = PL_BACKEND_HOST if backend == "host" else PL_BACKEND_CUDA
 
 
@@ -884,14 +1256,32 @@ cdef void pl_reset_device(int i) noexcept:
 
 
 def pluggable_settings(int device, max_split_size=None, max_non_split_rounding_size=None,
-                       fraction=None):
+                       fraction=None, memory_limit=None, allow_growth=None,
+                       garbage_collection=None):
     """Change a device's settings live: ``max_split_size`` (bytes, None: unset; blocks
-    already cached stay as they are), ``max_non_split_rounding_size``, ``fraction``."""
+    already cached stay as they are), ``max_non_split_rounding_size``, ``fraction``; for
+    the BFC, ``fraction`` sets the limit to that share of the device's total, or
+    ``memory_limit`` in bytes (before the first allocation: as the BFC is constructed;
+    after: gpudash.bfc.BFCAllocator.set_memory_limit's live rule), ``allow_growth`` and
+    ``garbage_collection``."""
     cdef PLDev* d
+    cdef bint bfc = pl_kind == PL_KIND_BFC, fresh
+    cdef int64_t limit = -1
     if device < 0 or device >= PL_MAX_DEVICES:
         raise ValueError(f"device must be 0..{PL_MAX_DEVICES - 1}; got {device}")
     if fraction is not None and not (0.0 <= float(fraction) <= 1.0):
         raise ValueError(f"fraction must be in [0, 1]; got {fraction}")
+    if not bfc and (memory_limit is not None or allow_growth is not None or
+                    garbage_collection is not None):
+        raise ValueError("memory_limit, allow_growth and garbage_collection are the BFC's "
+                         "settings (pluggable_setup(allocator='bfc'))")
+    if bfc and max_split_size is not None:
+        raise ValueError("max_split_size is PyTorch's caching allocator's setting; the BFC "
+                         "has none")
+    if memory_limit is not None:
+        limit = int(memory_limit)
+        if limit < 0 or limit > (1 << 62):
+            raise ValueError(f"memory_limit must be 0..2**62 bytes; got {memory_limit}")
     if max_split_size is not None and int(max_split_size) <= (20 << 20):
         raise ValueError("max_split_size must be more than 20 MiB (PyTorch's "
                          f"max_split_size_mb > 20); got {max_split_size}")
@@ -911,6 +1301,23 @@ def pluggable_settings(int device, max_split_size=None, max_non_split_rounding_s
             d.set_fraction = True
             if d.ready:
                 pl_set_fraction(d, d.fraction)
+                if limit < 0:
+                    limit = d.allowed
+        if bfc and d.ready:
+            fresh = d.reserved == 0 and d.n_alloc_calls == 0
+            if allow_growth is not None:
+                if fresh:
+                    d.bf_growth = bool(allow_growth)
+                    bf_construct(d, d.bf_limit)
+                else:
+                    bf_set_growth(d, bool(allow_growth))
+            if garbage_collection is not None:
+                d.bf_gc = bool(garbage_collection)
+            if limit >= 0:
+                if fresh:
+                    bf_construct(d, limit)
+                else:
+                    bf_set_limit(d, device, limit)
     finally:
         pthread_mutex_unlock(&pl_locks[device])
 
@@ -922,7 +1329,9 @@ cdef list pl_stat_list(const int64_t* s, int n):
 def pluggable_state(int device):
     """One consistent reading of a device: its statistics (gpudash.caching._Stats' numbers),
     counters, settings and blocks (``(ptr, size, requested, stream, pool, allocated,
-    segment_head)``, by address), and the last out-of-memory failures."""
+    segment_head, allocation_id)``, by address; the id is the BFC's, -1 when free or for
+    the caching allocator), the last out-of-memory failures, and (``"bfc"``) the BFC's
+    own figures and settings."""
     cdef PLDev* d
     cdef PLDev copy
     cdef PLBlock* blocks = NULL
@@ -948,7 +1357,9 @@ def pluggable_state(int device):
             if blocks[i].live:
                 rows.append((blocks[i].ptr, blocks[i].size, blocks[i].requested,
                              blocks[i].stream, blocks[i].pool, bool(blocks[i].allocated),
-                             blocks[i].prev < 0))
+                             blocks[i].prev < 0,
+                             blocks[i].aid if blocks[i].allocated and pl_kind == PL_KIND_BFC
+                             else -1))
     finally:
         c_free(blocks)
     rows.sort()
@@ -973,6 +1384,14 @@ def pluggable_state(int device):
         "allocs": copy.n_alloc_calls, "frees": copy.n_free_calls,
         "stream_waits": copy.n_stream_syncs, "oom_count": copy.oom_count,
         "ooms": ooms, "blocks": rows,
+        "allocator": "bfc" if pl_kind == PL_KIND_BFC else "torch",
+        "bfc": None if pl_kind != PL_KIND_BFC else {
+            "memory_limit": copy.bf_limit, "allow_growth": bool(copy.bf_growth),
+            "garbage_collection": bool(copy.bf_gc),
+            "curr_region_allocation_bytes": copy.bf_curr,
+            "pool_over_limit": bool(copy.bf_capped), "num_allocs": copy.bf_num_allocs,
+            "largest_alloc_size": copy.bf_largest, "next_allocation_id": copy.bf_next_aid,
+            "default_limit": copy.bf_default_limit},
     }
 
 
@@ -1000,7 +1419,10 @@ def pluggable_empty_cache(int device=-1):
             if (device < 0 or i == device) and pl_devs[i].ready:
                 pthread_mutex_lock(&pl_locks[i])
                 before += pl_devs[i].reserved
-                pl_release_cached(&pl_devs[i], i)
+                if pl_kind == PL_KIND_BFC:
+                    bf_release_all(&pl_devs[i], i)
+                else:
+                    pl_release_cached(&pl_devs[i], i)
                 after += pl_devs[i].reserved
                 pthread_mutex_unlock(&pl_locks[i])
     return before - after

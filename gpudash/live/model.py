@@ -1191,10 +1191,12 @@ class LiveModel(traitlets.HasTraits):
 
     def pending_release(self, device: int = 0) -> tuple[int, int]:
         """``(bytes, regions)`` the pool is above a limit lowered live (see
-        :meth:`gpudash.BFCAllocator.pending_release`); ``(0, 0)`` for a feed."""
+        :meth:`gpudash.BFCAllocator.pending_release`); a feed's own ``pending_release()``
+        where it has one, else ``(0, 0)``."""
         dev = self._devices[self._index(device)]
         if dev.allocator is None:
-            return 0, 0
+            own = getattr(dev.feed, "pending_release", None)
+            return tuple(own()) if callable(own) else (0, 0)
         return dev.model.pending_release(dev.allocator)
 
     # ------------------------------------------------------------------ acting (controls)
