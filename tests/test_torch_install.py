@@ -539,7 +539,7 @@ def test_bfc_threads_allocate_without_the_gil(bfc_after):
 
 def test_install_bfc_routes_stats_snapshot_feed_and_controls(bfc_after):
     from gpudash.models import BFC
-    from gpudash.widgets.model import LiveModel
+    from gpudash.live.model import LiveModel
 
     torch = _standin()
     with pytest.warns(UserWarning, match="BFC.*does not tell streams apart"):
