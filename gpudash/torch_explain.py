@@ -52,8 +52,9 @@ class TorchExplanation(_ExplanationViews):
     ----------
     path : str
     source : str
-        ``"message"`` (PyTorch's printed message) or ``"snapshot"`` (a memory snapshot
-        replayed to the failure).
+        ``"message"`` (PyTorch's printed message), ``"snapshot"`` (a memory snapshot
+        replayed to the failure) or ``"memory_summary"`` (``torch.cuda.memory_summary()``'s
+        table, summarised: no failure, ``cause`` is ``"none"``).
     device : int or None
         The GPU index.
     request : int
@@ -121,6 +122,7 @@ class TorchExplanation(_ExplanationViews):
     holders: Any = None
     request_stack: list = field(default_factory=list)
     _oom: Any = field(default=None, repr=False)
+    _summary: Any = field(default=None, repr=False)
     #: who holds each block at the failure (address -> lines), for the map's hover
     _holders: dict = field(default_factory=dict, repr=False)
 
@@ -150,8 +152,10 @@ class TorchExplanation(_ExplanationViews):
 
     def lines(self) -> list[tuple[str, str]]:
         """The summary as (label, text) rows."""
-        if self._oom is not None:         # the message's own reading
-            rows = [r for r in self._oom.lines() if r[0] not in ("warning",)]
+        if self._summary is not None:     # memory_summary()'s table
+            rows = self._summary.lines()
+        elif self._oom is not None:       # the message's own reading
+            rows = [r for r in self._oom.lines() if r[0] not in ("warning", "assumed")]
         else:
             pool = "small" if self.request <= _SMALL else "large"
             rows = [("request", f"{format_bytes(self.request)} (a block of the {pool} pool)"),
@@ -188,6 +192,10 @@ class TorchExplanation(_ExplanationViews):
         how = ("replayed from the snapshot" if self.source == "snapshot"
                else "from PyTorch's message")
         head = f"{self.path}: PyTorch ran out of memory on {dev}{which}, {how}"
+        if self.source == "memory_summary":
+            head = (f"{self.path}: torch.cuda.memory_summary() of {dev}, read (a table of "
+                    "the allocator's figures, not an out-of-memory message: no request to "
+                    "explain)")
         rows = self.lines()
         width = max(len(k) for k, _ in rows)
         body = [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -234,9 +242,19 @@ def is_torch_file(path: str | os.PathLike) -> bool:
         return True
     if fmt not in (None, "tf-log"):
         return False
-    from .torch_oom import looks_like_torch_oom
+    from .torch_oom import describe_non_oom, looks_like_torch_oom, read_memory_summary
 
-    return looks_like_torch_oom(_read_text(path, 2 << 20))
+    text = _read_text(path, 2 << 20)
+    if looks_like_torch_oom(text) or read_memory_summary(text) is not None:
+        return True
+    # a CUDA error that is no out-of-memory, in a text with no TensorFlow or JAX dump
+    return describe_non_oom(text) is not None and not any(
+        mark in text for mark in _OTHER_FRAMEWORKS)
+
+
+#: What TensorFlow's and JAX's out-of-memory texts hold (they are explained there).
+_OTHER_FRAMEWORKS = ("ran out of memory trying to allocate", "BFCAllocator dump",
+                     "Out of memory while trying to allocate", "RESOURCE_EXHAUSTED")
 
 
 def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:
@@ -287,12 +305,23 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
     if fmt in ("torch-pickle", "torch-json"):
         return _from_snapshot(path, index=index, device=device, gpu=gpu, conf=conf,
                               torch_version=torch_version, prove=prove)
-    from .torch_oom import read_torch_ooms
+    from .torch_oom import (EXPECTED, describe_non_oom, read_memory_summary,
+                            read_torch_ooms)
 
-    ooms = read_torch_ooms(_read_text(path))
+    text = _read_text(path)
+    try:
+        ooms = read_torch_ooms(text)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{path}: {exc}") from None
     if not ooms:
-        raise TraceFormatError(f"{path}: no PyTorch out-of-memory message ('CUDA out of "
-                               "memory. Tried to allocate ...') in the file")
+        summary = read_memory_summary(text)
+        if summary is not None:
+            return _from_summary(path, summary)
+        what = describe_non_oom(text)
+        if what is not None:
+            raise TraceFormatError(f"{path}: not an out-of-memory error but {what}; "
+                                   f"{EXPECTED}")
+        raise TraceFormatError(f"{path}: no out-of-memory message in the file; {EXPECTED}")
     pick = _pick(index, len(ooms), path, "message")
     oom = ooms[pick]
     cause, why, settings = oom.diagnosis()
@@ -301,7 +330,19 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
         allocated=_v(oom.allocated), reserved=_v(oom.reserved),
         unallocated=_v(oom.unallocated), device_total=_v(oom.capacity),
         device_free=_v(oom.free), cause=cause, why=why, settings=settings, message=oom.text,
-        warnings=list(oom.warnings), index=pick, count=len(ooms), _oom=oom)
+        assumed=list(oom.assumed), warnings=list(oom.warnings), index=pick, count=len(ooms),
+        _oom=oom)
+
+
+def _from_summary(path: Any, summary: Any) -> TorchExplanation:
+    """``torch.cuda.memory_summary()``'s table, summarised (no failure to explain)."""
+    alloc = summary.current("Allocated memory")
+    res = summary.current("GPU reserved memory")
+    nr = summary.current("Non-releasable memory")
+    return TorchExplanation(
+        path=os.fspath(path), source="memory_summary", device=summary.device, request=0,
+        allocated=alloc, reserved=res, unallocated=nr, cause="none",
+        why="a memory_summary() table holds no failed request", _summary=summary)
 
 
 def _v(fig: Any) -> int | None:

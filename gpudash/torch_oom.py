@@ -321,8 +321,8 @@ class TorchOOM:
         this = self.this_process
         if this is not None:
             figs.append(f"this process {this} on the GPU")
-        figs.append(f"each figure known to within {self._tol_text(r, f, u, res, a, cap, this)}"
-                    " (two decimals)")
+        figs.append(f"printed with two decimals: each known to within "
+                    f"{self._tol_text(r, f, u, res, a, cap, this)} at most")
         device_room = f.value - seg > tol_dev
         limit_ok = limit_room is None or limit_room - seg > tol_lim
         if device_room and limit_ok:
@@ -699,3 +699,136 @@ def read_torch_ooms(text: str) -> list[TorchOOM]:
         oom._check()
         out.append(oom)
     return out
+
+
+# ------------------------------------------------------------------ other texts
+#: What an out-of-memory text looks like, in each framework's words.
+EXPECTED = ("expected an out-of-memory message: PyTorch's 'CUDA out of memory. Tried to "
+            "allocate ...' (or a memory snapshot, or torch.cuda.memory_summary()), "
+            "TensorFlow's 'Allocator (GPU_0_bfc) ran out of memory trying to allocate ...' "
+            "with its allocator dump, or JAX's 'RESOURCE_EXHAUSTED: Out of memory while trying "
+            "to allocate ...' with XLA's allocator dump")
+
+_NOT_OOM = [
+    (re.compile(r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|illegal address", re.I),
+     "a CUDA illegal-memory-access error: a kernel read or wrote outside its memory (a bug "
+     "or a bad index, not a lack of memory); rerun with CUDA_LAUNCH_BLOCKING=1 to find the "
+     "kernel"),
+    (re.compile(r"device-side assert", re.I),
+     "a CUDA device-side assert (an index out of range, most often), not a lack of memory; "
+     "rerun with CUDA_LAUNCH_BLOCKING=1 to find the operation"),
+    (re.compile(r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|CUDA error: out of "
+                r"memory|CUDA_ERROR_OUT_OF_MEMORY", re.I),
+     "an out-of-memory error from CUDA or a library outside PyTorch's caching allocator (a "
+     "CUDA context, cuBLAS or cuDNN handle, NCCL): it prints no figures to explain; "
+     "nvidia-smi shows who holds the GPU"),
+    (re.compile(r"CUDA error:|CUDA_ERROR_\w+|cudaError\w*", re.I),
+     "a CUDA error that is not an out-of-memory"),
+]
+
+
+def describe_non_oom(text: str) -> str | None:
+    """What a text without an out-of-memory message is, when it is a CUDA error gpudash
+    recognises (an illegal memory access, a device-side assert, ...); None otherwise."""
+    head = text[:2_000_000]
+    for pattern, what in _NOT_OOM:
+        if pattern.search(head):
+            return what
+    return None
+
+
+_SUMMARY_HEAD = re.compile(r"PyTorch CUDA memory summary, device ID (\d+)")
+_SUMMARY_UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+                 "PiB": 1 << 50}
+_SUMMARY_CELL = r"\s*(\d+)\s*(B|KiB|MiB|GiB|TiB|PiB)\s*\|"
+_SUMMARY_ROW = re.compile(r"^\|\s*(Allocated memory|Active memory|Requested memory|GPU reserved "
+                          r"memory|Non-releasable memory|from large pool|from small pool)\s*\|"
+                          + _SUMMARY_CELL * 4, re.M)
+
+
+@dataclass
+class MemorySummary:
+    """``torch.cuda.memory_summary()``'s table, read (:func:`read_memory_summary`).
+
+    Sizes are what the table prints: whole units rounded down, so each is known to within
+    one unit of its own (``tol``). ``rows`` maps a metric (``"GPU reserved memory"``) to
+    ``{"all" | "large pool" | "small pool": (current, peak, allocated, freed)}`` in bytes.
+    """
+
+    device: int
+    ooms: int | None = None
+    retries: int | None = None
+    rows: dict = field(default_factory=dict)
+    tol: dict = field(default_factory=dict)
+
+    def current(self, metric: str, pool: str = "all") -> int | None:
+        got = self.rows.get(metric, {}).get(pool)
+        return None if got is None else got[0]
+
+    def lines(self) -> list[tuple[str, str]]:
+        rows = []
+
+        def fig(metric: str, i: int, pool: str = "all") -> str:
+            got = self.rows.get(metric, {}).get(pool)
+            return "?" if got is None else format_bytes(got[i])
+
+        if self.ooms is not None:
+            rows.append(("CUDA OOMs", f"{self.ooms} (out-of-memory errors raised)"))
+        if self.retries is not None:
+            rows.append(("cudaMalloc retries", f"{self.retries} (times PyTorch freed its cache "
+                         "and asked the driver again: the GPU was near full)"))
+        rows.append(("allocated", f"{fig('Allocated memory', 0)} now, {fig('Allocated memory', 1)}"
+                                  " at the peak (in tensors)"))
+        rows.append(("reserved", f"{fig('GPU reserved memory', 0)} now, "
+                                 f"{fig('GPU reserved memory', 1)} at the peak (in segments)"))
+        nr = self.current("Non-releasable memory")
+        res = self.current("GPU reserved memory")
+        if nr is not None:
+            share = f", {100.0 * nr / res:.0f} % of reserved" if res else ""
+            rows.append(("non-releasable", f"{format_bytes(nr)}{share}: free blocks in "
+                         "segments that still hold tensors (reserved but unallocated, "
+                         "kept by fragmentation)"))
+            if res and nr * 5 >= res and nr >= 64 << 20:
+                rows.append(("what to do", "much of reserved is free blocks that fit "
+                             "nothing: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                             "(PyTorch 2.1 on) or max_split_size_mb (1.10 on)"))
+        unit = max(self.tol.values(), default=0)
+        rows.append(("figures", f"as the table prints them: whole units rounded down (known "
+                                f"to within {format_bytes(unit)})"))
+        return rows
+
+
+def read_memory_summary(text: str) -> MemorySummary | None:
+    """``torch.cuda.memory_summary()``'s table in ``text``, or None."""
+    head = _SUMMARY_HEAD.search(text[:2_000_000])
+    if head is None:
+        return None
+    out = MemorySummary(device=int(head.group(1)))
+    body = text[head.start():head.start() + 20_000]
+    m = re.search(r"CUDA OOMs:\s*(\d+)", body)
+    if m:
+        out.ooms = int(m.group(1))
+    m = re.search(r"cudaMalloc retries:\s*(\d+)", body)
+    if m:
+        out.retries = int(m.group(1))
+    metric = None
+    for row in _SUMMARY_ROW.finditer(body):
+        name = row.group(1)
+        g = row.groups()[1:]
+        vals, tol = [], 0
+        for i in range(4):
+            unit = _SUMMARY_UNIT[g[2 * i + 1]]
+            n = int(g[2 * i][:30])
+            if n * unit >= _HUGE:
+                return None
+            vals.append(n * unit)
+            tol = max(tol, unit)
+        if name.startswith("from "):
+            if metric is None:
+                continue
+            out.rows[metric][name[5:]] = tuple(vals)
+        else:
+            metric = name
+            out.rows[metric] = {"all": tuple(vals)}
+        out.tol[name] = tol
+    return out if out.rows else None
