@@ -364,8 +364,9 @@ class TorchOOM:
         advice = []
         if self.wording == "2.1":
             advice.append("PyTorch 2.1 does not print a set_per_process_memory_fraction limit "
-                          "(its message has no 'allowed'): check "
-                          "torch.cuda.get_per_process_memory_fraction() and raise it")
+                          "(its message has no 'allowed'): look for a "
+                          "torch.cuda.set_per_process_memory_fraction call in your code and "
+                          "its libraries, and raise it")
         elif self.allowed is None and self.wording in ("1.0-1.3", "1.4-2.0", ""):
             advice.append("a set_per_process_memory_fraction limit prints 'allowed' from "
                           "PyTorch 1.8; if yours is older or the message was cut, check for one")
@@ -403,10 +404,11 @@ class TorchOOM:
         var = self.conf_variable
         if self.small_pool:
             return [], [
-                "a small-pool request (a block of at most 1 MiB, in a 2 MiB segment): "
-                "max_split_size_mb acts on large blocks only and expandable segments grow in "
-                "2 MiB pages, so no allocator setting serves it; the GPU itself was full: free "
-                "memory (smaller batches, fewer tensors kept) or another GPU"]
+                f"a small-pool request (a block of at most 1 MiB, in a {self.request} "
+                "segment): max_split_size_mb acts on large blocks only, and expandable "
+                "segments (PyTorch 2.1 on) map the small pool in 2 MiB pages, so no allocator "
+                "setting serves it; the GPU itself was full: free memory (smaller batches, "
+                "fewer tensors kept) or another GPU"]
         if self.wording in ("2.1", "2.2-2.8", "2.9+"):
             return [f"{var}=expandable_segments:True"], [
                 "expandable segments (PyTorch 2.1 on) grow one segment instead of leaving "
