@@ -25,6 +25,11 @@ segments when it raises):
 - **limit**: ``set_per_process_memory_fraction`` caps what PyTorch may hold;
 - **device full**: even all the free memory would not hold it: no allocator setting helps
   (smaller batches, activation checkpointing or a larger GPU do).
+
+A message adds **another process** (what others hold would have served the request) and
+**unknown** (the device and the limit had room for the segment: something the message does not
+show refused it); see :meth:`gpudash.torch_oom.TorchOOM.cause`. ``torch.cuda.memory_summary()``'s
+table is read and summarised (``source="memory_summary"``).
 """
 
 from __future__ import annotations
@@ -244,17 +249,31 @@ def is_torch_file(path: str | os.PathLike) -> bool:
         return False
     from .torch_oom import describe_non_oom, looks_like_torch_oom, read_memory_summary
 
-    text = _read_text(path, 2 << 20)
-    if looks_like_torch_oom(text) or read_memory_summary(text) is not None:
+    ends = _read_ends(path, 2 << 20)
+    if any(looks_like_torch_oom(t) or read_memory_summary(t) is not None for t in ends):
         return True
     # a CUDA error that is no out-of-memory, in a text with no TensorFlow or JAX dump
-    return describe_non_oom(text) is not None and not any(
-        mark in text for mark in _OTHER_FRAMEWORKS)
+    return any(describe_non_oom(t) is not None for t in ends) and not any(
+        mark in t for t in ends for mark in _OTHER_FRAMEWORKS)
 
 
 #: What TensorFlow's and JAX's out-of-memory texts hold (they are explained there).
 _OTHER_FRAMEWORKS = ("ran out of memory trying to allocate", "BFCAllocator dump",
                      "Out of memory while trying to allocate", "RESOURCE_EXHAUSTED")
+
+
+def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
+    """The first and the last ``each`` bytes of a text (a long log ends in its error)."""
+    from .trace.format import _open_regular
+
+    with _open_regular(path) as f:
+        head = f.read(each)
+        tail = b""
+        if len(head) == each:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(each, size - each))
+            tail = f.read(each)
+    return tuple(b.decode("utf-8", "replace") for b in (head, tail) if b)
 
 
 def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:

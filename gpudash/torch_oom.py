@@ -539,9 +539,9 @@ class TorchOOM:
         if self.allowed is not None:
             out.append(("allowed", f"{self.allowed} (set_per_process_memory_fraction)"))
         if self.this_process is not None:
-            pid = f" (process {self.this_pid})" if self.this_pid is not None else ""
-            out.append(("this process", f"{self.this_process} on the GPU in all{pid} (CUDA "
-                        "context and other libraries included)"))
+            pid = f", listed as process {self.this_pid}" if self.this_pid is not None else ""
+            out.append(("this process", f"{self.this_process} on the GPU in all (CUDA "
+                        f"context and other libraries included{pid})"))
         for pid, f in self.processes:
             out.append(("other process", f"{pid}: {f}"))
         for pid in self.unknown_processes:
