@@ -39,7 +39,7 @@ __all__ = ["TorchOOM", "Cause", "read_torch_ooms", "looks_like_torch_oom"]
 
 _UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "tib": 1 << 40, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|KiB|MiB|GiB|TiB|KB|MB|GB|B)\b"
+_SIZE = r"(?<![0-9])([0-9]+(?:\.[0-9]+)?)\s*(bytes|KiB|MiB|GiB|TiB|KB|MB|GB|B)\b"
 
 # line prefixes to drop before the text is joined: [rank0]:, glog, markdown quotes, "E   "
 _PREFIX = re.compile(
@@ -96,8 +96,12 @@ class _Fig:
 def _fig(num: str, unit: str) -> _Fig:
     """A printed figure, read exactly (a 400-digit figure is a number, not an overflow)."""
     mult = _UNITS[unit.lower()]
-    decimals = len(num.split(".")[1]) if "." in num else 0
-    value = round(Fraction(num) * mult)
+    whole, _, frac = num.partition(".")
+    decimals = len(frac)
+    if len(whole.lstrip("0")) > 30 or decimals > 30:    # beyond any GPU, or no printed figure
+        return _Fig(_HUGE << 20, 0)
+    value = round(Fraction(f"{int(whole)}.{int(frac) if frac else 0:0{max(decimals, 1)}d}")
+                  * mult)
     tol = 0 if mult == 1 else -(-mult // (2 * 10 ** decimals))
     return _Fig(int(value), int(tol))
 

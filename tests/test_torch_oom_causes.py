@@ -221,3 +221,22 @@ def test_hyphen_ended_lines_are_read_in_linear_time(tmp_path):
     r = cli("explain", str(log), timeout=90)
     assert r.returncode == 0, r.stderr
     assert "fragmentation" in r.stdout
+
+
+def test_long_digit_runs_are_read_in_linear_time_and_unicode_digits_are_no_figures():
+    """100 messages, each with a 3,000-digit run: every figure pattern used to rescan the run
+    from each of its digits (0.8 s a message, over a minute for these); a figure past
+    Python's 4,300-digit int limit used to end in a ValueError."""
+    code = ("from gpudash.torch_oom import read_torch_ooms\n"
+            f"msg = {new_message()!r}\n"
+            "msg = msg.replace('Of the allocated', '9' * 3000 + ' Of the allocated')\n"
+            "ooms = read_torch_ooms((msg + '\\n') * 100)\n"
+            "assert len(ooms) == 100 and all(o.free.value for o in ooms)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    o = one(new_message(free="\u0661\u0662.\u0665 MiB"))      # Arabic-Indic digits
+    assert o.free is None and o.capacity is None
+    with pytest.raises(TraceFormatError, match="2\\*\\*63"):   # past Python's 4,300 digits
+        read_torch_ooms(new_message(request="9" * 5000 + ".00 GiB"))
