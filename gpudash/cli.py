@@ -1024,21 +1024,52 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .postmortem import explain
 
     _check_out(args.html, args.overwrite)
-    if not args.path.exists():
+    stdin = str(args.path) == "-"
+    if not stdin and not args.path.exists():
         raise _UserError(f"no such file: {args.path}")
     index = None
     if args.dump is not None:
         if args.dump == 0:
             raise _UserError("--dump counts from 1 (or -1 for the last)")
         index = args.dump - 1 if args.dump > 0 else args.dump
-    result = explain(args.path, device=args.device, index=index, allocator=args.allocator,
-                     request=args.request, limit=args.limit, framework=args.framework,
-                     conf=args.conf, torch_version=args.torch_version)
+    opts = dict(device=args.device, index=index, allocator=args.allocator,
+                request=args.request, limit=args.limit, framework=args.framework,
+                conf=args.conf, torch_version=args.torch_version)
+    if stdin:
+        result = _explain_stdin(explain, opts)
+    else:
+        result = explain(args.path, **opts)
     _say(str(result))
     if args.html is not None:
         result.write_html(args.html, overwrite=args.overwrite)
         _say(f"report: {args.html}")
     return 0
+
+
+_STDIN_LIMIT = 64 << 20     # what `explain -` reads at most
+
+
+def _explain_stdin(explain: Any, opts: dict) -> Any:
+    """``explain -``: the text (or file) on standard input, explained as "<stdin>"."""
+    import tempfile
+
+    data = sys.stdin.buffer.read(_STDIN_LIMIT + 1)
+    if not data:
+        raise _UserError("<stdin>: nothing on standard input (paste the message, or pipe "
+                         "a log: cat train.log | gpudash explain -)")
+    if len(data) > _STDIN_LIMIT:
+        raise _UserError(f"<stdin>: more than {format_bytes(_STDIN_LIMIT)}; save it to a "
+                         "file and pass its path")
+    with tempfile.TemporaryDirectory(prefix="gpudash-stdin-") as tmp:
+        path = Path(tmp) / "stdin"
+        path.write_bytes(data)
+        try:
+            result = explain(path, **opts)
+        except GpudashError as exc:
+            raise type(exc)(str(exc).replace(str(path), "<stdin>")) from None
+    if hasattr(result, "path"):
+        result.path = "<stdin>"
+    return result
 
 
 def _attribution_trace(path: Path, fmt: str | None, device: int | None) -> Any:

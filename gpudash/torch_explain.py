@@ -25,6 +25,11 @@ segments when it raises):
 - **limit**: ``set_per_process_memory_fraction`` caps what PyTorch may hold;
 - **device full**: even all the free memory would not hold it: no allocator setting helps
   (smaller batches, activation checkpointing or a larger GPU do).
+
+A message adds **another process** (what others hold would have served the request) and
+**unknown** (the device and the limit had room for the segment: something the message does not
+show refused it); see :meth:`gpudash.torch_oom.TorchOOM.cause`. ``torch.cuda.memory_summary()``'s
+table is read and summarised (``source="memory_summary"``).
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ class TorchExplanation(_ExplanationViews):
     ----------
     path : str
     source : str
-        ``"message"`` (PyTorch's printed message) or ``"snapshot"`` (a memory snapshot
-        replayed to the failure).
+        ``"message"`` (PyTorch's printed message), ``"snapshot"`` (a memory snapshot
+        replayed to the failure) or ``"memory_summary"`` (``torch.cuda.memory_summary()``'s
+        table, summarised: no failure, ``cause`` is ``"none"``).
     device : int or None
         The GPU index.
     request : int
@@ -135,6 +141,7 @@ class TorchExplanation(_ExplanationViews):
     pools: dict = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     _oom: Any = field(default=None, repr=False)
+    _summary: Any = field(default=None, repr=False)
     #: who holds each block at the failure (address -> lines), for the map's hover
     _holders: dict = field(default_factory=dict, repr=False)
 
@@ -186,8 +193,10 @@ class TorchExplanation(_ExplanationViews):
         """The summary as (label, text) rows."""
         if self.source == "state":
             return self._state_lines() + [("assumed", a) for a in self.assumed]
-        if self._oom is not None:         # the message's own reading
-            rows = [r for r in self._oom.lines() if r[0] not in ("warning",)]
+        if self._summary is not None:     # memory_summary()'s table
+            rows = self._summary.lines()
+        elif self._oom is not None:       # the message's own reading
+            rows = [r for r in self._oom.lines() if r[0] not in ("warning", "assumed")]
         else:
             pool = "small" if self.request <= _SMALL else "large"
             rows = [("request", f"{format_bytes(self.request)} (a block of the {pool} pool)"),
@@ -227,6 +236,10 @@ class TorchExplanation(_ExplanationViews):
         if self.source == "state":
             head = (f"{self.path}: PyTorch's memory on {dev} as the snapshot holds it (no "
                     "out-of-memory entry: the failure itself is not in the snapshot)")
+        if self.source == "memory_summary":
+            head = (f"{self.path}: torch.cuda.memory_summary() of {dev}, read (a table of "
+                    "the allocator's figures, not an out-of-memory message: no request to "
+                    "explain)")
         rows = self.lines()
         width = max(len(k) for k, _ in rows)
         body = [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -273,9 +286,33 @@ def is_torch_file(path: str | os.PathLike) -> bool:
         return True
     if fmt not in (None, "tf-log"):
         return False
-    from .torch_oom import looks_like_torch_oom
+    from .torch_oom import describe_non_oom, looks_like_torch_oom, read_memory_summary
 
-    return looks_like_torch_oom(_read_text(path, 2 << 20))
+    ends = _read_ends(path, 2 << 20)
+    if any(looks_like_torch_oom(t) or read_memory_summary(t) is not None for t in ends):
+        return True
+    # a CUDA error that is no out-of-memory, in a text with no TensorFlow or JAX dump
+    return any(describe_non_oom(t) is not None for t in ends) and not any(
+        mark in t for t in ends for mark in _OTHER_FRAMEWORKS)
+
+
+#: What TensorFlow's and JAX's out-of-memory texts hold (they are explained there).
+_OTHER_FRAMEWORKS = ("ran out of memory trying to allocate", "BFCAllocator dump",
+                     "Out of memory while trying to allocate", "RESOURCE_EXHAUSTED")
+
+
+def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
+    """The first and the last ``each`` bytes of a text (a long log ends in its error)."""
+    from .trace.format import _open_regular
+
+    with _open_regular(path) as f:
+        head = f.read(each)
+        tail = b""
+        if len(head) == each:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(each, size - each))
+            tail = f.read(each)
+    return tuple(b.decode("utf-8", "replace") for b in (head, tail) if b)
 
 
 def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:
@@ -326,12 +363,23 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
     if fmt in ("torch-pickle", "torch-json"):
         return _from_snapshot(path, index=index, device=device, gpu=gpu, conf=conf,
                               torch_version=torch_version, prove=prove)
-    from .torch_oom import read_torch_ooms
+    from .torch_oom import (EXPECTED, describe_non_oom, read_memory_summary,
+                            read_torch_ooms)
 
-    ooms = read_torch_ooms(_read_text(path))
+    text = _read_text(path)
+    try:
+        ooms = read_torch_ooms(text)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{path}: {exc}") from None
     if not ooms:
-        raise TraceFormatError(f"{path}: no PyTorch out-of-memory message ('CUDA out of "
-                               "memory. Tried to allocate ...') in the file")
+        summary = read_memory_summary(text)
+        if summary is not None:
+            return _from_summary(path, summary)
+        what = describe_non_oom(text)
+        if what is not None:
+            raise TraceFormatError(f"{path}: not an out-of-memory error but {what}; "
+                                   f"{EXPECTED}")
+        raise TraceFormatError(f"{path}: no out-of-memory message in the file; {EXPECTED}")
     pick = _pick(index, len(ooms), path, "message")
     oom = ooms[pick]
     cause, why, settings = oom.diagnosis()
@@ -340,7 +388,19 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
         allocated=_v(oom.allocated), reserved=_v(oom.reserved),
         unallocated=_v(oom.unallocated), device_total=_v(oom.capacity),
         device_free=_v(oom.free), cause=cause, why=why, settings=settings, message=oom.text,
-        warnings=list(oom.warnings), index=pick, count=len(ooms), _oom=oom)
+        assumed=list(oom.assumed), warnings=list(oom.warnings), index=pick, count=len(ooms),
+        _oom=oom)
+
+
+def _from_summary(path: Any, summary: Any) -> TorchExplanation:
+    """``torch.cuda.memory_summary()``'s table, summarised (no failure to explain)."""
+    alloc = summary.current("Allocated memory")
+    res = summary.current("GPU reserved memory")
+    nr = summary.current("Non-releasable memory")
+    return TorchExplanation(
+        path=os.fspath(path), source="memory_summary", device=summary.device, request=0,
+        allocated=alloc, reserved=res, unallocated=nr, cause="none",
+        why="a memory_summary() table holds no failed request", _summary=summary)
 
 
 def _v(fig: Any) -> int | None:
