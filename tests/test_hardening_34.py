@@ -1,0 +1,142 @@
+"""The third hardening round (issue 34): small inputs that hung the snapshot loader or took
+gigabytes, a compiled core that crashed where the Python model raises, settings refused but
+kept, cores that disagreed on huge settings, a sweep that outlived Ctrl-C, the allocator
+configuration read unlike PyTorch, and an internal error on a damaged JSON snapshot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpudash import TraceFormatError
+from gpudash.trace import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ pickle bombs (9 B - 1 KB)
+def _memo_bomb() -> bytes:
+    """PROTO 2, None, LONG_BINPUT 2**27, STOP: the unpickler's memo array grows to 2**28
+    pointers (2 GiB) to store one None."""
+    return b"\x80\x02N" + b"r" + (1 << 27).to_bytes(4, "little") + b"."
+
+
+def _hash_bomb(depth: int = 60) -> bytes:
+    """t0 = (); t[k+1] = (t[k], t[k]), every level shared through the memo; then
+    {t[depth]: None}: hashing the key walks 2**depth tuples."""
+    out = bytearray(b"\x80\x02)q\x00")
+    for k in range(depth):
+        out += b"h" + bytes([k]) + b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    out += b"}h" + bytes([depth]) + b"Ns."
+    return bytes(out)
+
+
+def _repr_bomb(depth: int = 60) -> bytes:
+    """A snapshot whose one frame is a dict that is not a frame, holding l0 = [],
+    l[k+1] = [l[k], l[k]] shared at every level: its full repr has 2**depth parts."""
+    import pickle
+
+    head = pickle.dumps({"segments": [], "device_traces": [[{
+        "action": "alloc", "addr": 1 << 32, "size": 512, "stream": 0, "time_us": 1,
+        "frames": [{"filename": "LIST", "line": 1, "name": "f"}]}]]}, protocol=2)
+    # the protocol-2 pickler memoises with BINPUT/LONG_BINPUT; build the chain by hand with
+    # memo slots from 200 up, then put it where the filename string was
+    chain = bytearray(b"]q\xc80")                   # l0 = [] -> memo[200], popped
+    for k in range(depth):
+        a = bytes([200 + k]) if 200 + k < 256 else None
+        get = (b"h" + a) if a else (b"j" + (200 + k).to_bytes(4, "little"))
+        put_i = 201 + k
+        put = (b"q" + bytes([put_i])) if put_i < 256 else \
+            (b"r" + put_i.to_bytes(4, "little"))
+        chain += b"](" + get + get + b"e" + put + (b"0" if k < depth - 1 else b"")
+    text = b"X\x04\x00\x00\x00LIST"
+    assert text in head
+    return head.replace(text, bytes(chain), 1)
+
+
+def _run_load(tmp_path: Path, data: bytes, name: str, timeout: float = 120) -> str:
+    """Load ``data`` in a process of its own (a hang or 2 GB must not take the test run
+    with it): the error's text, or 'LOADED'."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    code = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_DATA, (1 << 30, 1 << 30))
+        from gpudash import TraceFormatError
+        from gpudash.trace import load_trace
+        try:
+            load_trace({str(path)!r}, format="torch-pickle")
+            print("LOADED")
+        except TraceFormatError as e:
+            print("TraceFormatError:", e)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading {name} ({len(data)} bytes) hung for more than {timeout} s")
+    return r.stdout + r.stderr
+
+
+def test_a_memo_index_of_2_27_is_refused_before_the_memo_grows(tmp_path):
+    data = _memo_bomb()
+    assert len(data) == 9
+    out = _run_load(tmp_path, data, "memo.pickle")
+    assert "TraceFormatError:" in out and "memo index 134,217,728" in out, out
+
+
+def test_a_shared_tuple_chain_used_as_a_dict_key_is_refused_unhashed(tmp_path):
+    data = _hash_bomb()
+    assert len(data) < 1024
+    out = _run_load(tmp_path, data, "hash.pickle", timeout=60)
+    assert "TraceFormatError:" in out and "a dict key that is not a string" in out, out
+
+
+def test_a_shared_nested_list_in_an_error_message_is_shown_bounded(tmp_path):
+    data = _repr_bomb()
+    assert len(data) < 1024
+    out = _run_load(tmp_path, data, "repr.pickle", timeout=60)
+    assert "TraceFormatError:" in out and "frames[0]: expected a frame" in out, out
+    assert len(out) < 600, out
+
+
+@pytest.mark.parametrize("data, what", [
+    (b"\x80\x02Np" + b"999999999\n.", "memo index"),                 # PUT, protocol 0
+    (b"\x80\x04\x8f(K\x01\x90.", "set element that is not a string"),  # {1}
+    (b"\x80\x02}(K\x01Nu.", "dict key that is not a string"),        # {1: None}
+    (b"\x80\x02X\xff\xff\xff\x7fabc.", "past the end"),               # a 2 GB string claimed
+    (b"\x80\x02N]R.", "opcode b'R'"),                                 # REDUCE, no global
+])
+def test_what_the_pickle_check_refuses(tmp_path, data, what):
+    path = tmp_path / "x.pickle"
+    path.write_bytes(data)
+    with pytest.raises(TraceFormatError, match="refusing to load|nor a readable pickle") as e:
+        load_trace(path, format="torch-pickle")
+    assert what in str(e.value)
+
+
+def test_real_and_written_snapshots_pass_the_pickle_check(tmp_path):
+    """Every shape a real pickle takes: protocols 0 to 5, memoised keys, tuples as values,
+    PUT/GET in text and binary forms."""
+    import pickle
+
+    from gpudash.trace.torch_snapshot import _check_pickle, load_torch_snapshot
+
+    snap = {"segments": [{"device": 0, "address": 1 << 40, "total_size": 2 << 20,
+                          "segment_pool_id": (0, 0), "blocks": [
+                              {"size": 2 << 20, "state": "inactive", "frames": []}] * 3}],
+            "device_traces": [[{"action": "alloc", "addr": 1 << 40, "size": 512,
+                                "stream": 0, "time_us": 1.5, "frames": []}] * 300]}
+    rows = len(load_torch_snapshot(snap))
+    for proto in range(6):
+        data = pickle.dumps(snap, protocol=proto)
+        _check_pickle(data, "x")
+        path = tmp_path / f"p{proto}.pickle"
+        path.write_bytes(data)
+        assert len(load_trace(path, format="torch-pickle")) == rows
