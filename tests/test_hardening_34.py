@@ -140,3 +140,73 @@ def test_real_and_written_snapshots_pass_the_pickle_check(tmp_path):
         path = tmp_path / f"p{proto}.pickle"
         path.write_bytes(data)
         assert len(load_trace(path, format="torch-pickle")) == rows
+
+
+# ------------------------------------------------------- a device that hands out overlaps
+class _Overlapping:
+    """A device whose second region starts inside its first."""
+
+    def __init__(self):
+        self.given, self.freed = [], []
+
+    def alloc(self, nbytes):
+        ptr = (1 << 20) + len(self.given) * 4096
+        self.given.append((ptr, nbytes))
+        return ptr
+
+    def free(self, ptr, nbytes):
+        self.freed.append((ptr, nbytes))
+
+
+@pytest.mark.core
+def test_a_bfc_region_over_an_earlier_one_is_refused_not_a_crash():
+    """The compiled BFC core indexed a region by address and crashed (SIGSEGV) when a
+    device's region overlapped an earlier one; both cores now refuse it alike."""
+    from gpudash import InvalidPointerError
+    from gpudash.bfc import BFCAllocator
+
+    dev = _Overlapping()
+    a = BFCAllocator(dev, memory_limit=1 << 30, allow_growth=True)
+    p = a.allocate(2 << 20)
+    with pytest.raises(InvalidPointerError, match="overlaps the region 0x100000"):
+        a.allocate(8 << 20)
+    assert dev.freed == [dev.given[1]]      # the refused range went back to the device
+    a.deallocate(p)
+    a.check()
+    assert a.pool_bytes == dev.given[0][1]
+
+
+@pytest.mark.core
+def test_the_overlap_fuzz_case_does_not_crash_the_process():
+    """The case that crashed the compiled core (regions from six addresses, at random)."""
+    code = textwrap.dedent("""
+        import random
+        from gpudash.bfc import BFCAllocator
+        rng = random.Random(2)
+        class Dev:
+            def alloc(self, n):
+                return rng.choice([1 << 20, (1 << 20) + 512, 2 << 20, 3 << 20, 8 << 20,
+                                   (1 << 20) - 512])
+            def free(self, p, n):
+                pass
+        a = BFCAllocator(Dev(), memory_limit=rng.choice([1 << 30, 64 << 20]),
+                         garbage_collection=rng.random() < 0.5)
+        live = []
+        for _ in range(300):
+            r = rng.random()
+            try:
+                if r < 0.5 or not live:
+                    live.append(a.allocate(rng.choice([512, 4096, 1 << 20, 2 << 20, 3 << 20,
+                                                       11 << 20, 30 << 20])))
+                elif r < 0.8:
+                    a.deallocate(live.pop(rng.randrange(len(live))))
+                else:
+                    a.release_free_regions()
+            except Exception:
+                pass
+        print("survived")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-500:])
