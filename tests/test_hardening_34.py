@@ -12,11 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import test_widgets_model as shared
 
 from gpudash import TraceFormatError
 from gpudash.trace import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+comms = shared.comms     # the dashboard's comm log (a fixture)
 
 
 # ------------------------------------------------------------------ pickle bombs (9 B - 1 KB)
@@ -210,3 +212,101 @@ def test_the_overlap_fuzz_case_does_not_crash_the_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-500:])
+
+
+# ------------------------------------------------- huge settings and streams, both cores
+def _caching(conf=""):
+    from gpudash.caching import CachingAllocator
+    from gpudash.devices import SimulatedDevice
+
+    return CachingAllocator(SimulatedDevice("8GiB"), conf)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("how", ["string", "by name"])
+@pytest.mark.parametrize("key", ["max_split_size_mb", "max_non_split_rounding_mb"])
+def test_a_setting_beyond_int64_is_held_whole_not_half_applied(how, key):
+    """max_split_size_mb of 2**43 MiB or more: the compiled core raised OverflowError after
+    the new value was stored. PyTorch keeps up to SIZE_MAX; both cores now hold it as a
+    size larger than any block."""
+    a = _caching()
+    mib = 1 << 43
+    if how == "string":
+        a.set_allocator_settings(f"{key}:{mib}")
+    else:
+        a.configure(**{key: mib})
+    p = a.allocate(300 << 20)
+    assert a.allocated_size(p) == 300 << 20
+    a.deallocate(p)
+    q = a.allocate(100 << 20)     # the cached 300 MiB block is split (no max_split below it)
+    assert q == p
+    a.check()
+
+
+@pytest.mark.core
+def test_a_setting_the_model_cannot_hold_leaves_the_old_one(monkeypatch):
+    """Whatever refuses a new setting after it was parsed, the allocator keeps the old."""
+    a = _caching("max_split_size_mb:64")
+    calls = []
+    real = type(a)._settings_changed
+
+    def fail_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OverflowError("refused")
+        real(self)
+    monkeypatch.setattr(type(a), "_settings_changed", fail_once)
+    with pytest.raises(OverflowError):
+        a.configure(max_split_size_mb=128)
+    assert a.config.max_split_size == 64 << 20
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("divisions", [1 << 54, 1 << 62, 1 << 63, 1 << 70])
+def test_huge_roundup_divisions_round_like_the_python_model(divisions):
+    """512 * divisions above any size: 512-byte rounding (the compiled core overflowed the
+    product and rounded to a power of two, or raised OverflowError)."""
+    a = _caching()
+    a.configure(roundup_power2_divisions=divisions)
+    p = a.allocate((3 << 20) + 1)
+    assert a.allocated_size(p) == (3 << 20) + 512
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("stream", [1 << 64, 1 << 70, -(1 << 63) - 1])
+def test_a_stream_beyond_cudastream_t_is_refused_by_both_cores(stream):
+    """The Python model took 2**64 as a stream of its own, the compiled core as stream 0."""
+    from gpudash import ConfigError
+
+    a = _caching()
+    with pytest.raises(ConfigError, match="stream must be a cudaStream_t value"):
+        a.allocate(1000, stream=stream)
+    p = a.allocate(1000, stream=(1 << 64) - 1)
+    a.deallocate(p)
+    assert a.allocate(1000, stream=-1) == p      # -1 is 2**64 - 1, as a cudaStream_t
+
+
+@pytest.mark.core
+def test_the_dashboard_s_max_split_beyond_int64_is_held_whole(comms):
+    """The dashboard's max_split control: 2**43 MiB was refused with an OverflowError and
+    kept all the same; now held whole, as PyTorch does."""
+    from test_widgets_dashboard import act
+
+    import gpudash
+    from gpudash.widgets import Dashboard, LiveModel
+
+    sess = gpudash.Session(allocator="torch", simulate="16GiB")
+    model = LiveModel(sess, start=False)
+    dash = Dashboard(model=model)
+    try:
+        alloc = sess.devices[0].allocator
+        reply = act(comms, dash, "max_split", 1 << 43)
+        assert reply["ok"], reply["text"]
+        assert alloc.config.max_split_size == (1 << 43) << 20
+        p = sess.allocate(300 << 20)
+        sess.free(p)
+        assert sess.allocate(100 << 20) == p     # split: larger than any block
+    finally:
+        dash.close()
+        model.close()
+        sess.close()
