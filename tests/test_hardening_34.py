@@ -310,3 +310,63 @@ def test_the_dashboard_s_max_split_beyond_int64_is_held_whole(comms):
         dash.close()
         model.close()
         sess.close()
+
+
+# ------------------------------------------------------------------ Ctrl-C in sweep(jobs=2)
+_SWEEP = """
+import multiprocessing, sys
+from gpudash.trace.workloads import training_loop
+from gpudash.trace.whatif import sweep
+trace = training_loop(steps=3000, layers=8, batch=32, hidden=512)
+said = []
+def progress(done, total):
+    if not said:
+        said.append(1)
+        print("STARTED", *[p.pid for p in multiprocessing.active_children()], flush=True)
+sweep(trace, fractions=[0.1 * i for i in range(1, 11)] * 20, jobs=2, progress=progress)
+print("FINISHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["kernel-interrupt", "terminal-ctrl-c"])
+def test_ctrl_c_stops_a_sweep_and_its_workers_at_once(group):
+    """SIGINT to the process (Jupyter's interrupt) or to its group (Ctrl-C in a terminal):
+    sweep(jobs=2) went on with every queued replay for 19-31 s here (200 rows); now its
+    workers are ended and it raises KeyboardInterrupt at once."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", _SWEEP], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        pids = []
+        for line in p.stdout:
+            if line.startswith("STARTED"):
+                pids = [int(x) for x in line.split()[1:]]
+                break
+        assert pids, "the sweep did not start"
+        time.sleep(0.5)
+        (os.killpg if group else os.kill)(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            out = p.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the sweep went on for more than 60 s after SIGINT")
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert "KeyboardInterrupt" in out and "FINISHED" not in out, out[-500:]
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+    assert not [q for q in pids if running(q)]
+    # the sweep's remaining rows take 10 s and more here; stopping takes well under 1 s
+    assert took < 5, f"{took:.1f} s from SIGINT to the end of the process"
