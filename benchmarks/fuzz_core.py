@@ -411,13 +411,23 @@ TORCH_SETTINGS = [
     # sorted (from 8 entries here)
     ("alike+streams+mss", 8 * GIB, "max_split_size_mb:20", None, None, (0, 9), 0.0, False,
      True),
+    # where the cores differed: settings beyond int64 (held whole), divisions whose
+    # 512 * d overflows int64, streams at both ends of cudaStream_t and beyond it (refused
+    # alike)
+    ("huge-settings+streams", 4 * GIB, f"max_split_size_mb:{1 << 43},"
+     f"max_non_split_rounding_mb:{1 << 44},roundup_power2_divisions:[1:{1 << 62},>:4]",
+     "2.6", 0.05, (0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63), 1 << 64,
+                   1 << 70, -(1 << 63) - 1), 0.01, True, False),
 ]
 
 _CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_size_mb:40",
           "max_split_size_mb:200", "garbage_collection_threshold:0.5",
           "roundup_power2_divisions:4", "roundup_power2_divisions:[256:2,>:4]",
           "max_split_size_mb:80,garbage_collection_threshold:0.8", "",
-          "max_non_split_rounding_mb:64", "expandable_segments:True,max_split_size_mb:60"]
+          "max_non_split_rounding_mb:64", "expandable_segments:True,max_split_size_mb:60",
+          f"max_split_size_mb:{1 << 43}", f"max_split_size_mb:{1 << 60}",
+          f"max_non_split_rounding_mb:{1 << 44}", f"roundup_power2_divisions:{1 << 62}",
+          f"roundup_power2_divisions:[64:{1 << 55},>:{1 << 63}]"]
 
 
 class FlakyTorchDevice(FlakyDevice):

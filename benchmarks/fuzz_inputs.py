@@ -19,7 +19,12 @@ Hostile families (a share of the cases, ``--hostile``) are built, not mutated, u
   device lists, CuPy device ids), up to and beyond the 32,768 a trace holds;
 - ``floats``: NaN, infinities and 1e30 where numbers are read (profile doubles, times,
   limits);
-- ``npy``: a gdtrace batch whose ``.npy`` header is damaged, its CRC made valid.
+- ``npy``: a gdtrace batch whose ``.npy`` header is damaged, its CRC made valid;
+- ``bomb``: pickles of 9 bytes to a few KB that cost gigabytes or hours if unpickled or
+  shown naively: a memo index of up to 2**32 (PUT, BINPUT, LONG_BINPUT), a tuple chain
+  shared at every level used as a dict key or set element (hashing it walks 2**depth
+  tuples), a list chain shared at every level where a message would show it (a frame, a
+  stream, a size, an annotation), and a number of thousands of digits in those places.
 
 Run: ``python benchmarks/fuzz_inputs.py [--cases N] [--seed S] [--seconds T] [--hostile P]``.
 Prints the outcomes per format and mutation, the slowest load, and every failure with its
@@ -169,7 +174,7 @@ def _recrc(data: bytes, rng: random.Random) -> bytes:
 
 
 # ============================================================================ hostile files
-FAMILIES = ("fifo", "longline", "memo", "meta", "devices", "floats", "npy")
+FAMILIES = ("fifo", "longline", "memo", "meta", "devices", "floats", "npy", "bomb")
 MAX_BYTES = 2_000_000
 _GLOG = "I0000 00:00:1796221057.331741   10338 bfc_allocator.cc:176] "
 _LOG_LINES = [
@@ -411,6 +416,43 @@ def _npy(rng: random.Random, workdir: Path) -> tuple[str, bytes]:
     return "gdtrace", bytes(out)
 
 
+def _bomb(rng: random.Random) -> tuple[str, bytes]:
+    """A small pickle that is a memo, hash or repr bomb (see the module docstring)."""
+    kind = rng.choice(["memo", "hash", "repr", "digits"])
+    depth = rng.choice([20, 40, 60, 200])
+    if kind == "memo":
+        idx = rng.choice([1 << 27, 1 << 31, (1 << 32) - 1, 300, 10 ** 12])
+        put = rng.choice(["long", "text"]) if idx < 1 << 32 else "text"
+        op = (b"r" + idx.to_bytes(4, "little")) if put == "long" else b"p%d\n" % idx
+        return "torch-pickle", b"\x80\x02N" + op + b"."
+    # a chain of tuples (hash) or lists (repr): level k+1 holds level k twice, by memo
+    out = bytearray(b"\x80\x04" + (b")" if kind == "hash" else b"]") + b"\x94")
+    for k in range(depth):
+        get = b"j" + k.to_bytes(4, "little")
+        out += (get + get + b"\x86" if kind == "hash" else b"](" + get + get + b"e") + b"\x94"
+        if kind == "repr":
+            out += b"0j" + (k + 1).to_bytes(4, "little")   # keep one copy on the stack
+    if kind == "hash":
+        where = rng.choice(["dict", "set"])
+        out += (b"}j" + depth.to_bytes(4, "little") + b"Ns" if where == "dict" else
+                b"\x8f(j" + depth.to_bytes(4, "little") + b"\x90")
+        return "torch-pickle", bytes(out) + b"."
+    value = pickle.loads(bytes(out) + b".") if kind == "repr" else 7 ** 6000  # 5,000 digits
+    entry = dict(_ENTRY)
+    field = rng.choice(["frames", "stream", "size", "addr", "time_us", "annotation"])
+    if field == "frames":
+        entry["frames"] = [{"filename": value, "line": 1, "name": "f"}]
+    elif field == "annotation":
+        snap = {"segments": [], "device_traces": [[entry]],
+                "external_annotations": [{"name": value, "stage": "START", "device": 0,
+                                          "time_us": 1}]}
+        return "torch-pickle", pickle.dumps(snap, protocol=4)
+    else:
+        entry[field] = value
+    return "torch-pickle", pickle.dumps({"segments": [], "device_traces": [[entry]]},
+                                        protocol=4)
+
+
 def hostile(rng: random.Random, base: dict[str, bytes], workdir: Path,
             family: str | None = None) -> tuple[str, str, bytes | None]:
     """One hostile case: (format, family, bytes); bytes is None for a FIFO."""
@@ -432,6 +474,8 @@ def hostile(rng: random.Random, base: dict[str, bytes], workdir: Path,
             t.meta["devices"] = [{"index": 0, "capacity": float("nan"),
                                   "memory_limit": float("inf")}]
             data = _gdtrace_bytes(t, workdir)
+    elif family == "bomb":
+        fmt, data = _bomb(rng)
     else:
         fmt, data = _npy(rng, workdir)
     return fmt, family, data

@@ -218,6 +218,21 @@ class _Chunk:
         self.region: _Region | None = None
 
 
+def _check_disjoint(alloc: Any, ptr: int, nbytes: int, before: Any, after: Any) -> None:
+    """Refuse a region the sub-allocator handed out over one it handed out before (the
+    regions before and after ``ptr``: objects with ``ptr`` and ``size``, or None); the range
+    is given back to the sub-allocator first."""
+    clash = before if before is not None and before.ptr + before.size > ptr else \
+        after if after is not None and after.ptr < ptr + nbytes else None
+    if clash is None:
+        return
+    alloc._sub.free(ptr, nbytes)
+    raise InvalidPointerError(
+        f"{alloc._name}: the sub-allocator handed out {ptr:#x}..{ptr + nbytes:#x}, which "
+        f"overlaps the region {clash.ptr:#x}..{clash.ptr + clash.size:#x} it handed out "
+        "before; a device must hand out disjoint ranges")
+
+
 class _Region:
     __slots__ = ("ptr", "size", "end", "first")
 
@@ -974,8 +989,11 @@ class PyBFCAllocator(EventSource):
         return int(ptr)
 
     def _add_region(self, ptr: int, nbytes: int, rounded: int) -> None:
-        region = _Region(ptr, nbytes)
         i = bisect_left(self._region_ptrs, ptr)
+        _check_disjoint(self, ptr, nbytes,
+                        self._regions[i - 1] if i else None,
+                        self._regions[i] if i < len(self._regions) else None)
+        region = _Region(ptr, nbytes)
         self._region_ptrs.insert(i, ptr)
         self._regions.insert(i, region)
         self._pool += nbytes

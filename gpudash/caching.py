@@ -219,6 +219,10 @@ def _stream_of(stream: Any) -> int:
         except TypeError:
             raise ConfigError(f"stream must be an integer (a cudaStream_t value, 0 for the "
                               f"default stream); got {stream!r}") from None
+    if not -(1 << 63) <= stream <= _MASK64:
+        raise ConfigError(f"stream must be a cudaStream_t value, from -2**63 to 2**64 - 1; "
+                          f"got a {stream.bit_length()}-bit "
+                          f"{'negative ' if stream < 0 else ''}integer")
     return stream & _MASK64
 
 
@@ -530,7 +534,12 @@ class PyCachingAllocator(EventSource):
         journal = self._journal
         start = len(journal) if journal is not None else 0
         self._conf = new  # oversize counts follow the new threshold, as PyTorch's do
-        self._settings_changed()
+        try:
+            self._settings_changed()
+        except BaseException:       # a setting the model cannot hold: nothing changes
+            self._conf = old
+            self._settings_changed()
+            raise
         for key, a, b in (("expandable_segments", old.expandable_segments,
                            new.expandable_segments),
                           ("max_split_size_mb", old.as_dict()["max_split_size_mb"],
@@ -605,7 +614,7 @@ class PyCachingAllocator(EventSource):
             nbytes = self._check_request(nbytes)
             if not nbytes:
                 return 0
-        if type(stream) is not int or stream < 0:
+        if type(stream) is not int or not 0 <= stream <= _MASK64:
             stream = _stream_of(stream)
         if nbytes >= K_ONE_EXA:
             if raise_oom:

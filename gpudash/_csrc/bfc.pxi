@@ -755,7 +755,7 @@ cdef class BFCCore:
         return (self.curr_base << self.curr_shift) >= n
 
     cdef int add_region(self, uint64_t ptr, int64_t nbytes, int64_t rounded) except -1:
-        cdef int32_t lo = 0, hi = self.nreg, mid, h
+        cdef int32_t lo = 0, hi = self.nreg, mid, h, clash
         cdef Region* nr
         while lo < hi:   # bisect_left over region addresses
             mid = (lo + hi) >> 1
@@ -763,6 +763,19 @@ cdef class BFCCore:
                 lo = mid + 1
             else:
                 hi = mid
+        # a region over one handed out before: refused, as bfc._check_disjoint does
+        clash = -1
+        if lo > 0 and self.regs[lo - 1].ptr + <uint64_t>self.regs[lo - 1].size > ptr:
+            clash = lo - 1
+        elif lo < self.nreg and self.regs[lo].ptr < ptr + <uint64_t>nbytes:
+            clash = lo
+        if clash >= 0:
+            self._sub.free(ptr, nbytes)
+            raise InvalidPointerError(
+                f"{self._name}: the sub-allocator handed out {ptr:#x}..{ptr + nbytes:#x}, "
+                f"which overlaps the region {self.regs[clash].ptr:#x}.."
+                f"{self.regs[clash].ptr + <uint64_t>self.regs[clash].size:#x} it handed out "
+                "before; a device must hand out disjoint ranges")
         if self.nreg == self.cap_reg:
             nr = <Region*>PyMem_Realloc(self.regs, 2 * self.cap_reg * sizeof(Region))
             if nr == NULL:

@@ -900,12 +900,16 @@ cdef class CachingCore:
         self.old_round = conf.version < (2, 4)
         mss = conf.max_split_size
         self.mss_set = mss is not None
-        self.mss_val = mss if mss is not None else 0
-        self.mss = 0xFFFFFFFFFFFFFFFF if mss is None else <uint64_t>mss
-        self.tol = self._non_split_tolerance()
+        # beyond int64 (PyTorch keeps up to SIZE_MAX): larger than any block all the same
+        self.mss_val = min(mss, INT64_MAX) if mss is not None else 0
+        self.mss = 0xFFFFFFFFFFFFFFFF if mss is None else <uint64_t>min(mss,
+                                                                        0xFFFFFFFFFFFFFFFF)
+        # block sizes stay below 2**60: a larger tolerance is as good as 2**62, and size +
+        # tol cannot overflow
+        self.tol = min(self._non_split_tolerance(), 1 << 62)
         self.gc_threshold = conf.garbage_collection_threshold
         for i in range(16):
-            self.divs[i] = conf.roundup_power2_divisions[i]
+            self.divs[i] = min(conf.roundup_power2_divisions[i], INT64_MAX)
         self.version += 1
 
     # ------------------------------------------------------------------ attributes
@@ -1153,7 +1157,9 @@ cdef class CachingCore:
         elif i > 15:
             i = 15
         d = self.divs[i]
-        if ((d > 0) if self.old_round else (d > 1)) and n > KMIN_BLOCK * d:
+        # n > 512 * d, without overflowing for d above 2**54 (never true there)
+        if ((d > 0) if self.old_round else (d > 1)) and d <= (INT64_MAX >> 9) \
+                and n > KMIN_BLOCK * d:
             if self.old_round and d <= 1:
                 return n
             if n & (n - 1) == 0:
@@ -1175,7 +1181,7 @@ cdef class CachingCore:
             nbytes = self._check_request(nbytes)
             if not nbytes:
                 return 0
-        if type(stream) is not int or stream < 0:
+        if type(stream) is not int or not 0 <= stream <= 0xFFFFFFFFFFFFFFFF:
             stream = _stream_of(stream)
         if nbytes >= K_ONE_EXA:
             if raise_oom:

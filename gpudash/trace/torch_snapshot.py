@@ -64,6 +64,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import mmap
 import os
 import pickle
 from collections import Counter, deque
@@ -231,8 +232,172 @@ def _check_size(name: str, segments: list, traces: list, nbytes: int | None = No
         "of the file; a pickle that repeats objects by reference holds more)")
 
 
+# The opcodes a snapshot's pickle may hold, each with how its argument is read: a fixed
+# number of bytes (>= 0), a length of 1, 4 or 8 bytes then that many bytes (-1, -4, -8), or
+# text lines (-10: one, -20: two).
+_ARG = {
+    b"(": 0, b".": 0, b"0": 0, b"1": 0, b"2": 0, b"F": -10, b"I": -10, b"J": 4, b"K": 1,
+    b"L": -10, b"M": 2, b"N": 0, b"S": -10, b"T": -4, b"U": -1, b"V": -10, b"X": -4,
+    b"a": 0, b"d": 0, b"}": 0, b"e": 0, b"g": -10, b"h": 1, b"j": 4, b"l": 0, b"]": 0,
+    b"p": -10, b"q": 1, b"r": 4, b"s": 0, b"t": 0, b")": 0, b"u": 0, b"G": 8,
+    b"\x80": 1, b"\x85": 0, b"\x86": 0, b"\x87": 0, b"\x88": 0, b"\x89": 0, b"\x8a": -1,
+    b"\x8b": -4, b"B": -4, b"C": -1, b"\x8c": -1, b"\x8d": -8, b"\x8e": -8, b"\x8f": 0,
+    b"\x90": 0, b"\x91": 0, b"\x94": 0, b"\x95": 8, b"\x96": -8,
+    # refused when met (a global or a persistent id: by the unpickler, with its message)
+    b"c": -20, b"\x93": 0, b"P": -10, b"Q": 0,
+}
+_ARG = {op[0]: n for op, n in _ARG.items()}
+_STRINGS = frozenset(b"SVXTU\x8c\x8d")      # opcodes that push a str
+
+
+def _check_pickle(data: Any, name: str) -> None:
+    """Refuse, before it is unpickled, a pickle that would take gigabytes or hours to load
+    although it is small: a memo index far beyond the entries stored so far (the
+    unpickler's memo is an array as long as the largest index: 9 bytes can ask for 2 GB),
+    a dict key or set element that is not a string (a tuple shared at every level of a
+    60-deep chain takes 2**60 steps to hash; ints can be made to collide; PyTorch keys
+    every dict of a snapshot by a string), an opcode no snapshot holds (a class built, an
+    extension, a buffer), or a length past the end. ``data``: the pickle's bytes (or an
+    mmap of them). Stops at a global or a persistent id, which the unpickler refuses."""
+    n = len(data)
+    arg, strings = _ARG, _STRINGS
+    stack: list[bool] = []          # per item: is it a str
+    push = stack.append
+    marks: list[int] = []
+    memo: list[bool] = []
+    from_bytes = int.from_bytes
+    i = 0
+
+    def refuse(why: str) -> TraceFormatError:
+        return TraceFormatError(f"refusing to load {name}: {why} at byte {i:,} of the pickle "
+                                "(a PyTorch memory snapshot holds only dicts keyed by "
+                                "strings, lists, strings and numbers)")
+
+    def unreadable(why: str) -> TraceFormatError:
+        return TraceFormatError(f"{name}: neither JSON nor a readable pickle ({why} at byte "
+                                f"{i:,})")
+
+    while i < n:
+        op = data[i]
+        # the most frequent opcodes of a snapshot first
+        if op == 0x6a:                  # LONG_BINGET
+            k = from_bytes(data[i + 1:i + 5], "little")
+            push(memo[k] if k < len(memo) else False)
+            i += 5
+            continue
+        if op == 0x68:                  # BINGET
+            k = data[i + 1] if i + 1 < n else 0
+            push(memo[k] if k < len(memo) else False)
+            i += 2
+            continue
+        if op == 0x94:                  # MEMOIZE
+            memo.append(stack[-1] if stack else False)
+            i += 1
+            continue
+        if op == 0x28:                  # MARK
+            marks.append(len(stack))
+            i += 1
+            continue
+        if op == 0x75 or op == 0x65:    # SETITEMS APPENDS
+            k = marks.pop() if marks else 0
+            if op == 0x75 and not all(stack[k::2]):
+                raise refuse("a dict key that is not a string")
+            del stack[k:]
+            i += 1
+            continue
+        a = arg.get(op)
+        if a is None:
+            raise unreadable(f"the opcode {bytes([op])!r}, which no snapshot holds: it builds "
+                             "an object other than builtin data, or is no opcode")
+        j = i + 1
+        if a > 0:
+            end = j + a
+        elif a == 0:
+            end = j
+        elif a >= -8:
+            end = j - a + from_bytes(data[j:j - a], "little", signed=op == 0x8b)
+            j -= a
+        else:
+            end = j
+            for _ in range(-a // 10):
+                end = data.find(b"\n", end) + 1
+                if end == 0:
+                    raise unreadable("a text argument with no end of line")
+        if end > n or end < j:
+            raise unreadable("an argument that runs past the end of the file")
+        if op in strings:
+            push(True)
+        elif op == 0x71 or op == 0x72 or op == 0x70:    # PUT
+            if op == 0x70:
+                try:
+                    k = int(data[j:end])
+                except ValueError:
+                    raise unreadable("a memo index that is not a number") from None
+            else:
+                k = from_bytes(data[j:end], "little")
+            if not 0 <= k <= len(memo) + 256:
+                raise refuse(f"the memo index {k:,} with {len(memo):,} entries stored")
+            if k >= len(memo):
+                memo.extend([False] * (k + 1 - len(memo)))
+            memo[k] = stack[-1] if stack else False
+        elif op == 0x67:                # GET, protocol 0
+            try:
+                k = int(data[j:end])
+            except ValueError:
+                k = -1
+            push(memo[k] if 0 <= k < len(memo) else False)
+        elif op == 0x90 or op == 0x91 or op == 0x64 or op == 0x6c or op == 0x74 or op == 0x31:
+            # ADDITEMS FROZENSET DICT LIST TUPLE POP_MARK: back to the mark
+            k = marks.pop() if marks else 0
+            if op == 0x64 and not all(stack[k::2]):
+                raise refuse("a dict key that is not a string")
+            if (op == 0x90 or op == 0x91) and not all(stack[k:]):
+                raise refuse("a set element that is not a string")
+            del stack[k:]
+            if op != 0x90 and op != 0x31:
+                push(False)
+        elif op == 0x73:                # SETITEM
+            if len(stack) >= 2 and not stack[-2]:
+                raise refuse("a dict key that is not a string")
+            del stack[-2:]
+        elif op == 0x61 or op == 0x30:  # APPEND POP
+            del stack[-1:]
+        elif op == 0x85 or op == 0x86 or op == 0x87:    # TUPLE1..3
+            del stack[len(stack) - (op - 0x84):]
+            push(False)
+        elif op == 0x32:                # DUP
+            push(stack[-1] if stack else False)
+        elif op == 0x2e:                # STOP
+            return
+        elif op == 0x63 or op == 0x93 or op == 0x50 or op == 0x51:
+            return                      # refused by the unpickler, with its own message
+        elif op != 0x80 and op != 0x95:
+            push(False)                 # a number, bytes, None, a bool, an empty container
+        i = end
+
+
+def _check_source(data: bytes | IO[bytes], name: str) -> None:
+    """:func:`_check_pickle` of bytes, or of a file (mapped, not read, when it can be; left
+    at the position it was at)."""
+    if isinstance(data, (bytes, bytearray)):
+        _check_pickle(data, name)
+        return
+    pos = data.tell()
+    try:
+        if pos:
+            raise ValueError("not at the start")
+        mapped = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        _check_pickle(data.read(), name)
+    else:
+        with mapped:
+            _check_pickle(mapped, name)
+    data.seek(pos)
+
+
 def _unpickle(data: bytes | IO[bytes], name: str) -> Any:
     """The object a pickle (bytes or a binary file) holds, read with no global allowed."""
+    _check_source(data, name)
     try:
         return _NoGlobalsUnpickler(io.BytesIO(data) if isinstance(data, bytes) else data,
                                    name).load()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import reprlib
 from bisect import bisect_left, bisect_right
 from itertools import repeat
 from typing import Any
@@ -212,10 +213,10 @@ def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
 
 def _as_int(value: Any, where: str, signed: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{where}: expected an integer, found {value!r}")
+        raise TraceFormatError(f"{where}: expected an integer, found {_short(value)}")
     if not signed and value < 0:
         what = where.rsplit(".", 1)[-1]
-        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
+        raise TraceFormatError(f"{where}: a negative {what} ({_short(value)}); expected an integer "
                                f">= 0")
     return value
 
@@ -680,20 +681,35 @@ class StackInterner:
         return fid
 
 
-def _short(value: Any) -> str:
-    text = repr(value) if isinstance(value, (dict, str, int, float, type(None))) else \
-        type(value).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
+def _short(value: Any, width: int = 80) -> str:
+    """``value`` for a message, at most ``width`` characters: a bounded repr (a few levels
+    and items of a container, so that a list shared at every level of a pickle, whose full
+    repr is exponential in its depth, costs no more than a flat one; an int of more than
+    64 digits by its size)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+class _BoundedRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 200:
+            return f"<a {x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+
+_REPR = _BoundedRepr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 40, 64
 
 
 def _int(value: Any, where: str, what: str, top: int = (1 << 63) - 1) -> int:
     """``value``, an int in ``0 .. top`` (addresses, sizes and devices are never negative)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        text = repr(value) if isinstance(value, (str, float, type(None))) else \
+        text = _short(value, 60) if isinstance(value, (str, float, type(None))) else \
             type(value).__name__
-        raise TraceFormatError(f"{where}: expected an integer {what}, found {text[:60]}")
+        raise TraceFormatError(f"{where}: expected an integer {what}, found {text}")
     if value < 0:
-        raise TraceFormatError(f"{where}: a negative {what} ({value}); expected an integer "
+        raise TraceFormatError(f"{where}: a negative {what} ({_short(value)}); expected an integer "
                                f">= 0")
     if value > top:
         shown = value if value.bit_length() < 100 else f"a {value.bit_length()}-bit number"
@@ -707,8 +723,8 @@ def _time_ns(tu: Any, where: str, i: int) -> int:
         return i * 1000
     if isinstance(tu, bool) or not isinstance(tu, (int, float)) \
             or not (math.isfinite(tu) and -_T_MAX < tu < _T_MAX):
-        text = repr(tu) if isinstance(tu, (int, float, str)) else type(tu).__name__
-        raise TraceFormatError(f"{where}: time_us {text[:40]} is not a time in microseconds "
+        text = _short(tu, 40) if isinstance(tu, (int, float, str)) else type(tu).__name__
+        raise TraceFormatError(f"{where}: time_us {text} is not a time in microseconds "
                                f"(a finite number below 2**53)")
     return int(tu) * 1000
 
@@ -720,7 +736,7 @@ def _stream_value(entry: dict, where: str) -> int:
         return 0
     if isinstance(s, bool) or not isinstance(s, int) or not -(1 << 63) <= s < (1 << 64):
         raise TraceFormatError(f"{where}: expected an integer stream (a cudaStream_t value), "
-                               f"found {s!r:.60}")
+                               f"found {_short(s, 60)}")
     return s - (1 << 64) if s >= 1 << 63 else s
 
 

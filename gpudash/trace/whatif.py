@@ -26,12 +26,13 @@ lower bound.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import multiprocessing
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,8 +265,8 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
         good, inferred = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms,
                                    history, step, limit_of)
     elif jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(),
-                                 initializer=_init_worker, initargs=calls) as ex:
+        with _workers(max_workers=jobs, mp_context=_pool_context(),
+                      initializer=_init_worker, initargs=calls) as ex:
             def run(fracs: list[float]) -> dict:
                 futures = {f: ex.submit(_probe_one, settings(f), max_ooms) for f in fracs}
                 # a replay that failed beside the path must not stop the bisection: bisect
@@ -462,8 +463,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 report(done, total)
     else:
         ctx = _pool_context()
-        with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx,
-                                 initializer=_init_worker, initargs=lists) as ex:
+        with _workers(max_workers=min(jobs, total), mp_context=ctx,
+                      initializer=_init_worker, initargs=lists) as ex:
             futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
             for fut in as_completed(futures):
                 rows[futures[fut]] = fut.result()
@@ -548,6 +549,36 @@ def _mp_context() -> Any:
     if __name__ not in preload:
         forkserver.set_forkserver_preload(preload + [__name__])
     return multiprocessing.get_context("forkserver")
+
+
+@contextlib.contextmanager
+def _workers(**kwargs: Any) -> Iterator[ProcessPoolExecutor]:
+    """A :class:`~concurrent.futures.ProcessPoolExecutor` that, when the block ends by an
+    exception (Ctrl-C: KeyboardInterrupt), cancels what is queued and ends its workers at
+    once, instead of waiting for every replay already handed out (the executor's own exit
+    waits for them, and for the queue too)."""
+    ex = ProcessPoolExecutor(**kwargs)
+    try:
+        yield ex
+    except BaseException:
+        _stop_now(ex)
+        raise
+    ex.shutdown(wait=True)
+
+
+def _stop_now(ex: ProcessPoolExecutor) -> None:
+    """Cancel ``ex``'s queued work and terminate its worker processes (SIGTERM, then
+    SIGKILL for one still there after 2 s)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
 
 
 def _pool_context() -> Any:
