@@ -41,7 +41,7 @@ import numpy as np
 from .._errors import ConfigError
 from .._units import format_bytes
 from ..bfc import _check_number
-from ..models import TORCH, model_for
+from ..models import TORCH, ReplaySettings, model_for
 from .caveats import trace_warnings
 from .format import Trace
 from .replay import (
@@ -249,7 +249,7 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     max_ooms = None if count_ooms else 1
 
     def settings(frac: float) -> dict:
-        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
+        return base.replace(fraction=frac, memory_limit=limit_for(base, frac))
 
     def step() -> None:
         if report is not None:
@@ -435,7 +435,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 s = _base_settings(trace, extra, device_bytes, options, fraction=f,
                                    **{own: g}, **combo)
                 if combo:
-                    s["varied"] = dict(combo)
+                    s = s.replace(varied=dict(combo))
                 settings.append(s)
     # settings PyTorch does not support together are answered by its rule, not replayed
     every, rules = settings, [_unsupported(s) for s in settings]
@@ -483,19 +483,15 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
 def _unsupported(settings: dict) -> str | None:
     """PyTorch's rule for settings it does not support together
     (:meth:`~gpudash.CachingAllocatorConfig.unsupported`), None for other settings."""
-    conf = settings.get("conf") if settings.get("allocator") == "torch" else None
-    return conf.unsupported() if conf is not None else None
+    return ReplaySettings.of(settings).unsupported()
 
 
 def _unsupported_row(settings: dict, rule: str) -> dict:
     """A sweep row for settings PyTorch does not support together: no fit, the rule as
     its error (as the row of a replay that reaches PyTorch's assert,
     :func:`~.tasks.sweep_row`)."""
-    conf = settings["conf"]
     row: dict[str, Any] = {"fraction": settings["fraction"],
-                           "expandable_segments": conf.expandable_segments}
-    for knob in settings.get("varied") or ():
-        row[knob] = settings["varied"][knob]
+                           **ReplaySettings.of(settings).row()}
     row.update({"limit_bytes": 0, "fits": False, "oom_count": 0, "first_oom": None,
                 "peak_pool_bytes": 0, "peak_bytes_in_use": 0, "worst_fragmentation": 0.0,
                 "extensions": 0, "error": rule})
