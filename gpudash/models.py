@@ -263,6 +263,12 @@ class AllocatorModel:
         are read with :func:`gpudash.trace.replay.torch_calls`).
     checkpoints : bool
         A replay's state can be copied (scrubbing keeps checkpoints).
+    sweep_words : dict
+        A sweep table's words: ``setting`` (its :attr:`grid` setting's column),
+        ``unset_fraction`` (a row without a fraction).
+    sweep_knobs : tuple of str
+        The settings a sweep may also vary (``vary=``), besides the fraction and the
+        :attr:`grid` setting.
     """
 
     name: str
@@ -283,6 +289,8 @@ class AllocatorModel:
     whatif_toggles: tuple = ()
     streams: bool = False
     checkpoints: bool = False
+    sweep_words: dict = field(default_factory=dict)
+    sweep_knobs: tuple = ()
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"
@@ -332,10 +340,55 @@ class AllocatorModel:
                 f"peak_in_use={format_bytes(result.peak_bytes_in_use)}, "
                 f"extensions={result.extensions}")
 
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        """What a recording's ``meta["devices"]`` entry says of the allocator beyond its
+        index, name, capacity and limit: its settings (``options``; PyTorch's with its
+        model's name)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # ------------------------------------------------------------------ the report
+    def report_summary(self, result: Any, device_bytes: int,
+                       verdict: str) -> list[tuple[str, str]]:
+        """The report's summary rows of a replay, in the framework's names."""
+        pc = result.per_call
+        return [
+            ("device", format_bytes(device_bytes)),
+            ("memory limit", format_bytes(result.memory_limit)),
+            ("allow_growth", str(result.options.get("allow_growth"))),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak in use", format_bytes(result.peak_bytes_in_use)),
+            ("peak pool", format_bytes(result.peak_pool_bytes)),
+            ("regions obtained", str(result.extensions)),
+            self.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                    pc.get("largest_free", ())),
+            ("result", verdict),
+        ]
+
+    def peak_options(self, result: Any) -> dict | None:
+        """Replay settings to rebuild the report's state at the peak from the trace's own
+        calls (PyTorch's pools and segments), or None to take it from the replay's
+        recording."""
+        return None
+
+    def report_sweep(self, options: dict, result: Any) -> dict[str, Any]:
+        """The report's what-if question, as :func:`~gpudash.trace.whatif.sweep` keywords
+        (besides the fractions and the device): the BFC's growth as replayed."""
+        return {"allow_growth": (options.get("allow_growth", True),),
+                **{k: v for k, v in options.items() if k in ("device", "garbage_collection")}}
+
     def paste_lines(self, framework: str, fraction: float, settings: dict,
                     device_bytes: int) -> list[str]:  # pragma: no cover - abstract
         """The lines a user pastes to run at ``fraction`` with ``settings``."""
         raise NotImplementedError
+
+    def check_fraction(self, fraction: float | None) -> None:
+        """Refuse a fraction the framework does not take (:class:`~gpudash.ConfigError`);
+        the BFC takes any (above 1: unified memory)."""
+
+    def meta_settings(self, options: dict) -> dict:
+        """Settings as :meth:`paste_lines` and :meth:`describe` take them, from their
+        JSON form (:meth:`ReplaySettings.for_meta`, a result's ``options``)."""
+        return dict(options)
 
     # ------------------------------------------------------------------ the live layers
     def control(self, name: str) -> Control | None:
@@ -497,6 +550,10 @@ class _BFCModel(AllocatorModel):
     def live_settings(self, allocator: Any) -> dict[str, Any]:
         return {"limit": allocator.memory_limit, "allow_growth": allocator.allow_growth}
 
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        return {"options": {"allow_growth": allocator.allow_growth,
+                            "garbage_collection": allocator.garbage_collection}}
+
     def check_setting(self, setting: str, value: Any) -> None:
         """A session's own checks (:class:`~gpudash.GPUOptions`), no coercion."""
         from .options import GPUOptions
@@ -605,6 +662,19 @@ class _TorchModel(AllocatorModel):
             parts.append(f"PyTorch {conf.version[0]}.{conf.version[1]} rules")
         return ", ".join(parts)
 
+    def check_fraction(self, fraction: float | None) -> None:
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
+                              f"in [0, 1]; got {fraction!r}")
+
+    def meta_settings(self, options: dict) -> dict:
+        """``conf`` back to a :class:`~gpudash.CachingAllocatorConfig` of its version."""
+        from ._torch_conf import CachingAllocatorConfig
+
+        conf = CachingAllocatorConfig(options.get("conf") or None,
+                                      version=options.get("torch_version"))
+        return {**options, "conf": conf}
+
     def keep_history(self, allocator: Any, entries: int) -> None:
         allocator.record_history(True, max_entries=entries)
 
@@ -627,6 +697,46 @@ class _TorchModel(AllocatorModel):
         if result.fidelity is not None:
             sizes += f", exact={result.fidelity.exact}"
         return sizes
+
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        conf = allocator.config
+        return {"allocator": self.name,
+                "options": {"conf": conf.as_conf(), "fraction": allocator.fraction,
+                            "torch_version": ".".join(map(str, conf.version))}}
+
+    def report_summary(self, result: Any, device_bytes: int,
+                       verdict: str) -> list[tuple[str, str]]:
+        """PyTorch's names: PYTORCH_CUDA_ALLOC_CONF, set_per_process_memory_fraction,
+        allocated and reserved, cudaMalloc'd segments (and how exactly a snapshot was
+        followed)."""
+        pc = result.per_call
+        frac = result.options.get("fraction")
+        summary = [
+            ("device", format_bytes(device_bytes)),
+            ("allocator", "PyTorch's caching allocator (PyTorch "
+                          f"{result.options.get('torch_version')} rules)"),
+            ("PYTORCH_CUDA_ALLOC_CONF", result.options.get("conf") or "unset"),
+            ("set_per_process_memory_fraction",
+             "not set" if frac is None else f"{frac:g} ({format_bytes(result.memory_limit)})"),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak allocated", format_bytes(result.peak_bytes_in_use)),
+            ("peak reserved", format_bytes(result.peak_pool_bytes)),
+            ("segments obtained (cudaMalloc)", str(result.extensions)),
+            self.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                    pc.get("largest_free", ())),
+            ("result", verdict),
+        ]
+        if result.fidelity is not None:
+            summary.insert(5, ("replayed exactly", result.fidelity.summary()))
+        return summary
+
+    def peak_options(self, result: Any) -> dict | None:
+        return {k: v for k, v in result.options.items()
+                if k in ("device_bytes", "fraction", "conf", "torch_version", "device")}
+
+    def report_sweep(self, options: dict, result: Any) -> dict[str, Any]:
+        """PyTorch's question: would expandable segments fit in less?"""
+        return {"device": result.options.get("device")}
 
     def paste_lines(self, framework: str, fraction: float, settings: dict,
                     device_bytes: int) -> list[str]:
@@ -1199,6 +1309,7 @@ BFC = _BFCModel(
     grid={"allow_growth": (True, False)},
     fraction_setting="per_process_gpu_memory_fraction", chunk="chunk", bin="bin",
     deferred_frees=True, checkpoints=True,
+    sweep_words={"setting": "growth", "unset_fraction": "default"},
     setting_names={"per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
                    "fraction": "per_process_gpu_memory_fraction",
                    "allow_growth": "allow_growth", "growth": "allow_growth",
@@ -1225,6 +1336,9 @@ TORCH = _TorchModel(
     grid={"expandable_segments": (False, True)},
     fraction_setting="torch.cuda.set_per_process_memory_fraction", chunk="block", bin="pool",
     deferred_frees=False, streams=True,
+    sweep_words={"setting": "expandable", "unset_fraction": "none"},
+    sweep_knobs=("max_split_size_mb", "garbage_collection_threshold",
+                 "roundup_power2_divisions", "max_non_split_rounding_mb"),
     setting_names={"fraction": "fraction", "per_process_gpu_memory_fraction": "fraction",
                    "expandable_segments": "expandable_segments",
                    "expandable": "expandable_segments",
