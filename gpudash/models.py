@@ -317,6 +317,13 @@ class AllocatorModel:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ a replay's allocator
+    def loop(self, settings: Any) -> str:  # pragma: no cover - abstract
+        """The replay loop that runs these settings: ``plain``, ``deferred`` (the BFC's,
+        frees held back) or ``torch`` (calls on streams); the replay engine runs its
+        pure-Python loop or the compiled core's twin of it (``run_bfc``,
+        ``run_bfc_deferred``, ``run_torch``)."""
+        raise NotImplementedError
+
     def keep_history(self, allocator: Any, entries: int) -> None:
         """Before a recorded replay: keep the allocator's own history (PyTorch's
         ``record_history``); nothing for the BFC."""
@@ -550,6 +557,9 @@ class _BFCModel(AllocatorModel):
     def live_settings(self, allocator: Any) -> dict[str, Any]:
         return {"limit": allocator.memory_limit, "allow_growth": allocator.allow_growth}
 
+    def loop(self, settings: Any) -> str:
+        return "deferred" if settings["deferred_deletion_bytes"] > 0 else "plain"
+
     def recorded(self, allocator: Any) -> dict[str, Any]:
         return {"options": {"allow_growth": allocator.allow_growth,
                             "garbage_collection": allocator.garbage_collection}}
@@ -674,6 +684,9 @@ class _TorchModel(AllocatorModel):
         conf = CachingAllocatorConfig(options.get("conf") or None,
                                       version=options.get("torch_version"))
         return {**options, "conf": conf}
+
+    def loop(self, settings: Any) -> str:
+        return "torch"
 
     def keep_history(self, allocator: Any, entries: int) -> None:
         allocator.record_history(True, max_entries=entries)

@@ -807,11 +807,8 @@ class _Engine:
 
     def runner(self) -> Callable:
         """The loop for this engine's model and settings."""
-        if self.model is TORCH:
-            return self._run_torch_compiled if self.compiled else self._run_torch
-        if self.settings["deferred_deletion_bytes"] > 0:
-            return self._run_deferred_compiled if self.compiled else self._run_deferred
-        return self._run_plain_compiled if self.compiled else self._run_plain
+        name = self.model.loop(self.settings)   # the model names its loop
+        return getattr(self, f"_run_{name}" + ("_compiled" if self.compiled else ""))
 
     def _core_columns(self) -> tuple:
         """ops (int8, as a trace's calls keep them: no copy), keys and nbytes (int64), and
