@@ -333,6 +333,9 @@ class PyBFCAllocator(EventSource):
     0
     """
 
+    #: The model this allocator is (:data:`gpudash.models.MODELS`' key).
+    allocator_model = "bfc"
+
     def __init__(self, sub_allocator: Any, memory_limit: int, *, allow_growth: bool = True,
                  garbage_collection: bool = False, fragmentation_fraction: float = 0.0,
                  retry_timeout: float = 0.0, name: str = "bfc") -> None:

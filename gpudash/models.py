@@ -42,15 +42,18 @@ A dump (:class:`~gpudash.MemoryDump`) says its layout (``extra["layout"]``): its
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ._errors import ConfigError
 from ._units import format_bytes
 
-__all__ = ["AllocatorModel", "Control", "Fragmentation", "BFC", "TORCH", "MODELS", "model_for",
-           "trace_model", "model_of", "model_of_dump"]
+__all__ = ["AllocatorModel", "Control", "Fragmentation", "ReplaySettings", "BFCReplaySettings",
+           "TorchReplaySettings", "BFC", "TORCH", "MODELS", "model_for", "trace_model",
+           "model_of", "model_of_dump", "replay_settings"]
 
 
 #: TensorFlow's number of BFC bins (256 B << b, the last one open-ended).
@@ -255,6 +258,17 @@ class AllocatorModel:
     whatif_toggles : tuple of str
         The on/off settings the what-if view offers beside its fraction slider (replay
         settings by name).
+    streams : bool
+        Its calls run on streams, with ``empty_cache()`` calls among them (a trace's calls
+        are read with :func:`gpudash.trace.replay.torch_calls`).
+    checkpoints : bool
+        A replay's state can be copied (scrubbing keeps checkpoints).
+    sweep_words : dict
+        A sweep table's words: ``setting`` (its :attr:`grid` setting's column),
+        ``unset_fraction`` (a row without a fraction).
+    sweep_knobs : tuple of str
+        The settings a sweep may also vary (``vary=``), besides the fraction and the
+        :attr:`grid` setting.
     """
 
     name: str
@@ -273,11 +287,21 @@ class AllocatorModel:
     deferred_frees: bool = True
     setting_names: dict = field(default_factory=dict)
     whatif_toggles: tuple = ()
+    streams: bool = False
+    checkpoints: bool = False
+    sweep_words: dict = field(default_factory=dict)
+    sweep_knobs: tuple = ()
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"
 
     # ------------------------------------------------------------------ per model
+    @property
+    def settings_type(self) -> type:  # pragma: no cover - abstract
+        """Its :class:`ReplaySettings` class (:class:`BFCReplaySettings`,
+        :class:`TorchReplaySettings`)."""
+        raise NotImplementedError
+
     def build(self, settings: dict, sub: Any) -> Any:  # pragma: no cover - abstract
         """An allocator of this model over ``sub`` with replay ``settings`` (as
         :func:`gpudash.trace.replay.resolve_settings` returns them)."""
@@ -292,10 +316,86 @@ class AllocatorModel:
         """The settings a replay ran with, in the framework's words."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ a replay's allocator
+    def loop(self, settings: Any) -> str:  # pragma: no cover - abstract
+        """The replay loop that runs these settings: ``plain``, ``deferred`` (the BFC's,
+        frees held back) or ``torch`` (calls on streams); the replay engine runs its
+        pure-Python loop or the compiled core's twin of it (``run_bfc``,
+        ``run_bfc_deferred``, ``run_torch``)."""
+        raise NotImplementedError
+
+    def keep_history(self, allocator: Any, entries: int) -> None:
+        """Before a recorded replay: keep the allocator's own history (PyTorch's
+        ``record_history``); nothing for the BFC."""
+
+    def history(self, allocator: Any) -> dict | None:
+        """After a replay: the allocator's own snapshot of it (PyTorch's), or None."""
+        return None
+
+    def dump(self, allocator: Any) -> Any:
+        """The allocator's state as gpudash's neutral :class:`~gpudash.MemoryDump`."""
+        return allocator.snapshot()
+
+    def device_calls(self, allocator: Any, sub: Any) -> tuple[int, int]:
+        """``(regions obtained, regions returned)`` over a replay: the sub-allocator's
+        counts, or the allocator's own where it keeps them (PyTorch's ``num_device_*``)."""
+        return sub.extensions, sub.releases
+
+    def result_sizes(self, result: Any) -> str:
+        """A :class:`~gpudash.trace.replay.ReplayResult`'s sizes, in the framework's names."""
+        return (f"peak_pool={format_bytes(result.peak_pool_bytes)}, "
+                f"peak_in_use={format_bytes(result.peak_bytes_in_use)}, "
+                f"extensions={result.extensions}")
+
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        """What a recording's ``meta["devices"]`` entry says of the allocator beyond its
+        index, name, capacity and limit: its settings (``options``; PyTorch's with its
+        model's name)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # ------------------------------------------------------------------ the report
+    def report_summary(self, result: Any, device_bytes: int,
+                       verdict: str) -> list[tuple[str, str]]:
+        """The report's summary rows of a replay, in the framework's names."""
+        pc = result.per_call
+        return [
+            ("device", format_bytes(device_bytes)),
+            ("memory limit", format_bytes(result.memory_limit)),
+            ("allow_growth", str(result.options.get("allow_growth"))),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak in use", format_bytes(result.peak_bytes_in_use)),
+            ("peak pool", format_bytes(result.peak_pool_bytes)),
+            ("regions obtained", str(result.extensions)),
+            self.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                    pc.get("largest_free", ())),
+            ("result", verdict),
+        ]
+
+    def peak_options(self, result: Any) -> dict | None:
+        """Replay settings to rebuild the report's state at the peak from the trace's own
+        calls (PyTorch's pools and segments), or None to take it from the replay's
+        recording."""
+        return None
+
+    def report_sweep(self, options: dict, result: Any) -> dict[str, Any]:
+        """The report's what-if question, as :func:`~gpudash.trace.whatif.sweep` keywords
+        (besides the fractions and the device): the BFC's growth as replayed."""
+        return {"allow_growth": (options.get("allow_growth", True),),
+                **{k: v for k, v in options.items() if k in ("device", "garbage_collection")}}
+
     def paste_lines(self, framework: str, fraction: float, settings: dict,
                     device_bytes: int) -> list[str]:  # pragma: no cover - abstract
         """The lines a user pastes to run at ``fraction`` with ``settings``."""
         raise NotImplementedError
+
+    def check_fraction(self, fraction: float | None) -> None:
+        """Refuse a fraction the framework does not take (:class:`~gpudash.ConfigError`);
+        the BFC takes any (above 1: unified memory)."""
+
+    def meta_settings(self, options: dict) -> dict:
+        """Settings as :meth:`paste_lines` and :meth:`describe` take them, from their
+        JSON form (:meth:`ReplaySettings.for_meta`, a result's ``options``)."""
+        return dict(options)
 
     # ------------------------------------------------------------------ the live layers
     def control(self, name: str) -> Control | None:
@@ -397,6 +497,10 @@ class AllocatorModel:
 
 @dataclass(frozen=True, repr=False)
 class _BFCModel(AllocatorModel):
+    @property
+    def settings_type(self) -> type:
+        return BFCReplaySettings
+
     def build(self, settings: dict, sub: Any) -> Any:
         from .bfc import BFCAllocator
 
@@ -452,6 +556,13 @@ class _BFCModel(AllocatorModel):
 
     def live_settings(self, allocator: Any) -> dict[str, Any]:
         return {"limit": allocator.memory_limit, "allow_growth": allocator.allow_growth}
+
+    def loop(self, settings: Any) -> str:
+        return "deferred" if settings["deferred_deletion_bytes"] > 0 else "plain"
+
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        return {"options": {"allow_growth": allocator.allow_growth,
+                            "garbage_collection": allocator.garbage_collection}}
 
     def check_setting(self, setting: str, value: Any) -> None:
         """A session's own checks (:class:`~gpudash.GPUOptions`), no coercion."""
@@ -533,6 +644,10 @@ class _BFCModel(AllocatorModel):
 
 @dataclass(frozen=True, repr=False)
 class _TorchModel(AllocatorModel):
+    @property
+    def settings_type(self) -> type:
+        return TorchReplaySettings
+
     def build(self, settings: dict, sub: Any) -> Any:
         from .caching import CachingAllocator
 
@@ -556,6 +671,85 @@ class _TorchModel(AllocatorModel):
         if conf is not None:
             parts.append(f"PyTorch {conf.version[0]}.{conf.version[1]} rules")
         return ", ".join(parts)
+
+    def check_fraction(self, fraction: float | None) -> None:
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
+                              f"in [0, 1]; got {fraction!r}")
+
+    def meta_settings(self, options: dict) -> dict:
+        """``conf`` back to a :class:`~gpudash.CachingAllocatorConfig` of its version."""
+        from ._torch_conf import CachingAllocatorConfig
+
+        conf = CachingAllocatorConfig(options.get("conf") or None,
+                                      version=options.get("torch_version"))
+        return {**options, "conf": conf}
+
+    def loop(self, settings: Any) -> str:
+        return "torch"
+
+    def keep_history(self, allocator: Any, entries: int) -> None:
+        allocator.record_history(True, max_entries=entries)
+
+    def history(self, allocator: Any) -> dict | None:
+        return allocator.snapshot()
+
+    def dump(self, allocator: Any) -> Any:
+        return allocator.memory_dump()
+
+    def device_calls(self, allocator: Any, sub: Any) -> tuple[int, int]:
+        st = allocator.memory_stats()
+        return st["num_device_alloc"], st["num_device_free"]
+
+    def result_sizes(self, result: Any) -> str:
+        """``memory_stats()``'s names: peak reserved and allocated, ``num_device_alloc``
+        (and whether an exact replay followed the snapshot)."""
+        sizes = (f"peak_reserved={format_bytes(result.peak_pool_bytes)}, "
+                 f"peak_allocated={format_bytes(result.peak_bytes_in_use)}, "
+                 f"num_device_alloc={result.extensions}")
+        if result.fidelity is not None:
+            sizes += f", exact={result.fidelity.exact}"
+        return sizes
+
+    def recorded(self, allocator: Any) -> dict[str, Any]:
+        conf = allocator.config
+        return {"allocator": self.name,
+                "options": {"conf": conf.as_conf(), "fraction": allocator.fraction,
+                            "torch_version": ".".join(map(str, conf.version))}}
+
+    def report_summary(self, result: Any, device_bytes: int,
+                       verdict: str) -> list[tuple[str, str]]:
+        """PyTorch's names: PYTORCH_CUDA_ALLOC_CONF, set_per_process_memory_fraction,
+        allocated and reserved, cudaMalloc'd segments (and how exactly a snapshot was
+        followed)."""
+        pc = result.per_call
+        frac = result.options.get("fraction")
+        summary = [
+            ("device", format_bytes(device_bytes)),
+            ("allocator", "PyTorch's caching allocator (PyTorch "
+                          f"{result.options.get('torch_version')} rules)"),
+            ("PYTORCH_CUDA_ALLOC_CONF", result.options.get("conf") or "unset"),
+            ("set_per_process_memory_fraction",
+             "not set" if frac is None else f"{frac:g} ({format_bytes(result.memory_limit)})"),
+            ("calls replayed", f"{result.calls:,}"),
+            ("peak allocated", format_bytes(result.peak_bytes_in_use)),
+            ("peak reserved", format_bytes(result.peak_pool_bytes)),
+            ("segments obtained (cudaMalloc)", str(result.extensions)),
+            self.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
+                                    pc.get("largest_free", ())),
+            ("result", verdict),
+        ]
+        if result.fidelity is not None:
+            summary.insert(5, ("replayed exactly", result.fidelity.summary()))
+        return summary
+
+    def peak_options(self, result: Any) -> dict | None:
+        return {k: v for k, v in result.options.items()
+                if k in ("device_bytes", "fraction", "conf", "torch_version", "device")}
+
+    def report_sweep(self, options: dict, result: Any) -> dict[str, Any]:
+        """PyTorch's question: would expandable segments fit in less?"""
+        return {"device": result.options.get("device")}
 
     def paste_lines(self, framework: str, fraction: float, settings: dict,
                     device_bytes: int) -> list[str]:
@@ -855,12 +1049,280 @@ class _TorchModel(AllocatorModel):
                 f"{held} segment(s) hold allocated blocks and stay until those are freed.")
 
 
+# ---------------------------------------------------------------------------------- replay settings
+class ReplaySettings(Mapping):
+    """The settings of one replay, resolved: a frozen dataclass per model
+    (:class:`BFCReplaySettings`, :class:`TorchReplaySettings`) that
+    :func:`gpudash.trace.replay.resolve_settings` returns and every replay, what-if row and
+    probe runs with.
+
+    It reads as the dict it once was (``settings["fraction"]``, ``settings.get("conf")``,
+    ``dict(settings)``; ``settings["allocator"]`` is the model's name), and changes only by
+    :meth:`replace`. :meth:`of` turns such a dict back into settings, once, at the edge of
+    the functions that take one. What a model's settings are called in its framework is its
+    :attr:`WORDS` table.
+    """
+
+    #: The :data:`MODELS` key of the model these settings are for.
+    model_name: ClassVar[str] = ""
+    #: Each setting's name in the framework's own words.
+    WORDS: ClassVar[dict[str, str]] = {}
+    #: Settings a dict may carry that resolution folds into others (PyTorch's knobs by name,
+    #: into ``conf``): accepted by :meth:`of`.
+    FOLDED: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def model(self) -> AllocatorModel:
+        """The :class:`AllocatorModel` these settings are for."""
+        return MODELS[self.model_name]
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The settings' names, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    # -- the mapping they read as
+    def __getitem__(self, key: str) -> Any:
+        if key == "allocator":
+            return self.model_name
+        if key in self.names():
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Any:
+        yield "allocator"
+        yield from self.names()
+
+    def __len__(self) -> int:
+        return 1 + len(self.names())
+
+    def replace(self, **changes: Any) -> ReplaySettings:
+        """A copy with ``changes`` (setting names as keywords)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    @classmethod
+    def of(cls, value: Any) -> ReplaySettings:
+        """Settings from resolved settings or their dict (``{"allocator": ..., ...}``, as
+        ``dict(settings)`` gives it); the model is the dict's ``allocator`` (BFC without one).
+
+        Raises
+        ------
+        ConfigError
+            A key that is not a setting of the model (the message lists the known ones),
+            or a missing one.
+        """
+        if isinstance(value, ReplaySettings):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"replay settings must be a ReplaySettings or a dict of them; "
+                              f"got {type(value).__name__}")
+        model = model_for(value.get("allocator") or "bfc")
+        kind = model.settings_type
+        fields = {f.name: f for f in dataclasses.fields(kind)}
+        unknown = sorted(k for k in value if k not in fields and k != "allocator"
+                         and k not in kind.FOLDED)
+        if unknown:
+            raise ConfigError(f"unknown replay setting(s) {unknown} of {model.title}; known: "
+                              f"{sorted(fields)}")
+        args = {k: v for k, v in value.items() if k in fields}
+        missing = sorted(k for k, f in fields.items() if k not in args
+                         and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"replay settings of {model.title} lack {missing} (resolve them "
+                              "with gpudash.trace.replay.resolve_settings)")
+        return kind._from_dict(args, {k: value[k] for k in kind.FOLDED if k in value})
+
+    @classmethod
+    def _from_dict(cls, args: dict, folded: dict) -> ReplaySettings:
+        return cls(**args)
+
+    # -- what the layers above ask of them
+    def limit(self, fraction: float | None) -> int:
+        """The limit these settings give at ``fraction`` (the model's rule)."""
+        return self.model.limit(self.device_bytes, fraction,  # type: ignore[attr-defined]
+                                int(getattr(self, "cc_major", 8) or 8))
+
+    def for_meta(self) -> dict[str, Any]:  # pragma: no cover - abstract
+        """The settings as a JSON-friendly dict (:attr:`ReplayResult.options`)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The settings, in the framework's words."""
+        return self.model.describe(self)
+
+    def paste_lines(self, framework: str, fraction: float) -> list[str]:
+        """The lines a user pastes to run at ``fraction`` with these settings."""
+        return self.model.paste_lines(framework, fraction, self,
+                                      self.device_bytes)  # type: ignore[attr-defined]
+
+    def row(self) -> dict[str, Any]:  # pragma: no cover - abstract
+        """A what-if row's setting columns besides the fraction (:attr:`AllocatorModel.grid`'s
+        setting, and what the sweep varied)."""
+        raise NotImplementedError
+
+    def unsupported(self) -> str | None:
+        """The framework's rule against these settings together, or None."""
+        return None
+
+
+@dataclass(frozen=True)
+class BFCReplaySettings(ReplaySettings):
+    """A replay through TensorFlow's and JAX's BFC allocator.
+
+    Attributes
+    ----------
+    device_bytes : int
+        The simulated device's memory.
+    fraction : float or None
+        ``per_process_gpu_memory_fraction`` (None: TensorFlow's default).
+    memory_limit : int
+        The allocator's limit, from the fraction by TensorFlow's rule (or given).
+    allow_growth, garbage_collection : bool
+    fragmentation_fraction : float
+    deferred_deletion_bytes : int
+        Frees wait until this many bytes are queued (0: at once).
+    device : int
+    cc_major : int
+        The compute capability's major version (TensorFlow's reserve depends on it).
+    name : str or None
+        The allocator's name (``GPU_<device>_bfc``).
+    assumed : tuple of str
+        What the resolution assumed that the trace does not say.
+    """
+
+    model_name: ClassVar[str] = "bfc"
+    WORDS: ClassVar[dict[str, str]] = {
+        "fraction": "GPUOptions.per_process_gpu_memory_fraction "
+                    "(JAX: XLA_PYTHON_CLIENT_MEM_FRACTION)",
+        "memory_limit": "tf.config.LogicalDeviceConfiguration(memory_limit=...)",
+        "allow_growth": "GPUOptions.allow_growth / TF_FORCE_GPU_ALLOW_GROWTH "
+                        "(JAX: XLA_PYTHON_CLIENT_PREALLOCATE=false)",
+        "garbage_collection": "TF_ENABLE_GPU_GARBAGE_COLLECTION",
+        "fragmentation_fraction": "BFCAllocator::Options.fragmentation_fraction",
+        "deferred_deletion_bytes": "GPUOptions.Experimental / EventMgr's "
+                                   "deferred_deletion_bytes",
+    }
+
+    device_bytes: int
+    fraction: float | None
+    memory_limit: int
+    allow_growth: bool = True
+    garbage_collection: bool = False
+    fragmentation_fraction: float = 0.0
+    deferred_deletion_bytes: int = 0
+    device: int = 0
+    cc_major: int = 8
+    name: str | None = None
+    assumed: tuple = ()
+
+    def for_meta(self) -> dict[str, Any]:
+        keys = ("device_bytes", "fraction", "memory_limit", "allow_growth",
+                "garbage_collection", "fragmentation_fraction", "deferred_deletion_bytes",
+                "device")
+        return {"allocator": self.model_name, **{k: getattr(self, k) for k in keys}}
+
+    def row(self) -> dict[str, Any]:
+        return {"allow_growth": self.allow_growth}
+
+
+@dataclass(frozen=True)
+class TorchReplaySettings(ReplaySettings):
+    """A replay through PyTorch's caching allocator.
+
+    Attributes
+    ----------
+    device_bytes : int
+        The device's total memory.
+    fraction : float or None
+        ``torch.cuda.set_per_process_memory_fraction`` (None: the whole device).
+    memory_limit : int
+        ``fraction * device_bytes`` (PyTorch's ``allowed_memory_maximum``).
+    conf : CachingAllocatorConfig
+        ``PYTORCH_CUDA_ALLOC_CONF``, with the PyTorch version whose rules run.
+    exact : bool
+        Replay with the snapshot's own segment addresses and release points.
+    device : int
+    cc_major : int
+    name : str or None
+        The allocator's name (``cuda:<device>``).
+    assumed : tuple of str
+    torch_version : tuple or str or None
+        The version asked for (``conf`` holds the one that runs).
+    varied : dict or None
+        The knobs a sweep set on this row, by name.
+    """
+
+    model_name: ClassVar[str] = "torch"
+    WORDS: ClassVar[dict[str, str]] = {
+        "fraction": "torch.cuda.set_per_process_memory_fraction",
+        "memory_limit": "torch.cuda.set_per_process_memory_fraction(...) x total memory",
+        "conf": "PYTORCH_CUDA_ALLOC_CONF (torch.cuda.memory._set_allocator_settings live)",
+        "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "max_split_size_mb": "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N",
+        "garbage_collection_threshold": "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:F",
+        "roundup_power2_divisions": "PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:N",
+        "max_non_split_rounding_mb": "PYTORCH_CUDA_ALLOC_CONF=max_non_split_rounding_mb:N",
+        "exact": "the snapshot's own segments (torch.cuda.memory._snapshot())",
+    }
+    FOLDED: ClassVar[tuple[str, ...]] = (
+        "expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+        "roundup_power2_divisions", "max_non_split_rounding_mb")
+
+    device_bytes: int
+    fraction: float | None
+    memory_limit: int
+    conf: Any
+    exact: bool = False
+    device: int = 0
+    cc_major: int = 8
+    name: str | None = None
+    assumed: tuple = ()
+    torch_version: Any = None
+    varied: dict | None = None
+
+    @classmethod
+    def _from_dict(cls, args: dict, folded: dict) -> ReplaySettings:
+        from ._torch_conf import CachingAllocatorConfig
+
+        conf = args.get("conf")
+        if conf is None or isinstance(conf, str):
+            conf = CachingAllocatorConfig(conf or None, version=args.get("torch_version"))
+        elif not isinstance(conf, CachingAllocatorConfig):
+            raise ConfigError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string or a "
+                              f"CachingAllocatorConfig; got {conf!r}")
+        parts = {k: v for k, v in folded.items() if v is not None}
+        if parts:
+            conf = conf.copy()
+            conf.update(**parts)
+        return cls(**dict(args, conf=conf))
+
+    def for_meta(self) -> dict[str, Any]:
+        conf = self.conf
+        return {"allocator": self.model_name, "device_bytes": self.device_bytes,
+                "fraction": self.fraction, "memory_limit": self.memory_limit,
+                "conf": conf.as_conf(), "torch_version": ".".join(map(str, conf.version)),
+                "exact": self.exact, "device": self.device}
+
+    def row(self) -> dict[str, Any]:
+        return {"expandable_segments": self.conf.expandable_segments, **(self.varied or {})}
+
+    def unsupported(self) -> str | None:
+        return self.conf.unsupported()
+
+
+def replay_settings(value: Any) -> ReplaySettings:
+    """:meth:`ReplaySettings.of`: resolved settings from settings or their dict."""
+    return ReplaySettings.of(value)
+
+
 BFC = _BFCModel(
     name="bfc", title="TensorFlow's BFC allocator", frameworks=("tensorflow", "jax"),
     layout="bins", region="region", regions="regions", pool="pool", in_use="in use",
     grid={"allow_growth": (True, False)},
     fraction_setting="per_process_gpu_memory_fraction", chunk="chunk", bin="bin",
-    deferred_frees=True,
+    deferred_frees=True, checkpoints=True,
+    sweep_words={"setting": "growth", "unset_fraction": "default"},
     setting_names={"per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
                    "fraction": "per_process_gpu_memory_fraction",
                    "allow_growth": "allow_growth", "growth": "allow_growth",
@@ -886,7 +1348,10 @@ TORCH = _TorchModel(
     in_use="allocated",
     grid={"expandable_segments": (False, True)},
     fraction_setting="torch.cuda.set_per_process_memory_fraction", chunk="block", bin="pool",
-    deferred_frees=False,
+    deferred_frees=False, streams=True,
+    sweep_words={"setting": "expandable", "unset_fraction": "none"},
+    sweep_knobs=("max_split_size_mb", "garbage_collection_threshold",
+                 "roundup_power2_divisions", "max_non_split_rounding_mb"),
     setting_names={"fraction": "fraction", "per_process_gpu_memory_fraction": "fraction",
                    "expandable_segments": "expandable_segments",
                    "expandable": "expandable_segments",
@@ -961,9 +1426,11 @@ def trace_model(trace: Any) -> AllocatorModel:
 
 
 def model_of(allocator: Any) -> AllocatorModel:
-    """The model of a live allocator (by its ``kind``: PyTorch's caching allocator says
-    ``"torch"``)."""
-    return TORCH if getattr(allocator, "kind", None) == "torch" else BFC
+    """The model of a live allocator: the one its class names (``allocator_model``, a
+    :data:`MODELS` key). A stand-in that is no gpudash allocator (a feed's, a proxy's) may
+    name it by ``kind`` instead; anything else is taken for the BFC."""
+    name = getattr(type(allocator), "allocator_model", None) or getattr(allocator, "kind", None)
+    return MODELS.get(name, BFC) if isinstance(name, str) else BFC
 
 
 def model_of_dump(dump: Any) -> AllocatorModel:

@@ -35,7 +35,7 @@ from ..events import (
     COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
     RELEASE as _RELEASE, OOM as _OOM,
 )
-from ..models import BFC, TORCH, AllocatorModel, model_for, trace_model
+from ..models import BFC, TORCH, AllocatorModel, ReplaySettings, model_for, trace_model
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
 from .format import Trace, _byte_count, _device_entries, _flag
@@ -279,7 +279,7 @@ class DeviceIndex:
 
 
 def resolve_settings(trace: Trace | None = None, options: Any = None,
-                     **explicit: Any) -> dict[str, Any]:
+                     **explicit: Any) -> ReplaySettings:
     """Merge defaults, ``options`` and explicit settings (explicit ones win).
 
     Parameters
@@ -298,8 +298,11 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
 
     Returns
     -------
-    dict
-        Every setting of :func:`replay`, plus ``memory_limit`` resolved to bytes.
+    ReplaySettings
+        The model's settings (:class:`~gpudash.models.BFCReplaySettings`,
+        :class:`~gpudash.models.TorchReplaySettings`): every setting of :func:`replay`,
+        ``memory_limit`` resolved to bytes. They read as a dict (``s["memory_limit"]``,
+        ``s["allocator"]``) and change by ``s.replace(...)``.
 
     Raises
     ------
@@ -321,10 +324,19 @@ def _model(trace: Trace | None, options: Any, explicit: dict[str, Any]) -> Alloc
 
 
 def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
-             explicit: dict[str, Any]) -> dict[str, Any]:
-    """:func:`resolve_settings` with the trace's devices already looked up."""
-    if _model(trace, options, explicit) is TORCH:
-        return _resolve_torch(trace, index, options, explicit)
+             explicit: dict[str, Any]) -> ReplaySettings:
+    """:func:`resolve_settings` with the trace's devices already looked up: the model's
+    resolution of its settings, as its :class:`~gpudash.models.ReplaySettings`."""
+    model = _model(trace, options, explicit)
+    s = _RESOLVE[model.name](trace, index, options, explicit)
+    kind = model.settings_type
+    s["assumed"] = tuple(s.get("assumed") or ())
+    return kind(**{k: s[k] for k in kind.names() if k in s})
+
+
+def _resolve_bfc(trace: Trace | None, index: DeviceIndex | None, options: Any,
+                 explicit: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a replay through TensorFlow's BFC allocator."""
     for k in (*_TORCH_KNOBS, "conf", "torch_version", "exact"):
         if explicit.get(k, _UNSET) not in (_UNSET, None):
             raise ConfigError(f"{k} is a setting of PyTorch's caching allocator; replay with "
@@ -549,6 +561,10 @@ def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
     return s
 
 
+#: Each model's resolution of a replay's settings, by model name.
+_RESOLVE = {"bfc": _resolve_bfc, "torch": _resolve_torch}
+
+
 def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
     """The device memory a PyTorch trace shows, and how: from an ``oom`` entry (the free
     bytes the driver reported plus the segments PyTorch held then: what PyTorch could use),
@@ -756,6 +772,7 @@ class _Engine:
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
                  nbytes: list[int], name: str | None = None, streams: Any = None) -> None:
+        settings = ReplaySettings.of(settings)   # a dict of them: converted once, here
         self.settings = settings
         self.ops, self.keys, self.nbytes = ops, keys, nbytes
         self.streams = streams   # a PyTorch trace's streams, per call (None: all 0)
@@ -765,9 +782,9 @@ class _Engine:
                                  unified=bool(frac is not None and frac > 1.0),
                                  compute_capability=(int(settings["cc_major"]), 0))
         self.sub = _CountingSub(device)
-        self.model = model_for(settings.get("allocator") or "bfc")
+        self.model = settings.model
         if name is not None:
-            settings = dict(settings, name=name)
+            settings = settings.replace(name=name)
         self.alloc = self.model.build(settings, self.sub)
         # the compiled core's loops (gpudash._core) keep the key -> pointer map in C
         self.compiled = getattr(self.alloc, "compiled", False)
@@ -790,11 +807,8 @@ class _Engine:
 
     def runner(self) -> Callable:
         """The loop for this engine's model and settings."""
-        if self.model is TORCH:
-            return self._run_torch_compiled if self.compiled else self._run_torch
-        if self.settings["deferred_deletion_bytes"] > 0:
-            return self._run_deferred_compiled if self.compiled else self._run_deferred
-        return self._run_plain_compiled if self.compiled else self._run_plain
+        name = self.model.loop(self.settings)   # the model names its loop
+        return getattr(self, f"_run_{name}" + ("_compiled" if self.compiled else ""))
 
     def _core_columns(self) -> tuple:
         """ops (int8, as a trace's calls keep them: no copy), keys and nbytes (int64), and
@@ -996,9 +1010,7 @@ class _Engine:
     def dump(self) -> MemoryDump:
         """The allocator's state as gpudash's neutral :class:`~gpudash.MemoryDump` (PyTorch's
         with its pools as ``extra["layout"] == "pools"``)."""
-        if self.model is TORCH:
-            return self.alloc.memory_dump()
-        return self.alloc.snapshot()
+        return self.model.dump(self.alloc)
 
     def flush_held(self) -> None:
         """Apply the frees deferred deletion still holds."""
@@ -1017,8 +1029,9 @@ class _Engine:
             When the allocator has state this copy does not know (a newer BFCAllocator),
             or listeners; callers then fall back to replaying from the start.
         """
-        if self.model is not BFC:
-            raise NotImplementedError("only BFC replays have checkpoints")
+        if not self.model.checkpoints:
+            raise NotImplementedError(f"replays through {self.model.title} have no "
+                                      "checkpoints")
         new = object.__new__(_Engine)
         new.settings = self.settings
         new.model = self.model
@@ -1218,16 +1231,7 @@ class ReplayResult:
             verdict = f"{self.oom_count} OOMs (first at call {first})"
         if self.warnings:
             verdict += f" of an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
-        if self.allocator == "torch":  # PyTorch's own words
-            sizes = (f"peak_reserved={format_bytes(self.peak_pool_bytes)}, "
-                     f"peak_allocated={format_bytes(self.peak_bytes_in_use)}, "
-                     f"num_device_alloc={self.extensions}")
-            if self.fidelity is not None:
-                sizes += f", exact={self.fidelity.exact}"
-        else:
-            sizes = (f"peak_pool={format_bytes(self.peak_pool_bytes)}, "
-                     f"peak_in_use={format_bytes(self.peak_bytes_in_use)}, "
-                     f"extensions={self.extensions}")
+        sizes = model_for(self.allocator).result_sizes(self)  # the framework's own words
         return (f"ReplayResult({verdict}, {self.allocator}, "
                 f"limit={format_bytes(self.memory_limit)}, {sizes}, calls={self.calls}, "
                 f"{self.events_per_second:,.0f} events/s)")
@@ -1286,14 +1290,16 @@ def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None,
     """The calls a replay with ``settings`` makes, for either model: ``(op, key, nbytes,
     streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none); with
     ``with_rows``, the trace row of each call after them."""
+    settings = ReplaySettings.of(settings)
     dev = settings["device"]
+    streams = settings.model.streams   # calls on streams, with empty_cache() among them
     if with_rows:
-        if settings["allocator"] == "torch":
+        if streams:
             return torch_calls(trace, dev, with_rows=True)
         calls = trace.calls(dev)
         n_events = int(np.count_nonzero(trace.columns["device"] == dev))
         return calls.op, calls.key, calls.nbytes, None, n_events, calls.row
-    if settings["allocator"] == "torch":
+    if streams:
         return torch_calls(trace, dev) if index is None else index.torch_calls(dev)
     op, key, nbytes, n_events = (_calls_lists(trace, dev) if index is None
                                  else index.calls(dev))
@@ -1304,8 +1310,7 @@ def limit_for(settings: dict, fraction: float | None) -> int:
     """The limit a replay with ``settings`` gets at ``fraction``: TensorFlow's rule for BFC
     (None or 0: its default), ``fraction * device`` for PyTorch's
     ``set_per_process_memory_fraction`` (None: the whole device)."""
-    return model_for(settings["allocator"]).limit(settings["device_bytes"], fraction,
-                                                  int(settings.get("cc_major") or 8))
+    return ReplaySettings.of(settings).limit(fraction)
 
 
 #: The op of an ``empty_cache()`` call in a PyTorch trace's call list.
@@ -1520,7 +1525,7 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
 
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
-    if settings["allocator"] == "torch" and settings["exact"]:
+    if settings.get("exact"):   # a PyTorch snapshot's own segments
         with collector_paused():
             result = _replay_exact(trace, settings, record=record, per_call=per_call,
                                    progress=report)
@@ -1746,9 +1751,9 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
                   streams: Any = None) -> ReplayResult:
     eng = _Engine(settings, ops, keys, nbytes, streams=streams)
     alloc = eng.alloc
-    torch = eng.model is TORCH
-    if record and torch:
-        alloc.record_history(True, max_entries=max(1, 4 * len(ops) + 16))
+    model = eng.model
+    if record:
+        model.keep_history(alloc, max(1, 4 * len(ops) + 16))
     total = len(ops)
     rec = _Collected(alloc) if record else None
     sample = [[], [], []] if per_call else None
@@ -1793,21 +1798,18 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     stats = alloc.stats()
     done = eng.pos
     events = n_events if done == total else int(round(n_events * done / max(total, 1)))
-    extensions, releases = eng.sub.extensions, eng.sub.releases
-    if torch:
-        st = alloc.memory_stats()
-        extensions, releases = st["num_device_alloc"], st["num_device_free"]
+    extensions, releases = model.device_calls(alloc, eng.sub)
     return ReplayResult(
         oom_count=len(ooms), first_oom=first, ooms=ooms,
         peak_pool_bytes=stats.peak_pool_bytes, peak_bytes_in_use=stats.peak_bytes_in_use,
         extensions=extensions, releases=releases,
         memory_limit=alloc.memory_limit, options=_settings_for_meta(settings), per_call=pc,
         recording=recording,
-        final_snapshot=alloc.memory_dump() if torch else alloc.snapshot(), calls=done,
+        final_snapshot=model.dump(alloc), calls=done,
         events=events, skipped_frees=eng.skipped_frees, retried=eng.retried,
         stopped_early=stopped, elapsed_s=elapsed,
         events_per_second=events / elapsed if elapsed > 0 else float("inf"),
-        allocator=eng.model.name, snapshot=alloc.snapshot() if torch else None,
+        allocator=model.name, snapshot=model.history(alloc),
         assumed=list(settings.get("assumed") or []),
         limit_floor=min(alloc.limit_floor, alloc.memory_limit))
 
@@ -1854,15 +1856,7 @@ class _Collected:
         return Trace(columns=columns, meta=m)
 
 
-def _settings_for_meta(settings: dict) -> dict:
+def _settings_for_meta(settings: Any) -> dict:
     """The replay settings as a JSON-friendly dict (what :attr:`ReplayResult.options` holds):
-    TensorFlow's (BFC) or PyTorch's (``conf`` as its PYTORCH_CUDA_ALLOC_CONF string)."""
-    if settings.get("allocator") == "torch":
-        conf = settings["conf"]
-        return {"allocator": "torch", "device_bytes": settings["device_bytes"],
-                "fraction": settings["fraction"], "memory_limit": settings["memory_limit"],
-                "conf": conf.as_conf(), "torch_version": ".".join(map(str, conf.version)),
-                "exact": settings["exact"], "device": settings["device"]}
-    keys = ("device_bytes", "fraction", "memory_limit", "allow_growth", "garbage_collection",
-            "fragmentation_fraction", "deferred_deletion_bytes", "device")
-    return {"allocator": "bfc", **{k: settings[k] for k in keys}}
+    :meth:`~gpudash.models.ReplaySettings.for_meta`, in the model's own terms."""
+    return ReplaySettings.of(settings).for_meta()

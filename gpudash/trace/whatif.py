@@ -42,7 +42,7 @@ import numpy as np
 from .._errors import ConfigError
 from .._units import format_bytes
 from ..bfc import _check_number
-from ..models import TORCH, model_for
+from ..models import ReplaySettings, model_for
 from .caveats import trace_warnings
 from .format import Trace
 from .replay import (
@@ -131,13 +131,8 @@ class MinFractionResult:
             return []
         model = model_for(self.allocator)
         fw = framework or model.frameworks[0]
-        if model is TORCH:
-            from .._torch_conf import CachingAllocatorConfig
-
-            conf = CachingAllocatorConfig(self.settings.get("conf") or None,
-                                          version=self.settings.get("torch_version"))
-            return model.paste_lines(fw, self.fraction, {"conf": conf}, self.device_bytes)
-        return model.paste_lines(fw, self.fraction, self.settings, self.device_bytes)
+        return model.paste_lines(fw, self.fraction, model.meta_settings(self.settings),
+                                 self.device_bytes)
 
     def __repr__(self) -> str:
         note = (f", an incomplete trace: a lower bound ({len(self.warnings)} warning(s): "
@@ -250,7 +245,7 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     max_ooms = None if count_ooms else 1
 
     def settings(frac: float) -> dict:
-        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
+        return base.replace(fraction=frac, memory_limit=limit_for(base, frac))
 
     def step() -> None:
         if report is not None:
@@ -295,7 +290,7 @@ def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
     PyTorch replay is never exact here: the fraction or setting changes)."""
     if device_bytes is not None:
         options = dict(options, device_bytes=device_bytes)
-    if _model(trace, extra, options) is TORCH:
+    if "exact" in _model(trace, extra, options).settings_type.names():
         options = dict(options, exact=False)
     return resolve_settings(trace, extra, **options, **more)
 
@@ -393,12 +388,12 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     extra = options.pop("options", None)
     probe = dict(options)
     model = _model(trace, extra, probe)
-    own, other = (("expandable_segments", "allow_growth") if model is TORCH
-                  else ("allow_growth", "expandable_segments"))
+    own = next(iter(model.grid))   # the setting the model's sweep varies
     values = {"allow_growth": allow_growth, "expandable_segments": expandable_segments}
-    if values[other] is not _UNSET:
-        raise ConfigError(f"{other} is not a setting of {model.title} (its sweep varies "
-                          f"{own}); pass allocator= to sweep the other model")
+    for other, given in values.items():
+        if other != own and given is not _UNSET:
+            raise ConfigError(f"{other} is not a setting of {model.title} (its sweep varies "
+                              f"{own}); pass allocator= to sweep the other model")
     grid = values[own]
     if grid is _UNSET:
         grid = model.grid[own]
@@ -423,11 +418,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     for bad in ("fraction", "memory_limit"):
         if bad in options:
             raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
-    if model is TORCH:
-        for f in fractions:
-            if f is not None and not 0.0 <= f <= 1.0:
-                raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
-                                  f"in [0, 1]; got {f!r}")
+    for f in fractions:
+        model.check_fraction(f)
     combos = _vary_combos(vary, model)
     settings = []
     for f in fractions:
@@ -436,7 +428,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 s = _base_settings(trace, extra, device_bytes, options, fraction=f,
                                    **{own: g}, **combo)
                 if combo:
-                    s["varied"] = dict(combo)
+                    s = s.replace(varied=dict(combo))
                 settings.append(s)
     # settings PyTorch does not support together are answered by its rule, not replayed
     every, rules = settings, [_unsupported(s) for s in settings]
@@ -484,35 +476,28 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
 def _unsupported(settings: dict) -> str | None:
     """PyTorch's rule for settings it does not support together
     (:meth:`~gpudash.CachingAllocatorConfig.unsupported`), None for other settings."""
-    conf = settings.get("conf") if settings.get("allocator") == "torch" else None
-    return conf.unsupported() if conf is not None else None
+    return ReplaySettings.of(settings).unsupported()
 
 
 def _unsupported_row(settings: dict, rule: str) -> dict:
     """A sweep row for settings PyTorch does not support together: no fit, the rule as
     its error (as the row of a replay that reaches PyTorch's assert,
     :func:`~.tasks.sweep_row`)."""
-    conf = settings["conf"]
     row: dict[str, Any] = {"fraction": settings["fraction"],
-                           "expandable_segments": conf.expandable_segments}
-    for knob in settings.get("varied") or ():
-        row[knob] = settings["varied"][knob]
+                           **ReplaySettings.of(settings).row()}
     row.update({"limit_bytes": 0, "fits": False, "oom_count": 0, "first_oom": None,
                 "peak_pool_bytes": 0, "peak_bytes_in_use": 0, "worst_fragmentation": 0.0,
                 "extensions": 0, "error": rule})
     return row
 
 
-#: The PyTorch knobs a sweep may vary besides the fraction and expandable_segments.
-_VARIABLE = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
-             "max_non_split_rounding_mb")
 
 
 def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
     """The cross product of ``vary``'s values, as settings dicts ([{}] when none)."""
     if not vary:
         return [{}]
-    if model is not TORCH:
+    if not model.sweep_knobs:
         raise ConfigError("vary= crosses PyTorch's knobs (max_split_size_mb, "
                           "garbage_collection_threshold...); this sweep runs "
                           f"{model.title}: pass allocator='torch'")
@@ -520,9 +505,9 @@ def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
         raise ConfigError(f"vary must be a dict of knob -> list of values; got {vary!r}")
     combos: list[dict] = [{}]
     for knob, values in vary.items():
-        if knob not in _VARIABLE:
+        if knob not in model.sweep_knobs:
             raise ConfigError(f"vary: {knob!r} is not a knob a sweep varies; known: "
-                              f"{', '.join(_VARIABLE)} (the fraction and expandable_segments "
+                              f"{', '.join(model.sweep_knobs)} (the fraction and expandable_segments "
                               "have their own arguments)")
         if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
             values = [values]
@@ -624,7 +609,8 @@ class SweepTable:
         self.allocator = model_for(allocator).name
         self.assumed = list(assumed)
         self.setting = _GRID[self.allocator]
-        self.varied = [k for k in _VARIABLE if any(k in r for r in self.rows)]
+        self.varied = [k for k in model_for(self.allocator).sweep_knobs
+                       if any(k in r for r in self.rows)]
         keys = _row_keys(self.allocator)
         self.COLUMNS = keys[:2] + tuple(self.varied) + keys[2:]
 
@@ -678,21 +664,19 @@ class SweepTable:
         if not fitting:
             return None
         key = self.setting
-        prefer = self.allocator == "bfc"
+        prefer = model_for(self.allocator).grid[key][0]   # the model's default first
         return min(fitting, key=lambda r: (r["limit_bytes"], r["peak_pool_bytes"],
                                            r[key] != prefer))
 
     def _cells(self) -> tuple[list[str], list[list[str]]]:
-        if self.allocator == "torch":
-            head = ["fraction", "expandable", *self.varied, "limit", "fits", "OOMs",
-                    "first OOM", "peak reserved", "peak allocated", "worst frag", "segments"]
-        else:
-            head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
-                    "peak in use", "worst frag", "regions"]
+        model = model_for(self.allocator)   # the model's own words
+        said = model.sweep_words
+        head = ["fraction", said["setting"], *self.varied, "limit", "fits", "OOMs", "first OOM",
+                f"peak {model.pool}", f"peak {model.in_use}", "worst frag", model.regions]
         body = []
         for r in self.rows:
             body.append([
-                ("none" if self.allocator == "torch" else "default") if r["fraction"] is None
+                said["unset_fraction"] if r["fraction"] is None
                 else f"{r['fraction']:.3g}",
                 "yes" if r[self.setting] else "no",
                 *("trace's" if r.get(k) is None else str(r[k]) for k in self.varied),
