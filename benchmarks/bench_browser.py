@@ -90,7 +90,7 @@ _CELL_OUTPUT_JS = "(n) => document.querySelectorAll('.jp-Notebook .jp-Cell')[n]"
 WORKLOAD = """\
 import threading, time
 import gpudash
-from gpudash.trace.workloads import training_loop_calls, run_workload
+from gpudash.workloads import training_loop_calls, run_workload
 sess = gpudash.default_session()
 marks = []
 sess.devices[0].allocator.subscribe(  # the BFC's new limit, PyTorch's new fraction

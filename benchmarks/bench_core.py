@@ -30,7 +30,7 @@ import json, sys, time
 from gpudash import _accel
 from gpudash.trace.replay import replay
 from gpudash.trace.whatif import min_fraction
-from gpudash.trace.workloads import fragmentation_stress, training_loop
+from gpudash.workloads import fragmentation_stress, training_loop
 what, name, events, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 t = (training_loop(steps=max(1, events // 200)) if name == "training_loop"
      else fragmentation_stress(rounds=max(1, int(events / 6.37))))

@@ -272,7 +272,7 @@ def bench_holders(repeat: int, history_refreshes: int = 100_000) -> dict:
     out["moment_ms"] = 1e3 * statistics.median(times)
     # the tree of such a moment (the stacks of the session above)
     from gpudash.holder_tree import holder_tree
-    from gpudash.trace.stacks import StackTable
+    from gpudash.formats.stacks import StackTable
 
     st = StackTable()
     for k in range(500):

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from gpudash.dask import ClusterModel, GpudashPlugin
     from gpudash.trace.whatif import sweep
-    from gpudash.trace.workloads import fragmentation_stress
+    from gpudash.workloads import fragmentation_stress
 
     rows: list[tuple[str, str, str]] = []
     t0 = time.perf_counter()

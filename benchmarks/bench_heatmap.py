@@ -15,7 +15,7 @@ import time
 
 from gpudash.analysis import HeatmapBuilder, heatmap
 from gpudash.trace.replay import replay
-from gpudash.trace.workloads import fragmentation_stress, training_loop
+from gpudash.workloads import fragmentation_stress, training_loop
 
 
 def best_of(repeat: int, fn) -> float:

@@ -27,7 +27,7 @@ from gpudash.trace import Trace
 from gpudash.trace.callers import user_code_rule
 from gpudash.trace.diff import diff_holders, leaks
 from gpudash.trace.holders import top_holders
-from gpudash.trace.stacks import StackTable
+from gpudash.formats.stacks import StackTable
 
 SITE = "/home/u/.venv/lib/python3.11/site-packages/torch"
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     args = ap.parse_args(argv)
     from gpudash.trace import write_trace
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     with tempfile.TemporaryDirectory(prefix="gpudash-mem-") as tmp:
         path = Path(tmp) / "big.gdtrace"

@@ -19,8 +19,8 @@ import argparse
 from pathlib import Path
 
 from gpudash.trace.replay import replay
-from gpudash.trace.torch_snapshot import load_torch_snapshot
-from gpudash.trace.workloads import (
+from gpudash.formats.torch_snapshot import load_torch_snapshot
+from gpudash.workloads import (
     caching_snapshot,
     finetune,
     finetune_calls,

@@ -2,8 +2,8 @@
 
 Traces of 10^5, 10^6 and 10^7 events on one device (a random walk of allocations and frees
 inside regions that are obtained and released, wall-clock times 1-2000 ns apart, one OOM
-per 10,000 events) are exported with :func:`gpudash.trace.perfetto.to_chrome_trace` (the
-dict) and :func:`~gpudash.trace.perfetto.write_chrome_trace` (the JSON file, plain and
+per 10,000 events) are exported with :func:`gpudash.formats.perfetto.to_chrome_trace` (the
+dict) and :func:`~gpudash.formats.perfetto.write_chrome_trace` (the JSON file, plain and
 gzipped), at the default bound of points per counter and, for the smaller traces, unbounded.
 The dict is timed three times, alternating with :meth:`Trace.summary` of the same trace (one
 numpy pass over its columns) as the baseline, best of each: the ratio says what the export
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpudash.events import COLUMN_DTYPES, COLUMNS, EventKind
 from gpudash.trace import Trace
-from gpudash.trace.perfetto import DEFAULT_MAX_POINTS, to_chrome_trace, write_chrome_trace
+from gpudash.formats.perfetto import DEFAULT_MAX_POINTS, to_chrome_trace, write_chrome_trace
 
 T0 = 1_700_000_000_000_000_000
 

@@ -19,7 +19,7 @@ import time
 
 from gpudash.analysis import StateScrubber
 from gpudash.trace.replay import replay
-from gpudash.trace.workloads import fragmentation_stress, training_loop
+from gpudash.workloads import fragmentation_stress, training_loop
 
 
 def traces(events: int) -> dict:

@@ -86,7 +86,7 @@ def main() -> None:
     mb = float(sys.argv[1]) if len(sys.argv) > 1 else 100.0
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     from gpudash.trace import load_trace
-    from gpudash.trace import torch_profile as tp
+    from gpudash.formats import torch_profile as tp
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.json"

@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpudash import TraceFormatError  # noqa: E402
 from gpudash.trace import Trace, load_trace, save_trace  # noqa: E402
-from gpudash.trace.workloads import training_loop  # noqa: E402
+from gpudash.workloads import training_loop  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 HUGE = ["9" * 400, str(1 << 63), str(1 << 64), "-1", "-99999999999999999999", "1e400",
@@ -143,7 +143,7 @@ def _recrc(data: bytes, rng: random.Random) -> bytes:
     import struct
     import zlib
 
-    from gpudash.trace.format import _RECORD, MAGIC
+    from gpudash.formats.format import _RECORD, MAGIC
 
     out, off, records = bytearray(data[:len(MAGIC)]), len(MAGIC), []
     while off + _RECORD.size <= len(data):
@@ -384,7 +384,7 @@ def _npy(rng: random.Random, workdir: Path) -> tuple[str, bytes]:
     import struct
     import zlib
 
-    from gpudash.trace.format import _RECORD, MAGIC
+    from gpudash.formats.format import _RECORD, MAGIC
 
     data = _gdtrace_bytes(_seed_trace(), workdir)
     out, off, records = bytearray(data[:len(MAGIC)]), len(MAGIC), []

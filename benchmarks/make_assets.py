@@ -106,7 +106,7 @@ def _page_shot(page_path: Path, target: Path, plots: int, viewport: dict,
 
 def _report(out: Path) -> int:
     from gpudash.report import write_report
-    from gpudash.trace.workloads import fragmentation_stress
+    from gpudash.workloads import fragmentation_stress
 
     with tempfile.TemporaryDirectory(prefix="gpudash-report-") as tmp:
         path = write_report(fragmentation_stress(rounds=600, seed=3), Path(tmp) / "r.html",
@@ -120,7 +120,7 @@ def _explain_torch(out: Path) -> int:
     import pickle
 
     from gpudash.postmortem import explain
-    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.workloads import caching_snapshot, finetune_calls
 
     with tempfile.TemporaryDirectory(prefix="gpudash-explain-") as tmp:
         snap = Path(tmp) / "finetune_24gib.pickle"
@@ -135,7 +135,7 @@ def _explain_torch(out: Path) -> int:
 #: still held.
 TORCH_CELLS = (
     "%load_ext gpudash\nimport gpudash\n"
-    "from gpudash.trace.workloads import finetune_calls, run_workload",
+    "from gpudash.workloads import finetune_calls, run_workload",
     "%gpudash --allocator torch --fraction 0.75",
     "s = gpudash.default_session()\n"
     "run_workload(finetune_calls(steps=8, layers=2), s.allocate, s.free, sleep=0.01)\n"
@@ -178,7 +178,7 @@ def _torch_dashboard(page, lab, out: Path) -> None:
 #: turned on and the cache emptied near its end (as a user did): 117 segments, one of 9.9 GiB.
 SEGMENTS_118 = (
     "%load_ext gpudash\nimport gpudash\n"
-    "from gpudash.trace.workloads import finetune_calls, run_workload",
+    "from gpudash.workloads import finetune_calls, run_workload",
     "%gpudash --allocator torch --simulate 24GiB",
     "s = gpudash.default_session()\n"
     "calls = list(finetune_calls(steps=60))\n"
@@ -283,8 +283,8 @@ def _report_segments(out: Path) -> int:
     from playwright.sync_api import sync_playwright
 
     from gpudash.report import write_report
-    from gpudash.trace.torch_snapshot import load_torch_snapshot
-    from gpudash.trace.workloads import caching_snapshot
+    from gpudash.formats.torch_snapshot import load_torch_snapshot
+    from gpudash.workloads import caching_snapshot
 
     rng = np.random.default_rng(0)
     calls = [("alloc", k, int(rng.integers(12, 60)) * (1 << 20)) for k in range(1000)]

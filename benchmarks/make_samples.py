@@ -1,8 +1,8 @@
 """Write the sample traces in ``gpudash/samples/`` (package data: ``gpudash.samples``) (deterministic: same files every run).
 
-- ``training.gdtrace``: :func:`~gpudash.trace.workloads.training_loop` (10 steps, 12 layers);
-- ``inference.gdtrace``: :func:`~gpudash.trace.workloads.inference_server` (120 requests);
-- ``fragmentation.gdtrace``: :func:`~gpudash.trace.workloads.fragmentation_stress`
+- ``training.gdtrace``: :func:`~gpudash.workloads.training_loop` (10 steps, 12 layers);
+- ``inference.gdtrace``: :func:`~gpudash.workloads.inference_server` (120 requests);
+- ``fragmentation.gdtrace``: :func:`~gpudash.workloads.fragmentation_stress`
   (700 rounds, marks at 900 and 250 MiB).
 
 Each stays under 300 KB. Run: ``python benchmarks/make_samples.py [--out DIR]``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gpudash.trace.format import write_trace
-from gpudash.trace.workloads import fragmentation_stress, inference_server, training_loop
+from gpudash.formats.format import write_trace
+from gpudash.workloads import fragmentation_stress, inference_server, training_loop
 
 #: file name -> (workload function, keyword arguments)
 SAMPLES = {

@@ -155,7 +155,7 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True,
 
 
 def _formats() -> list[str]:
-    from .trace.io import FORMATS
+    from .formats.io import FORMATS
 
     return list(FORMATS)
 
@@ -568,7 +568,7 @@ def _check_out(path: Path | None, overwrite: bool) -> None:
 
 
 def _workload_calls(name: str, steps: int, seed: int):
-    from .trace import workloads as w
+    from . import workloads as w
 
     if steps < 1:
         raise _UserError(f"--steps must be >= 1; got {steps}")
@@ -583,7 +583,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .options import ConfigProto
     from .recorder import Recorder
     from .session import Session
-    from .trace.workloads import run_workload
+    from .workloads import run_workload
 
     html_out, overwrite = args.html, args.overwrite
     if html_out is None:   # the demo's own report: a later demo replaces it
@@ -665,7 +665,7 @@ def _demo_torch(args: argparse.Namespace, html_out: Path, overwrite: bool) -> in
     from .recorder import Recorder
     from .session import Session
     from .trace.whatif import min_fraction
-    from .trace.workloads import run_workload
+    from .workloads import run_workload
 
     try:
         sess = Session(allocator="torch", config=args.conf or "", simulate=args.device,

@@ -1,7 +1,7 @@
 """Who holds the memory, as a tree: the live blocks' stacks merged into a flame graph.
 
 :func:`holder_tree` groups blocks (sizes, stack ids into a
-:class:`~gpudash.trace.stacks.StackTable`, optional labels) into the tree the dashboard's
+:class:`~gpudash.formats.stacks.StackTable`, optional labels) into the tree the dashboard's
 holders view and the report's icicle draw: under the root, the block's label when blocks have
 labels (``Session.label``, a ``%%gpudash_track`` cell: ``"(no label)"`` for the others), then
 the frames of the user's own code, outermost first, then what the innermost one called into
@@ -38,7 +38,7 @@ from .trace.callers import (
     short_paths,
     user_code_rule,
 )
-from .trace.stacks import StackTable
+from .formats.stacks import StackTable
 
 __all__ = [
     "KIND_BELOW",

@@ -1,7 +1,7 @@
 """Out-of-memory post-mortems: why did an allocation fail, and what limit would have served it?
 
 :func:`explain` reads an allocator dump (a log with TensorFlow's, JAX's or XLA's dump, or the
-``MemoryDump`` protobuf of ``TF_BFC_MEMORY_DUMP``; :mod:`gpudash.trace.tf_dump`) and answers
+``MemoryDump`` protobuf of ``TF_BFC_MEMORY_DUMP``; :mod:`gpudash.formats.tf_dump`) and answers
 on one screen:
 
 - the request that failed (bytes, rounded to 256, the op that asked);
@@ -342,8 +342,8 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
         only "ran out of memory" lines are TensorFlow's non-fatal warnings says so), no dump
         of that allocator or index, or a figure of 2**63 bytes or more.
     """
-    from .trace.format import round_up_256
-    from .trace.tf_dump import read_dumps
+    from .formats.format import round_up_256
+    from .formats.tf_dump import read_dumps
 
     if framework is not None and framework not in (*FRACTION_SETTINGS, "torch"):
         raise ConfigError(f"framework must be one of {', '.join(FRACTION_SETTINGS)}, torch; "
@@ -478,7 +478,7 @@ def _text_lines(path: str | os.PathLike):
 def _declined_warnings(path: str | os.PathLike) -> list[tuple[str, int]]:
     """``(allocator, bytes)`` of each "ran out of memory ... The caller indicates that this
     is not a failure" warning in a log (TensorFlow's, for an allocation that may fail)."""
-    from .trace.tf_dump import _OOM, _body, _request
+    from .formats.tf_dump import _OOM, _body, _request
 
     out = []
     for line in _text_lines(path):

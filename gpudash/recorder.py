@@ -15,7 +15,7 @@ session gives a holder (``Session.label``, ``record_stacks=True``): its allocati
 and stack id, 16 bytes a block, the oldest dropped past ``capacity`` a device.
 :meth:`Recorder.to_trace` writes them into the trace: the label as the ``holder`` of the
 block's alloc and free rows, the stack id as the ``stack`` of its alloc row, with the
-session's stacks as the trace's :class:`~gpudash.trace.stacks.StackTable` (so
+session's stacks as the trace's :class:`~gpudash.formats.stacks.StackTable` (so
 ``top_holders(trace, by="line")`` names the user's lines). A stream to a ``.gdtrace`` file
 (``path=``) carries the events only.
 """
@@ -130,7 +130,7 @@ class Recorder:
         self.stream_error: BaseException | None = None
         if path is not None:
             from ._version import __version__
-            from .trace.format import TraceWriter
+            from .formats.format import TraceWriter
 
             meta = {"gpudash_version": __version__, "source": "gpudash",
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
@@ -395,7 +395,7 @@ class Recorder:
         settings it had when recording began, what a replay starts from; later changes are
         the trace's ``settings``."""
         from ._version import __version__
-        from .trace.format import Trace
+        from .formats.format import Trace
 
         m = {"gpudash_version": __version__, "source": "gpudash"}
         m["devices"] = [copy.deepcopy(meta) for _, meta in self._seen]
@@ -412,7 +412,7 @@ class Recorder:
         ids the sessions gave the blocks of ``cols``, matched by device and allocation id
         (Nones and [] where there are none)."""
         from .events import EventKind
-        from .trace.stacks import StackTable
+        from .formats.stacks import StackTable
 
         with self._lock:
             held = {d: tuple(np.frombuffer(a, dtype=np.int64 if j == 0 else np.int32).copy()

@@ -252,7 +252,7 @@ class SessionStacks:
     caller's frames, gpudash's own left out wherever they are, at most :attr:`depth` of
     them); a live block keeps
     the id of its stack (an index into :attr:`stacks`). The ids are those of a
-    :class:`gpudash.trace.stacks.StackTable` made from the two lists in order
+    :class:`gpudash.formats.stacks.StackTable` made from the two lists in order
     (``StackTable(frames, [(ids, "", "") for ids in stacks])``), which is how the Recorder
     and the live views read them: the session layer keeps plain lists and imports nothing
     from the trace layer above it.

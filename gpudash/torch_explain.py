@@ -276,7 +276,7 @@ class TorchExplanation(_ExplanationViews):
 def is_torch_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` is PyTorch's: a memory snapshot (pickle or JSON) or a text with
     PyTorch's out-of-memory message."""
-    from .trace.io import sniff_format
+    from .formats.io import sniff_format
 
     try:
         fmt = sniff_format(path)
@@ -303,9 +303,9 @@ _OTHER_FRAMEWORKS = ("ran out of memory trying to allocate", "BFCAllocator dump"
 
 def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
     """The first and the last ``each`` bytes of a text (a long log ends in its error)."""
-    from .trace.format import _open_regular
+    from .formats.format import open_regular
 
-    with _open_regular(path) as f:
+    with open_regular(path) as f:
         head = f.read(each)
         tail = b""
         if len(head) == each:
@@ -316,9 +316,9 @@ def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
 
 
 def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:
-    from .trace.format import _open_regular
+    from .formats.format import open_regular
 
-    with _open_regular(path) as f:
+    with open_regular(path) as f:
         data = f.read(limit)
     return data.decode("utf-8", "replace")
 
@@ -357,7 +357,7 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
     TraceFormatError
         No PyTorch out-of-memory error in the file (one line naming the file).
     """
-    from .trace.io import sniff_format
+    from .formats.io import sniff_format
 
     fmt = sniff_format(path)
     if fmt in ("torch-pickle", "torch-json"):
@@ -424,7 +424,7 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     from .events import EventKind
     from .trace.replay import torch_capacity
     from .trace.torch_replay import from_trace, replay_exact
-    from .trace.torch_snapshot import load_torch_snapshot
+    from .formats.torch_snapshot import load_torch_snapshot
 
     trace = load_torch_snapshot(path)
     col = trace.columns

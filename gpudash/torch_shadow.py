@@ -285,7 +285,7 @@ class ShadowDevice:
     # ------------------------------------------------------------------ feeding
     def _feed(self, entries: list, steps: Any) -> None:
         """Feed trace entries (PyTorch's dicts) through the model."""
-        from .trace.torch_trace import _MASK64, A_ALLOC, A_FREE, A_OOM, ACTIONS
+        from .formats.torch_trace import _MASK64, A_ALLOC, A_FREE, A_OOM, ACTIONS
 
         get = ACTIONS.get
         rows = self._carry
@@ -308,7 +308,7 @@ class ShadowDevice:
 
     def _run(self) -> None:
         from .trace import torch_replay as tr
-        from .trace.torch_trace import (
+        from .formats.torch_trace import (
             _GETS,
             _RELEASES,
             _SEGMENT_ACTIONS,
@@ -429,7 +429,7 @@ class ShadowDevice:
         """Rebuild the model from the snapshot's segments of this device (PyTorch's layout
         now), in the same allocator object (the dashboard keeps watching it)."""
         from .trace import torch_replay as tr
-        from .trace.torch_trace import TorchTrace, guess_version
+        from .formats.torch_trace import TorchTrace, guess_version
 
         alloc = self.allocator
         for seg in alloc.segments():
@@ -892,7 +892,7 @@ class Shadow:
         (its step and the job's line), or that the run fits, and how many of the run's own
         OOMs would have been served."""
         from .trace.torch_replay import replay_exact
-        from .trace.torch_trace import A_ALLOC, A_FREE, A_OOM, from_snapshot
+        from .formats.torch_trace import A_ALLOC, A_FREE, A_OOM, from_snapshot
 
         dev = self.device(device)
         snap = snapshot if snapshot is not None else self._read_locked()
@@ -955,7 +955,7 @@ class Shadow:
         self._wake.set()
 
     def _explain(self, event: tuple, snap: dict) -> OomExplanation:
-        from .trace.torch_trace import A_OOM, ACTIONS
+        from .formats.torch_trace import A_OOM, ACTIONS
 
         t, d, nbytes, allocated, free = event
         dev = self.device(d) if any(x.index == d for x in self.devices) else self.devices[0]

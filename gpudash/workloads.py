@@ -38,7 +38,7 @@ be looked at as PyTorch would show it).
 
 Examples
 --------
->>> from gpudash.trace.workloads import training_loop
+>>> from gpudash.workloads import training_loop
 >>> t = training_loop(steps=2, layers=2, hidden=256)
 >>> t.meta["workload"], len(t) > 0
 ('training_loop', True)
@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from ..events import COLUMN_DTYPES, ALLOC as _ALLOC, FREE as _FREE
-from .format import Trace
+from .events import COLUMN_DTYPES, ALLOC as _ALLOC, FREE as _FREE
+from .formats.format import Trace, bins_for_sizes
 
 __all__ = [
     "Call",
@@ -298,7 +298,7 @@ def fragmentation_stress_calls(rounds: int = 2000, seed: int = 0, *,
     settles around 0.8 after the first cycle, against about 0.3 for
     :func:`training_loop_calls`.
     """
-    from .._units import parse_bytes
+    from ._units import parse_bytes
 
     rounds = _check_positive("rounds", rounds)
     high = parse_bytes(high, name="high")
@@ -461,8 +461,8 @@ def trace_from_calls(calls: Iterable[Call], *, meta: dict | None = None,
     ValueError
         A free of a key that is not live, an alloc of a live key, or an unknown call.
     """
-    from ..bfc import BFCAllocator
-    from ..devices import SimulatedDevice
+    from .bfc import BFCAllocator
+    from .devices import SimulatedDevice
 
     space = 1 << 40
     bfc = BFCAllocator(SimulatedDevice(space), space, allow_growth=True, name="synthetic")
@@ -517,7 +517,7 @@ def trace_from_calls(calls: Iterable[Call], *, meta: dict | None = None,
         "ptr": np.array(ptr, dtype=np.int64),
         "size": size,
         "requested": requested,
-        "bin": _bins(size),
+        "bin": bins_for_sizes(size),
         "region": np.zeros(n, dtype=np.int64),
         "alloc_id": np.array(aid, dtype=np.int64),
         "device": np.zeros(n, dtype=COLUMN_DTYPES["device"]),
@@ -527,15 +527,6 @@ def trace_from_calls(calls: Iterable[Call], *, meta: dict | None = None,
         m.update(meta)
     m.setdefault("live_at_end", len(live))
     return Trace(cols, m)
-
-
-def _bins(size: np.ndarray) -> np.ndarray:
-    """TensorFlow's BinNumForSize over an array."""
-    v = np.maximum(size, 256) >> 8
-    b = np.zeros(len(v), dtype=np.int64)
-    for shift in range(1, 21):  # bit length of v, capped at 21, minus 1
-        b += v >= (1 << shift)
-    return b.astype(COLUMN_DTYPES["bin"])
 
 
 def _workload_trace(name: str, calls: Iterator[Call], params: dict, seed: int) -> Trace:
@@ -578,7 +569,7 @@ def caching_snapshot(calls: Iterable[Call], *, device_bytes: int | str = "80GiB"
     """Run ``calls`` through PyTorch's caching-allocator model (a
     :class:`~gpudash.CachingAllocator` on a :class:`~gpudash.SimulatedDevice`) with history
     recorded, and return its ``torch.cuda.memory._snapshot()``: segments, ``device_traces``
-    and the allocator settings, as :func:`gpudash.trace.torch_snapshot.load_torch_snapshot`
+    and the allocator settings, as :func:`gpudash.formats.torch_snapshot.load_torch_snapshot`
     and PyTorch's MemoryViz read them.
 
     Like PyTorch, the run stops at the first allocation the allocator refuses: the trace
@@ -602,14 +593,14 @@ def caching_snapshot(calls: Iterable[Call], *, device_bytes: int | str = "80GiB"
 
     Examples
     --------
-    >>> from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    >>> from gpudash.workloads import caching_snapshot, finetune_calls
     >>> snap = caching_snapshot(finetune_calls(steps=2, layers=2), device_bytes="8GiB")
     >>> snap["device_traces"][0][0]["action"], len(snap["segments"]) > 0
     ('segment_alloc', True)
     """
-    from .._units import parse_bytes
-    from ..caching import CachingAllocator
-    from ..devices import SimulatedDevice
+    from ._units import parse_bytes
+    from .caching import CachingAllocator
+    from .devices import SimulatedDevice
 
     dev = SimulatedDevice(parse_bytes(device_bytes, name="device_bytes"), "cuda:0")
     alloc = CachingAllocator(dev, conf, fraction=fraction, version=torch_version)

@@ -76,7 +76,7 @@ write("01_quickstart.ipynb", [
        "cell that waited for the loop would freeze the dashboard until the loop ended (under "
        "*Run All* the dashboard would not even draw). This cell returns at once; its status "
        "line says when the loop is done, and **Cancel** stops it."),
-    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
+    code("from gpudash.workloads import training_loop_calls, run_workload\n"
          "\n"
          "def workload(stop_event=None):\n"
          "    calls = training_loop_calls(steps=30, layers=12, batch=64, hidden=4096)\n"
@@ -133,7 +133,7 @@ write("03_fragmentation.ipynb", [
        "leaves holes. The heatmap shows, for each address range (rows) over time (columns), "
        "the fraction of bytes in use."),
     code("import gpudash\n"
-         "from gpudash.trace.workloads import fragmentation_stress, training_loop\n"
+         "from gpudash.workloads import fragmentation_stress, training_loop\n"
          "from gpudash.trace.replay import replay\n"
          "from gpudash.analysis import heatmap, chunk_map_at_peak\n"
          "\n"
@@ -153,7 +153,7 @@ write("03_fragmentation.ipynb", [
     md("The same views live, on a session: the stress workload runs in the background, one "
        "call every 2 ms (about 15 s), and the chunk map and heatmap fill in as it runs. "
        "Nothing below waits for it, so the dashboard draws at once, also under *Run All*."),
-    code("from gpudash.trace.workloads import fragmentation_stress_calls, run_workload\n"
+    code("from gpudash.workloads import fragmentation_stress_calls, run_workload\n"
          "from gpudash.widgets import Dashboard\n"
          "\n"
          "sess = gpudash.Session(gpudash.ConfigProto(allow_soft_placement=True), simulate='4GiB')\n"
@@ -289,9 +289,9 @@ write("07_pytorch.ipynb", [
          "\n"
          "import gpudash\n"
          "from gpudash.trace.replay import replay\n"
-         "from gpudash.trace.torch_snapshot import load_torch_snapshot\n"
+         "from gpudash.formats.torch_snapshot import load_torch_snapshot\n"
          "from gpudash.trace.whatif import min_fraction, sweep\n"
-         "from gpudash.trace.workloads import caching_snapshot, finetune_calls\n"
+         "from gpudash.workloads import caching_snapshot, finetune_calls\n"
          "\n"
          "folder = tempfile.TemporaryDirectory()\n"
          "paths = {}\n"
@@ -353,7 +353,7 @@ write("07_pytorch.ipynb", [
        "answers with the line that does the same in PyTorch."),
     code("%load_ext gpudash"),
     code("%gpudash --allocator torch --simulate 24GiB"),
-    code("from gpudash.trace.workloads import run_workload\n"
+    code("from gpudash.workloads import run_workload\n"
          "\n"
          "sess = gpudash.default_session()\n"
          "\n"
@@ -380,7 +380,7 @@ write("07_pytorch.ipynb", [
        "projects), each one is replayed exactly and its fidelity printed; without it this cell "
        "says so."),
     code("from gpudash.trace.torch_replay import from_snapshot, replay_exact\n"
-         "from gpudash.trace.torch_snapshot import load_torch_snapshot_dict\n"
+         "from gpudash.formats.torch_snapshot import load_torch_snapshot_dict\n"
          "\n"
          "external = Path('..', '..', 'shared', 'reference', 'external').resolve()\n"
          "found = sorted(external.glob('*.p*k*l*')) if external.is_dir() else []\n"
@@ -455,7 +455,7 @@ write("08_who_holds_it.ipynb", [
        "layout, with the stacks: memory_viz opens it). On a 9 MiB GPU the run fails; "
        "the replay's recording says who held the memory at the failure."),
     code("from gpudash.trace.replay import replay\n"
-         "from gpudash.trace.torch_snapshot import load_torch_snapshot\n"
+         "from gpudash.formats.torch_snapshot import load_torch_snapshot\n"
          "\n"
          "snap = load_torch_snapshot(samples.path('torch_mlp.replayed_snapshot.pickle'))\n"
          "r = replay(snap, device_bytes='9MiB', record=True)\n"
@@ -466,7 +466,7 @@ write("08_who_holds_it.ipynb", [
        "ranges as slices, in Chrome's trace format; `merge=` writes them into the PyTorch "
        "profiler trace itself, aligned on its clock, for ui.perfetto.dev "
        "(`gpudash convert TRACE OUT.json --to perfetto --merge PROFILE.json`)."),
-    code("from gpudash.trace.perfetto import write_chrome_trace\n"
+    code("from gpudash.formats.perfetto import write_chrome_trace\n"
          "\n"
          "out = tempfile.TemporaryDirectory()\n"
          "merged = Path(out.name) / 'merged.json.gz'\n"
@@ -500,7 +500,7 @@ write("04_cluster.ipynb", [
          "model"),
     md("Tasks use their worker's session with `worker_session()`. Each worker runs a small "
        "training workload here; the second one a larger model."),
-    code("from gpudash.trace.workloads import training_loop_calls, run_workload\n"
+    code("from gpudash.workloads import training_loop_calls, run_workload\n"
          "\n"
          "def train(steps, hidden):\n"
          "    sess = worker_session()\n"

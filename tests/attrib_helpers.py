@@ -7,7 +7,7 @@ import numpy as np
 
 from gpudash.events import COLUMNS, COLUMN_DTYPES
 from gpudash.trace import Trace
-from gpudash.trace.stacks import StackTable
+from gpudash.formats.stacks import StackTable
 
 # frames as PyTorch records them: (filename, line, name), innermost first in a stack
 SITE = "/home/u/.venv/lib/python3.11/site-packages"

@@ -22,7 +22,7 @@ from gpudash.analysis import (
 from gpudash.events import COLUMN_DTYPES, COLUMNS, EventKind
 from gpudash.trace import Trace
 from gpudash.trace.replay import replay
-from gpudash.trace.workloads import fragmentation_stress, inference_server, training_loop
+from gpudash.workloads import fragmentation_stress, inference_server, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

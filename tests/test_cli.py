@@ -13,7 +13,7 @@ import pytest
 
 from gpudash.cli import main
 from gpudash.trace import load_trace, write_trace
-from gpudash.trace.workloads import training_loop
+from gpudash.workloads import training_loop
 
 DATA = Path(__file__).parent / "data"
 

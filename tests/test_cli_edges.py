@@ -12,8 +12,8 @@ import pytest
 
 from gpudash.cli import main
 from gpudash.trace import write_trace
-from gpudash.trace.format import _EventBuilder
-from gpudash.trace.workloads import training_loop
+from gpudash.formats.format import EventBuilder
+from gpudash.workloads import training_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def small_trace(tmp_path: Path) -> Path:
 
 
 def built(tmp_path: Path, name: str, *allocs: int) -> Path:
-    b = _EventBuilder()
+    b = EventBuilder()
     b.add_device(0, "GPU_0_bfc")
     for i, n in enumerate(allocs):
         b.alloc(1000 + i, 0, 0x7F0000000000 + (i << 40), n, n)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from gpudash.cli import _parser, main
-from gpudash.trace.workloads import caching_snapshot, finetune_calls
+from gpudash.workloads import caching_snapshot, finetune_calls
 
 from shared_files import EXTERNAL
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from gpudash.cli import main
-from gpudash.trace.workloads import caching_snapshot, finetune_calls
+from gpudash.workloads import caching_snapshot, finetune_calls
 
 
 @pytest.fixture(scope="module")

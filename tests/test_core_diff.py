@@ -89,7 +89,7 @@ def _result_fields(r) -> dict:
 
 
 def _traces():
-    from gpudash.trace.workloads import fragmentation_stress, training_loop
+    from gpudash.workloads import fragmentation_stress, training_loop
 
     return {"training": training_loop(steps=3, layers=4, hidden=1024),
             "fragmentation": fragmentation_stress(rounds=1500)}
@@ -121,8 +121,8 @@ def test_replays_are_the_same(name, kwargs, pure_models):
 
 @pytest.fixture(scope="module")
 def torch_traces():
-    from gpudash.trace.torch_snapshot import load_torch_snapshot
-    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.formats.torch_snapshot import load_torch_snapshot
+    from gpudash.workloads import caching_snapshot, finetune_calls
 
     calls = finetune_calls(steps=12)
     return {"finetune24": load_torch_snapshot(caching_snapshot(calls, device_bytes="24GiB")),

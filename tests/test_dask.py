@@ -36,7 +36,7 @@ from gpudash.dask import (  # noqa: E402
 from gpudash.dask import _wire  # noqa: E402
 from gpudash.trace import read_trace  # noqa: E402
 from gpudash.trace.whatif import min_fraction, sweep  # noqa: E402
-from gpudash.trace.workloads import training_loop  # noqa: E402
+from gpudash.workloads import training_loop  # noqa: E402
 
 # Functions below run on the workers. Dask pickles them by reference: the LocalCluster's
 # worker processes import this module (they start with this process's sys.path); a worker
@@ -1308,8 +1308,8 @@ def test_gpu_worker_routes_rmm_through_the_session():
 
 def test_pytorch_what_ifs_on_the_cluster_equal_local(client):
     """PyTorch's calls travel with their streams and empty_cache() calls."""
-    from gpudash.trace.torch_snapshot import load_torch_snapshot
-    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.formats.torch_snapshot import load_torch_snapshot
+    from gpudash.workloads import caching_snapshot, finetune_calls
 
     snap = caching_snapshot(finetune_calls(steps=6, layers=6, max_len=1024),
                             device_bytes="8GiB")

@@ -128,7 +128,7 @@ def test_real_and_written_snapshots_pass_the_pickle_check(tmp_path):
     PUT/GET in text and binary forms."""
     import pickle
 
-    from gpudash.trace.torch_snapshot import _check_pickle, load_torch_snapshot
+    from gpudash.formats.torch_snapshot import _check_pickle, load_torch_snapshot
 
     snap = {"segments": [{"device": 0, "address": 1 << 40, "total_size": 2 << 20,
                           "segment_pool_id": (0, 0), "blocks": [
@@ -315,7 +315,7 @@ def test_the_dashboard_s_max_split_beyond_int64_is_held_whole(comms):
 # ------------------------------------------------------------------ Ctrl-C in sweep(jobs=2)
 _SWEEP = """
 import multiprocessing, sys
-from gpudash.trace.workloads import training_loop
+from gpudash.workloads import training_loop
 from gpudash.trace.whatif import sweep
 trace = training_loop(steps=3000, layers=8, batch=32, hidden=512)
 said = []

@@ -215,7 +215,7 @@ def test_a_failing_recorder_stream_is_raised_not_silent(tmp_path, monkeypatch):
 @pytest.mark.parametrize("tolerance", [1e-18, 0.0, float("nan"), -0.1])
 def test_min_fraction_refuses_a_tolerance_finer_than_a_byte(tolerance):
     from gpudash.trace.whatif import min_fraction
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     trace = training_loop(steps=1, layers=2, hidden=256)
     with pytest.raises(ConfigError, match="tolerance must be a fraction"):
@@ -224,7 +224,7 @@ def test_min_fraction_refuses_a_tolerance_finer_than_a_byte(tolerance):
 
 def test_min_fraction_at_the_finest_tolerance_ends():
     from gpudash.trace.whatif import MIN_TOLERANCE, min_fraction
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     trace = training_loop(steps=1, layers=2, hidden=256)
     r = _in_thread(lambda: min_fraction(trace, "1GiB", tolerance=MIN_TOLERANCE), timeout=60)

@@ -119,8 +119,8 @@ def test_a_pickle_whose_shared_references_expand_to_10_8_blocks_is_refused_fast(
 # ------------------------------------------------------------------ crafted .gdtrace records
 def _crafted(tmp_path, mutate):
     """A real trace file whose records are rebuilt with valid CRCs after ``mutate``."""
-    from gpudash.trace import format as fmt
-    from gpudash.trace.workloads import training_loop
+    from gpudash.formats import format as fmt
+    from gpudash.workloads import training_loop
 
     good = tmp_path / "good.gdtrace"
     fmt.write_trace(training_loop(steps=1, layers=2, hidden=256), good, overwrite=True)
@@ -137,7 +137,7 @@ def _crafted(tmp_path, mutate):
 
 
 def test_crafted_records_with_valid_crcs_are_trace_format_errors(tmp_path):
-    from gpudash.trace import format as fmt
+    from gpudash.formats import format as fmt
     from gpudash.trace import read_trace
 
     def bad_settings(records):

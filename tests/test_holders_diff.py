@@ -8,7 +8,7 @@ import pytest
 import gpudash
 from gpudash import ConfigError
 from gpudash.trace.diff import HolderDiff, diff_holders, leaks
-from gpudash.trace.stacks import Frame
+from gpudash.formats.stacks import Frame
 
 from attrib_helpers import CPP_ALLOC, TORCH_LINEAR, make_trace, user
 

@@ -14,7 +14,7 @@ import pytest
 
 from gpudash.trace import load_trace
 from gpudash.trace.holders import top_holders
-from gpudash.trace.stacks import Frame
+from gpudash.formats.stacks import Frame
 
 ROOT = Path(__file__).resolve().parent.parent
 from shared_files import EXTERNAL  # noqa: E402

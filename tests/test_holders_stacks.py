@@ -13,7 +13,7 @@ from gpudash.trace import Trace, write_trace, read_trace
 from gpudash.trace.callers import (NO_STACK, below_user_code, short_paths, stack_lines,
                                    user_code_rule)
 from gpudash.trace.holders import EventIndexError, HolderTable, top_holders
-from gpudash.trace.stacks import Frame
+from gpudash.formats.stacks import Frame
 
 from attrib_helpers import (CPP_ALLOC, CPP_MM, ENGINE, MM_BACKWARD, STDLIB, TORCH_APPLY,
                             TORCH_CALL, TORCH_CONVERT, TORCH_LINEAR, TORCH_TO, make_trace, user)

@@ -26,7 +26,7 @@ from gpudash.holder_tree import (
     trace_holder_tree,
 )
 from gpudash.session import STACK_DEPTH
-from gpudash.trace.stacks import StackTable
+from gpudash.formats.stacks import StackTable
 from gpudash.widgets import Dashboard, LiveModel
 from gpudash.widgets.dashboard import VIEWS
 from gpudash.live.model import _HolderLog
@@ -99,7 +99,7 @@ def test_record_stacks_keeps_the_whole_allocating_stack_interned():
 
 
 def test_gpudash_frames_are_left_out_wherever_they_are():
-    from gpudash.trace.workloads import run_workload
+    from gpudash.workloads import run_workload
 
     with gpudash.Session(simulate="4GiB", poll=False, record_stacks=True) as sess:
         run = run_workload([("alloc", "a", MIB)], sess.allocate, sess.free)   # this line

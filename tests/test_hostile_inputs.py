@@ -20,8 +20,8 @@ import pytest
 import gpudash.trace as gt
 from gpudash import TraceFormatError
 from gpudash.cli import main
-from gpudash.trace import io as trace_io
-from gpudash.trace import tf_dump, torch_snapshot
+from gpudash.formats import io as trace_io
+from gpudash.formats import tf_dump, torch_snapshot
 from gpudash.trace.replay import trace_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +299,7 @@ def test_a_negative_pytorch_requested_size_is_refused(tmp_path, where):
 
 
 def _trace_with(**changes):
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     t = training_loop(steps=1, layers=2, hidden=64)
     for col, (row, value) in changes.items():
@@ -372,7 +372,7 @@ def test_tf_vectors_growth_given_as_a_boolean_is_recorded_as_one(tmp_path):
 # ------------------------------------------------------------------ 6. damaged .npy headers
 def _rebuilt(tmp_path, trace, mutate):
     """``trace`` written, its records changed by ``mutate`` and their CRCs made valid."""
-    from gpudash.trace import format as fmt
+    from gpudash.formats import format as fmt
 
     good = tmp_path / "good.gdtrace"
     fmt.write_trace(trace, good, overwrite=True)
@@ -394,7 +394,7 @@ def _rebuilt(tmp_path, trace, mutate):
     b"{'descr': '<i8', 'fortran_order': False, 'shape': (1e999,), }",
 ])
 def test_a_batch_whose_npy_header_numpy_cannot_parse_is_a_damaged_batch(tmp_path, header):
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     def spoil(records):
         rtype, head, payload = records[1]
@@ -413,7 +413,7 @@ def test_a_batch_whose_npy_header_numpy_cannot_parse_is_a_damaged_batch(tmp_path
 
 # ------------------------------------------------------------------ 7, 8. trace metadata
 def _with_meta(tmp_path, **meta):
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     t = training_loop(steps=1, layers=2, hidden=64)
     t.meta.update(meta)
@@ -640,10 +640,10 @@ def _many_devices(n_dev: int = 5, seed: int = 0):
     ids that collide across devices), built by gpudash's importer conventions."""
     import numpy as np
 
-    from gpudash.trace.format import _EventBuilder
+    from gpudash.formats.format import EventBuilder
 
     rng = np.random.default_rng(seed)
-    b = _EventBuilder()
+    b = EventBuilder()
     live: dict[int, list[int]] = {d: [] for d in range(n_dev)}
     for d in range(n_dev):
         b.add_device(d, f"GPU_{d}_bfc", 1 << 30, {"allow_growth": bool(d % 2)})
@@ -711,7 +711,7 @@ def test_the_devices_metadata_is_read_once_however_many_devices_replay(monkeypat
     """Each device's replay asks for its name (its caveats, its label): the metadata's
     device list is read once, not once per device (which made a trace of 8,000 devices take
     over 30 s)."""
-    from gpudash.trace import format as fmt
+    from gpudash.formats import format as fmt
 
     t = _many_devices(200)
     reads = []
@@ -734,7 +734,7 @@ def test_regions_and_peaks_of_many_devices_match_a_device_by_device_count():
     import numpy as np
 
     from gpudash.events import EventKind
-    from gpudash.trace.format import _regions
+    from gpudash.formats.format import row_regions
 
     for seed in range(5):
         t = _many_devices(7, seed)
@@ -752,7 +752,7 @@ def test_regions_and_peaks_of_many_devices_match_a_device_by_device_count():
                     start, j = max(ext)
                     if p < start + int(c["size"][j]):
                         want[i] = start
-        assert _regions(c).tolist() == want.tolist()
+        assert row_regions(c).tolist() == want.tolist()
         s = t.summary()
         for d in range(7):
             mine = t.select(device=d)

@@ -23,7 +23,7 @@ from gpudash.caching import CachingAllocator, PyCachingAllocator
 from gpudash.trace.replay import _model_calls, limit_for, replay
 from gpudash.trace.tasks import Probe, bisect, probe
 from gpudash.trace.whatif import _base_settings, min_fraction
-from gpudash.trace.workloads import fragmentation_stress, trace_from_calls, training_loop
+from gpudash.workloads import fragmentation_stress, trace_from_calls, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

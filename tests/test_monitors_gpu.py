@@ -102,7 +102,7 @@ def test_torch_monitor_thread_follows_a_running_program():
 
 def test_torch_capture_oom(tmp_path):
     torch = _torch_cuda()
-    from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+    from gpudash.formats.torch_snapshot import load_torch_snapshot_dict
 
     cap = gpudash.torch.capture_oom(tmp_path / "oom-{n}.pickle", history=1000)
     total = torch.cuda.get_device_properties(0).total_memory

@@ -116,7 +116,7 @@ def test_torch_chunk_table_documented_shape():
 def test_torch_chunk_table_real_snapshots(path):
     """Real snapshots written by PyTorch: the table tiles every segment, its in-use bytes are
     the segments' ``allocated_size``, and the views' own functions take it."""
-    from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+    from gpudash.formats.torch_snapshot import load_torch_snapshot_dict
 
     segments = load_torch_snapshot_dict(path)["segments"]
     for device in sorted({s.get("device", 0) for s in segments}):

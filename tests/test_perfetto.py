@@ -26,15 +26,15 @@ from gpudash.cli import main
 from gpudash.devices import SimulatedDevice
 from gpudash.events import COLUMN_DTYPES, COLUMNS, EventKind
 from gpudash.trace import Trace, load_trace, save_trace, write_trace
-from gpudash.trace.perfetto import (
+from gpudash.formats.perfetto import (
     PID_BASE,
     read_profiler_trace,
     to_chrome_trace,
     wall_clock_problem,
     write_chrome_trace,
 )
-from gpudash.trace.torch_snapshot import load_torch_snapshot, load_torch_snapshot_dict
-from gpudash.trace.workloads import training_loop
+from gpudash.formats.torch_snapshot import load_torch_snapshot, load_torch_snapshot_dict
+from gpudash.workloads import training_loop
 
 # ../shared beside the checkout (as tests/test_torch_fidelity.py finds it), or beside the
 # folder of worktrees that holds this one
@@ -721,7 +721,7 @@ def test_cli_merges_an_untimed_trace_with_an_offset(tmp_path, capsys):
 def test_decimation_in_time_order_and_out_of_it_agree():
     """The O(n) path for points in time order keeps the same points as the sorting one, and
     points out of time order (a trace joined from parts) are still bounded with their peak."""
-    from gpudash.trace.perfetto import _decimate
+    from gpudash.formats.perfetto import _decimate
 
     rng = np.random.default_rng(7)
     t = np.cumsum(rng.integers(0, 50, 100_000)).astype(np.int64)   # ties included

@@ -18,9 +18,9 @@ import gpudash.trace as gt
 from gpudash import GpudashWarning, TraceFormatError
 from gpudash.events import EventKind
 from gpudash.proto import bfc_memory_map_pb2, xplane_pb2
-from gpudash.trace.format import PRE_EXISTING_HOLDER
-from gpudash.trace.io import sniff_format
-from gpudash.trace.tf_dump import read_dumps, read_log_dumps
+from gpudash.formats.format import PRE_EXISTING_HOLDER
+from gpudash.formats.io import sniff_format
+from gpudash.formats.tf_dump import read_dumps, read_log_dumps
 
 DATA = Path(__file__).parent / "data"
 REAL = DATA / "real"

@@ -8,7 +8,7 @@ import pytest
 
 from gpudash import TraceFormatError
 from gpudash.trace import load_ranks, load_trace, replay_devices, save_trace
-from gpudash.trace.workloads import training_loop
+from gpudash.workloads import training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

@@ -14,7 +14,7 @@ from gpudash.options import memory_limit as tf_memory_limit
 from gpudash.trace import Trace
 from gpudash.trace.replay import (ReplayResult, replay, replay_devices, resolve_settings,
                                   trace_settings)
-from gpudash.trace.workloads import trace_from_calls, training_loop
+from gpudash.workloads import trace_from_calls, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
@@ -294,7 +294,7 @@ def test_calls_stay_numpy_columns_and_replay_the_same_as_lists(monkeypatch):
     monkeypatch.setattr(sys.modules["gpudash.trace.replay"], "_CHUNK", 97)  # many chunks
 
     from gpudash.trace.replay import _calls_lists, _replay_lists, resolve_settings
-    from gpudash.trace.workloads import fragmentation_stress
+    from gpudash.workloads import fragmentation_stress
 
     t = fragmentation_stress(rounds=400)
     ops, keys, nbytes, n = _calls_lists(t, 0)

@@ -11,7 +11,7 @@ import pytest
 
 from gpudash import GpudashError
 from gpudash.report import build_report, write_report
-from gpudash.trace.workloads import fragmentation_stress, training_loop
+from gpudash.workloads import fragmentation_stress, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

@@ -10,7 +10,7 @@ import pytest
 from gpudash import TraceFormatError
 from gpudash.events import EventKind
 from gpudash.trace import load_trace
-from gpudash.trace.io import sniff_format
+from gpudash.formats.io import sniff_format
 
 from shared_files import EXTERNAL  # noqa: E402
 needs_external = pytest.mark.skipif(not EXTERNAL.is_dir(), reason="../shared is absent")

@@ -24,9 +24,9 @@ from gpudash.report import (
     chunkmap_figure,
 )
 from gpudash.trace import Trace
-from gpudash.trace.stacks import Frame, StackTable
-from gpudash.trace.torch_snapshot import load_torch_snapshot
-from gpudash.trace.workloads import caching_snapshot, fragmentation_stress
+from gpudash.formats.stacks import Frame, StackTable
+from gpudash.formats.torch_snapshot import load_torch_snapshot
+from gpudash.workloads import caching_snapshot, fragmentation_stress
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
@@ -270,7 +270,7 @@ def test_hover_names_who_holds_a_block_from_its_stack(snap1000):
 def test_explain_names_who_holds_each_block_at_the_failure(tmp_path, monkeypatch):
     """explain's segment map (the state before the out-of-memory row, replayed exactly)
     names each block's allocating stack, where the snapshot recorded one."""
-    import gpudash.trace.torch_snapshot as ts
+    import gpudash.formats.torch_snapshot as ts
 
     load = ts.load_torch_snapshot
     monkeypatch.setattr(ts, "load_torch_snapshot", lambda *a, **k: _with_stacks(load(*a, **k)))

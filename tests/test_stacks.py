@@ -7,8 +7,8 @@ import pytest
 
 from gpudash import TraceFormatError
 from gpudash.trace import Trace, TraceWriter, read_trace, write_trace
-from gpudash.trace.stacks import Frame, Stack, StackTable
-from gpudash.trace.workloads import training_loop
+from gpudash.formats.stacks import Frame, Stack, StackTable
+from gpudash.workloads import training_loop
 
 
 def _with_stacks(trace: Trace, seed: int = 0) -> Trace:

@@ -11,7 +11,7 @@ from gpudash import CachingAllocator, ConfigError, OutOfMemoryError, SimulatedDe
 from gpudash.cli import main
 from gpudash.postmortem import explain
 from gpudash.torch_explain import TorchExplanation, explain_torch
-from gpudash.trace.workloads import caching_snapshot, finetune_calls
+from gpudash.workloads import caching_snapshot, finetune_calls
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

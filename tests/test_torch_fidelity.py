@@ -15,7 +15,7 @@ import pytest
 
 from gpudash import CachingAllocator, SimulatedDevice
 from gpudash.trace.torch_replay import from_snapshot, replay_exact
-from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+from gpudash.formats.torch_snapshot import load_torch_snapshot_dict
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 
@@ -161,7 +161,7 @@ def test_an_imported_trace_replays_as_exactly_as_its_snapshot(name, tmp_path):
     """The importer keeps what exact replay needs (entries after the rebuilt start, streams,
     final segments), also through a .gdtrace file."""
     from gpudash.trace import load_trace
-    from gpudash.trace.format import read_trace, write_trace
+    from gpudash.formats.format import read_trace, write_trace
     from gpudash.trace.torch_replay import from_trace
 
     trace = load_trace(EXTERNAL / name)
@@ -179,9 +179,9 @@ def test_an_imported_trace_replays_as_exactly_as_its_snapshot(name, tmp_path):
 
 def test_streams_travel_through_import_and_files(tmp_path):
     from gpudash.trace import load_trace
-    from gpudash.trace.format import read_trace, write_trace
+    from gpudash.formats.format import read_trace, write_trace
     from gpudash.trace.torch_replay import from_trace
-    from gpudash.trace.torch_snapshot import save_torch_snapshot  # noqa: F401
+    from gpudash.formats.torch_snapshot import save_torch_snapshot  # noqa: F401
 
     a = CachingAllocator(SimulatedDevice(80 * GiB))
     a.record_history(True)

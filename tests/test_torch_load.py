@@ -13,8 +13,8 @@ import pytest
 
 from gpudash import TraceFormatError
 from gpudash.trace import load_trace
-from gpudash.trace import torch_trace as tt
-from gpudash.trace.torch_snapshot import _import, load_torch_snapshot, load_torch_snapshot_dict
+from gpudash.formats import torch_trace as tt
+from gpudash.formats.torch_snapshot import _import, load_torch_snapshot, load_torch_snapshot_dict
 
 
 from shared_files import EXTERNAL  # noqa: E402
@@ -147,10 +147,10 @@ def test_a_pickle_is_read_from_its_file_and_bounded_by_its_size(tmp_path, monkey
     path = tmp_path / "s.pickle"
     snap = {"device_traces": [_odd_entries()[:100]]}
     path.write_bytes(pickle.dumps(snap, protocol=4))
-    from gpudash.trace import torch_snapshot
+    from gpudash.formats import torch_snapshot
 
     reads = []
-    real_open = torch_snapshot._open_regular
+    real_open = torch_snapshot.open_regular
 
     class Watched:
         def __init__(self, f):
@@ -169,7 +169,7 @@ def test_a_pickle_is_read_from_its_file_and_bounded_by_its_size(tmp_path, monkey
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(torch_snapshot, "_open_regular", lambda p: Watched(real_open(p)))
+    monkeypatch.setattr(torch_snapshot, "open_regular", lambda p: Watched(real_open(p)))
     got, nbytes = torch_snapshot._load_snapshot_dict(path)
     assert nbytes == path.stat().st_size
     assert reads and () not in reads and (-1,) not in reads   # never the whole file at once

@@ -25,11 +25,11 @@ from gpudash import CachingAllocator, GpudashWarning, SimulatedDevice, TraceForm
 from gpudash.cli import main
 from gpudash.trace import load_trace, read_trace
 from gpudash.trace.diff import leaks
-from gpudash.trace.format import PRE_EXISTING_HOLDER
-from gpudash.trace.io import sniff_format
+from gpudash.formats.format import PRE_EXISTING_HOLDER
+from gpudash.formats.io import sniff_format
 from gpudash.trace.replay import replay
-from gpudash.trace.stacks import Frame
-from gpudash.trace.torch_profile import MAX_STACK_DEPTH, innermost, load_torch_profile
+from gpudash.formats.stacks import Frame
+from gpudash.formats.torch_profile import MAX_STACK_DEPTH, innermost, load_torch_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = Path(__file__).parent / "data" / "real"

@@ -8,8 +8,8 @@ import pytest
 
 from gpudash import ConfigError
 from gpudash.trace.replay import replay
-from gpudash.trace.torch_snapshot import load_torch_snapshot
-from gpudash.trace.workloads import caching_snapshot, finetune_calls, training_loop
+from gpudash.formats.torch_snapshot import load_torch_snapshot
+from gpudash.workloads import caching_snapshot, finetune_calls, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

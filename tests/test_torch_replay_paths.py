@@ -15,7 +15,7 @@ from gpudash import CachingAllocator, SimulatedDevice
 from gpudash.caching import PyCachingAllocator
 from gpudash.trace import load_torch_snapshot, replay
 from gpudash.trace import torch_replay as trp
-from gpudash.trace.torch_trace import (
+from gpudash.formats.torch_trace import (
     ACTIONS,
     TorchTrace,
     _blocks_of,

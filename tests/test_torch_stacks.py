@@ -18,8 +18,8 @@ import pytest
 from gpudash import TraceFormatError
 from gpudash.events import EventKind
 from gpudash.trace import load_trace
-from gpudash.trace.stacks import Frame
-from gpudash.trace.torch_snapshot import load_torch_snapshot, load_torch_snapshot_dict
+from gpudash.formats.stacks import Frame
+from gpudash.formats.torch_snapshot import load_torch_snapshot, load_torch_snapshot_dict
 
 
 from shared_files import EXTERNAL  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpudash.trace.torch_replay import from_snapshot, replay_exact
-from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+from gpudash.formats.torch_snapshot import load_torch_snapshot_dict
 
 VECTORS = Path(__file__).resolve().parent / "data" / "torch_vectors"
 FILES = sorted(p.stem for p in VECTORS.glob("*.json")) if VECTORS.is_dir() else []

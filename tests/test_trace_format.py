@@ -13,8 +13,8 @@ import gpudash.trace as gt
 from gpudash import GpudashWarning, TraceFormatError
 from gpudash.events import COLUMN_DTYPES, COLUMNS, Event, EventKind
 from gpudash.trace import Trace, TraceWriter, read_trace, write_trace
-from gpudash.trace.format import MAGIC, bin_for_size, round_up_256
-from gpudash.trace.io import sniff_format
+from gpudash.formats.format import MAGIC, bin_for_size, round_up_256
+from gpudash.formats.io import sniff_format
 
 DATA = Path(__file__).parent / "data"
 TRACES = DATA / "traces"
@@ -525,7 +525,7 @@ def test_load_trace_sniffs_torch_and_refuses_unknown(tmp_path):
 def _crafted(tmp_path, *records):
     """A .gdtrace of a valid metadata record then ``records`` ((type, header, payload)),
     each with a correct crc, so only the reader's own checks can refuse them."""
-    from gpudash.trace.format import _record
+    from gpudash.formats.format import _record
 
     data = MAGIC + _record(1, {"format": "crafted"})
     for rtype, header, payload in records:
@@ -580,7 +580,7 @@ def test_crafted_bad_npy_header_is_a_format_error(tmp_path):
 
 
 def test_columns_are_aligned_writable_views_of_the_file_buffer(tmp_path):
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     t = training_loop(steps=2, layers=3, batch=8, hidden=256)
     path = tmp_path / "t.gdtrace"

@@ -14,7 +14,7 @@ from gpudash.trace.whatif import (
     min_fraction,
     sweep,
 )
-from gpudash.trace.workloads import trace_from_calls, training_loop
+from gpudash.workloads import trace_from_calls, training_loop
 
 pytestmark = pytest.mark.core  # runs again on the pure-Python models (.ci/run)
 

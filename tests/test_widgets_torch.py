@@ -195,8 +195,8 @@ def test_a_fraction_below_what_is_reserved_says_what_pytorch_does(comms, tsess, 
 def test_the_what_if_view_of_a_pytorch_trace_speaks_pytorch_s_settings(comms):
     """A PyTorch snapshot replays through PyTorch's model: allocated and reserved lines, an
     expandable_segments toggle, and the minimum fraction with the line that sets it."""
-    from gpudash.trace.torch_snapshot import load_torch_snapshot
-    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.formats.torch_snapshot import load_torch_snapshot
+    from gpudash.workloads import caching_snapshot, finetune_calls
     from gpudash.widgets import WhatIfView
 
     trace = load_torch_snapshot(caching_snapshot(finetune_calls(steps=12, layers=8),
@@ -223,7 +223,7 @@ def test_the_what_if_view_of_a_pytorch_trace_speaks_pytorch_s_settings(comms):
     finally:
         view.close()
     # a TensorFlow trace keeps its view: no toggles, its words
-    from gpudash.trace.workloads import fragmentation_stress
+    from gpudash.workloads import fragmentation_stress
 
     bfc = WhatIfView(fragmentation_stress(rounds=50, seed=1), background=False,
                      min_fraction=False)

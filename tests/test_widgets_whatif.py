@@ -25,7 +25,7 @@ comms = shared.comms  # fixtures shared with the model tests (recording comm)
 
 @pytest.fixture(scope="module")
 def small_trace():
-    from gpudash.trace.workloads import training_loop
+    from gpudash.workloads import training_loop
 
     return training_loop(steps=3, layers=4, hidden=2048)  # peak in use ~270 MiB
 

@@ -1,4 +1,4 @@
-"""Synthetic workloads (gpudash.trace.workloads) and the sample traces built from them."""
+"""Synthetic workloads (gpudash.workloads) and the sample traces built from them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gpudash import BFCAllocator, OutOfMemoryError, SimulatedDevice
 from gpudash.events import EventKind
 from gpudash.trace import read_trace
 from gpudash.trace.replay import replay
-from gpudash.trace.workloads import (
+from gpudash.workloads import (
     WORKLOADS,
     fragmentation_stress,
     fragmentation_stress_calls,
@@ -226,8 +226,8 @@ def test_the_samples_ship_in_the_package():
 
 
 def test_caching_snapshot_is_pytorchs_snapshot_and_stops_at_the_first_oom():
-    from gpudash.trace.torch_snapshot import load_torch_snapshot
-    from gpudash.trace.workloads import caching_snapshot, finetune_calls
+    from gpudash.formats.torch_snapshot import load_torch_snapshot
+    from gpudash.workloads import caching_snapshot, finetune_calls
 
     small = dict(steps=4, layers=4, hidden=1024, max_len=1024)
     fits = caching_snapshot(finetune_calls(**small), device_bytes="4GiB")

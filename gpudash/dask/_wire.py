@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import TraceFormatError
 from .._eventsource import code_counts
 
+from ..formats.format import bins_for_sizes
 from ..events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE
 __all__ = ["TOPIC", "WIRE_VERSION", "encode_table", "decode_table", "encode_records",
            "decode_records", "table_stats", "Layout"]
@@ -74,11 +75,6 @@ def encode_table(table: dict) -> dict:
     }
 
 
-def _bins(sizes: np.ndarray) -> np.ndarray:
-    v = np.maximum(sizes, 256) >> 8
-    return np.minimum(np.frexp(v.astype(np.float64))[1] - 1, 20).astype(np.int8)
-
-
 def decode_table(msg: dict) -> dict[str, np.ndarray]:
     """The chunk table :func:`encode_table` packed, in ``chunk_table()``'s exact form."""
     nr, nc = int(msg["nr"]), int(msg["nc"])
@@ -107,7 +103,7 @@ def decode_table(msg: dict) -> dict[str, np.ndarray]:
         "size": size,
         "requested": requested,
         "alloc_id": aid,
-        "bin": np.where(in_use, -1, _bins(size)).astype(np.int8),
+        "bin": np.where(in_use, -1, bins_for_sizes(size)).astype(np.int8),
         "region": reg_ptr[ri].astype(np.int64) if nc else np.zeros(0, np.int64),
         "in_use": in_use,
         "regions": np.stack([reg_ptr, reg_size], axis=1) if nr else np.zeros((0, 2), np.int64),
@@ -240,7 +236,7 @@ class Layout:
         in_use = aid >= 0
         return {
             "ptr": ptrs, "size": size, "requested": requested, "alloc_id": aid,
-            "bin": np.where(in_use, -1, _bins(size)).astype(np.int8),
+            "bin": np.where(in_use, -1, bins_for_sizes(size)).astype(np.int8),
             "region": regions[ri, 0] if len(ptrs) else np.zeros(0, np.int64),
             "in_use": in_use, "regions": regions,
         }

@@ -80,7 +80,7 @@ def collect_traces(client: Any, path: str | os.PathLike | None = None, *,
     ConfigError
         When no model records this client's cluster.
     """
-    from ..trace.format import Trace, write_trace
+    from ..formats.format import Trace, write_trace
 
     if model is None:
         model = _Hub.recording_model(client)

@@ -19,7 +19,7 @@ import os
 from typing import IO
 
 from .._errors import TraceFormatError
-from .format import Trace, _EventBuilder, _source_name, _text_source
+from .format import Trace, EventBuilder, source_name, text_source
 
 __all__ = ["load_cupy_hook"]
 
@@ -64,10 +64,10 @@ def load_cupy_hook(path_or_file: str | os.PathLike | IO, *, strict: bool = True)
         A line that is not JSON or not a hook record, or a record with a negative size or
         pointer or a device_id outside 0 .. 32767 (names the file and line number).
     """
-    name = _source_name(path_or_file)
-    b = _EventBuilder()
+    name = source_name(path_or_file)
+    b = EventBuilder()
     skipped = failed_device_allocs = 0
-    with _text_source(path_or_file) as f:
+    with text_source(path_or_file) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -39,6 +39,22 @@ reader that does not know the column ignores it, and a file without it reads as 
 A reader keeps every complete, crc-valid record after the metadata and warns about the bytes
 it ignored; it raises :class:`~gpudash.TraceFormatError` only when the file is not a gpudash
 trace or its metadata record is damaged.
+
+Helpers shared by the importers and exporters
+---------------------------------------------
+Public to the modules of :mod:`gpudash.formats` and the layers above it, not user API (they
+are not in ``__all__`` and may change):
+
+- :class:`EventBuilder`: rows appended one event at a time, made into a :class:`Trace`;
+- :func:`bins_for_sizes`: TensorFlow's bin of each size (vectorised :func:`bin_for_size`);
+- :func:`row_regions`: the region (extended block) each row falls in;
+- :func:`device_entries`: ``meta["devices"]`` by index;
+- :func:`check_meta`, :func:`check_values`: what a writer refuses to save;
+- :func:`parse_flag`, :func:`parse_byte_count`: a recorded on/off setting, a byte count;
+- :func:`source_name`, :func:`file_kind`: a source's name and what a non-file is, for messages;
+- :func:`open_regular`, :func:`open_new`, :func:`text_source`: opening a file to read (a
+  regular file only, never blocking on a FIFO), to write (no clobbering unless asked), and a
+  text stream over a path or a file object.
 """
 
 from __future__ import annotations
@@ -113,13 +129,13 @@ def bin_for_size(size: int) -> int:
     return min(20, (max(int(size), 256) >> 8).bit_length() - 1)
 
 
-def _bins(size: np.ndarray) -> np.ndarray:
+def bins_for_sizes(size: np.ndarray) -> np.ndarray:
     """Vectorised :func:`bin_for_size` (exact: values are clipped below 2**21 first)."""
     s = np.minimum(np.maximum(size, 256) >> 8, 1 << 21).astype(np.float64)
     return np.minimum(20, np.floor(np.log2(s))).astype(np.int8)
 
 
-def _device_entries(meta: Mapping) -> dict[int, dict]:
+def device_entries(meta: Mapping) -> dict[int, dict]:
     """``meta["devices"]`` by index (the first entry of each index). Entries that are not
     objects with an integer ``index`` are left out, and so is a ``devices`` that is not a
     list: a trace read from a file had them refused (:func:`read_trace`), and one built in
@@ -142,7 +158,7 @@ def _device_entries(meta: Mapping) -> dict[int, dict]:
     return out
 
 
-# the last ``meta["devices"]`` list _device_entries read: [the list, its key, the entries]
+# the last ``meta["devices"]`` list device_entries read: [the list, its key, the entries]
 _ENTRIES_SEEN: list = []
 
 
@@ -245,7 +261,7 @@ class Trace:
         The call stack each row's source recorded (PyTorch: the frames of each allocator
         call): an index into ``stacks``, or -1 for none. Default: no stacks (None).
     stacks : StackTable, optional
-        The interned frames and stacks ``stack`` indexes (:mod:`gpudash.trace.stacks`).
+        The interned frames and stacks ``stack`` indexes (:mod:`gpudash.formats.stacks`).
 
     Attributes
     ----------
@@ -287,7 +303,7 @@ class Trace:
         self.holder = _check_holder(holder, len(self.columns["seq"]), len(self.holders))
         self.stream = _check_stream(stream, len(self.columns["seq"]))
         if stacks is not None and not isinstance(stacks, StackTable):
-            raise TypeError(f"stacks must be a gpudash.trace.stacks.StackTable; got "
+            raise TypeError(f"stacks must be a gpudash.formats.stacks.StackTable; got "
                             f"{type(stacks).__name__}")
         self.stacks = stacks if stacks is not None else StackTable()
         self.stack = _check_stack(stack, len(self.columns["seq"]), len(self.stacks))
@@ -313,7 +329,7 @@ class Trace:
         meta = dict(traces[0].meta)
         devices: dict[int, dict] = {}
         for t in traces:
-            for i, d in _device_entries(t.meta).items():
+            for i, d in device_entries(t.meta).items():
                 devices.setdefault(i, d)
         meta["devices"] = [devices[i] for i in sorted(devices)]
         settings = []
@@ -404,7 +420,7 @@ class Trace:
         c = self.columns
         kind = int(c["kind"][i])
         device = int(c["device"][i])
-        names = {i: d.get("name") or "" for i, d in _device_entries(self.meta).items()}
+        names = {i: d.get("name") or "" for i, d in device_entries(self.meta).items()}
         setting = old = new = None
         seq = int(c["seq"][i])
         if kind == _LIMIT:
@@ -453,7 +469,7 @@ class Trace:
         return self.stacks.stacks[s] if s >= 0 else None
 
     def frames_of(self, i: int) -> list:
-        """The frames (:class:`~gpudash.trace.stacks.Frame`) of row ``i``'s stack,
+        """The frames (:class:`~gpudash.formats.stacks.Frame`) of row ``i``'s stack,
         innermost first ([] when none was recorded)."""
         return self.stacks.frames_of(-1 if self.stack is None else int(self.stack[i]))
 
@@ -901,7 +917,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _flag(value: Any) -> bool | None:
+def parse_flag(value: Any) -> bool | None:
     """A recorded on/off setting (``allow_growth``, ``garbage_collection``): a JSON
     boolean (or numpy's), None when absent.
 
@@ -922,7 +938,7 @@ def _flag(value: Any) -> bool | None:
     raise ValueError(f"{_short(value)}; expected true or false")
 
 
-def _byte_count(value: Any) -> int | None:
+def parse_byte_count(value: Any) -> int | None:
     """A recorded byte count (``capacity``, ``memory_limit``): an integer 0 .. 2**63-1, or
     None. ValueError for anything else (a string, NaN, infinity, a fraction, a negative)."""
     if value is None:
@@ -933,12 +949,12 @@ def _byte_count(value: Any) -> int | None:
     return int(value)
 
 
-def _check_meta(meta: Mapping, name: str) -> None:
+def check_meta(meta: Mapping, name: str) -> None:
     """Refuse metadata whose ``devices`` a reader of the trace could not use: not a list of
     objects, an ``index`` that is not an integer 0 .. 32767, a ``name`` that is not a
     string, a ``capacity`` or ``memory_limit`` that is not a byte count, ``options`` that
     are not an object, or an ``allow_growth``/``garbage_collection`` that is not a
-    boolean (see :func:`_flag`). The message names the file, the entry and the field."""
+    boolean (see :func:`parse_flag`). The message names the file, the entry and the field."""
     devs = meta.get("devices")
     if devs is None:
         return
@@ -961,10 +977,10 @@ def _check_meta(meta: Mapping, name: str) -> None:
         if opts is not None and not isinstance(opts, dict):
             raise TraceFormatError(f"{where}: 'options' is {_short(opts)}; expected an "
                                    "object")
-        checks = [(d, "capacity", _byte_count), (d, "memory_limit", _byte_count)]
+        checks = [(d, "capacity", parse_byte_count), (d, "memory_limit", parse_byte_count)]
         if opts:
-            checks += [(opts, "memory_limit", _byte_count), (opts, "allow_growth", _flag),
-                       (opts, "garbage_collection", _flag)]
+            checks += [(opts, "memory_limit", parse_byte_count), (opts, "allow_growth", parse_flag),
+                       (opts, "garbage_collection", parse_flag)]
         for holder, key, check in checks:
             try:
                 check(holder.get(key))
@@ -973,7 +989,7 @@ def _check_meta(meta: Mapping, name: str) -> None:
                 raise TraceFormatError(f"{where}: '{field}' is {exc}") from None
 
 
-def _check_values(trace: Trace, name: str) -> None:
+def check_values(trace: Trace, name: str) -> None:
     """Refuse events whose numbers cannot be right: a negative ``size``, a negative
     ``requested`` (but in ``limit`` rows, where it is a setting's old value) or a negative
     ``device``. The message names the file, the event and the value."""
@@ -994,7 +1010,7 @@ def _check_values(trace: Trace, name: str) -> None:
 
 
 # ============================================================================ builder
-class _EventBuilder:
+class EventBuilder:
     """Collects events from an importer and builds a :class:`Trace`.
 
     It applies the conventions for foreign allocators: ids from 1 in allocation order (over
@@ -1114,8 +1130,8 @@ class _EventBuilder:
         }
         kind = cols["kind"]
         sized = np.isin(kind, (_ALLOC, _FREE, _OOM))
-        cols["bin"] = np.where(sized, _bins(cols["size"]), -1).astype(np.int8)
-        cols["region"] = _regions(cols)
+        cols["bin"] = np.where(sized, bins_for_sizes(cols["size"]), -1).astype(np.int8)
+        cols["region"] = row_regions(cols)
         meta = dict(meta)
         if self.devices and not meta.get("devices"):
             meta["devices"] = [self.devices[i] for i in sorted(self.devices)]
@@ -1126,7 +1142,7 @@ class _EventBuilder:
                      else None)
 
 
-def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
+def row_regions(cols: dict[str, np.ndarray]) -> np.ndarray:
     """``region`` for each row: its own address for extend/release, the containing extended
     region (same device; the latest-starting region at or below the address) for alloc and
     free, else 0."""
@@ -1162,12 +1178,12 @@ def _regions(cols: dict[str, np.ndarray]) -> np.ndarray:
 
 
 # ============================================================================ file format
-def _source_name(src: Any) -> str:
+def source_name(src: Any) -> str:
     return os.fspath(src) if isinstance(src, (str, os.PathLike)) else getattr(
         src, "name", "<stream>")
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     """What a file that is not a regular file is, for messages: ``"a FIFO (named pipe)"``."""
     return ("a directory" if stat.S_ISDIR(mode) else
             "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
@@ -1175,7 +1191,7 @@ def _file_kind(mode: int) -> str:
             "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
 
 
-def _open_regular(path: str | os.PathLike) -> BinaryIO:
+def open_regular(path: str | os.PathLike) -> BinaryIO:
     """``open(path, "rb")`` for a regular file only.
 
     A FIFO, a device, a socket or a directory is refused with a
@@ -1188,7 +1204,7 @@ def _open_regular(path: str | os.PathLike) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(mode)}, not a trace "
+            raise TraceFormatError(f"{os.fspath(path)}: is {file_kind(mode)}, not a trace "
                                    "file")
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -1197,12 +1213,12 @@ def _open_regular(path: str | os.PathLike) -> BinaryIO:
 
 
 @contextlib.contextmanager
-def _text_source(src: Any, newline: str | None = None) -> Iterator[IO[str]]:
-    """A text stream over a path (a regular file: see :func:`_open_regular`), a binary file
+def text_source(src: Any, newline: str | None = None) -> Iterator[IO[str]]:
+    """A text stream over a path (a regular file: see :func:`open_regular`), a binary file
     object or a text file object (undecodable bytes replaced; a caller's file object is left
     open)."""
     if isinstance(src, (str, os.PathLike)):
-        with _open_regular(src) as raw, io.TextIOWrapper(
+        with open_regular(src) as raw, io.TextIOWrapper(
                 raw, encoding="utf-8", errors="replace", newline=newline) as f:
             yield f
     elif isinstance(src, io.TextIOBase):
@@ -1247,14 +1263,14 @@ def _record(rtype: int, header: Any, payload: bytes = b"", what: str = "metadata
     return head + struct.pack("<I", crc) + js + payload
 
 
-def _open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
+def open_new(path: str | os.PathLike, overwrite: bool, mode: str = "b") -> BinaryIO:
     try:
         st = os.stat(path)
     except OSError:
         st = None
     if st is not None and overwrite and not stat.S_ISREG(st.st_mode):
         # opening a FIFO to write would wait for a reader; a device is no trace file
-        raise TraceFormatError(f"{os.fspath(path)}: is {_file_kind(st.st_mode)}; a trace is "
+        raise TraceFormatError(f"{os.fspath(path)}: is {file_kind(st.st_mode)}; a trace is "
                                "written to a regular file")
     try:
         return open(path, ("w" if overwrite else "x") + mode)
@@ -1307,7 +1323,7 @@ class TraceWriter:
         self._stacks = StackTable()            # the file's stack table
         self._frames_written = self._stacks_written = 0
         first = MAGIC + _record(_REC_META, self.meta)
-        self._file: BinaryIO | None = _open_new(self.path, overwrite)
+        self._file: BinaryIO | None = open_new(self.path, overwrite)
         self._write(first)
         self._last_flush = time.monotonic()
 
@@ -1339,7 +1355,7 @@ class TraceWriter:
             none) and its string table (see :class:`Trace`).
         stack, stacks : optional
             For a dict of columns: the stack of each row (index into ``stacks``, -1 for none)
-            and its :class:`~gpudash.trace.stacks.StackTable`.
+            and its :class:`~gpudash.formats.stacks.StackTable`.
         """
         if self._file is None:
             raise ValueError(f"TraceWriter for {self.path} is closed")
@@ -1520,12 +1536,12 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
         an ``allow_growth`` that is not true or false...), or an event has a negative size,
         requested size or device.
     """
-    name = _source_name(path)
+    name = source_name(path)
     if isinstance(path, (str, os.PathLike)):
         # one writable buffer; the columns of the batches are numpy views into it (no copy)
         # (a numpy buffer, not a bytearray: a bytearray freed by the garbage collector while
         # a view of it is alive reports a SystemError)
-        with _open_regular(path) as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             buf = np.empty(size, dtype=np.uint8)
             got = f.readinto(memoryview(buf))
@@ -1616,7 +1632,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
             f"{name}: no end record after {recno} records (the writer was not closed); "
             f"read {n_events} events in {len(batches)} batches", GpudashWarning,
             stacklevel=2)
-    _check_meta(meta, name)
+    check_meta(meta, name)
     if not batches:
         return Trace(None, meta, settings, holders=holders, stacks=stacks)
     stream = stack = None
@@ -1635,7 +1651,7 @@ def read_trace(path: str | os.PathLike | BinaryIO) -> Trace:
     holder = cols.pop("holder")
     trace = Trace(cols, meta, settings, holder=holder, holders=holders, stream=stream,
                   stack=stack, stacks=stacks)
-    _check_values(trace, name)
+    check_values(trace, name)
     return trace
 
 

@@ -20,7 +20,7 @@ format                    recognised by                                        l
                           ``.json.gz``)
 ========================  ===================================================  ==============
 
-A directory is read as a profile (:func:`gpudash.trace.xplane.find_profile`): the newest run
+A directory is read as a profile (:func:`gpudash.formats.xplane.find_profile`): the newest run
 of a TensorBoard log directory, unless ``run=`` names one.
 """
 
@@ -40,8 +40,8 @@ import numpy as np
 
 from .._errors import GpudashError, TraceFormatError
 from .cupy_hook import load_cupy_hook
-from .format import (MAGICS, MAX_DEVICE, Trace, _check_meta, _check_values, _device_entries,
-                     _file_kind, _open_regular, read_trace, write_trace)
+from .format import (MAGICS, MAX_DEVICE, Trace, check_meta, check_values, device_entries,
+                     file_kind, open_regular, read_trace, write_trace)
 from .perfetto import write_chrome_trace
 from .rmm_csv import layout_of as rmm_layout
 from .rmm_csv import load_rmm_csv
@@ -93,7 +93,7 @@ def sniff_format(path: str | os.PathLike) -> str | None:
         return "xplane" if _is_profile_dir(path) else None
     if os.fspath(path).endswith(".xplane.pb"):
         return "xplane"
-    with _open_regular(path) as f:
+    with open_regular(path) as f:
         head = f.read(_HEAD)
     if head[:2] == b"\x1f\x8b":   # gzip: only PyTorch's profiler traces come compressed
         text = gunzip_head(head, _HEAD).lstrip(b"\xef\xbb\xbf \t\r\n")
@@ -188,8 +188,8 @@ def load_trace(path: str | os.PathLike, format: str | None = None, **options) ->
             f"{os.fspath(path)}: not a readable {format} trace ({type(exc).__name__}"
             f"{': ' + detail[:300] if detail else ''})") from exc
     if isinstance(trace, Trace):
-        _check_meta(trace.meta, os.fspath(path))
-        _check_values(trace, os.fspath(path))
+        check_meta(trace.meta, os.fspath(path))
+        check_values(trace, os.fspath(path))
     return trace
 
 
@@ -209,7 +209,7 @@ def _check_input(path: Any) -> Any:
     if stat.S_ISDIR(st.st_mode):
         return path  # a TensorBoard log directory; the xplane reader says if it is not one
     if not stat.S_ISREG(st.st_mode):
-        raise TraceFormatError(f"{name}: is {_file_kind(st.st_mode)}, not a trace file")
+        raise TraceFormatError(f"{name}: is {file_kind(st.st_mode)}, not a trace file")
     if st.st_size == 0:
         raise TraceFormatError(f"{name}: the file is empty")
     return path
@@ -219,12 +219,12 @@ def save_trace(trace: Trace, path: str | os.PathLike, format: str = "gdtrace",
                overwrite: bool = False, **options: Any) -> Any:
     """Save ``trace`` as ``gdtrace`` (lossless), ``torch-json``, ``torch-pickle`` or
     ``perfetto`` (Chrome Trace Event JSON of its memory:
-    :func:`gpudash.trace.perfetto.write_chrome_trace`, which takes ``options``: ``merge``,
+    :func:`gpudash.formats.perfetto.write_chrome_trace`, which takes ``options``: ``merge``,
     ``devices``, ``max_points``, ``offset_ns``).
 
     Returns
     -------
-    None, or for ``perfetto`` what :func:`~gpudash.trace.perfetto.write_chrome_trace` returns.
+    None, or for ``perfetto`` what :func:`~gpudash.formats.perfetto.write_chrome_trace` returns.
 
     Raises
     ------
@@ -312,7 +312,7 @@ def load_ranks(files: Any, format: str | None = None, **options) -> Trace:
         t = load_trace(path, format, **options)
         rank = _rank_name(path, taken)
         ranks.append({"name": rank, "file": path})
-        known = _device_entries(t.meta)
+        known = device_entries(t.meta)
         devs = sorted(set(np.unique(t.columns["device"]).tolist()) | set(known)) or [0]
         if next_dev + len(devs) > MAX_DEVICE + 1:
             raise TraceFormatError(f"{path}: the ranks up to this file hold "

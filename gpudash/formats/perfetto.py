@@ -85,7 +85,7 @@ from ..events import (
     ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM,
 )
 from ..models import trace_model
-from .format import Trace, _device_entries, _file_kind
+from .format import Trace, device_entries, file_kind
 
 __all__ = ["DEFAULT_MAX_POINTS", "PID_BASE", "read_profiler_trace", "to_chrome_trace",
            "wall_clock_problem", "write_chrome_trace"]
@@ -304,7 +304,7 @@ def _device_list(trace: Trace, devices: Any) -> list[tuple[int, str]]:
     names = {i: (str(d.get("name")) if d.get("name") else f"device {i}")
              for i, d in known.items()}
     for i in np.unique(trace.columns["device"]).tolist():
-        names.setdefault(int(i), _device_entries(trace.meta).get(int(i), {}).get("name")
+        names.setdefault(int(i), device_entries(trace.meta).get(int(i), {}).get("name")
                          or f"device {int(i)}")
     if devices is None:
         return sorted(names.items())
@@ -533,7 +533,7 @@ def _regular_input(path: Any, what: str) -> str:
     except OSError as exc:
         raise TraceFormatError(f"{name}: cannot read it ({exc.strerror or exc})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise TraceFormatError(f"{name}: is {_file_kind(st.st_mode)}, not a {what} file")
+        raise TraceFormatError(f"{name}: is {file_kind(st.st_mode)}, not a {what} file")
     if st.st_size == 0:
         raise TraceFormatError(f"{name}: the file is empty")
     return name
@@ -624,7 +624,7 @@ def _check_target(path: Any, overwrite: bool) -> str:
     except OSError:
         return name
     if not stat.S_ISREG(st.st_mode):
-        raise TraceFormatError(f"{name}: is {_file_kind(st.st_mode)}; a Chrome trace is "
+        raise TraceFormatError(f"{name}: is {file_kind(st.st_mode)}; a Chrome trace is "
                                "written to a regular file")
     if not overwrite:
         raise TraceFormatError(f"{name} already exists; pass overwrite=True to replace it")

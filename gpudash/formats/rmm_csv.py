@@ -30,7 +30,7 @@ import re
 from typing import IO
 
 from .._errors import ConfigError, TraceFormatError
-from .format import MAX_DEVICE, Trace, _EventBuilder, _source_name, _text_source
+from .format import MAX_DEVICE, Trace, EventBuilder, source_name, text_source
 
 __all__ = ["load_rmm_csv", "device_from_filename"]
 
@@ -126,7 +126,7 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
     ConfigError
         ``device`` is not an integer 0 .. 32767.
     """
-    name = _source_name(path_or_file)
+    name = source_name(path_or_file)
     if device is not None:
         if isinstance(device, bool) or not isinstance(device, int) \
                 or not 0 <= device <= MAX_DEVICE:
@@ -138,14 +138,14 @@ def load_rmm_csv(path_or_file: str | os.PathLike | IO, *, device: int | None = N
                                    f"{MAX_DEVICE}")
     given = device
     device = device or 0
-    b = _EventBuilder()
+    b = EventBuilder()
     b.add_device(device, f"cuda:{device}")
     threads: set[str] = set()
     streams: set[str] = set()
     null_frees = null_allocs = 0
     day = 0
     prev = None
-    with _text_source(path_or_file, newline="") as f:
+    with text_source(path_or_file, newline="") as f:
         first = f.readline()
         f.seek(0)
         kind = layout_of(first)
@@ -210,7 +210,7 @@ def _load_rmm012(f: IO, name: str, device: int | None) -> Trace:
     """RMM <= 0.12's ``rmm.csv_log()`` layout."""
     reader = csv.DictReader(f, skipinitialspace=True)
     reader.fieldnames = [h.strip() for h in (reader.fieldnames or [])]
-    b = _EventBuilder()
+    b = EventBuilder()
     devices: set[int] = set()
     streams: set[str] = set()
     null = 0

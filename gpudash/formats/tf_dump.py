@@ -53,7 +53,7 @@ from typing import IO
 
 from .._errors import TraceFormatError
 from ..bfc import AllocatorStats, BinSummary, MemChunk, MemoryDump, RegionInfo
-from .format import _open_regular, _source_name, _text_source, bin_for_size, round_up_256
+from .format import open_regular, source_name, text_source, bin_for_size, round_up_256
 
 __all__ = ["read_dumps", "read_log_dumps", "read_memory_dump_pb", "parse_human_bytes",
            "is_memory_dump_pb"]
@@ -218,10 +218,10 @@ def read_log_dumps(path_or_file: str | os.PathLike | IO) -> list[MemoryDump]:
         A dump line whose numbers cannot be right (a size of 400 digits, an address of
         2**63 or more): names the file and line.
     """
-    name = _source_name(path_or_file)
+    name = source_name(path_or_file)
     raws: list[_Raw] = []
     cur: _Raw | None = None
-    with _text_source(path_or_file) as f:
+    with text_source(path_or_file) as f:
         for lineno, line in enumerate(f, 1):
             where = f"{name}, line {lineno}"
             body = _body(line)
@@ -582,7 +582,7 @@ def read_memory_dump_pb(path: str | os.PathLike) -> MemoryDump:
     from ..proto import bfc_memory_map_pb2
 
     p = Path(path)
-    with _open_regular(p) as f:
+    with open_regular(p) as f:
         data = f.read()
     try:
         md = bfc_memory_map_pb2.MemoryDump.FromString(data)
@@ -678,7 +678,7 @@ def read_dumps(path: str | os.PathLike) -> list[MemoryDump]:
     """
     p = Path(path)
     try:
-        with _open_regular(p) as f:
+        with open_regular(p) as f:
             head = f.read(4096)
     except OSError as exc:
         raise TraceFormatError(f"{p}: cannot read it ({exc.strerror or exc})") from None

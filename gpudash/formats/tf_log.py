@@ -33,7 +33,7 @@ import re
 from typing import IO, Any
 
 from .._errors import TraceFormatError
-from .format import (PRE_EXISTING_HOLDER, Trace, _EventBuilder, _source_name, _text_source,
+from .format import (PRE_EXISTING_HOLDER, Trace, EventBuilder, source_name, text_source,
                      round_up_256)
 
 __all__ = ["load_tf_log"]
@@ -126,7 +126,7 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     Notes
     -----
     *Dumps.* A log without verbose allocator lines (what users paste) still shows the state at
-    an out-of-memory error in the allocator's dump (:mod:`gpudash.trace.tf_dump`). When an
+    an out-of-memory error in the allocator's dump (:mod:`gpudash.formats.tf_dump`). When an
     allocator has no events before its first dump, that dump's state becomes events at the
     error's time: one ``extend`` per region and one ``alloc`` per chunk in use (``requested``
     = the chunk's size, holder the chunk's op or "(in use before the profile)"), then the
@@ -147,8 +147,8 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     """
     from .tf_dump import read_log_dumps
 
-    name = _source_name(path_or_file)
-    with _text_source(path_or_file) as f:
+    name = source_name(path_or_file)
+    with text_source(path_or_file) as f:
         text = f.read()
     try:
         dumps = read_log_dumps(io.StringIO(text))
@@ -163,7 +163,7 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
                   and d.allocator_name in ("", alloc)]
         return before[-1] if before and (before[-1].extra["line"] == lineno
                                          or before[-1].extra.get("request")) else None
-    b = _EventBuilder()
+    b = EventBuilder()
     index: dict[str, int] = {}
     limits: dict[str, int] = {}
     gpu_limits: dict[str, int] = {}

@@ -20,7 +20,7 @@ import os
 from typing import IO, Any
 
 from .._errors import TraceFormatError
-from .format import Trace, _EventBuilder, _byte_count, _flag, _open_regular, _source_name
+from .format import Trace, EventBuilder, parse_byte_count, parse_flag, open_regular, source_name
 
 __all__ = ["load_tf_vectors", "load_vector_json"]
 
@@ -38,10 +38,10 @@ def load_vector_json(path_or_file: str | os.PathLike | IO) -> dict:
     TraceFormatError
         Not JSON, or no ``steps`` list.
     """
-    name = _source_name(path_or_file)
+    name = source_name(path_or_file)
     try:
         if isinstance(path_or_file, (str, os.PathLike)):
-            with _open_regular(path_or_file) as f:
+            with open_regular(path_or_file) as f:
                 data = json.load(f)
         else:
             data = json.load(path_or_file)
@@ -81,9 +81,9 @@ def load_tf_vectors(path_or_file: str | os.PathLike | IO | dict) -> Trace:
         if not isinstance(data.get("steps"), list):
             raise TraceFormatError(f"{name}: expected a JSON object with a 'steps' list")
     else:
-        name, data = _source_name(path_or_file), load_vector_json(path_or_file)
+        name, data = source_name(path_or_file), load_vector_json(path_or_file)
     settings = _settings(data, name)
-    b = _EventBuilder()
+    b = EventBuilder()
     limit = settings.get("memory_limit")
     b.add_device(0, data.get("allocator_name", ALLOCATOR_NAME), limit, settings or None)
     stats: list[list[int]] = []
@@ -122,8 +122,8 @@ def _settings(data: dict, name: str) -> dict[str, Any]:
     ``garbage_collection`` (JSON true or false), those it has; a TraceFormatError naming
     the file and field for other values (the string "false" included)."""
     out: dict[str, Any] = {}
-    for key, check in (("memory_limit", _byte_count), ("allow_growth", _flag),
-                       ("garbage_collection", _flag)):
+    for key, check in (("memory_limit", parse_byte_count), ("allow_growth", parse_flag),
+                       ("garbage_collection", parse_flag)):
         if key in data:
             try:
                 out[key] = check(data[key])

@@ -124,8 +124,8 @@ from typing import IO, Any
 import numpy as np
 
 from .._errors import GpudashWarning, TraceFormatError
-from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, _bins, _open_regular,
-                     _regions, _source_name)
+from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, bins_for_sizes, open_regular,
+                     row_regions, source_name)
 from .stacks import STACK_DTYPE, StackTable
 
 from ..events import ALLOC as _ALLOC, FREE as _FREE
@@ -162,7 +162,7 @@ _NO_MEMORY = ("a PyTorch profiler trace without memory events: record it with "
 def _read(path_or_file: str | os.PathLike | IO, name: str) -> tuple[bytes, int]:
     """The JSON text of the file (gunzipped when it is gzip) and the bytes read from disk."""
     if isinstance(path_or_file, (str, os.PathLike)):
-        with _open_regular(path_or_file) as f:
+        with open_regular(path_or_file) as f:
             data = f.read()
     else:
         data = path_or_file.read()
@@ -582,7 +582,7 @@ def load_torch_profile(path_or_file: str | os.PathLike | IO, *,
         a value that cannot be what its field means, or a file that would expand past
         gpudash's bounds (the message names the file and the event).
     """
-    name = _source_name(path_or_file)
+    name = source_name(path_or_file)
     if cpu is not None and not isinstance(cpu, bool):
         raise TypeError(f"cpu must be True, False or None; got {cpu!r}")
     text, nbytes = _read(path_or_file, name)
@@ -854,8 +854,8 @@ def _build(rows: np.ndarray, t: np.ndarray, device: np.ndarray, addr: np.ndarray
                                   r_dev[order]]).astype(np.int16),
     }
     cols["requested"] = cols["size"].copy()
-    cols["bin"] = _bins(cols["size"])
-    cols["region"] = _regions(cols)
+    cols["bin"] = bins_for_sizes(cols["size"])
+    cols["region"] = row_regions(cols)
     holder = np.concatenate([np.full(m, pre_h, dtype=HOLDER_DTYPE), r_holder[order]])
     stack_col = np.concatenate([np.full(m, -1, dtype=STACK_DTYPE), r_stack[order]])
     info = {"pre_blocks": pre_blocks, "pre_bytes": pre_bytes, "unmatched": len(unmatched),

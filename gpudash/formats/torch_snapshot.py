@@ -30,7 +30,7 @@ Loading
 A pickle is unpickled from its file (not from a copy of it in memory), with Python's
 garbage collector paused for the load (each of its full collections would walk every
 object of the snapshot). Each device's entries are then read in bulk into columns, a few
-thousand at a time (:func:`~gpudash.trace.torch_trace.read_entries`), and, when the
+thousand at a time (:func:`~gpudash.formats.torch_trace.read_entries`), and, when the
 snapshot was loaded from a file, released as they are read, so the columns grow into the
 memory the entries leave: a load takes no more memory than ``pickle.load`` of the file.
 
@@ -79,7 +79,7 @@ from .._gc import collector_paused
 from ..events import (
     EventKind, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE, OOM as _OOM,
 )
-from .format import Trace, _bins, _device_entries, _open_new, _open_regular, _regions, _source_name
+from .format import Trace, bins_for_sizes, device_entries, open_new, open_regular, row_regions, source_name
 from .stacks import StackTable
 from .torch_trace import (
     _MAX_DEVICE,
@@ -144,9 +144,9 @@ def load_torch_snapshot_dict(path_or_file: str | os.PathLike | IO) -> dict:
 
 def _load_snapshot_dict(path_or_file: str | os.PathLike | IO) -> tuple[dict, int]:
     """:func:`load_torch_snapshot_dict` and the size of the file in bytes."""
-    name = _source_name(path_or_file)
+    name = source_name(path_or_file)
     if isinstance(path_or_file, (str, os.PathLike)):
-        with _open_regular(path_or_file) as f:
+        with open_regular(path_or_file) as f:
             if f.peek(1)[:1] == b"\x80":    # a pickle: read from the file, not a copy of it
                 obj = _unpickle(f, name)
                 return _snapshot_of(obj, name), os.fstat(f.fileno()).st_size
@@ -476,7 +476,7 @@ def load_torch_snapshot(path_or_file: str | os.PathLike | IO | dict, *,
     with collector_paused():
         if isinstance(path_or_file, dict):
             return _import(path_or_file, "<dict>", None, reconstruct, release=False)
-        name = _source_name(path_or_file)
+        name = source_name(path_or_file)
         snap, nbytes = _load_snapshot_dict(path_or_file)
         return _import(snap, name, nbytes, reconstruct, release=True)
 
@@ -680,7 +680,7 @@ def _rows_to_trace(parts: list[tuple], devices: list[int], final_blocks: dict, m
     as a :class:`Trace`: ids from 1 in allocation order, each free paired with the live
     allocation at its address (taking its size, request, id and stream), sizes of refused
     requests rounded to 256, ``bin`` and ``region`` filled in, as an importer's builder
-    does (:class:`~gpudash.trace.format._EventBuilder`)."""
+    does (:class:`~gpudash.formats.format.EventBuilder`)."""
     cols = [np.concatenate([p[k] for p in parts]) if parts else
             np.zeros(0, dt) for k, dt in enumerate((np.int64, np.int8, np.int16, np.int64,
                                                     np.int8, np.int64, np.int64, np.int64,
@@ -737,8 +737,8 @@ def _rows_to_trace(parts: list[tuple], devices: list[int], final_blocks: dict, m
     columns = {"seq": np.arange(n, dtype=np.int64), "time_ns": t, "kind": kind, "ptr": ptr,
                "size": size, "requested": requested, "alloc_id": alloc_id, "device": dev}
     sized = is_a | is_f | is_o
-    columns["bin"] = np.where(sized, _bins(size), -1).astype(np.int8)
-    columns["region"] = _regions(columns)
+    columns["bin"] = np.where(sized, bins_for_sizes(size), -1).astype(np.int8)
+    columns["region"] = row_regions(columns)
     return Trace(columns, meta, stream=stream if stream.any() else None,
                  stack=sid if (sid >= 0).any() else None, stacks=stacks.table)
 
@@ -849,7 +849,7 @@ def _snapshot_dict(trace: Trace) -> dict:
     sid_col = trace.stack_ids().tolist()
     out = _FramesOut(trace.stacks)
     entry = out.entry
-    devices = set(dev_col) | set(_device_entries(trace.meta))
+    devices = set(dev_col) | set(device_entries(trace.meta))
     n_dev = max(devices) + 1 if devices else 0
     traces: list[list[dict]] = [[] for _ in range(n_dev)]
     allocs: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -1064,7 +1064,7 @@ def save_torch_snapshot(trace: Trace, path: str | os.PathLike, *, overwrite: boo
     if format not in ("json", "pickle"):
         raise ValueError(f"format must be 'json' or 'pickle'; got {format!r}")
     snap = _snapshot_dict(trace)
-    with _open_new(path, overwrite) as f:
+    with open_new(path, overwrite) as f:
         if format == "pickle":
             pickle.dump(snap, f, protocol=4)
         else:

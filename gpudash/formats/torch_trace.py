@@ -1,7 +1,7 @@
 """One device's PyTorch trace as arrays, and what a snapshot says existed before it.
 
 The data side of PyTorch's snapshots, shared by the importer
-(:mod:`gpudash.trace.torch_snapshot`) and exact replay (:mod:`gpudash.trace.torch_replay`):
+(:mod:`gpudash.formats.torch_snapshot`) and exact replay (:mod:`gpudash.trace.torch_replay`):
 
 - :class:`TorchTrace`: a device's ``device_traces`` entries as numpy columns (action codes
   :data:`ACTIONS`, addresses, sizes, streams) with the final segments and settings;
@@ -555,7 +555,7 @@ _T_MAX = 1 << 53
 
 
 class StackInterner:
-    """PyTorch's frames as a :class:`~gpudash.trace.stacks.StackTable`, each frame dict and
+    """PyTorch's frames as a :class:`~gpudash.formats.stacks.StackTable`, each frame dict and
     each distinct stack read once.
 
     A pickle shares equal frames as one dict object, but makes a frames list per call, so a

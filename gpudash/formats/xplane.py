@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import GpudashWarning, TraceFormatError
-from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, _bins,
-                     _file_kind, _open_regular, _regions)
+from .format import (HOLDER_DTYPE, MAX_DEVICE, PRE_EXISTING_HOLDER, Trace, bins_for_sizes,
+                     file_kind, open_regular, row_regions)
 
 __all__ = ["load_xplane", "find_profile", "PRE_EXISTING_HOLDER"]
 
@@ -106,7 +106,7 @@ def find_profile(path: str | os.PathLike, run: str | None = None) -> list[Path]:
     if stat.S_ISREG(mode):
         return [p]
     if not stat.S_ISDIR(mode):
-        raise TraceFormatError(f"{p}: is {_file_kind(mode)}, not a profile (an "
+        raise TraceFormatError(f"{p}: is {file_kind(mode)}, not a profile (an "
                                f"*{_SUFFIX} file or a directory holding some)")
     files = sorted(p.glob("*" + _SUFFIX))
     if files and run is None:
@@ -515,7 +515,7 @@ def load_xplane(path: str | os.PathLike, run: str | None = None) -> Trace:
     seen_planes: list[str] = []
     for i, f in enumerate(files):
         try:
-            with _open_regular(f) as fh:
+            with open_regular(f) as fh:
                 data = fh.read()
         except OSError as exc:
             raise TraceFormatError(f"{f}: cannot read it ({exc.strerror or exc})") from None
@@ -698,8 +698,8 @@ def _build(c: dict[str, np.ndarray], table: list[str], files: list[Path], path: 
     }
     total = len(cols["kind"])
     cols["seq"] = np.arange(total, dtype=np.int64)
-    cols["bin"] = _bins(cols["size"])
-    cols["region"] = _regions(cols)
+    cols["bin"] = bins_for_sizes(cols["size"])
+    cols["region"] = row_regions(cols)
     unmatched_allocs = int(np.count_nonzero((g_kind == 1) & np.r_[same[1:], False]
                                             & np.r_[g_kind[1:] == 1, False]))
     if inconsistent or unmatched_allocs:

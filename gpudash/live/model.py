@@ -1056,12 +1056,12 @@ class LiveModel(traitlets.HasTraits):
 
     def stack_table(self) -> Any:
         """The session's allocating stacks (``Session(record_stacks=True)``) as a
-        :class:`~gpudash.trace.stacks.StackTable` with the session's stack ids (kept and
+        :class:`~gpudash.formats.stacks.StackTable` with the session's stack ids (kept and
         extended as the session meets new stacks), or None when it records none."""
         stacks = getattr(self._session, "stacks", None)
         if stacks is None:
             return None
-        from ..trace.stacks import StackTable
+        from ..formats.stacks import StackTable
 
         with self._stack_lock:
             st = self._stack_table

@@ -265,7 +265,7 @@ class TorchMonitor(Monitor):
         """Replay what PyTorch's allocator did through gpudash's model of it.
 
         Reads :meth:`snapshot` (or takes ``snapshot``), imports it
-        (:func:`gpudash.trace.torch_snapshot.load_torch_snapshot`) and replays one device
+        (:func:`gpudash.formats.torch_snapshot.load_torch_snapshot`) and replays one device
         with :func:`gpudash.trace.replay.replay`: exactly (the snapshot's own segment
         addresses and release points), on the device's total memory, with the fraction
         PyTorch reports (``torch.cuda.get_per_process_memory_fraction``, where one below 1
@@ -290,7 +290,7 @@ class TorchMonitor(Monitor):
             monitor was started with ``history=0``).
         """
         from ..trace.replay import replay
-        from ..trace.torch_snapshot import load_torch_snapshot
+        from ..formats.torch_snapshot import load_torch_snapshot
 
         i = self._ids[0] if device is None else device
         if isinstance(i, bool) or not isinstance(i, int) or i not in self._ids:

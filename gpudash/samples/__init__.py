@@ -73,6 +73,6 @@ def path(name: str) -> Path:
 
 def load(name: str):
     """Load one sample as a trace (:func:`gpudash.trace.load_trace`)."""
-    from ..trace.io import load_trace
+    from ..formats.io import load_trace
 
     return load_trace(path(name))

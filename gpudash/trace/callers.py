@@ -2,7 +2,7 @@
 
 The building blocks of attribution (:mod:`gpudash.trace.holders`,
 :mod:`gpudash.trace.categories`, :mod:`gpudash.trace.diff`), computed once per distinct frame
-and stack of a trace's :class:`~gpudash.trace.stacks.StackTable` and mapped to rows by stack id
+and stack of a trace's :class:`~gpudash.formats.stacks.StackTable` and mapped to rows by stack id
 (a million events cost a gather, not a million Python calls).
 
 The user's code
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ConfigError
-from .stacks import Frame, StackTable
+from ..formats.stacks import Frame, StackTable
 
 __all__ = ["UserCode", "user_code_rule", "call_sites", "CallSites", "short_paths",
            "annotation_ranges", "annotations_at", "NO_STACK", "NO_ANNOTATION",

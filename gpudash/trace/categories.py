@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .callers import AnnotationRanges, annotations_at
-from .stacks import StackTable
+from ..formats.stacks import StackTable
 
 __all__ = ["CATEGORIES", "RULES", "Categorized", "categorize", "stack_flags"]
 

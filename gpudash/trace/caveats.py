@@ -17,7 +17,7 @@ import numpy as np
 
 from .._units import format_bytes
 from ..events import EventKind
-from .format import Trace, _device_entries
+from ..formats.format import Trace, device_entries
 
 __all__ = ["trace_warnings", "no_events_text", "from_dump_note"]
 
@@ -27,7 +27,7 @@ _CONSEQUENCE = ("a fit here does not mean the job fits, and what-if's smallest f
 
 
 def _name(trace: Trace, device: int) -> str:
-    d = _device_entries(trace.meta).get(device)
+    d = device_entries(trace.meta).get(device)
     return str(d["name"]) if d is not None and d.get("name") else ""
 
 

@@ -27,7 +27,7 @@ from .._errors import ConfigError
 from .._units import format_bytes
 from ..models import trace_model
 from .callers import annotation_ranges, user_code_rule
-from .format import Trace
+from ..formats.format import Trace
 from .holders import (BY, HolderTable, _default_by, _group, _holders, _one_device,
                       _parse_at, _rebuilt, allocations, resolve_moment)
 

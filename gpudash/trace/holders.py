@@ -41,8 +41,8 @@ from ..models import trace_model
 from .callers import (NO_ANNOTATION, NO_STACK, CallSites, annotation_ranges, annotations_at,
                       call_sites, frame_text, short_paths, stack_lines, user_code_rule)
 from .categories import CATEGORIES, RULES, categorize, stack_flags
-from .format import PRE_EXISTING_HOLDER, Trace, _device_entries
-from .stacks import Frame
+from ..formats.format import PRE_EXISTING_HOLDER, Trace, device_entries
+from ..formats.stacks import Frame
 
 __all__ = ["top_holders", "HolderBytes", "HolderTable", "Moment", "resolve_moment",
            "allocations", "Allocations", "UNNAMED", "BY", "EventIndexError"]
@@ -222,7 +222,7 @@ def _pair_by_id(rows: np.ndarray, kind: np.ndarray, aid: np.ndarray, dev: np.nda
 def _device_name(trace: Trace, device: int | None) -> str:
     if device is None:
         return "every device"
-    entry = _device_entries(trace.meta).get(device)
+    entry = device_entries(trace.meta).get(device)
     if entry is not None and entry.get("name"):
         return f"device {device} ({entry['name']})"
     return f"device {device}"

@@ -38,7 +38,7 @@ from ..events import (
 from ..models import BFC, TORCH, AllocatorModel, ReplaySettings, model_for, trace_model
 from ..options import GPUOptions
 from ..options import memory_limit as _tf_memory_limit
-from .format import Trace, _byte_count, _device_entries, _flag
+from ..formats.format import Trace, parse_byte_count, device_entries, parse_flag
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
            "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
@@ -96,8 +96,8 @@ _FROM_GPU_OPTIONS = {
 
 # ---------------------------------------------------------------------------------- settings
 def _meta_devices(trace: Trace) -> dict[int, dict]:
-    """``meta["devices"]`` by index; odd entries left out (see ``_device_entries``)."""
-    return _device_entries(trace.meta)
+    """``meta["devices"]`` by index; odd entries left out (see ``device_entries``)."""
+    return device_entries(trace.meta)
 
 
 def _recorded(entry: dict | None, dev: int) -> dict[str, Any]:
@@ -111,16 +111,16 @@ def _recorded(entry: dict | None, dev: int) -> dict[str, Any]:
     try:
         field = "capacity"
         if entry.get("capacity"):
-            out["device_bytes"] = _byte_count(entry["capacity"])
+            out["device_bytes"] = parse_byte_count(entry["capacity"])
         field = "memory_limit"
         if entry.get("memory_limit"):
-            out["memory_limit"] = _byte_count(entry["memory_limit"])
+            out["memory_limit"] = parse_byte_count(entry["memory_limit"])
         elif opts.get("memory_limit"):
             field = "options.memory_limit"
-            out["memory_limit"] = _byte_count(opts["memory_limit"])
+            out["memory_limit"] = parse_byte_count(opts["memory_limit"])
         for key in ("allow_growth", "garbage_collection"):
             field = f"options.{key}"
-            flag = _flag(opts.get(key))
+            flag = parse_flag(opts.get(key))
             if flag is not None:
                 out[key] = flag
     except ValueError as exc:
@@ -423,7 +423,7 @@ def _resolve_bfc(trace: Trace | None, index: DeviceIndex | None, options: Any,
                                              int(s["cc_major"]), environ={})
     for key in ("allow_growth", "garbage_collection"):
         try:
-            s[key] = bool(_flag(s[key]))
+            s[key] = bool(parse_flag(s[key]))
         except ValueError as exc:
             raise ConfigError(f"{key} is {exc}") from None
     s["fragmentation_fraction"] = float(s["fragmentation_fraction"])
@@ -1473,7 +1473,7 @@ roundup_power2_divisions, max_non_split_rounding_mb : optional
 
     Examples
     --------
-    >>> from gpudash.trace.workloads import training_loop
+    >>> from gpudash.workloads import training_loop
     >>> r = replay(training_loop(steps=2, layers=2, hidden=512), device_bytes="1GiB",
     ...            fraction=0.5)
     >>> r.fits, r.memory_limit
@@ -1655,7 +1655,7 @@ def _carry_stacks(result: ReplayResult, trace: Trace, cand_rows: np.ndarray,
                              holders=rec.holders, stream=rec.stream, stack=col,
                              stacks=trace.stacks)
     if result.snapshot is not None:
-        from .torch_snapshot import _with_stacks
+        from ..formats.torch_snapshot import _with_stacks
 
         _with_stacks(result.snapshot, result.recording, device, start or {})
 
@@ -1665,7 +1665,7 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
     """A PyTorch trace replayed with its own addresses and release points
     (:func:`gpudash.trace.torch_replay.replay_exact`), as a :class:`ReplayResult`."""
     from .torch_replay import from_trace, replay_exact
-    from .torch_trace import A_ALLOC, A_OOM
+    from ..formats.torch_trace import A_ALLOC, A_OOM
 
     tt = from_trace(trace, settings["device"])
     # samples as int64 arrays grown in place: no Python int kept per call

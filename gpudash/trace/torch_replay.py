@@ -52,7 +52,7 @@ from ..caching import (
     _inc1,
     _key,
 )
-from .torch_trace import (  # noqa: F401 - re-exported: replay's inputs, by their old home
+from ..formats.torch_trace import (  # noqa: F401 - re-exported: replay's inputs, by their old home
     _GETS,
     _MASK64,
     _RELEASES,

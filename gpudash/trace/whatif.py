@@ -44,7 +44,7 @@ from .._units import format_bytes
 from ..bfc import _check_number
 from ..models import ReplaySettings, model_for
 from .caveats import trace_warnings
-from .format import Trace
+from ..formats.format import Trace
 from .replay import (
     _UNSET,
     _model,
@@ -211,7 +211,7 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
 
     Examples
     --------
-    >>> from gpudash.trace.workloads import training_loop
+    >>> from gpudash.workloads import training_loop
     >>> r = min_fraction(training_loop(steps=2, layers=2, hidden=1024), "1GiB")
     >>> r.fits and r.fraction < 0.2
     True
