@@ -54,6 +54,10 @@ from typing import Any
 
 import numpy as np
 
+from ._units import parse_bytes
+from .bfc import BFCAllocator
+from .caching import CachingAllocator
+from .devices import SimulatedDevice
 from .events import COLUMN_DTYPES, ALLOC as _ALLOC, FREE as _FREE
 from .formats.format import Trace, bins_for_sizes
 
@@ -298,7 +302,6 @@ def fragmentation_stress_calls(rounds: int = 2000, seed: int = 0, *,
     settles around 0.8 after the first cycle, against about 0.3 for
     :func:`training_loop_calls`.
     """
-    from ._units import parse_bytes
 
     rounds = _check_positive("rounds", rounds)
     high = parse_bytes(high, name="high")
@@ -461,8 +464,6 @@ def trace_from_calls(calls: Iterable[Call], *, meta: dict | None = None,
     ValueError
         A free of a key that is not live, an alloc of a live key, or an unknown call.
     """
-    from .bfc import BFCAllocator
-    from .devices import SimulatedDevice
 
     space = 1 << 40
     bfc = BFCAllocator(SimulatedDevice(space), space, allow_growth=True, name="synthetic")
@@ -598,9 +599,6 @@ def caching_snapshot(calls: Iterable[Call], *, device_bytes: int | str = "80GiB"
     >>> snap["device_traces"][0][0]["action"], len(snap["segments"]) > 0
     ('segment_alloc', True)
     """
-    from ._units import parse_bytes
-    from .caching import CachingAllocator
-    from .devices import SimulatedDevice
 
     dev = SimulatedDevice(parse_bytes(device_bytes, name="device_bytes"), "cuda:0")
     alloc = CachingAllocator(dev, conf, fraction=fraction, version=torch_version)
