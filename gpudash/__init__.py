@@ -26,6 +26,7 @@ from ._errors import (
     TraceFormatError,
 )
 from ._version import __version__
+from .live.views import register_view
 
 # name -> module that defines it (imported on first attribute access)
 _LAZY = {
@@ -80,16 +81,26 @@ __all__ = [
 ]
 
 
+def _dashboard(source: Any, **options: Any) -> Any:
+    """``Dashboard(source, **options)``: the view a monitor's ``dashboard()`` opens."""
+    from .widgets.dashboard import Dashboard  # late: anywidget, loaded when one opens
+
+    return Dashboard(source, **options)
+
+
+register_view("dashboard", _dashboard)
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext gpudash``: register gpudash's magics (imported only now)."""
-    from .magics import load_ipython_extension as _load
+    from .magics import load_ipython_extension as _load  # late: IPython
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext gpudash``: remove the magics and restore CuPy's allocator."""
-    from .magics import unload_ipython_extension as _unload
+    from .magics import unload_ipython_extension as _unload  # late: IPython
 
     _unload(ipython)
 

@@ -131,8 +131,6 @@ MAX_BYTES = (1 << 63) - 1
 
 
 def _too_large(value: object, name: str | None):
-    from ._errors import ConfigError
-
     what = name or "a byte count"
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     return ConfigError(f"{what} must be at most {MAX_BYTES} bytes (8 EiB, int64); got {shown}")

@@ -41,6 +41,8 @@ from .trace.replay import (
     resolve_settings,
     trace_settings,
 )
+from .models import TORCH
+from .trace.replay import _model
 
 __all__ = [
     "fragmentation_series",
@@ -857,9 +859,6 @@ class HeatmapBuilder:
 def _analysis_settings(trace: Trace, options: Any, device: int | None) -> dict[str, Any]:
     """The trace's own settings (from its metadata), overridden by ``options``; a PyTorch
     trace's through PyTorch's model (its snapshot's settings, replayed call by call)."""
-    from .models import TORCH
-    from .trace.replay import _model
-
     if _model(trace, options, {}) is TORCH:
         opts = dict(options) if isinstance(options, Mapping) else {}
         if options is not None and not isinstance(options, Mapping):

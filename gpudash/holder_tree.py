@@ -39,6 +39,8 @@ from .trace.callers import (
     user_code_rule,
 )
 from .formats.stacks import StackTable
+from .models import trace_model
+from .trace.holders import allocations, resolve_moment
 
 __all__ = [
     "KIND_BELOW",
@@ -324,9 +326,6 @@ def trace_holder_tree(trace: Any, at: Any = "peak", *, device: Any = None, user_
     """:func:`holder_tree` of the allocations live at a moment of a trace (``at`` as
     :func:`gpudash.trace.top_holders` takes it), their holder strings as labels (a gpudash
     session's labels; with ``labels=False``, none)."""
-    from .models import trace_model
-    from .trace.holders import allocations, resolve_moment
-
     allocs = allocations(trace, device)
     moment = resolve_moment(trace, at, device, allocs)
     live = allocs.live_after(moment.event)

@@ -25,6 +25,7 @@ import uuid as _uuid
 from typing import Any
 
 from ._errors import ConfigError
+from ._units import format_bytes
 
 __all__ = ["NA", "DeviceFacts", "ProcessInfo", "device_facts", "format_processes",
            "gpu_processes", "nvml_available", "nvml_index_of_uuid", "simulated_facts"]
@@ -455,7 +456,5 @@ def format_processes(processes: dict[int, list[ProcessInfo]], indent: str = "   
 
 
 def _fmt_bytes(value: Any) -> str:
-    from ._units import format_bytes
-
     return format_bytes(value) if isinstance(value, int) and not isinstance(value, bool) \
         else "N/A"

@@ -29,6 +29,7 @@ JAX's knobs (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_CLIENT_MEM_FRACTION``,
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 import os
@@ -1322,6 +1323,21 @@ def check_framework(framework: object, accepted: tuple[str, ...] = FRAMEWORKS) -
     if name is None or name not in accepted:
         raise ConfigError(f"framework must be one of {', '.join(accepted)}; got {framework!r}")
     return name
+
+
+#: framework -> the module that must be importable.
+FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
+
+
+def require_installed(framework: str) -> None:
+    """Raise ConfigError naming the framework when it is not installed (nothing imported)."""
+    module = FRAMEWORK_MODULES[framework]
+    if importlib.util.find_spec(module) is None:
+        have = [f for f, m in FRAMEWORK_MODULES.items() if importlib.util.find_spec(m)]
+        raise ConfigError(
+            f"cannot watch {framework}: it is not installed here (no module {module!r}); "
+            f"watch accepts torch, jax or tensorflow"
+            + (f" (installed: {', '.join(have)})" if have else " (none is installed)"))
 
 
 def framework_changes(framework: str, items: Mapping[str, str]) -> dict[str, Any]:

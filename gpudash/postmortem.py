@@ -44,6 +44,12 @@ from typing import Any
 from ._errors import ConfigError, TraceFormatError
 from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
+from .formats.format import round_up_256
+from .formats.tf_dump import _body, _OOM, _request, read_dumps
+from .models import model_of_dump
+from .options import jax_memory_limit
+from .report import bins_figure, chunkmap_figure
+from .torch_explain import explain_torch, is_torch_file
 
 __all__ = ["explain", "Explanation", "smallest_limit", "smallest_fraction"]
 
@@ -95,8 +101,6 @@ def smallest_fraction(needed: int, total: int, framework: str = "tensorflow") ->
     >>> smallest_fraction(17 << 30, 16 << 30) is None
     True
     """
-    from .options import jax_memory_limit
-
     if total <= 0 or needed > total:
         return None
     limit = jax_memory_limit if framework == "jax" else (lambda t, f: int(t * f))
@@ -288,9 +292,6 @@ class Explanation(_ExplanationViews):
     # ------------------------------------------------------------------ views
     def figures(self) -> list:
         """The chunk map and the bins (plotly figures)."""
-        from .models import model_of_dump
-        from .report import bins_figure, chunkmap_figure
-
         frag = model_of_dump(self.dump).fragmentation(self.in_use, self.pool, self.largest_free)
         title = (f"Chunk map of {self.dump.allocator_name or 'the allocator'} at the failure "
                  f"({format_bytes(self.in_use)} in use; {frag.label} {frag.text})")
@@ -342,13 +343,9 @@ def explain(path: str | os.PathLike, *, device: int | str | None = None,
         only "ran out of memory" lines are TensorFlow's non-fatal warnings says so), no dump
         of that allocator or index, or a figure of 2**63 bytes or more.
     """
-    from .formats.format import round_up_256
-    from .formats.tf_dump import read_dumps
-
     if framework is not None and framework not in (*FRACTION_SETTINGS, "torch"):
         raise ConfigError(f"framework must be one of {', '.join(FRACTION_SETTINGS)}, torch; "
                           f"got {framework!r}")
-    from .torch_explain import explain_torch, is_torch_file
 
     if framework == "torch" or (framework is None and is_torch_file(path)):
         for name, value in (("request", request), ("limit", limit)):
@@ -478,8 +475,6 @@ def _text_lines(path: str | os.PathLike):
 def _declined_warnings(path: str | os.PathLike) -> list[tuple[str, int]]:
     """``(allocator, bytes)`` of each "ran out of memory ... The caller indicates that this
     is not a failure" warning in a log (TensorFlow's, for an allocation that may fail)."""
-    from .formats.tf_dump import _OOM, _body, _request
-
     out = []
     for line in _text_lines(path):
         if _NOT_A_FAILURE in line:

@@ -36,6 +36,10 @@ import numpy as np
 from ._errors import ConfigError, GpudashError
 from .events import COLUMN_DTYPES, COLUMNS, Event
 from .models import model_of
+from ._version import __version__
+from .events import EventKind
+from .formats.format import Trace, TraceWriter
+from .formats.stacks import StackTable
 
 logger = logging.getLogger("gpudash")
 
@@ -129,9 +133,6 @@ class Recorder:
         #: :meth:`detach` raises it.
         self.stream_error: BaseException | None = None
         if path is not None:
-            from ._version import __version__
-            from .formats.format import TraceWriter
-
             meta = {"gpudash_version": __version__, "source": "gpudash",
                     "devices": [self._device_meta(a) for a in _allocators_of(source)]
                     if source is not None else []}
@@ -371,8 +372,6 @@ class Recorder:
 
     def kinds(self) -> list:
         """The kinds of the kept events, in order, as :class:`gpudash.EventKind`."""
-        from .events import EventKind
-
         return [EventKind(int(k)) for k in self.columns()["kind"]]
 
     def events(self) -> list[Event]:
@@ -394,9 +393,6 @@ class Recorder:
         ``meta["devices"]`` holds each allocator recorded (detached ones too) with the
         settings it had when recording began, what a replay starts from; later changes are
         the trace's ``settings``."""
-        from ._version import __version__
-        from .formats.format import Trace
-
         m = {"gpudash_version": __version__, "source": "gpudash"}
         m["devices"] = [copy.deepcopy(meta) for _, meta in self._seen]
         m["dropped"] = self.dropped
@@ -411,9 +407,6 @@ class Recorder:
         """``(holder, holders, stack, stacks)`` for :meth:`to_trace`: the labels and stack
         ids the sessions gave the blocks of ``cols``, matched by device and allocation id
         (Nones and [] where there are none)."""
-        from .events import EventKind
-        from .formats.stacks import StackTable
-
         with self._lock:
             held = {d: tuple(np.frombuffer(a, dtype=np.int64 if j == 0 else np.int32).copy()
                              for j, a in enumerate(arrs)) for d, arrs in self._held_by.items()}

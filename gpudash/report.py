@@ -26,6 +26,15 @@ from . import style
 from ._errors import GpudashError
 from ._units import format_bytes
 from ._version import __version__
+from .analysis import _coverage, chunk_map_at_peak, heatmap
+from .events import EventKind
+from .maplayout import row_labels, row_layout, stack_text, visible_rows
+from .models import model_for, model_of_dump
+from .trace.callers import (below_user_code, call_sites, frame_text, short_paths, stack_lines,
+    user_code_rule)
+from .trace.holders import allocations, resolve_moment, top_holders
+from .trace.replay import replay
+from .trace.whatif import sweep
 
 __all__ = ["build_report", "write_report", "timeline_figure", "heatmap_figure",
            "bins_figure", "chunkmap_figure", "chunk_holders", "stack_icicle_figure"]
@@ -130,8 +139,6 @@ def heatmap_figure(values: np.ndarray, row_edges: np.ndarray, col_edges: np.ndar
 
 def _model(dump: Any) -> Any:
     """The allocator model of a dump (:func:`gpudash.models.model_of_dump`)."""
-    from .models import model_of_dump
-
     return model_of_dump(dump)
 
 
@@ -237,8 +244,6 @@ def chunkmap_figure(dump: Any, *, title: str = "Chunk map",
     runs of one colour are one bar whose hover gives its shares, its chunk count and who
     holds the largest chunk in use that begins in it.
     """
-    from .maplayout import row_labels, row_layout, visible_rows
-
     go = _go()
     model = _model(dump)
     w = model.words()
@@ -353,8 +358,6 @@ def _chunk_bars(dump: Any, a: dict, layout: Any, labels: list[str], holder_of: l
 def _downsampled_bars(a: dict, layout: Any, n_rows: int, labels: list[str], holder_of: list,
                       w: dict, scale: float) -> tuple[dict, str]:
     """Runs of columns, not chunks (see :func:`chunkmap_figure`)."""
-    from .analysis import _coverage
-
     n = len(a["address"])
     off = a["address"] - a["starts"][a["region"]]
     size, in_use, req = a["size"], a["in_use"], a["req"]
@@ -481,7 +484,6 @@ def chunk_holders(trace: Any, dump: Any, *, device: int | None = None,
     has_stack = stack is not None and len(stack) and bool((stack >= 0).any())
     if not (has_holder or has_stack):
         return {}
-    from .maplayout import stack_text
 
     src = trace if replayed is None else replayed
     c = src.columns
@@ -549,12 +551,6 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
                  replay_options: dict | None = None, sweep_table: Any = None,
                  fractions: tuple = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)) -> str:
     """The report as an HTML string (see the module docstring)."""
-    from .analysis import chunk_map_at_peak, heatmap
-    from .events import EventKind
-    from .models import model_for
-    from .trace.replay import replay
-    from .trace.whatif import sweep
-
     opts = {k: v for k, v in (replay_options or {}).items() if v is not None}
     if device_bytes is not None:
         opts["device_bytes"] = device_bytes
@@ -642,9 +638,6 @@ def _holders_section(trace: Any, device: Any) -> str:
     its stack in a ``<details>``; at the out-of-memory error too when there is one; and an
     icicle of the stacks at the peak), else by holder (op, label) when the trace names
     holders; empty otherwise."""
-    from .events import EventKind
-    from .trace.holders import top_holders
-
     stack = getattr(trace, "stack", None)
     if stack is not None and len(stack) and (np.asarray(stack) >= 0).any():
         parts = []
@@ -683,8 +676,6 @@ STACK_LINES = 40
 
 def _holder_table(table: Any, table_id: str) -> str:
     """A holders table: each row's stack on demand (``<details>``), and what it rests on."""
-    from .trace.callers import stack_lines
-
     body = []
     for r in table:
         stack = stack_lines(list(r.frames), table.rule_test, STACK_LINES, full=True)
@@ -719,10 +710,6 @@ def stack_icicle_figure(trace: Any, *, at: Any = "peak", device: Any = None,
     user frames are labelled ``file:line function``. Widths are bytes. At most
     ``max_nodes`` nodes are drawn, the largest: a smaller node's bytes stay in its parent,
     so the figure's size is bounded whatever the trace."""
-    from .trace.callers import (below_user_code, call_sites, frame_text, short_paths,
-                                user_code_rule)
-    from .trace.holders import allocations, resolve_moment
-
     go = _go()
     rule = user_code_rule(user_code)
     allocs = allocations(trace, device)

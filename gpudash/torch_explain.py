@@ -42,6 +42,18 @@ from typing import Any
 from ._errors import ConfigError, TraceFormatError
 from ._explanation import _ExplanationViews
 from ._units import format_bytes, parse_bytes
+from .events import EventKind
+from .formats.format import open_regular
+from .formats.io import sniff_format
+from .formats.torch_snapshot import load_torch_snapshot
+from .models import TORCH
+from .report import bins_figure, chunk_holders, chunkmap_figure
+from .torch_oom import (describe_non_oom, EXPECTED, looks_like_torch_oom, read_memory_summary,
+    read_torch_ooms)
+from .trace.callers import stack_lines, user_code_rule
+from .trace.holders import top_holders
+from .trace.replay import replay, torch_capacity
+from .trace.torch_replay import from_trace, replay_exact
 
 __all__ = ["explain_torch", "TorchExplanation", "is_torch_file", "snapshot_state"]
 
@@ -163,8 +175,6 @@ class TorchExplanation(_ExplanationViews):
                                  f"block(s) at {r.holder}"))
             rows.extend(("", f"note: {n}") for n in table.notes)
         if self.request_stack:
-            from .trace.callers import stack_lines, user_code_rule
-
             for i, line in enumerate(stack_lines(self.request_stack, user_code_rule(None), 16)):
                 rows.append(("request's stack" if i == 0 else "", line))
         return rows
@@ -253,8 +263,6 @@ class TorchExplanation(_ExplanationViews):
         """Reserved but unallocated and its share of reserved, ``"1.57 GiB, 6.6 % of
         reserved"`` (PyTorch's fragmentation figure,
         :meth:`gpudash.models.AllocatorModel.fragmentation`)."""
-        from .models import TORCH
-
         f = TORCH.fragmentation(self.allocated or 0, self.reserved or 0, 0)
         return f"{format_bytes(f.bytes or 0)}, {100.0 * f.ratio:.1f} % of reserved"
 
@@ -263,7 +271,6 @@ class TorchExplanation(_ExplanationViews):
         block names who holds it where the snapshot recorded its stack."""
         if self.dump is None:
             return []
-        from .report import bins_figure, chunkmap_figure
 
         title = (f"Segments of cuda:{self.device} when PyTorch ran out of memory "
                  f"({format_bytes(self.allocated or 0)} allocated; reserved but unallocated "
@@ -276,8 +283,6 @@ class TorchExplanation(_ExplanationViews):
 def is_torch_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` is PyTorch's: a memory snapshot (pickle or JSON) or a text with
     PyTorch's out-of-memory message."""
-    from .formats.io import sniff_format
-
     try:
         fmt = sniff_format(path)
     except (OSError, TraceFormatError):
@@ -286,7 +291,6 @@ def is_torch_file(path: str | os.PathLike) -> bool:
         return True
     if fmt not in (None, "tf-log"):
         return False
-    from .torch_oom import describe_non_oom, looks_like_torch_oom, read_memory_summary
 
     ends = _read_ends(path, 2 << 20)
     if any(looks_like_torch_oom(t) or read_memory_summary(t) is not None for t in ends):
@@ -303,8 +307,6 @@ _OTHER_FRAMEWORKS = ("ran out of memory trying to allocate", "BFCAllocator dump"
 
 def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
     """The first and the last ``each`` bytes of a text (a long log ends in its error)."""
-    from .formats.format import open_regular
-
     with open_regular(path) as f:
         head = f.read(each)
         tail = b""
@@ -316,8 +318,6 @@ def _read_ends(path: str | os.PathLike, each: int) -> tuple[str, ...]:
 
 
 def _read_text(path: str | os.PathLike, limit: int = _TEXT_LIMIT) -> str:
-    from .formats.format import open_regular
-
     with open_regular(path) as f:
         data = f.read(limit)
     return data.decode("utf-8", "replace")
@@ -357,14 +357,10 @@ def explain_torch(path: str | os.PathLike, *, index: int | None = None,
     TraceFormatError
         No PyTorch out-of-memory error in the file (one line naming the file).
     """
-    from .formats.io import sniff_format
-
     fmt = sniff_format(path)
     if fmt in ("torch-pickle", "torch-json"):
         return _from_snapshot(path, index=index, device=device, gpu=gpu, conf=conf,
                               torch_version=torch_version, prove=prove)
-    from .torch_oom import (EXPECTED, describe_non_oom, read_memory_summary,
-                            read_torch_ooms)
 
     text = _read_text(path)
     try:
@@ -420,11 +416,6 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
                    conf: str | None, torch_version: str | None,
                    prove: bool) -> TorchExplanation:
     import numpy as np
-
-    from .events import EventKind
-    from .trace.replay import torch_capacity
-    from .trace.torch_replay import from_trace, replay_exact
-    from .formats.torch_snapshot import load_torch_snapshot
 
     trace = load_torch_snapshot(path)
     col = trace.columns
@@ -490,7 +481,6 @@ def _from_snapshot(path: Any, *, index: int | None, device: Any, gpu: int | None
     largest = max(sizes, default=0)
     cause, why, settings = _diagnose(request, unallocated, largest, device_free,
                                      total if known else None, reserved, alloc.config)
-    from .report import chunk_holders
 
     dump = alloc.memory_dump()
     proofs = []
@@ -522,9 +512,6 @@ def snapshot_state(trace: Any, device: int = 0, *, path: Any = "<snapshot>",
     request that failed.
     """
     import numpy as np
-
-    from .events import EventKind
-    from .trace.torch_replay import from_trace, replay_exact
 
     col = trace.columns
     mine = col["device"] == int(device)
@@ -582,8 +569,6 @@ def _holders_at(trace: Any, row: int, dev: int) -> Any:
     """The blocks live at the failure at ``row`` by line, when the snapshot kept stacks."""
     import dataclasses
 
-    from .trace.holders import top_holders
-
     if trace.stack is None or not (trace.stack >= 0).any():
         return None
     table = top_holders(trace, at=row, by="line", device=dev, limit=20)
@@ -630,8 +615,6 @@ def _diagnose(request: int, unallocated: int, largest: int, device_free: int,
 def _prove(trace: Any, dev: int, total: int, conf: Any, settings: list[str],
            nth: int) -> list[tuple[str, bool, str]]:
     """Replay the recorded calls under each setting on the same device."""
-    from .trace.replay import replay
-
     out = []
     base = conf.as_conf()
     for line in settings:

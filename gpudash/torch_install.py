@@ -33,6 +33,10 @@ from typing import Any
 
 from . import _accel
 from ._errors import ConfigError
+from .options import require_installed
+from ._eventsource import bin_num_for_size
+from .bfc import AllocatorStats
+from .live.feeds import CONTROL_NAMES, DeviceFeed, FeedSample
 
 __all__ = ["install", "installed", "InstalledAllocator", "LIMITS"]
 
@@ -172,8 +176,6 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
         raise ConfigError("max_split_size_mb must be an integer > 20 (PyTorch's rule); got "
                           f"{max_split_size_mb!r}")
     if torch is None:
-        from .monitors._base import require_installed
-
         require_installed("torch")
         import torch
     if _is_initialized(torch):
@@ -504,10 +506,6 @@ def _reset_for_tests() -> None:
 
 # ------------------------------------------------------------------------------ the feed
 def _make_feed_class() -> type:
-    from ._eventsource import bin_num_for_size
-    from .bfc import AllocatorStats
-    from .live.feeds import DeviceFeed, FeedSample
-
     class InstallFeed(DeviceFeed):
         """One device of the installed allocator, for a live model: samples from the C
         core's counters and blocks, controls that act on the real allocator, as a CuPy
@@ -598,8 +596,6 @@ def _make_feed_class() -> type:
             return self._owner.pending_release(self.device)
 
         def configure(self, **changes: Any) -> None:
-            from .live.feeds import CONTROL_NAMES
-
             unknown = sorted(set(changes) - set(CONTROL_NAMES))
             if unknown:
                 raise ConfigError(f"unknown setting(s) {unknown}; expected {CONTROL_NAMES}")

@@ -1025,7 +1025,8 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     ConfigError
         PyTorch missing, no CUDA device, a device that does not exist.
     """
-    from .torch import DEFAULT_HISTORY_ENTRIES, _listen, _require_cuda
+    from ._torch_hooks import (DEFAULT_HISTORY_ENTRIES, listen as _listen,
+                               require_cuda as _require_cuda)
 
     torch = _require_cuda("attach to torch", module)
     if not hasattr(getattr(torch.cuda, "memory", None), "_snapshot"):

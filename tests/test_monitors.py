@@ -232,25 +232,26 @@ def test_oom_dispatch_never_raises_into_pytorch(tmp_path):
     """gpudash's one observer dispatches to each live capture; a snapshot that cannot be
     written (here: a CPU build of PyTorch, which has no CUDA snapshot) is recorded, not
     raised into PyTorch's allocator. The observer itself needs CUDA (test_monitors_gpu.py)."""
+    from gpudash import _torch_hooks as hooks
     from gpudash import torch as gtorch
 
     cap = gtorch.OomCapture(str(tmp_path / "oom-{n}-{device}.pickle"), callback=None)
     seen = []
     cap._callback = seen.append
-    gtorch._listeners.append(__import__("weakref").ref(cap))
+    hooks._listeners.append(__import__("weakref").ref(cap))
     try:
-        gtorch._dispatch(0, 1 << 30, 2 << 30, 3 << 20)
-        gtorch._dispatch(0, 1 << 20, 2 << 30, 3 << 20)
+        hooks.dispatch(0, 1 << 30, 2 << 30, 3 << 20)
+        hooks.dispatch(0, 1 << 20, 2 << 30, 3 << 20)
     finally:
-        gtorch._listeners[:] = [r for r in gtorch._listeners if r() is not cap]
+        hooks._listeners[:] = [r for r in hooks._listeners if r() is not cap]
     assert [e["alloc"] for e in cap.events] == [1 << 30, 1 << 20]
     assert len(seen) == 2 and cap.paths == []
     assert len(cap.errors) == 2 and "oom-1-0.pickle" in cap.errors[0]
     cap.disable()
-    gtorch._listeners.append(__import__("weakref").ref(cap))
-    gtorch._dispatch(0, 1, 1, 1)
+    hooks._listeners.append(__import__("weakref").ref(cap))
+    hooks.dispatch(0, 1, 1, 1)
     assert len(cap.events) == 2  # disabled: nothing more
-    gtorch._listeners.clear()
+    hooks._listeners.clear()
 
 
 def test_capture_oom_checks_the_directory(tmp_path):

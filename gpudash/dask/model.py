@@ -32,6 +32,7 @@ from ..bfc import AllocatorStats
 from ..live.feeds import DeviceFeed, FeedSample
 from . import _wire
 from .plugin import run_flush_deferred, run_lease, run_release, run_sync
+from .control import configure_workers
 
 __all__ = ["ClusterModel", "WorkerFeed"]
 
@@ -842,8 +843,6 @@ class WorkerFeed(DeviceFeed):
                 "limit": o.get("limit"), "total": o.get("total") or self.capacity or None}
 
     def configure(self, **changes: Any) -> None:
-        from .control import configure_workers
-
         reason = self.controls
         if reason is not None:
             raise ConfigError(reason)

@@ -64,6 +64,7 @@ from .._errors import ConfigError, OutOfMemoryError
 from ..options import memory_limit, simulated_devices_from_env
 from ..session import Session, _simulate_sizes
 from . import _wire
+from ..devices import CudaMemory
 
 __all__ = ["GpudashPlugin", "worker_session", "PLUGIN_NAME"]
 
@@ -589,8 +590,6 @@ class _Runtime:
     def _make_session(plugin: GpudashPlugin) -> Session:
         simulate = plugin.simulate
         if simulate is None and simulated_devices_from_env(os.environ) is None:
-            from ..devices import CudaMemory
-
             ok, _ = CudaMemory.available()
             if not ok:
                 simulate = True  # "elsewhere, simulated devices" (no fallback notice needed)

@@ -13,6 +13,7 @@ from .._eventsource import expand_records as _expand_numpy
 from ..events import COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, EXTEND as _EXTEND, RELEASE as _RELEASE
 from . import _wire
 from .model import ClusterModel, _Hub
+from ..formats.format import Trace, write_trace
 
 __all__ = ["collect_traces"]
 
@@ -80,8 +81,6 @@ def collect_traces(client: Any, path: str | os.PathLike | None = None, *,
     ConfigError
         When no model records this client's cluster.
     """
-    from ..formats.format import Trace, write_trace
-
     if model is None:
         model = _Hub.recording_model(client)
         if model is None:

@@ -35,6 +35,7 @@ from typing import IO, Any
 from .._errors import TraceFormatError
 from .format import (PRE_EXISTING_HOLDER, Trace, EventBuilder, source_name, text_source,
                      round_up_256)
+from .tf_dump import read_log_dumps
 
 __all__ = ["load_tf_log"]
 
@@ -145,8 +146,6 @@ def load_tf_log(path_or_file: str | os.PathLike | IO) -> Trace:
     ``meta["declined_allocations"]`` as ``{"allocator", "bytes", "approximate", "time_ns",
     "line"}``.
     """
-    from .tf_dump import read_log_dumps
-
     name = source_name(path_or_file)
     with text_source(path_or_file) as f:
         text = f.read()

@@ -33,6 +33,8 @@ import numpy as np
 from .._errors import TraceFormatError
 from .._torch_conf import CachingAllocatorConfig, parse_torch_version
 from ..caching import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
+from ..events import EventKind
+from .stacks import Frame, Stack, StackTable
 
 __all__ = ["TorchTrace", "StartSegment", "from_snapshot", "from_trace", "start_state",
            "compact_segments", "expand_segments", "ACTIONS", "ACTION_NAMES", "guess_version"]
@@ -164,8 +166,6 @@ def from_trace(trace: Any, device: int | None = None) -> TorchTrace:
     ``segment_map``/``segment_unmap`` under ``expandable_segments:True``), with no final
     layout to compare.
     """
-    from ..events import EventKind
-
     c = trace.columns
     devs = np.unique(c["device"]).tolist()
     if device is None:
@@ -571,8 +571,6 @@ class StackInterner:
     __slots__ = ("_buckets", "_by_mid", "_frames", "table")
 
     def __init__(self) -> None:
-        from .stacks import StackTable
-
         self.table = StackTable()
         self._frames: dict[int, int] = {}          # id(frame dict) -> frame id
         self._buckets: dict[tuple, list] = {}      # (len, ids, cc, um) -> [(list, sid)...]
@@ -652,8 +650,6 @@ class StackInterner:
         return out
 
     def _new(self, frames: Any, cc: Any, um: Any, where: str) -> int:
-        from .stacks import Stack
-
         frames = frames or ()
         cc, um = cc or "", um or ""
         if not frames and not um and cc in ("", "N/A"):
@@ -666,8 +662,6 @@ class StackInterner:
         return self.table._add_stack(Stack(tuple(ids), cc, um))
 
     def _frame(self, f: Any, where: str, j: int) -> int:
-        from .stacks import Frame
-
         if isinstance(f, dict):
             filename, line, name = f.get("filename"), f.get("line"), f.get("name")
         if not (isinstance(f, dict) and isinstance(filename, str) and isinstance(name, str)

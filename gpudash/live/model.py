@@ -50,6 +50,7 @@ from .._eventsource import code_counts
 from ..bfc import AllocatorStats
 from ..events import ALLOC as _ALLOC, FREE as _FREE, OOM as _OOM, LIMIT as _LIMIT
 from ..models import BFC, AllocatorModel, model_of
+from ..formats.stacks import StackTable
 
 __all__ = ["LiveModel", "DeviceState", "BinCounts", "OomMark", "SettingMark", "HeldBlocks",
            "bin_of_sizes", "bin_labels", "heatmap_column", "NUM_BINS", "HOLDER_HISTORY"]
@@ -1061,7 +1062,6 @@ class LiveModel(traitlets.HasTraits):
         stacks = getattr(self._session, "stacks", None)
         if stacks is None:
             return None
-        from ..formats.stacks import StackTable
 
         with self._stack_lock:
             st = self._stack_table

@@ -30,6 +30,7 @@ import importlib
 from typing import Any
 
 from .._errors import ConfigError
+from ..options import check_framework, require_installed
 
 __all__ = ["Monitor", "FrameworkFeed", "TensorFlowMonitor", "JaxMonitor", "TorchMonitor",
            "watch", "monitor_class"]
@@ -55,8 +56,6 @@ def __getattr__(name: str) -> Any:
 def monitor_class(framework: str) -> type:
     """The monitor class of ``"tensorflow"``, ``"jax"`` or ``"torch"`` (aliases ``tf``,
     ``pytorch``)."""
-    from ..options import check_framework
-
     name = check_framework(framework)
     return __getattr__({"tensorflow": "TensorFlowMonitor", "jax": "JaxMonitor",
                         "torch": "TorchMonitor"}[name])
@@ -94,9 +93,6 @@ def watch(framework: str, *, interval: float = 0.25, devices: Any = None,
         An unknown framework, one that is not installed, or one that has no GPU here; the
         message names it and what is accepted.
     """
-    from ..options import check_framework
-    from ._base import require_installed
-
     try:
         name = check_framework(framework)
     except ConfigError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 import time
@@ -11,15 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import BackendUnavailableError, ConfigError
+from ..options import FRAMEWORK_MODULES, require_installed  # noqa: F401 - re-exported
 from ..bfc import AllocatorStats
 from ..live.feeds import DeviceFeed, FeedSample
+from ..live.views import open_view
+from ..nvml import gpu_processes, NA, nvml_available
 
 __all__ = ["Monitor", "FrameworkFeed", "Poll", "FRAMEWORK_MODULES", "require_installed"]
 
 logger = logging.getLogger("gpudash")
 
-#: framework -> the module that must be importable.
-FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
 #: Timeline points a feed keeps for :attr:`FrameworkFeed.history`.
 HISTORY_POINTS = 3600
 #: Seconds :meth:`Monitor.stop` waits for a poll in progress before leaving it behind.
@@ -29,17 +29,6 @@ STOP_GRACE = 2.0
 def _clock(t: float) -> str:
     """``time.time()`` as the hour, minutes and seconds of the local clock."""
     return time.strftime("%H:%M:%S", time.localtime(t))
-
-
-def require_installed(framework: str) -> None:
-    """Raise ConfigError naming the framework when it is not installed (nothing imported)."""
-    module = FRAMEWORK_MODULES[framework]
-    if importlib.util.find_spec(module) is None:
-        have = [f for f, m in FRAMEWORK_MODULES.items() if importlib.util.find_spec(m)]
-        raise ConfigError(
-            f"cannot watch {framework}: it is not installed here (no module {module!r}); "
-            f"watch accepts torch, jax or tensorflow"
-            + (f" (installed: {', '.join(have)})" if have else " (none is installed)"))
 
 
 class Poll:
@@ -418,16 +407,15 @@ class Monitor:
     close = stop
 
     def dashboard(self, **options: Any) -> Any:
-        """The live dashboard of this monitor's devices (:class:`gpudash.widgets.Dashboard`
-        over :attr:`feeds`): read-only views, disabled controls that say why, and a button
-        that prints the settings to restart with. Closing it stops the monitor.
-        *options* go to the dashboard (``rate_hz``, ``views``, ``device``...)."""
-        from ..widgets.dashboard import Dashboard
-
+        """The live dashboard of this monitor's devices, ``gpudash.Dashboard(monitor)`` (over
+        :attr:`feeds`): read-only views, disabled controls that say why, and a button that
+        prints the settings to restart with. Closing it stops the monitor. *options* go to
+        the dashboard (``rate_hz``, ``views``, ``device``...). The views register the
+        dashboard (:mod:`gpudash.live.views`); this layer does not import them."""
         if self._closed:
             raise ConfigError(f"this {self.framework} monitor is stopped; create a new one "
                               "with gpudash.watch()")
-        return Dashboard(feeds=list(self.feeds), **options)
+        return open_view("dashboard", self, **options)
 
     @property
     def running(self) -> bool:
@@ -453,8 +441,6 @@ class Monitor:
             CUDA context, libraries' workspaces, other allocators) and ``processes`` (every
             process on that GPU, this one marked ``is_self`` and ``framework``).
         """
-        from ..nvml import NA, gpu_processes, nvml_available
-
         ok, reason = nvml_available()
         out: dict = {"available": ok, "reason": reason, "devices": []}
         if not ok:

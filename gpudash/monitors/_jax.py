@@ -9,6 +9,7 @@ from .._errors import ConfigError
 from ..options import installed_jaxlib_version, jax_settings_from_env, restart_lines
 from ._base import FrameworkFeed, Monitor, Poll, require_installed
 from ._parse import stats_from_jax_memory_stats
+from ..nvml import device_facts
 
 __all__ = ["JaxMonitor"]
 
@@ -68,8 +69,6 @@ class JaxMonitor(Monitor):
         self._last_allocs = [None] * len(gpus)
 
     def _total(self, i: int, stats: dict) -> int:
-        from ..nvml import device_facts
-
         try:
             facts = device_facts(self._nvml_index(i))
         except ConfigError:

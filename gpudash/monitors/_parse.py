@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..bfc import AllocatorStats
+from ..live.model import bin_of_sizes
 
 __all__ = ["stats_from_tf_memory_info", "stats_from_jax_memory_stats",
            "stats_from_torch_memory_stats", "torch_chunk_table", "stats_from_table",
@@ -115,8 +116,6 @@ def torch_chunk_table(segments: Iterable[Mapping[str, Any]], device: int | None 
     device : int, optional
         Keep only this device's segments (``segment["device"]``).
     """
-    from ..live.model import bin_of_sizes
-
     regions: list[tuple[int, int]] = []
     ptrs: list[int] = []
     sizes: list[int] = []

@@ -9,6 +9,7 @@ from .._errors import ConfigError
 from ..options import allow_growth_from_env, restart_lines
 from ._base import FrameworkFeed, Monitor, Poll, require_installed
 from ._parse import stats_from_tf_memory_info
+from ..nvml import device_facts
 
 __all__ = ["TensorFlowMonitor"]
 
@@ -79,8 +80,6 @@ class TensorFlowMonitor(Monitor):
                                             self.controls_reason))
 
     def _gpu_total(self, i: int) -> int:
-        from ..nvml import device_facts
-
         try:
             facts = device_facts(self._nvml_index(i))
         except ConfigError:

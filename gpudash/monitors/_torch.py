@@ -10,9 +10,13 @@ import time
 from typing import Any
 
 from .._errors import ConfigError
+from .._torch_hooks import listen, require_cuda, set_history
 from ..options import restart_lines
 from ._base import FrameworkFeed, Monitor, Poll, _clock
 from ._parse import stats_from_table, stats_from_torch_memory_stats, torch_chunk_table
+from ..formats.torch_snapshot import load_torch_snapshot
+from ..nvml import nvml_index_of_uuid
+from ..trace.replay import replay
 
 __all__ = ["TorchMonitor"]
 
@@ -68,9 +72,7 @@ class TorchMonitor(Monitor):
         super().__init__(interval=interval, devices=devices, poll_timeout=poll_timeout)
 
     def _open(self, devices: Any) -> None:
-        from ..torch import _listen, _record_history, _require_cuda
-
-        torch = _require_cuda("watch torch", self._module)
+        torch = require_cuda("watch torch", self._module)
         self._torch = torch
         count = torch.cuda.device_count()
         ids = list(range(count)) if devices is None else (
@@ -81,7 +83,7 @@ class TorchMonitor(Monitor):
         self._ids = ids
         self._history_on = False
         if self._history_entries:
-            _record_history(torch, self._history_entries)
+            set_history(torch, self._history_entries)
             self._history_on = True
         try:
             params = inspect.signature(torch.cuda.memory_snapshot).parameters
@@ -106,7 +108,7 @@ class TorchMonitor(Monitor):
             props = torch.cuda.get_device_properties(i)
             self.feeds.append(FrameworkFeed(self, k, f"torch cuda:{i}", int(props.total_memory),
                                             self.controls_reason, has_layout=has_layout))
-        _listen(self, "watch torch", torch)
+        listen(self, "watch torch", torch)
 
     def _on_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         if not self._closed and device in self._ooms:
@@ -114,8 +116,6 @@ class TorchMonitor(Monitor):
                 self._ooms[device].append((time.time_ns(), int(alloc), int(alloc)))
 
     def _nvml_index(self, k: int) -> int:
-        from ..nvml import nvml_index_of_uuid
-
         uuid = getattr(self._torch.cuda.get_device_properties(self._ids[k]), "uuid", None)
         found = nvml_index_of_uuid(str(uuid)) if uuid is not None else None
         return found if found is not None else self._ids[k]
@@ -289,9 +289,6 @@ class TorchMonitor(Monitor):
             A device this monitor does not watch, or a snapshot without history (the
             monitor was started with ``history=0``).
         """
-        from ..trace.replay import replay
-        from ..formats.torch_snapshot import load_torch_snapshot
-
         i = self._ids[0] if device is None else device
         if isinstance(i, bool) or not isinstance(i, int) or i not in self._ids:
             raise ConfigError(f"this monitor watches CUDA device(s) {self._ids}; got {device!r}")

@@ -35,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 
 from .._errors import ConfigError
+from ..formats.io import load_trace
 
 __all__ = ["names", "files", "path", "load"]
 
@@ -73,6 +74,4 @@ def path(name: str) -> Path:
 
 def load(name: str):
     """Load one sample as a trace (:func:`gpudash.trace.load_trace`)."""
-    from ..formats.io import load_trace
-
     return load_trace(path(name))

@@ -98,6 +98,7 @@ from .._units import format_bytes
 from ..holder_tree import MAX_NODES, holder_tree
 from ..maplayout import row_layout
 from ..live.model import LiveModel, bin_labels
+from ..monitors._base import Monitor
 
 __all__ = ["Dashboard", "VIEWS", "EXTRA_VIEWS", "plotly_bundle"]
 
@@ -167,8 +168,10 @@ class Dashboard(anywidget.AnyWidget):
 
     Parameters
     ----------
-    source : Session, BFCAllocator or CachingAllocator, optional
-        What to show and control (a PyTorch session: ``Session(..., allocator="torch")``).
+    source : Session, BFCAllocator, CachingAllocator or Monitor, optional
+        What to show and control (a PyTorch session: ``Session(..., allocator="torch")``); a
+        framework monitor (``gpudash.watch(...)``) is shown through its :attr:`feeds`, as
+        its ``dashboard()`` does.
     feeds : list of DeviceFeed, optional
         Instead of a source: one feed per device (a framework monitor's, a Dask worker's).
     rate_hz : float
@@ -226,6 +229,10 @@ class Dashboard(anywidget.AnyWidget):
                 not 1 <= holder_nodes <= 10_000:
             raise ConfigError(f"holder_nodes must be an integer from 1 to 10,000; got "
                               f"{holder_nodes!r}")
+        if isinstance(source, Monitor):
+            if feeds is not None:
+                raise TypeError("Dashboard takes a source or feeds=[...], not both")
+            source, feeds = None, list(source.feeds)
         if model is not None:
             self._owns_model = False
             self.model = model

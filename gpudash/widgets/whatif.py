@@ -36,6 +36,11 @@ from .._comm_routing import follow_the_page
 from .._units import format_bytes
 from ..events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, OOM as _OOM
 from .plot import PlotView, typed_array
+from .._units import parse_bytes
+from ..background import run_in_background
+from ..models import model_for, trace_model
+from ..trace.replay import DEFAULT_DEVICE_BYTES, replay, resolve_settings
+from ..trace.whatif import min_fraction
 
 __all__ = ["WhatIfView", "replay_heatmap"]
 
@@ -218,8 +223,6 @@ class WhatIfView(widgets.VBox):
                  heatmap_columns: int = 300, min_fraction: bool = True,
                  min_fraction_delay: float = 1.0, background: bool = True,
                  **replay_options: Any) -> None:
-        from ..trace.replay import DEFAULT_DEVICE_BYTES
-
         self.trace = trace
         self._options = dict(replay_options)
         if device_bytes is not None:
@@ -241,7 +244,6 @@ class WhatIfView(widgets.VBox):
         self._call_ops: dict[int, np.ndarray] = {}
 
         # the model the trace replays through: its words, its toggles, its paste line
-        from ..models import model_for, trace_model
 
         name = self._options.get("allocator")
         self.allocator_model = model_for(name) if name is not None else trace_model(trace)
@@ -300,8 +302,6 @@ class WhatIfView(widgets.VBox):
     # ------------------------------------------------------------------ replays
     def _setting(self, key: str) -> bool:
         """An on/off setting the replays run with (the trace's own unless given)."""
-        from ..trace.replay import resolve_settings
-
         s = resolve_settings(self.trace, **self._options)
         value = s.get(key)
         return bool(getattr(s.get("conf"), key, False) if value is None else value)
@@ -316,8 +316,6 @@ class WhatIfView(widgets.VBox):
             self._start_min_fraction()
 
     def _replay(self, fraction: float) -> tuple[Any, dict]:
-        from ..trace.replay import replay
-
         result = replay(self.trace, fraction=float(fraction), record=True, per_call=True,
                         **self._options)
         dev = int(result.options.get("device") or 0)
@@ -344,7 +342,6 @@ class WhatIfView(widgets.VBox):
         if not self._background:
             self._safe(lambda: self.replay_now(fraction))
             return
-        from ..background import run_in_background
 
         with self._lock:
             self._generation += 1
@@ -453,15 +450,13 @@ class WhatIfView(widgets.VBox):
 
     # ------------------------------------------------------------------ minimum fraction
     def _start_min_fraction(self) -> None:
-        from ..background import run_in_background
-
         self._min_gen += 1
         self._min_task = run_in_background(self._find_min_fraction, name="whatif-min-fraction")
 
     def _find_min_fraction(self) -> None:
         gen = self._min_gen
         try:
-            from ..trace.whatif import min_fraction
+            pass
         except ImportError:
             self.min_fraction_text.value = ("<i>minimum fraction: unavailable "
                                             "(gpudash.trace.whatif is missing)</i>")
@@ -481,7 +476,6 @@ class WhatIfView(widgets.VBox):
         text = _describe_min_fraction(found, self.device_bytes)
         value = getattr(found, "fraction", found)
         if isinstance(value, (int, float)):   # PyTorch: the line that sets it, live
-            from ..trace.replay import resolve_settings
 
             line = self.allocator_model.fraction_line(
                 float(value), resolve_settings(self.trace, **self._options))
@@ -548,8 +542,6 @@ def _describe_min_fraction(found: Any, device_bytes: Any) -> str:
         return f"<b>minimum fraction:</b> {html.escape(str(found))}"
     limit = getattr(found, "limit_bytes", None)
     if limit is None:
-        from .._units import parse_bytes
-
         limit = int(parse_bytes(device_bytes) * value)
     note = (" <small>(fitting is not monotone in the fraction for this trace: a smaller "
             "fraction may fit too)</small>" if getattr(found, "non_monotone", False) else "")
