@@ -88,3 +88,15 @@ def test_module_paths_that_docs_named_still_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_live_layer_and_monitors_load_no_view():
+    """Monitors and the live layer import no view (nor ipywidgets, anywidget or plotly):
+    a monitor's dashboard is the view the package registered."""
+    code = ("import sys, gpudash.monitors._base, gpudash.monitors._torch, gpudash.live.views, "
+            "gpudash.torch\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('gpudash.widgets', "
+            "'ipywidgets', 'anywidget', 'plotly'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
