@@ -35,6 +35,7 @@ import os
 from typing import Any, TypeVar
 
 from . import events
+from ._sourcehash import source_hash
 
 __all__ = ["COMPILED", "ENV", "REASON", "TWINS", "describe", "extension", "twin"]
 
@@ -52,11 +53,9 @@ def _load() -> tuple[Any, str]:
     if os.environ.get(ENV, "").strip() not in ("", "0"):
         return None, f"{ENV} is set"
     try:
-        from . import _core
+        from . import _core  # late: the compiled core is optional (built by setup.py)
     except ImportError as exc:
         return None, f"the compiled core is not built here ({exc})"
-    from ._sourcehash import source_hash
-
     here = source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(_core, "SOURCE_HASH", None):
         return None, f"the compiled core was built from other sources than these ({_REBUILD})"
@@ -110,13 +109,11 @@ def extension(purpose: str) -> Any:
     if _core is not None:
         return _core
     try:
-        from . import _core as core
+        from . import _core as core  # late: the compiled core is optional
     except ImportError as exc:
         raise ImportError(f"{purpose} needs gpudash's compiled core (gpudash._core), which is "
                           f"not built here ({exc}); install a C compiler and reinstall "
                           "gpudash") from None
-    from ._sourcehash import source_hash
-
     here = source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(core, "SOURCE_HASH", None):
         raise ImportError(f"{purpose} needs gpudash._core built from these sources; "

@@ -62,6 +62,7 @@ from .events import (
     ALLOC as _ALLOC, FREE as _FREE, MERGE as _MERGE, EXTEND as _EXTEND, RELEASE as _RELEASE,
     OOM as _OOM,
 )
+from .bfc import BinSummary, MemChunk, MemoryDump, RegionInfo
 
 __all__ = [
     "CachingAllocator",
@@ -1754,8 +1755,6 @@ class PyCachingAllocator(EventSource):
         pool, 0 small, 1 large; -1 in use), every snapshot segment as a region, and two
         summaries in place of TensorFlow's bins, the small and the large pool
         (``extra["layout"] == "pools"``)."""
-        from .bfc import BinSummary, MemChunk, MemoryDump, RegionInfo
-
         with self._lock:
             chunks = []
             regions = []

@@ -38,6 +38,7 @@ from .._units import format_bytes
 from .control import configure_workers
 from .model import ClusterModel
 from .plugin import run_flush_deferred, run_release
+from .control import _errors, _resolve_workers
 
 __all__ = ["ClusterDashboard", "views_for", "sparkline_svg"]
 
@@ -50,7 +51,7 @@ def views_for(feeds: list, **options: Any) -> Any:
     """The usual live views of ``feeds`` (one worker's devices) as one widget: a
     :class:`gpudash.widgets.Dashboard` whose controls act on the worker. Its timeline starts
     with the history the :class:`~gpudash.dask.ClusterModel` holds for each device."""
-    from ..widgets.dashboard import Dashboard
+    from ..widgets.dashboard import Dashboard  # late: anywidget (optional here)
 
     return Dashboard(feeds=list(feeds), **options)
 
@@ -58,7 +59,7 @@ def views_for(feeds: list, **options: Any) -> Any:
 def _has_controls(view: Any) -> bool:
     """Whether a picked worker's views bring their own controls (a gpudash Dashboard)."""
     try:
-        from ..widgets.dashboard import Dashboard
+        from ..widgets.dashboard import Dashboard  # late: anywidget, may be missing
     except ImportError:  # anywidget missing: the views are someone else's widget
         return False
     return isinstance(view, Dashboard)
@@ -407,8 +408,6 @@ class ClusterDashboard(widgets.VBox):
 
     def _run_each(self, fn: Any, what: str) -> int | None:
         with self._lock:
-            from .control import _errors, _resolve_workers
-
             try:
                 targets = _resolve_workers(self.client, self._workers())
                 results = self.client.run(fn, None, workers=targets, on_error="return")

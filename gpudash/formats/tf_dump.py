@@ -579,7 +579,7 @@ def read_memory_dump_pb(path: str | os.PathLike) -> MemoryDump:
     """
     from google.protobuf.message import DecodeError
 
-    from ..proto import bfc_memory_map_pb2
+    from ..proto import bfc_memory_map_pb2  # late: its descriptors cost ~40 ms; profiles only
 
     p = Path(path)
     with open_regular(p) as f:

@@ -351,7 +351,7 @@ def _last_by_message(n: int, rows: tuple, default: Any, dtype: Any) -> np.ndarra
 def _pb():
     from google.protobuf.message import DecodeError
 
-    from ..proto import xplane_pb2
+    from ..proto import xplane_pb2  # late: its descriptors cost ~40 ms; profiles only
 
     return xplane_pb2, DecodeError
 
