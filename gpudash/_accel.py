@@ -35,7 +35,7 @@ import os
 from typing import Any, TypeVar
 
 from . import events
-from ._sourcehash import source_hash
+from . import _sourcehash
 
 __all__ = ["COMPILED", "ENV", "REASON", "TWINS", "describe", "extension", "twin"]
 
@@ -56,7 +56,7 @@ def _load() -> tuple[Any, str]:
         from . import _core  # late: the compiled core is optional (built by setup.py)
     except ImportError as exc:
         return None, f"the compiled core is not built here ({exc})"
-    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
+    here = _sourcehash.source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(_core, "SOURCE_HASH", None):
         return None, f"the compiled core was built from other sources than these ({_REBUILD})"
     codes = {k.name: int(k) for k in events.EventKind}
@@ -114,7 +114,7 @@ def extension(purpose: str) -> Any:
         raise ImportError(f"{purpose} needs gpudash's compiled core (gpudash._core), which is "
                           f"not built here ({exc}); install a C compiler and reinstall "
                           "gpudash") from None
-    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
+    here = _sourcehash.source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(core, "SOURCE_HASH", None):
         raise ImportError(f"{purpose} needs gpudash._core built from these sources; "
                           f"{_REBUILD}")

@@ -270,10 +270,10 @@ def test_hover_names_who_holds_a_block_from_its_stack(snap1000):
 def test_explain_names_who_holds_each_block_at_the_failure(tmp_path, monkeypatch):
     """explain's segment map (the state before the out-of-memory row, replayed exactly)
     names each block's allocating stack, where the snapshot recorded one."""
-    import gpudash.formats.torch_snapshot as ts
+    import gpudash.torch_explain as te
 
-    load = ts.load_torch_snapshot
-    monkeypatch.setattr(ts, "load_torch_snapshot", lambda *a, **k: _with_stacks(load(*a, **k)))
+    load = te.load_torch_snapshot
+    monkeypatch.setattr(te, "load_torch_snapshot", lambda *a, **k: _with_stacks(load(*a, **k)))
     snap = caching_snapshot(many_segments(40, oom=True), device_bytes="4GiB")
     path = tmp_path / "oom.pickle"
     path.write_bytes(pickle.dumps(snap))
