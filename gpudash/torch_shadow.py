@@ -695,7 +695,8 @@ class Shadow:
                 if dev._last is None:       # the first read: start from PyTorch's layout
                     dev._resync(snap, "attached mid-run")
                     if not dev.allocator.segments():
-                        dev.notice = None   # nothing held yet: nothing to say
+                        dev.notice = None   # nothing held yet: nothing rebuilt, to say
+                        dev.resyncs.pop()
                     dev._remember(ring)
                     out[dev.index] = 0
                     continue
@@ -709,11 +710,13 @@ class Shadow:
                                   f"({dev.divergences[-1]})")
             self._resync_due.clear()
             ooms, self._pending_ooms = self._pending_ooms, []
+            # explained before another refresh returns (a caller's refresh() after an OOM
+            # finds its explanation in ooms)
+            for event in ooms:
+                self.ooms.append(self._explain(event, snap))
         took = time.perf_counter() - t0
         self.read_seconds = took
         self.read_at = time.monotonic()
-        for event in ooms:
-            self.ooms.append(self._explain(event, snap))
         self.refreshes += 1
         self.refresh_seconds.append(took)
         del self.refresh_seconds[:-1000]
