@@ -108,8 +108,8 @@ def bench_refresh(torch, alloc, free, history, sizes, rounds):
 
 
 def bench_thread(torch, alloc, free, history, rate, seconds, interval):
-    """(steps/s, view updates/s, reads/s, share of a core reading, slowest read ms,
-    exact) by mode."""
+    """(steps/s, view updates/s, longest gap between two updates ms, reads/s, share of a
+    core reading, slowest read ms, exact) by mode."""
     from gpudash.torch_shadow import attach
     from gpudash.widgets import Dashboard
 
@@ -130,6 +130,15 @@ def bench_thread(torch, alloc, free, history, rate, seconds, interval):
             shadow = attach(torch, interval=interval, history=history)
             dash = Dashboard(shadow, rate_hz=rate)
             dash._hellos = 1          # a page is showing it (the comm drops the messages)
+            sends: list = []
+            post = dash._post
+
+            def timed(kind, content, buffers=None, post=post, sends=sends):
+                if kind == "update":
+                    sends.append(time.perf_counter())
+                return post(kind, content, buffers)
+
+            dash._post = timed
         stop = threading.Event()
         count: list = []
         t = threading.Thread(target=loop, args=(stop, count)) if mode != "views alone" \
@@ -140,23 +149,27 @@ def bench_thread(torch, alloc, free, history, rate, seconds, interval):
         if t is not None:
             t.start()
         time.sleep(seconds)
+        dt = time.perf_counter() - t0       # the window: what the views and reads did in it
+        u1 = dash.sent.get("update", [0])[0] if dash else 0
+        r1 = shadow.refreshes if shadow else 0
         stop.set()
         if t is not None:
             t.join()
-        dt = time.perf_counter() - t0
-        steps = count[0] / dt if count else 0.0
+        steps = count[0] / (time.perf_counter() - t0) if count else 0.0
         if shadow is not None:
-            updates = (dash.sent.get("update", [0])[0] - u0) / dt
-            reads = (shadow.refreshes - r0) / dt
-            share = sum(shadow.refresh_seconds[-(shadow.refreshes - r0):]) / dt
+            updates = (u1 - u0) / dt
+            gap = max(b - a for a, b in zip(sends, sends[1:])) * 1e3 if len(sends) > 1 \
+                else float("nan")
+            reads = (r1 - r0) / dt
+            share = sum(shadow.refresh_seconds[-(r1 - r0):]) / dt if r1 > r0 else 0.0
             worst = max(shadow.refresh_seconds) * 1e3
             exact = shadow.devices[0].exact
             dash.close()
             shadow.stop()
         else:
-            updates = reads = worst = share = 0.0
+            updates = reads = worst = share = gap = 0.0
             exact = None
-        out[mode] = (steps, updates, reads, share, worst, exact)
+        out[mode] = (steps, updates, gap, reads, share, worst, exact)
     return out
 
 
@@ -216,12 +229,12 @@ def main() -> None:
         print(f"{n:>12,} {ms:>14.2f} {snap:>15.1f} {str(exact):>6}")
     print(f"\n(b) a training loop in a thread; the dashboard's views at {args.rate:g} Hz, "
           f"history read every >= {args.interval:g} s, {args.seconds:g} s each")
-    print(f"{'mode':>14} {'steps/s':>9} {'view updates/s':>15} {'reads/s':>8} "
-          f"{'reading share':>14} {'slowest read ms':>16} {'exact':>6}")
-    for mode, (steps, updates, reads, share, worst, exact) in bench_thread(
+    print(f"{'mode':>14} {'steps/s':>9} {'view updates/s':>15} {'longest gap ms':>15} "
+          f"{'reads/s':>8} {'reading share':>14} {'slowest read ms':>16} {'exact':>6}")
+    for mode, (steps, updates, gap, reads, share, worst, exact) in bench_thread(
             torch, alloc, free, args.history, args.rate, args.seconds, args.interval).items():
-        print(f"{mode:>14} {steps:>9.0f} {updates:>15.2f} {reads:>8.2f} {share:>14.1%} "
-              f"{worst:>16.1f} {str(exact) if exact is not None else '-':>6}")
+        print(f"{mode:>14} {steps:>9.0f} {updates:>15.2f} {gap:>15.0f} {reads:>8.2f} "
+              f"{share:>14.1%} {worst:>16.1f} {str(exact) if exact is not None else '-':>6}")
     print(f"\n(c) one read of a full history ring, and the fastest job followed without "
           f"the ring wrapping (reads every >= {args.interval:g} s, 7x a read's time between)")
     print(f"{'ring entries':>12} {'read ms':>9} {'job entries/s followed':>23}")

@@ -1467,7 +1467,11 @@ def _refresh_loop(ref: weakref.ref[LiveModel], stop: threading.Event,
         if model is None:
             return
         if not model.paused:
-            last = time.monotonic()
+            now = time.monotonic()
+            due = last + 1.0 / model.rate_hz
+            # on the rate's grid: a tick that starts late (the GIL held by a busy thread)
+            # does not push the next ones later; an early one (a control's wake) restarts it
+            last = due if due <= now < due + 1.0 / model.rate_hz else now
             try:
                 model.refresh_now()
             except Exception as exc:  # noqa: BLE001 - the refresher must survive
