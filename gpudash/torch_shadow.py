@@ -6,8 +6,10 @@ job (a training loop in a background thread, or between cells):
 
 - turns on PyTorch's allocator history (``torch.cuda.memory._record_memory_history``, with
   Python stacks, a bounded ring);
-- every ``interval`` reads the snapshot (``torch.cuda.memory._snapshot()``), finds the
-  entries that are new since the previous read, and feeds only those through gpudash's
+- in a thread of its own, every ``interval`` (but after a read that took t, not before 7t
+  more: an eighth of one core at most), reads the snapshot
+  (``torch.cuda.memory._snapshot()``), finds the entries that are new since the previous
+  read, and feeds only those through gpudash's
   exact model of PyTorch's caching allocator (the calls :func:`gpudash.trace.torch_replay.
   replay_exact` makes, resumed where the previous refresh stopped): the dashboard shows
   PyTorch's segments, blocks and allocating stacks, and the model checks every decision;
@@ -494,6 +496,10 @@ class Shadow:
     refreshes : int
     refresh_seconds : list of float
         The time each refresh took (the latest 1,000).
+    read_seconds, read_at : float
+        The latest refresh's time, and when it ended (``time.monotonic()``; None before).
+    pace : float
+        After a read of t seconds the thread waits at least ``pace`` x t (:meth:`next_wait`).
     errors : list of str
         Refreshes that failed (the thread goes on).
     """
@@ -1051,7 +1057,7 @@ class Shadow:
 
 
 def attach(module: Any = None, *, devices: Any = None, history: int | None = None,
-           interval: float = 0.25, start: bool = True) -> Shadow:
+           interval: float = 0.25, start: bool = True, pace: float = 7.0) -> Shadow:
     """Follow a PyTorch job in this process live: its allocator's history through gpudash's
     exact model, controls that act on it, OOMs explained (see :mod:`gpudash.torch_shadow`).
 
@@ -1062,12 +1068,16 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     devices : int or list of int, optional
         CUDA devices to follow (default all): one model each.
     history : int, optional
-        Entries of PyTorch's history ring (default
-        :data:`gpudash.torch.DEFAULT_HISTORY_ENTRIES`). The ring must hold the entries of
-        one refresh interval; when it wraps between two refreshes the model is rebuilt from
-        PyTorch's segments, and that is said.
+        Entries of PyTorch's history ring (default :data:`SHADOW_HISTORY_ENTRIES`, 20,000).
+        The ring must hold the entries made between two reads; when it wraps between two
+        reads the model is rebuilt from PyTorch's segments, and that is said. A larger ring
+        makes each read (``_snapshot()`` copies it all, holding the GIL) longer, and the
+        what-if look further back.
     interval : float
-        Seconds between refreshes (0: no thread; call :meth:`Shadow.refresh`).
+        Seconds between reads, at least (0: no thread; call :meth:`Shadow.refresh`). After
+        a read that took t the thread waits at least ``pace`` x t (7: an eighth of one core).
+    pace : float
+        See ``interval``.
     start : bool
         Start the refresh thread.
 
@@ -1095,7 +1105,10 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
             raise ConfigError(f"PyTorch has no CUDA device {i!r}; accepted: 0..{count - 1}")
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                              max_entries=history)
-    shadow = Shadow(torch, ids, history, interval, "")
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or pace < 0:
+        raise ConfigError(f"pace must be a number >= 0 (reads' waits over their time); "
+                          f"got {pace!r}")
+    shadow = Shadow(torch, ids, history, interval, "", pace)
     _listen(shadow, "attach to torch", torch)
     _keep.append(shadow)
     shadow.refresh()
