@@ -42,7 +42,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ._errors import GpudashError
 from ._units import format_bytes
-from .models import _FALSE, _TRUE
+from .models.base import _FALSE, _TRUE
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
 
