@@ -55,11 +55,50 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from .._errors import ConfigError
 from .._units import format_bytes
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+#: A replay setting not given: replay's keywords default to it, and the model's resolution
+#: (:meth:`AllocatorModel.resolve`) decides.
+UNSET: Any = _Unset()
+
+
+def recorded_flag(value: Any) -> bool | None:
+    """A recorded on/off setting (``allow_growth``, ``garbage_collection``): a boolean
+    (numpy's too), None when absent.
+
+    Raises
+    ------
+    ValueError
+        Anything else, the strings ``"true"`` and ``"false"`` included (``bool("false")``
+        is True, so a string is not guessed at).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":   # numpy's
+        return bool(value)
+    text = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if isinstance(value, str):
+        raise ValueError(f"{text} (a string); expected true or false (JSON booleans)")
+    raise ValueError(f"{text}; expected true or false")
+
+
+def _part(seq: Any, start: int, stop: int) -> list:
+    """``seq[start:stop]`` as a list (a replay loop's part of its calls): calls are kept as numpy columns (17 bytes a call) and
+    turned into Python ints one chunk at a time, not all at once (~90 bytes a call)."""
+    part = seq[start:stop]
+    return part.tolist() if isinstance(part, np.ndarray) else part
 
 
 def fitting_fraction(fraction: float) -> float:
@@ -286,6 +325,33 @@ class AllocatorModel:
         """The settings a replay ran with, in the framework's words."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ a replay's settings
+    def inputs(self) -> frozenset:  # pragma: no cover - abstract
+        """The settings a replay of this model takes by name (replay's keywords, a dict of
+        options), ``allocator`` included."""
+        raise NotImplementedError
+
+    def resolve(self, trace: Any, index: Any, options: Any,
+                explicit: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - abstract
+        """This model's resolution of a replay's settings: defaults, what ``trace`` says
+        (through ``index``, the trace's :class:`~gpudash.trace.replay.DeviceIndex`: its
+        ``pick``, ``settings``, ``recorded``, ``source_limit``, ``capacity`` and
+        ``peak_reserved``), ``options`` and the ``explicit`` keywords (:data:`UNSET` where
+        not given), as a dict of :attr:`settings_type`'s fields."""
+        raise NotImplementedError
+
+    def owner_of(self, setting: str) -> AllocatorModel | None:
+        """Another model whose replay takes ``setting`` and this one's does not."""
+        if setting in self.inputs():
+            return None
+        return next((m for m in MODELS.values() if m is not self and setting in m.inputs()),
+                    None)
+
+    def trace_capacity(self, index: Any, device: int) -> tuple[int, str] | None:
+        """The device memory a trace of this model shows for ``device``, and how (None: it
+        does not say)."""
+        return None
+
     # ------------------------------------------------------------------ a replay's allocator
     def loop(self, settings: Any) -> str:  # pragma: no cover - abstract
         """The replay loop that runs these settings: ``plain``, ``deferred`` (the BFC's,
@@ -298,6 +364,25 @@ class AllocatorModel:
         """Whether this model's allocator made a trace with this ``meta`` (the default
         model, the BFC, is the answer when none says so)."""
         return False
+
+    def runner(self, settings: Any, compiled: bool) -> Any:  # pragma: no cover - abstract
+        """The replay loop of :meth:`loop`: a function ``run(engine, start, stop, sample,
+        max_ooms)`` over a replay engine (:class:`gpudash.trace.replay._Engine`), the
+        pure-Python loop or, for a ``compiled`` allocator, its twin in the compiled core.
+        The model's module defines both."""
+        raise NotImplementedError
+
+    def clone(self, allocator: Any, sub: Any) -> Any:
+        """An independent copy of an idle allocator of this model over ``sub`` (replay's
+        checkpoints; :attr:`checkpoints` says whether the model has them).
+
+        Raises
+        ------
+        NotImplementedError
+            The model has no copy, or this allocator cannot be copied (callers replay from
+            the start instead).
+        """
+        raise NotImplementedError(f"{self.title} has no copy of its state")
 
     def keep_history(self, allocator: Any, entries: int) -> None:
         """Before a recorded replay: keep the allocator's own history (PyTorch's

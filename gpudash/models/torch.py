@@ -5,15 +5,51 @@ streams, its pools, its ``memory_stats()`` figures and its controls."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import _accel
 from .._errors import ConfigError
-from .._torch_conf import CachingAllocatorConfig
-from .._units import format_bytes
+from .._torch_conf import CachingAllocatorConfig, parse_torch_version
+from .._units import format_bytes, parse_bytes
 from ..caching import CachingAllocator
-from .base import (AllocatorModel, Control, Fragmentation, ReplaySettings, _b, _flag_text,
-                   _number_text, fitting_fraction, fraction_text, register)
+from .base import (UNSET, AllocatorModel, _part, Control, Fragmentation, ReplaySettings, _b, _flag_text,
+                   _number_text, fitting_fraction, fraction_text, register,
+                   trace_model)
+
+#: The settings a replay through PyTorch's caching allocator takes, with their defaults:
+#: None keeps what the trace was recorded with (a PyTorch snapshot's allocator_settings).
+_DEFAULTS: dict[str, Any] = {
+    "device_bytes": None,
+    "fraction": None,
+    "conf": None,
+    "expandable_segments": None,
+    "max_split_size_mb": None,
+    "garbage_collection_threshold": None,
+    "roundup_power2_divisions": None,
+    "max_non_split_rounding_mb": None,
+    "torch_version": None,
+    "exact": None,
+    "device": None,
+    "allocator": "torch",
+}
+_KNOBS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+                "roundup_power2_divisions", "max_non_split_rounding_mb")
+#: Memory of common GPUs (GiB), for a device a trace does not name.
+_COMMON_GPUS = (8, 12, 16, 24, 32, 40, 48, 80, 94, 141, 192)
+
+
+def _common_gpu(need: int) -> tuple[int, str]:
+    """The smallest common GPU size that holds ``need`` bytes (at least 16 GiB), and why."""
+    gib = next((g for g in _COMMON_GPUS if g >= 16 and (g << 30) >= need),
+               -(-need // (1 << 30)))
+    held = (f"the smallest common GPU size that holds the {format_bytes(need)} the trace's "
+            "segments held at most" if need else "gpudash's default")
+    return gib << 30, (f"{held} (the trace does not say how much the GPU had; pass "
+                       "device_bytes= or --device SIZE)")
+
 
 #: PyTorch's two pools, as the bins view names them.
 _POOLS = ("small pool (≤ 1 MiB)", "large pool")
@@ -58,6 +94,135 @@ class _TorchModel(AllocatorModel):
         alloc.device_index = dev
         return alloc
 
+    def inputs(self) -> frozenset:
+        return frozenset(_DEFAULTS)
+
+    def trace_capacity(self, index: Any, device: int) -> tuple[int, str]:
+        """What the trace shows (:func:`gpudash.trace.replay.torch_capacity`), else the
+        smallest common GPU that holds the segments it held at most."""
+        return index.capacity(device) or _common_gpu(index.peak_reserved(device))
+
+    def resolve(self, trace: Any, index: Any, options: Any,
+                explicit: dict[str, Any]) -> dict[str, Any]:
+        """The settings of a replay through PyTorch's caching allocator.
+
+        ``conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string or a CachingAllocatorConfig) and the knobs
+        by name (``expandable_segments``, ``max_split_size_mb``...) start from what the trace
+        was recorded with (a snapshot's ``allocator_settings``; PyTorch's defaults otherwise);
+        ``fraction`` is ``set_per_process_memory_fraction`` (None: the whole device);
+        ``device_bytes`` the device's total memory (default: what the trace says, see
+        :func:`gpudash.trace.replay.torch_capacity`, else assumed and said so); ``exact`` replays with the trace's
+        own segment addresses and release points and reports how closely the model followed it
+        (default: for a PyTorch trace replayed with its own settings)."""
+        s = dict(_DEFAULTS)
+        if isinstance(options, str):
+            if options == "trace":
+                options = None
+            else:
+                options = {"conf": options}
+        if isinstance(options, CachingAllocatorConfig):
+            options = {"conf": options}
+        if isinstance(options, Mapping):
+            for k, v in options.items():
+                if k not in _DEFAULTS and k != "name":
+                    raise ConfigError(f"unknown setting {k!r} of a replay through PyTorch's "
+                                      f"allocator; known: {sorted(_DEFAULTS)}")
+                s[k] = v
+        elif options is not None:
+            raise ConfigError(f"options must be a dict of settings, a PYTORCH_CUDA_ALLOC_CONF "
+                              f"string or 'trace'; got {options!r}")
+        for k, v in explicit.items():
+            if v is UNSET:
+                continue
+            if k not in _DEFAULTS and k != "name":
+                hint = (" (PyTorch's allocator has no such setting: it always grows on demand)"
+                        if self.owner_of(k) is not None else "")
+                raise ConfigError(f"{k} is not a setting of PyTorch's caching allocator{hint}; "
+                                  f"known: {sorted(_DEFAULTS)}")
+            s[k] = v
+        if trace is not None and index is not None and not isinstance(trace.meta.get("torch"), dict):
+            # a gpudash recording of PyTorch's model (a PyTorch session): the device's settings
+            # and capacity as recorded, where the call gives none
+            entry = index.recorded(index.pick(s["device"]))
+            opts = entry.get("options") if isinstance(entry.get("options"), Mapping) else {}
+            for key in ("conf", "fraction", "torch_version"):
+                if s[key] is None and opts.get(key) is not None:
+                    s[key] = opts[key]
+            if s["device_bytes"] is None and entry.get("capacity"):
+                s["device_bytes"] = entry["capacity"]
+        recorded_meta = trace.meta if trace is not None and trace_model(trace) is self else {}
+        torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
+                                                               dict) else {}
+        version = s["torch_version"]
+        guessed = None
+        if version is None:
+            try:
+                version = parse_torch_version(torch_meta.get("version") or None)
+                if torch_meta.get("version"):
+                    guessed = version
+            except ConfigError:
+                version = None
+        conf = s["conf"]
+        if isinstance(conf, CachingAllocatorConfig):
+            conf = conf.copy()
+        elif isinstance(conf, str):
+            conf = CachingAllocatorConfig(conf, version=version)
+        elif conf is None:
+            conf = CachingAllocatorConfig.from_snapshot_settings(
+                recorded_meta.get("allocator_settings"), version=version)
+        else:
+            raise ConfigError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string or a "
+                              f"CachingAllocatorConfig; got {conf!r}")
+        parts = {k: s[k] for k in _KNOBS if s[k] is not None}
+        if parts:
+            conf.update(**parts)
+        s["conf"] = conf
+        frac = s["fraction"]
+        if frac is not None:
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or \
+                    not 0.0 <= float(frac) <= 1.0:
+                raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, in "
+                                  f"[0, 1]; got {frac!r}")
+            s["fraction"] = float(frac)
+        if trace is not None:
+            s["device"] = index.pick(s["device"])
+        elif s["device"] is None:
+            s["device"] = 0
+        s["assumed"] = []
+        other_device = False  # a device_bytes the recorded run cannot have had
+        if s["device_bytes"] is not None:
+            s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
+            if s["device_bytes"] <= 0:
+                raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
+            if trace is not None and torch_meta:
+                cap = index.capacity(s["device"])
+                other_device = (s["device_bytes"] != cap[0] if cap is not None else
+                                s["device_bytes"] < index.peak_reserved(s["device"]))
+        else:
+            cap = self.trace_capacity(index, s["device"]) if trace is not None else None
+            if cap is None:
+                cap = _common_gpu(0)
+            s["device_bytes"], how = cap
+            s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
+        if guessed is not None:
+            s["assumed"].append(
+                f"PyTorch {guessed[0]}.{guessed[1]}'s rules: the oldest PyTorch whose snapshot has "
+                "the fields this one has (a snapshot does not record the version; pass "
+                "torch_version= or --torch-version)")
+        exact = s["exact"]
+        recorded = bool(torch_meta)
+        overridden = s["fraction"] is not None or parts or explicit.get("conf", UNSET) not in (
+            UNSET, None) or (isinstance(options, Mapping) and "conf" in options) or other_device
+        if exact is None:
+            exact = recorded and not overridden
+        elif exact and not recorded:
+            raise ConfigError("exact replay follows a PyTorch snapshot's own addresses and release "
+                              "points; this trace is not one (replay it with exact=False)")
+        s["exact"] = bool(exact)
+        s["memory_limit"] = self.limit(s["device_bytes"], s["fraction"])
+        s["cc_major"] = 8
+        return s
+
     def limit(self, device_bytes: int, fraction: float | None, cc_major: int = 8) -> int:
         """PyTorch's ``allowed_memory_maximum`` (None: the whole device)."""
         return device_bytes if fraction is None else int(fraction * device_bytes)
@@ -95,6 +260,9 @@ class _TorchModel(AllocatorModel):
         devices = meta.get("devices")
         return isinstance(devices, list) and bool(devices) and all(
             isinstance(d, dict) and d.get("allocator") == "torch" for d in devices)
+
+    def runner(self, settings: Any, compiled: bool) -> Any:
+        return run_torch_compiled if compiled else run_torch
 
     def keep_history(self, allocator: Any, entries: int) -> None:
         allocator.record_history(True, max_entries=entries)
@@ -580,4 +748,77 @@ TORCH = _TorchModel(
         Control("empty_cache", "button", "empty cache", action="empty_cache",
                 tooltip="torch.cuda.empty_cache(): return every wholly free cached segment"),
     ))
+
+# ------------------------------------------------------------------------------ replay loop
+# A replay engine (gpudash.trace.replay._Engine) runs this over its calls (see
+# gpudash.models.bfc's loops for what ``engine`` holds); a PyTorch trace's calls carry their
+# streams (``engine.streams``) and ``empty_cache()`` calls (op 9).
+
+# The compiled core's twin of the loop (_csrc/replay.pxi); None without it.
+_core_run_torch = _accel.twin("run_torch", None)
+
+
+
+def run_torch(engine: Any, start: int, stop: int, sample: list | None,
+               max_ooms: int = sys.maxsize) -> None:
+    """The calls through PyTorch's caching allocator: allocations on their streams,
+    frees, failed requests tried again, and ``empty_cache()`` calls (op 9)."""
+    alloc = engine.alloc
+    allocate, deallocate, empty = alloc.try_allocate, alloc.deallocate, alloc.empty_cache
+    ptrs = engine.ptrs
+    pop = ptrs.pop
+    oom_calls = engine.oom_calls
+    skipped = 0
+    ops = _part(engine.ops, start, stop)
+    keys = _part(engine.keys, start, stop)
+    nbytes = _part(engine.nbytes, start, stop)
+    streams = _part(engine.streams, start, stop) if engine.streams is not None else None
+    if sample is not None:
+        s_in, s_pool, s_lf = (lst.append for lst in sample)
+        stats = alloc._stats.pool["allocated_bytes"]
+        largest = alloc._largest_free_block
+    i = start
+    for j, (op, key, n) in enumerate(zip(ops, keys, nbytes)):
+        if op == 2:
+            p = pop(key, None)
+            if p is None:
+                skipped += 1
+            else:
+                deallocate(p)
+        elif op == 9:
+            empty()
+        else:
+            p = allocate(n, True, streams[j] if streams is not None else 0)
+            if p or not n:
+                if op == 1:
+                    ptrs[key] = p
+                elif p:
+                    deallocate(p)   # a request the source refused, served now
+            else:
+                oom_calls.append(i)
+                if len(oom_calls) >= max_ooms:
+                    stop = i + 1
+                    if sample is not None:
+                        s_in(stats[0])
+                        s_pool(alloc._reserved)
+                        s_lf(largest())
+                    break
+        i += 1
+        if sample is not None:
+            s_in(stats[0])
+            s_pool(alloc._reserved)
+            s_lf(largest())
+    engine.skipped_frees += skipped
+    engine.pos = stop
+
+
+def run_torch_compiled(engine: Any, start: int, stop: int, sample: list | None,
+                        max_ooms: int = sys.maxsize) -> None:
+    """:func:`run_torch` in C (``gpudash._core.run_torch``), call for call."""
+    ops, keys, nbytes, streams = engine._core_columns()
+    engine.pos, skipped = _core_run_torch(engine.alloc, ops, keys, nbytes, streams, start,
+                                   stop, engine.ptrs, engine.oom_calls, sample, max_ooms)
+    engine.skipped_frees += skipped
+
+
 register(TORCH, aliases=("pytorch", "caching"))
