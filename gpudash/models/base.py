@@ -278,6 +278,14 @@ class AllocatorModel:
     sweep_knobs : tuple of str
         The settings a sweep may also vary (``vary=``), besides the fraction and the
         :attr:`grid` setting.
+    cli_flags : tuple of (str, str)
+        The command's flags that set this model's settings, each with its attribute of the
+        parsed arguments (``("--conf", "conf")``); under another model they are refused.
+    cli_words : dict
+        The command's words: ``owner`` (whose a flag of this model is, for a refusal),
+        ``settings`` (its settings as flags), ``switch`` (how to pick it), ``through`` (how a
+        replay line names it), ``smallest`` (what ``whatif``'s answer is the smallest of),
+        ``regions`` (what a replay counts it took from the device).
     """
 
     name: str
@@ -300,6 +308,8 @@ class AllocatorModel:
     checkpoints: bool = False
     sweep_words: dict = field(default_factory=dict)
     sweep_knobs: tuple = ()
+    cli_flags: tuple = ()
+    cli_words: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"
@@ -350,6 +360,34 @@ class AllocatorModel:
     def trace_capacity(self, index: Any, device: int) -> tuple[int, str] | None:
         """The device memory a trace of this model shows for ``device``, and how (None: it
         does not say)."""
+        return None
+
+    # ------------------------------------------------------------------ the command
+    def cli_kwargs(self, args: Any, recorded: dict) -> dict[str, Any]:  # pragma: no cover
+        """The replay settings the command's flags (``args``, parsed) give for this model;
+        ``recorded``: the trace's settings of the device (:func:`trace_settings`)."""
+        raise NotImplementedError
+
+    def settings_text(self, options: dict, fraction: bool = True) -> str:
+        """A replay's settings (``ReplayResult.options``) in the framework's words, as the
+        command prints them (``fraction``: with the fraction)."""
+        return self.describe(options)
+
+    def toggle_on(self, settings: dict, toggle: str) -> bool:
+        """Whether a what-if toggle (:attr:`whatif_toggles`) is on in a replay's settings
+        (``for_meta``'s dict)."""
+        return bool(settings.get(toggle))
+
+    def refuse_flags(self, args: Any) -> str | None:
+        """The refusal of another model's flag given to a command that runs this one, or
+        None."""
+        for other in MODELS.values():
+            if other is self:
+                continue
+            for flag, attr in other.cli_flags:
+                if getattr(args, attr, None) is not None:
+                    return (f"{flag} is {other.cli_words['owner']}; this replays {self.title} "
+                            f"({self.cli_words['settings']}; {other.cli_words['switch']})")
         return None
 
     # ------------------------------------------------------------------ a replay's allocator

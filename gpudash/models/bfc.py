@@ -14,7 +14,8 @@ from .._errors import ConfigError
 from .._eventsource import _bins_of
 from .._units import format_bytes, parse_bytes
 from ..bfc import BFCAllocator, clone
-from ..options import GPUOptions, memory_limit, restart_lines
+from ..options import (DEFAULT_DEFERRED_DELETION_BYTES, GPUOptions, memory_limit,
+                       restart_lines)
 from .base import (UNSET, AllocatorModel, _part, Control, ReplaySettings, _b, _flag_text,
                    _number_text, recorded_flag, register, trace_model)
 
@@ -167,6 +168,25 @@ class _BFCModel(AllocatorModel):
     def limit(self, device_bytes: int, fraction: float | None, cc_major: int = 8) -> int:
         """TensorFlow's limit rule (None: its default, free memory minus the reserve)."""
         return memory_limit(device_bytes, device_bytes, fraction or 0.0, cc_major, environ={})
+
+    def cli_kwargs(self, args: Any, recorded: dict) -> dict[str, Any]:
+        """``--growth``/``--no-growth`` (else the trace's recorded setting, else TensorFlow's
+        default, off), ``--gc``, and ``--deferred`` where the command has it (TensorFlow's
+        reading of deferred_deletion_bytes: 0 is its 8 MiB default; not given: frees at once,
+        as the trace recorded them)."""
+        growth = args.growth if args.growth is not None else bool(
+            recorded.get("allow_growth", False))
+        kwargs = {"allow_growth": growth, "garbage_collection": bool(args.gc)}
+        if hasattr(args, "deferred"):
+            deferred = args.deferred
+            kwargs["deferred_deletion_bytes"] = (
+                0 if deferred is None else deferred or DEFAULT_DEFERRED_DELETION_BYTES)
+        return kwargs
+
+    def settings_text(self, options: dict, fraction: bool = True) -> str:
+        deferred = options.get("deferred_deletion_bytes") or 0
+        return (f"allow_growth={options['allow_growth']}"
+                + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
 
     def describe(self, settings: dict) -> str:
         return (f"allow_growth={settings['allow_growth']}"
@@ -358,6 +378,13 @@ BFC = _BFCModel(
     fraction_setting="per_process_gpu_memory_fraction", chunk="chunk", bin="bin",
     deferred_frees=True, checkpoints=True,
     sweep_words={"setting": "growth", "unset_fraction": "default"},
+    cli_flags=(("--growth/--no-growth", "growth"), ("--gc/--no-gc", "gc"),
+               ("--deferred", "deferred")),
+    cli_words={"owner": "a setting of TensorFlow's BFC allocator",
+               "settings": "its settings: --fraction, --growth/--no-growth, --gc/--no-gc, "
+                           "--deferred",
+               "switch": "--framework tensorflow or jax for it", "through": "",
+               "smallest": "fraction", "regions": "region(s)"},
     setting_names={"per_process_gpu_memory_fraction": "per_process_gpu_memory_fraction",
                    "fraction": "per_process_gpu_memory_fraction",
                    "allow_growth": "allow_growth", "growth": "allow_growth",

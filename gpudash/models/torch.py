@@ -227,6 +227,27 @@ class _TorchModel(AllocatorModel):
         """PyTorch's ``allowed_memory_maximum`` (None: the whole device)."""
         return device_bytes if fraction is None else int(fraction * device_bytes)
 
+    def cli_kwargs(self, args: Any, recorded: dict) -> dict[str, Any]:
+        """``--conf`` and ``--torch-version``."""
+        return {k: getattr(args, k) for k in ("conf", "torch_version")
+                if getattr(args, k, None) is not None}
+
+    def toggle_on(self, settings: dict, toggle: str) -> bool:
+        """A knob of ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments:True``)."""
+        return f"{toggle}:True" in (settings.get("conf") or "")
+
+    def settings_text(self, options: dict, fraction: bool = True) -> str:
+        """``PYTORCH_CUDA_ALLOC_CONF=...``, the fraction, the version's rules."""
+        conf = options.get("conf") or ""
+        parts = [f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset"]
+        if fraction:
+            frac = options.get("fraction")
+            parts.append("no set_per_process_memory_fraction" if frac is None
+                         else f"set_per_process_memory_fraction({frac:g})")
+        if options.get("torch_version"):
+            parts.append(f"PyTorch {options['torch_version']} rules")
+        return ", ".join(parts)
+
     def describe(self, settings: dict) -> str:
         conf = settings.get("conf")
         text = conf.as_conf() if conf is not None else ""
@@ -713,6 +734,13 @@ TORCH = _TorchModel(
     fraction_setting="torch.cuda.set_per_process_memory_fraction", chunk="block", bin="pool",
     deferred_frees=False, streams=True,
     sweep_words={"setting": "expandable", "unset_fraction": "none"},
+    cli_flags=(("--conf", "conf"), ("--torch-version", "torch_version"), ("--vary", "vary")),
+    cli_words={"owner": "PyTorch's", "settings": "its settings: --conf PYTORCH_CUDA_ALLOC_CONF, "
+                                                 "--fraction",
+               "switch": "--framework torch for PyTorch's",
+               "through": " through PyTorch's caching allocator",
+               "smallest": "torch.cuda.set_per_process_memory_fraction",
+               "regions": "segment(s) from cudaMalloc"},
     sweep_knobs=("max_split_size_mb", "garbage_collection_threshold",
                  "roundup_power2_divisions", "max_non_split_rounding_mb"),
     setting_names={"fraction": "fraction", "per_process_gpu_memory_fraction": "fraction",
