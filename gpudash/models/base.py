@@ -737,8 +737,12 @@ def register(model: AllocatorModel, *, aliases: tuple[str, ...] = (),
     return model
 
 
-def _default() -> AllocatorModel:
+def default_model() -> AllocatorModel:
+    """The model of a trace or allocator that names none (TensorFlow's BFC)."""
     return _DEFAULT[0] if _DEFAULT else next(iter(MODELS.values()))
+
+
+_default = default_model
 
 
 def model_for(name: Any) -> AllocatorModel:

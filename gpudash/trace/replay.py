@@ -1,16 +1,20 @@
-"""Replay a trace's allocations through gpudash's BFC allocator on a simulated device.
+"""Replay a trace's allocations through an allocator model on a simulated device.
 
 :func:`replay` answers "would this run fit, and how would the pool look, with these
 settings?": it takes the trace's calls (:meth:`~gpudash.trace.Trace.calls`, every alloc,
 free and refused allocation in order), builds a fresh :class:`~gpudash.SimulatedDevice` and
-:class:`~gpudash.BFCAllocator` with the settings asked for, and makes the same calls.
+the allocator of the trace's model (TensorFlow's and JAX's BFC, PyTorch's caching allocator:
+:func:`gpudash.models.trace_model`, or ``allocator=``) with the settings asked for, and
+makes the same calls. What differs between the models (how their settings resolve, the loop
+that runs the calls, whether a replay's state can be copied) each model's module says
+(:class:`gpudash.models.AllocatorModel`).
 
 Replaying a trace that gpudash recorded, with the settings it was recorded with, reproduces
 it exactly (same addresses, same regions, same statistics): the allocator and the simulated
 device are both deterministic.
 
-The loop is written for speed (bound methods and plain lists, the allocator's private
-counters read directly); ``benchmarks/bench_replay.py`` measures it.
+The loops are written for speed (bound methods and plain lists, the allocator's private
+counters read directly); ``benchmarks/bench_replay.py`` measures them.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..events import (
     COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
     RELEASE as _RELEASE, OOM as _OOM,
 )
-from ..models import BFC, AllocatorModel, ReplaySettings, model_for, trace_model
+from ..models import AllocatorModel, ReplaySettings, default_model, model_for, trace_model
 from ..models.base import UNSET as _UNSET
 from ..models.bfc import DEFAULT_DEVICE_BYTES  # a name this module has always offered
 from .format import Trace, _byte_count, _device_entries, _flag
@@ -290,7 +294,7 @@ def _model(trace: Trace | None, options: Any, explicit: dict[str, Any]) -> Alloc
     if (name is _UNSET or name is None) and isinstance(options, Mapping):
         name = options.get("allocator", _UNSET)
     if name is _UNSET or name is None:
-        return trace_model(trace) if trace is not None else BFC
+        return trace_model(trace) if trace is not None else default_model()
     return model_for(name)
 
 
@@ -461,13 +465,13 @@ class _QuietGC(logging.Filter):
 
 
 class _Engine:
-    """A BFC allocator on a simulated device, the key -> pointer map of a replay, and the
-    frees held back by deferred deletion. ``pos`` is the number of calls made so far.
+    """The allocator a model builds on a simulated device, the key -> pointer map of a
+    replay, and the frees held back by deferred deletion. ``pos`` is the number of calls made
+    so far.
 
-    The loops bind everything they touch to locals and read the allocator's private
-    counters (``_in_use``, ``_pool``, ``_mask``/``_bins`` for the largest free chunk, as
-    ``BFCAllocator._largest_free_chunk`` does) instead of calling ``stats()``, which would
-    take the lock and build a dataclass per call.
+    The loops that run over it are the model's (:meth:`runner`: ``run_plain``,
+    ``run_deferred`` in :mod:`gpudash.models.bfc`, ``run_torch`` in
+    :mod:`gpudash.models.torch`, and their compiled twins).
     """
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
