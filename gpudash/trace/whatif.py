@@ -56,7 +56,8 @@ from .replay import (
 )
 from .tasks import Probe, bisect, probe, sweep_row
 
-__all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
+__all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS",
+           "Runner", "register_runner", "runner_for"]
 
 #: The fractions :func:`sweep` tries by default: 0.1, 0.2, ..., 1.0.
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -254,26 +255,8 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     def limit_of(frac: float) -> int:
         return limit_for(base, frac)
 
-    if client is not None:
-        from ..dask._whatif import bisect_on
-
-        good, inferred = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms,
-                                   history, step, limit_of)
-    elif jobs > 1:
-        with _workers(max_workers=jobs, mp_context=_pool_context(),
-                      initializer=_init_worker, initargs=calls) as ex:
-            def run(fracs: list[float]) -> dict:
-                futures = {f: ex.submit(_probe_one, settings(f), max_ooms) for f in fracs}
-                # a replay that failed beside the path must not stop the bisection: bisect
-                # raises its error only if the path gets there
-                return {f: fut.exception() or fut.result() for f, fut in futures.items()}
-
-            good, inferred = bisect(run, lo, hi, tolerance, history, step, width=jobs,
-                                    limit_of=limit_of)
-    else:
-        good, inferred = bisect(
-            lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
-            lo, hi, tolerance, history, step, limit_of=limit_of)
+    good, inferred = runner_for(client, jobs).bisect(
+        client, jobs, settings, calls, lo, hi, tolerance, max_ooms, history, step, limit_of)
     if report is not None:
         report(total, total)
     fitted = [f for f, n in history if n == 0]
@@ -298,12 +281,10 @@ def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
 # ---------------------------------------------------------------------------- sweep
 _ROW_KEYS = ("fraction", "allow_growth", "limit_bytes", "fits", "oom_count", "first_oom",
              "peak_pool_bytes", "peak_bytes_in_use", "worst_fragmentation", "extensions")
-# The setting each model's rows vary besides the fraction (its AllocatorModel.grid).
-_GRID = {"bfc": "allow_growth", "torch": "expandable_segments"}
 
 
 def _row_keys(allocator: str) -> tuple[str, ...]:
-    grid = _GRID[allocator]
+    grid = next(iter(model_for(allocator).grid))  # what its rows vary besides the fraction
     return tuple(grid if k == "allow_growth" else k for k in _ROW_KEYS)
 
 # Worker-process state: the trace's calls, set once per process by _init_worker.
@@ -441,28 +422,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     lists = _model_calls(trace, settings[0])
     report = _progress_fn(progress, "sweep")
     total = len(settings)
-    rows: list[dict | None] = [None] * total
-    done = 0
-    if client is not None:
-        from ..dask._whatif import sweep_rows
-
-        rows = list(sweep_rows(client, settings, lists, report))
-    elif jobs == 1 or total == 1:
-        for i, s in enumerate(settings):
-            rows[i] = sweep_row(s, lists)
-            done += 1
-            if report is not None:
-                report(done, total)
-    else:
-        ctx = _pool_context()
-        with _workers(max_workers=min(jobs, total), mp_context=ctx,
-                      initializer=_init_worker, initargs=lists) as ex:
-            futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
-            for fut in as_completed(futures):
-                rows[futures[fut]] = fut.result()
-                done += 1
-                if report is not None:
-                    report(done, total)
+    rows = list(runner_for(client, jobs if total > 1 else 1).sweep(
+        client, jobs, settings, lists, report))
     if len(settings) < len(every):
         replayed = iter(rows)
         rows = [_unsupported_row(s, rule) if rule is not None else next(replayed)
@@ -608,7 +569,7 @@ class SweepTable:
         self.warnings = list(warnings)
         self.allocator = model_for(allocator).name
         self.assumed = list(assumed)
-        self.setting = _GRID[self.allocator]
+        self.setting = next(iter(model_for(self.allocator).grid))
         self.varied = [k for k in model_for(self.allocator).sweep_knobs
                        if any(k in r for r in self.rows)]
         keys = _row_keys(self.allocator)
@@ -747,3 +708,120 @@ class SweepTable:
         if self.warnings:
             b += f", an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
         return f"SweepTable(rows={len(self.rows)}, {b})"
+
+
+# ---------------------------------------------------------------------------- runners
+@dataclass(frozen=True)
+class Runner:
+    """One way to run a what-if's replays: in this process, in worker processes (``jobs``),
+    or on a cluster (``client``). A runner registers itself (:func:`register_runner`);
+    :func:`min_fraction` and :func:`sweep` ask :func:`runner_for` which one takes their
+    ``client`` and ``jobs``, and know none of them.
+
+    Attributes
+    ----------
+    name : str
+    takes : callable
+        ``takes(client, jobs) -> bool``.
+    sweep : callable
+        ``sweep(client, jobs, settings, calls, report) -> rows``: one
+        :func:`~gpudash.trace.tasks.sweep_row` per setting, in the order of ``settings``
+        (``calls``: the trace's ``(ops, keys, nbytes, streams, n_events)``; ``report``:
+        a progress callback or None).
+    bisect : callable
+        ``bisect(client, jobs, make_settings, calls, lo, hi, tolerance, max_ooms, history,
+        step, limit_of) -> (fraction, inferred)``: :func:`~gpudash.trace.tasks.bisect`
+        with its replays run here.
+    """
+
+    name: str
+    takes: Any
+    sweep: Any
+    bisect: Any
+
+
+#: The registered runners, the latest first.
+_RUNNERS: list[Runner] = []
+#: Modules of optional dependencies whose import registers a runner (``gpudash.dask``'s
+#: for a Dask client): imported only when a ``client`` comes that no registered runner
+#: takes.
+RUNNER_MODULES: list[str] = ["gpudash.dask._whatif"]
+
+
+def register_runner(runner: Runner) -> Runner:
+    """Add ``runner`` (replacing one of the same name); it is asked before those
+    registered earlier."""
+    _RUNNERS[:] = [runner] + [r for r in _RUNNERS if r.name != runner.name]
+    return runner
+
+
+def runner_for(client: Any, jobs: int) -> Runner:
+    """The runner that takes ``client`` (None: none) and ``jobs``.
+
+    Raises
+    ------
+    TypeError
+        No registered runner (nor one that :data:`RUNNER_MODULES` registers) takes them.
+    """
+    found = next((r for r in _RUNNERS if r.takes(client, jobs)), None)
+    if found is None and client is not None:
+        import importlib
+
+        for module in RUNNER_MODULES:
+            importlib.import_module(module)
+        found = next((r for r in _RUNNERS if r.takes(client, jobs)), None)
+    if found is None:
+        raise TypeError(f"no what-if runner takes client={type(client).__name__} with "
+                        f"jobs={jobs}")
+    return found
+
+
+def _here_sweep(client: Any, jobs: int, settings: list, calls: tuple, report: Any) -> list:
+    rows = []
+    for s in settings:
+        rows.append(sweep_row(s, calls))
+        if report is not None:
+            report(len(rows), len(settings))
+    return rows
+
+
+def _here_bisect(client: Any, jobs: int, make_settings: Any, calls: tuple, lo: float,
+                 hi: float, tolerance: float, max_ooms: int | None, history: list, step: Any,
+                 limit_of: Any) -> tuple:
+    return bisect(lambda fracs: {f: probe(make_settings(f), calls, max_ooms) for f in fracs},
+                  lo, hi, tolerance, history, step, limit_of=limit_of)
+
+
+def _processes_sweep(client: Any, jobs: int, settings: list, calls: tuple,
+                     report: Any) -> list:
+    rows: list[dict | None] = [None] * len(settings)
+    done = 0
+    with _workers(max_workers=min(jobs, len(settings)), mp_context=_pool_context(),
+                  initializer=_init_worker, initargs=calls) as ex:
+        futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
+        for fut in as_completed(futures):
+            rows[futures[fut]] = fut.result()
+            done += 1
+            if report is not None:
+                report(done, len(settings))
+    return rows
+
+
+def _processes_bisect(client: Any, jobs: int, make_settings: Any, calls: tuple, lo: float,
+                      hi: float, tolerance: float, max_ooms: int | None, history: list,
+                      step: Any, limit_of: Any) -> tuple:
+    with _workers(max_workers=jobs, mp_context=_pool_context(),
+                  initializer=_init_worker, initargs=calls) as ex:
+        def run(fracs: list[float]) -> dict:
+            futures = {f: ex.submit(_probe_one, make_settings(f), max_ooms) for f in fracs}
+            # a replay that failed beside the path must not stop the bisection: bisect
+            # raises its error only if the path gets there
+            return {f: fut.exception() or fut.result() for f, fut in futures.items()}
+
+        return bisect(run, lo, hi, tolerance, history, step, width=jobs, limit_of=limit_of)
+
+
+register_runner(Runner("processes", lambda client, jobs: client is None and jobs > 1,
+                       _processes_sweep, _processes_bisect))
+register_runner(Runner("here", lambda client, jobs: client is None and jobs == 1,
+                       _here_sweep, _here_bisect))
