@@ -138,24 +138,30 @@ def test_a_layout_reaches_the_model_with_its_own_stats_then_the_newer_figures(fa
 
 
 def test_a_monitor_s_dashboard_is_the_views_dashboard_of_its_feeds(comms, fake):
-    """``monitor.dashboard()`` and ``gpudash.Dashboard(monitor)`` show the monitor's feeds; the
-    monitor reaches the view through the one the package registered, without importing it."""
+    """``monitor.dashboard()`` and ``gpudash.Dashboard(monitor)`` show the monitor's feeds (and
+    closing one stops the monitor); the monitor reaches the view through the one the package
+    registered, without importing it."""
     mon = watch(fake)
+    with pytest.raises(TypeError, match="a source or feeds"):
+        Dashboard(mon, feeds=mon.feeds)
     dash = mon.dashboard(rate_hz=20)
-    other = Dashboard(mon)
     try:
-        assert isinstance(dash, Dashboard) and isinstance(other, Dashboard)
-        assert dash.model.num_devices == other.model.num_devices == len(mon.feeds) == 1
+        assert isinstance(dash, Dashboard) and dash.model.num_devices == len(mon.feeds) == 1
         fake.allocate(1 * GiB)
-        assert wait_for(lambda: dash.model.state(0).stats.bytes_in_use == 1 * GiB)
-        with pytest.raises(TypeError, match="a source or feeds"):
-            Dashboard(mon, feeds=mon.feeds)
+        assert wait_for(lambda: dash.model.state(0).stats.bytes_in_use == 1 * GiB, timeout=30)
     finally:
-        other.close()
         dash.close()
         mon.stop()
     with pytest.raises(ConfigError, match="monitor is stopped"):
         mon.dashboard()
+    mon = watch(fake)
+    other = Dashboard(mon, rate_hz=20)
+    try:
+        assert other.model.num_devices == 1
+        assert wait_for(lambda: other.model.state(0).stats.bytes_in_use == 1 * GiB, timeout=30)
+    finally:
+        other.close()
+    assert wait_for(lambda: not mon.running)
 
 
 def test_a_stuck_layout_read_is_reported_and_the_figures_keep_coming(comms, fake):
