@@ -3,6 +3,10 @@
 Subcommands: ``demo``, ``replay``, ``whatif``, ``explain``, ``holders``, ``diff``, ``info``,
 ``convert``, ``lab``. Every one has ``--help``. Exit code 0 on success; 1 with a one-line
 reason for a user error (bad file, bad value) -- never a traceback for those.
+
+A command imports what it runs when it runs (the lines marked ``# late``): the trace package,
+the report and the what-if cost about 0.2 s each to import, and ``gpudash --help`` or
+``gpudash info`` need none of them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from ._errors import ConfigError, GpudashError
 from ._units import format_bytes, parse_bytes
 from ._version import __version__
 from .models import TORCH, fraction_text, model_for, trace_model
+from . import _accel
+from .devices import CudaMemory
+from .nvml import device_facts, format_processes, gpu_processes, nvml_available
+from .options import ConfigProto, paste_fraction, restart_lines, simulated_devices_from_env
+from .session import Session
 
 __all__ = ["main"]
 
@@ -155,7 +164,7 @@ def _add_settings(p: argparse.ArgumentParser, *, fraction: bool = True,
 
 
 def _formats() -> list[str]:
-    from .formats.io import FORMATS
+    from .formats.io import FORMATS  # late: the command's own work (--help stays fast)
 
     return list(FORMATS)
 
@@ -181,7 +190,7 @@ _AT_HELP = ("peak (the first peak of bytes allocated), oom (just before the firs
 
 
 def _add_attribution(p: argparse.ArgumentParser) -> None:
-    from .trace.holders import BY
+    from .trace.holders import BY  # late: the command's own work (--help stays fast)
 
     p.add_argument("--by", choices=BY, default=None,
                    help="group by: line (default where the trace has call stacks), function, "
@@ -526,7 +535,7 @@ def _say(*parts: Any) -> None:
 
 
 def _load(path: Path, format: str | None = None):
-    from .trace import load_trace
+    from .trace import load_trace  # late: the command's own work (--help stays fast)
 
     return load_trace(path, format=format)
 
@@ -547,7 +556,7 @@ def _check_out(path: Path | None, overwrite: bool) -> None:
 
 
 def _workload_calls(name: str, steps: int, seed: int):
-    from . import workloads as w
+    from . import workloads as w  # late: the workloads pull in the trace package (~0.15 s)
 
     if steps < 1:
         raise _UserError(f"--steps must be >= 1; got {steps}")
@@ -559,10 +568,8 @@ def _workload_calls(name: str, steps: int, seed: int):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .options import ConfigProto
-    from .recorder import Recorder
-    from .session import Session
-    from .workloads import run_workload
+    from .recorder import Recorder  # late: the command's own work (--help stays fast)
+    from .workloads import run_workload  # late: the command's own work (--help stays fast)
 
     html_out, overwrite = args.html, args.overwrite
     if html_out is None:   # the demo's own report: a later demo replaces it
@@ -622,7 +629,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
          f"peak in use {format_bytes(stats.peak_bytes_in_use)}, "
          f"peak pool {format_bytes(stats.peak_pool_bytes)}; {len(trace)} events recorded")
     if not args.no_html:
-        from .report import write_report
+        from .report import write_report  # late: the command's own work (--help stays fast)
 
         write_report(trace, html_out, title=f"{DEMO_TITLE}{args.workload}",
                      device_bytes=args.device, overwrite=overwrite,
@@ -636,10 +643,9 @@ def _demo_torch(args: argparse.Namespace, html_out: Path, overwrite: bool) -> in
     """``gpudash demo --framework torch``: the workload through PyTorch's caching allocator,
     its ``memory_summary()`` at the peak, and the smallest fraction that fits as the lines
     to paste."""
-    from .recorder import Recorder
-    from .session import Session
-    from .trace.whatif import min_fraction
-    from .workloads import run_workload
+    from .recorder import Recorder  # late: the command's own work (--help stays fast)
+    from .trace.whatif import min_fraction  # late: the command's own work (--help stays fast)
+    from .workloads import run_workload  # late: the command's own work (--help stays fast)
 
     try:
         sess = Session(allocator="torch", config=args.conf or "", simulate=args.device,
@@ -702,7 +708,7 @@ def _demo_torch(args: argparse.Namespace, html_out: Path, overwrite: bool) -> in
     elif best is not None:
         _say(f"does not fit on a {format_bytes(args.device)} device even at fraction 1.0")
     if not args.no_html:
-        from .report import write_report
+        from .report import write_report  # late: the command's own work (--help stays fast)
 
         write_report(trace, html_out, title=f"{DEMO_TITLE}{args.workload}",
                      device_bytes=args.device, overwrite=overwrite,
@@ -724,7 +730,7 @@ def _is_demo_report(path: Path) -> bool:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .trace.replay import DeviceIndex
+    from .trace.replay import DeviceIndex  # late: the command's own work (--help stays fast)
 
     _check_out(args.html, args.overwrite)
     trace = _load(args.trace, args.format)
@@ -778,7 +784,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
              f"{model.cli_words['regions']}, worst fragmentation "
              f"{result.worst_fragmentation:.1%}, {result.events_per_second:,.0f} events/s")
     if args.html is not None:
-        from .report import write_report
+        from .report import write_report  # late: the command's own work (--help stays fast)
 
         opts = _model_kwargs(args, model, index, devices[0])
         opts.update(fraction=args.fraction, device=devices[0])
@@ -799,7 +805,7 @@ def _say_snapshot_state(trace: Any, dev: int, args: argparse.Namespace) -> None:
     """``replay`` of a PyTorch snapshot without trace entries (one saved in an out-of-memory
     handler without ``_record_memory_history``): no call to replay, so no "fits"; the state
     the snapshot holds instead (:func:`gpudash.torch_explain.snapshot_state`)."""
-    from .torch_explain import snapshot_state
+    from .torch_explain import snapshot_state  # late: the command's own work (--help stays fast)
 
     state = snapshot_state(trace, dev, path=args.trace, conf=args.conf,
                            torch_version=args.torch_version)
@@ -816,7 +822,7 @@ def _refuse_empty(trace: Any, args: argparse.Namespace, devices: list[int], what
     """A device without events has nothing to replay: one line naming the file and why."""
     import numpy as np
 
-    from .trace.caveats import no_events_text
+    from .trace.caveats import no_events_text  # late: the command's own work (--help stays fast)
 
     column = trace.columns["device"]
     for dev in devices:
@@ -855,8 +861,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
-    from .trace.caveats import from_dump_note
-    from .trace.replay import DeviceIndex
+    from .trace.caveats import from_dump_note  # late: the command's own work (--help stays fast)
+    from .trace.replay import DeviceIndex  # late: the command's own work (--help stays fast)
+    # late: the command's own work (--help stays fast)
     from .trace.whatif import min_fraction, sweep
 
     devices = _chosen_devices(trace, args)
@@ -931,7 +938,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         if first is None:
             first = (dev, best, table)
     if args.html is not None and first is not None:
-        from .report import write_report
+        from .report import write_report  # late: the command's own work (--help stays fast)
 
         dev, best, table = first
         opts = _model_kwargs(args, model, index, dev)
@@ -946,7 +953,7 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .postmortem import explain
+    from .postmortem import explain  # late: the command's own work (--help stays fast)
 
     _check_out(args.html, args.overwrite)
     stdin = str(args.path) == "-"
@@ -1017,7 +1024,7 @@ def _attribution_trace(path: Path, fmt: str | None, device: int | None) -> Any:
 
 
 def cmd_holders(args: argparse.Namespace) -> int:
-    from .trace.holders import top_holders
+    from .trace.holders import top_holders  # late: the command's own work (--help stays fast)
 
     trace = _attribution_trace(args.trace, args.format, args.device)
     try:
@@ -1030,7 +1037,7 @@ def cmd_holders(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .trace.diff import diff_holders, leaks
+    from .trace.diff import diff_holders, leaks  # late: the command's own work (--help stays fast)
 
     a = _attribution_trace(args.a, args.format, args.device)
     try:
@@ -1066,7 +1073,7 @@ def _say_flipped(trace: Any, args: argparse.Namespace, model: Any, best: Any, de
                  kwargs: dict, client: Any, label: str) -> Any:
     """The what-if with the model's toggle (:attr:`AllocatorModel.whatif_toggles`: PyTorch's
     expandable segments) flipped; None for a model without one."""
-    from .trace.whatif import min_fraction
+    from .trace.whatif import min_fraction  # late: the command's own work (--help stays fast)
 
     if not model.whatif_toggles:
         return None
@@ -1098,7 +1105,6 @@ def _fraction_shown(best: Any, framework: str | None) -> str:
     :func:`~gpudash.models.fraction_text`; for TensorFlow's and JAX's lines, no less than
     what gives the limit the framework's own way (:func:`~gpudash.options.paste_fraction`:
     JAX computes it in single precision)."""
-    from .options import paste_fraction
 
     shown = float(fraction_text(best.fraction))
     if framework in ("tensorflow", "jax"):
@@ -1136,7 +1142,6 @@ def _say_paste_lines(framework: str, shown: str, limit: int, device: int,
                      growth: bool) -> None:
     """``whatif --framework``: the answer as lines to paste (at the fraction printed,
     ``shown``), and the restart note."""
-    from .options import restart_lines
 
     fraction = float(shown)
     name = {"jax": "JAX", "tensorflow": "TensorFlow"}[framework]
@@ -1155,9 +1160,6 @@ def _say_paste_lines(framework: str, shown: str, limit: int, device: int,
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .devices import CudaMemory
-    from .nvml import device_facts, nvml_available
-    from .options import simulated_devices_from_env
 
     ok, reason = nvml_available()
     if ok:
@@ -1166,7 +1168,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         def nbytes(value: Any) -> str:  # a fact NVML could not read is NA
             return format_bytes(value) if isinstance(value, int) else "N/A"
 
-        from .nvml import format_processes, gpu_processes
 
         processes = gpu_processes()
         for f in facts:
@@ -1185,7 +1186,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     elif not cuda_ok:
         _say("gpudash sessions here run on a simulated 16.00 GiB device "
              "(set GPUDASH_SIMULATE=2x16GiB to change it)")
-    from . import _accel
 
     _say(f"allocator core: {_accel.describe()}")
     if _accel.COMPILED:
@@ -1198,7 +1198,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .trace import save_trace
+    from .trace import save_trace  # late: the command's own work (--help stays fast)
 
     fmt = args.to
     if fmt is None and args.merge is not None:

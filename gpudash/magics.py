@@ -43,6 +43,15 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from ._errors import GpudashError
 from ._units import format_bytes
 from .models.base import _FALSE, _TRUE
+from .events import EventKind
+from .models import model_for
+from .monitors import watch
+from .options import ConfigProto, framework_changes, framework_settings_text
+from .recorder import Recorder
+from .report import write_report
+from .session import Session, default_session, set_default_session
+from . import torch_shadow
+from .widgets import Dashboard
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -94,9 +103,6 @@ class GpudashMagics(Magics):
     def _get_session(self, simulate: Any = None, fraction: float | None = None,
                      growth: bool | None = None, allocator: str | None = None,
                      conf: str | None = None) -> Any:
-        from .models import model_for
-        from .options import ConfigProto
-        from .session import Session, default_session, set_default_session
 
         want = None if allocator is None else model_for(allocator)
         if self.session is None or self.session.closed:
@@ -171,7 +177,6 @@ class GpudashMagics(Magics):
             if args.allocator is not None or args.conf is not None:
                 raise UsageError("%gpudash: --watch reads a framework's own allocator; "
                                  "--allocator and --conf are for gpudash's session")
-            from .monitors import watch
 
             if self.monitor is not None:
                 self.monitor.stop()
@@ -197,7 +202,6 @@ class GpudashMagics(Magics):
             return self._show(sess, device)
         except (GpudashError, ValueError, OverflowError) as exc:
             if sess is not existing:  # made by this call: no half-made default session
-                from .session import default_session, set_default_session
 
                 sess.close()
                 if default_session(create=False) is sess:
@@ -215,7 +219,6 @@ class GpudashMagics(Magics):
             raise UsageError("%gpudash: --attach torch follows the job's own allocator; "
                              "--watch, --allocator, --conf, --simulate and --growth do not go "
                              "with it (change its settings from the dashboard's controls)")
-        from .torch_shadow import attach
 
         try:
             device = None if args.device is None else int(args.device)
@@ -225,7 +228,7 @@ class GpudashMagics(Magics):
         if self.shadow is not None:
             self.shadow.stop()
         try:
-            self.shadow = attach(module)
+            self.shadow = torch_shadow.attach(module)
             if args.fraction is not None:
                 self.shadow.configure(fraction=args.fraction, device=device)
             return self.shadow.dashboard(device=device or 0)
@@ -233,7 +236,6 @@ class GpudashMagics(Magics):
             raise UsageError(f"%gpudash: {exc}") from None
 
     def _show(self, sess: Any, device: int) -> Any:
-        from .widgets import Dashboard
 
         dash = self.dashboard
         if dash is not None and not dash.model.closed and dash.model.session is sess:
@@ -290,7 +292,6 @@ class GpudashMagics(Magics):
                 problems.append(str(exc))
         if named:
             try:
-                from .options import framework_changes
 
                 changes.update(framework_changes(framework, named))
             except GpudashError as exc:
@@ -321,7 +322,6 @@ class GpudashMagics(Magics):
     @staticmethod
     def _settings_line(dev: Any, framework: str) -> str:
         if framework == "jax":
-            from .options import framework_settings_text
 
             return f"gpudash ({framework}): {dev.name} " + framework_settings_text(
                 framework, dev.options.per_process_gpu_memory_fraction,
@@ -336,7 +336,6 @@ class GpudashMagics(Magics):
         ``%%gpudash_track [--report PATH]``: also write the HTML report of the cell's
         recording (:func:`gpudash.report.write_report`, replayed through the session's own
         allocator model and settings) to ``PATH``, replacing it."""
-        from .recorder import Recorder
 
         parser = argparse.ArgumentParser(prog="%%gpudash_track", add_help=False,
                                          exit_on_error=False)
@@ -376,7 +375,6 @@ class GpudashMagics(Magics):
     @staticmethod
     def _write_report(rec: Any, path: str) -> None:
         """The report of a cell's recording, or why there is none (one line either way)."""
-        from .report import write_report
 
         try:
             out = write_report(rec.to_trace(), path, overwrite=True,
@@ -466,7 +464,6 @@ class TrackSummary:
     def from_recording(cls, rec: Any, sess: Any, before: dict, seconds: float) -> "TrackSummary":
         import numpy as np
 
-        from .events import EventKind
 
         cols = rec.columns()
         rows = []

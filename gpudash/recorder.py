@@ -35,7 +35,7 @@ import numpy as np
 
 from ._errors import ConfigError, GpudashError
 from .events import COLUMN_DTYPES, COLUMNS, Event
-from .models import model_of
+from .models import device_meta
 from ._version import __version__
 from .events import EventKind
 from .formats.format import Trace, TraceWriter
@@ -134,7 +134,7 @@ class Recorder:
         self.stream_error: BaseException | None = None
         if path is not None:
             meta = {"gpudash_version": __version__, "source": "gpudash",
-                    "devices": [self._device_meta(a) for a in _allocators_of(source)]
+                    "devices": [device_meta(a) for a in _allocators_of(source)]
                     if source is not None else []}
             try:
                 interval = float("nan") if isinstance(flush_interval, (bool, np.bool_)) \
@@ -159,14 +159,6 @@ class Recorder:
             self._finalizer = weakref.finalize(self, Recorder._close_dropped, self._stop,
                                                self._writer)
             self._streamer.start()
-
-    @staticmethod
-    def _device_meta(alloc: Any) -> dict:
-        meta = {"index": alloc.device_index, "name": alloc.name,
-                "capacity": getattr(alloc.sub_allocator, "total", None),
-                "memory_limit": alloc.memory_limit}
-        meta.update(model_of(alloc).recorded(alloc))   # the model's own settings
-        return meta
 
     @staticmethod
     def _close_dropped(stop: threading.Event, writer: Any) -> None:
@@ -216,7 +208,7 @@ class Recorder:
             remove = alloc._add_sink(self._receive, batch=True)
             self._attached.append((alloc, remove))
             if not any(i == id(alloc) for i, _ in self._seen):
-                self._seen.append((id(alloc), self._device_meta(alloc)))
+                self._seen.append((id(alloc), device_meta(alloc)))
         for sess in _sessions_of(source):
             if any(s is sess for s, _ in self._sessions):
                 continue

@@ -57,12 +57,16 @@ from .options import (
     ConfigProto,
     GPUOptions,
     allow_growth_from_env,
+    check_framework,
     garbage_collection_from_env,
     jax_memory_limit,
+    jax_settings_from_env,
     memory_limit,
     resolve_visible_devices,
     simulated_devices_from_env,
 )
+from ._torch_conf import CachingAllocatorConfig
+from .caching import CachingAllocator
 
 __all__ = ["Session", "TorchSession", "Device", "TorchDevice", "CudaMallocAllocator",
            "DEFAULT_SIMULATED_BYTES", "default_session", "set_default_session"]
@@ -579,7 +583,6 @@ class PySession:
             For an unknown framework, a bad or conflicting variable (naming it and what is
             accepted), or a JAX allocator kind gpudash does not run (``cuda_async``, ``vmm``).
         """
-        from .options import check_framework, jax_settings_from_env
 
         framework = check_framework(framework, ("tensorflow", "jax", "torch"))
         env = os.environ if environ is None else environ
@@ -1393,7 +1396,6 @@ class TorchSession(Session):
                  environ: Mapping[str, str] | None = None, poll: bool = True,
                  record_stacks: bool = False, allocator: Any = "torch",
                  fraction: float | None = None, torch_version: Any = None) -> None:
-        from ._torch_conf import CachingAllocatorConfig
 
         env = os.environ if environ is None else environ
         if config is None:
@@ -1425,7 +1427,6 @@ class TorchSession(Session):
 
     def _add_device(self, index: int, vid: int, backend: Any, total: int, available: int,
                     cc_major: int) -> None:
-        from .caching import CachingAllocator
 
         alloc = CachingAllocator(backend, self._torch_conf, fraction=self._torch_fraction,
                                  name=f"cuda:{index}", device=index)

@@ -50,6 +50,28 @@ import numpy as np
 from ._errors import ConfigError
 from ._gc import collector_paused
 from ._units import format_bytes
+from .live.views import open_view
+from ._torch_conf import CachingAllocatorConfig, parse_torch_version
+from ._torch_hooks import listen as _listen, require_cuda as _require_cuda
+from .caching import CachingAllocator
+from .formats.torch_trace import (
+    ACTIONS,
+    A_ALLOC,
+    A_FREE,
+    A_FREE_REQ,
+    A_OOM,
+    TorchTrace,
+    _GETS,
+    _MASK64,
+    _RELEASES,
+    _SEGMENT_ACTIONS,
+    from_snapshot,
+    guess_version,
+)
+from .models import TORCH
+from .session import SessionStacks
+from .trace import torch_replay as tr
+from .trace.torch_replay import ExactReplay, _Oracle, replay_exact
 
 __all__ = ["attach", "Shadow", "ShadowDevice", "WhatIf", "OomExplanation",
            "SHADOW_HISTORY_ENTRIES"]
@@ -193,8 +215,6 @@ class ShadowDevice:
     """
 
     def __init__(self, shadow: Shadow, index: int, total: int) -> None:
-        from .caching import CachingAllocator
-        from .trace.torch_replay import _Oracle
 
         self._shadow = shadow
         self.index = index
@@ -222,7 +242,6 @@ class ShadowDevice:
         self._reset_result()
 
     def _reset_result(self) -> None:
-        from .trace.torch_replay import ExactReplay
 
         self._res = ExactReplay(self.index, "live")
         self._res._pos = len(self._hist)
@@ -239,7 +258,6 @@ class ShadowDevice:
 
     def settings(self) -> dict[str, Any]:
         """The settings in force, by the names of the PyTorch model's controls."""
-        from .models import TORCH
 
         out = TORCH.live_settings(self.allocator)
         out["total"] = self.total
@@ -293,7 +311,6 @@ class ShadowDevice:
     # ------------------------------------------------------------------ feeding
     def _feed(self, entries: list, steps: Any) -> None:
         """Feed trace entries (PyTorch's dicts) through the model."""
-        from .formats.torch_trace import _MASK64, A_ALLOC, A_FREE, A_OOM, ACTIONS
 
         get = ACTIONS.get
         rows = self._carry
@@ -320,16 +337,6 @@ class ShadowDevice:
         self._run()
 
     def _run(self) -> None:
-        from .trace import torch_replay as tr
-        from .formats.torch_trace import (
-            _GETS,
-            _RELEASES,
-            _SEGMENT_ACTIONS,
-            A_ALLOC,
-            A_FREE,
-            A_FREE_REQ,
-            A_OOM,
-        )
 
         rows = self._carry
         if not rows:
@@ -441,8 +448,6 @@ class ShadowDevice:
     def _resync(self, snap: dict, reason: str) -> None:
         """Rebuild the model from the snapshot's segments of this device (PyTorch's layout
         now), in the same allocator object (the dashboard keeps watching it)."""
-        from .trace import torch_replay as tr
-        from .formats.torch_trace import TorchTrace, guess_version
 
         alloc = self.allocator
         for seg in alloc.segments():
@@ -506,7 +511,6 @@ class Shadow:
 
     def __init__(self, torch: Any, devices: list[int], history: int, interval: float,
                  steps: str, pace: float = 7.0) -> None:
-        from .session import SessionStacks
 
         self._torch = torch
         self.history = history
@@ -640,10 +644,9 @@ class Shadow:
         return i if i is not None else st._new(st._stack_ids, st.stacks, key)
 
     def dashboard(self, **options: Any) -> Any:
-        """The live dashboard over this shadow (its controls act on PyTorch)."""
-        from .widgets.dashboard import Dashboard
-
-        return Dashboard(self, **options)
+        """The live dashboard over this shadow (its controls act on PyTorch): the view the
+        package registers (:mod:`gpudash.live.views`); this layer does not import it."""
+        return open_view("dashboard", self, **options)
 
     # ------------------------------------------------------------------ steps
     def step(self, n: int | None = None) -> int:
@@ -755,7 +758,6 @@ class Shadow:
         settings = snap.get("allocator_settings") or {}
         text = settings.get("PYTORCH_CUDA_ALLOC_CONF")
         if text is not None and text != dev.allocator.config.as_conf():
-            from ._torch_conf import CachingAllocatorConfig
 
             want = CachingAllocatorConfig.from_snapshot_settings(
                 settings, version=dev.allocator.config.version)
@@ -777,7 +779,6 @@ class Shadow:
             return None
 
     def _conf_now(self) -> Any:
-        from ._torch_conf import CachingAllocatorConfig, parse_torch_version
 
         v = parse_torch_version(str(self._torch.__version__).split("+")[0])
         try:
@@ -812,7 +813,6 @@ class Shadow:
             A bad value (checked before anything changes), a TensorFlow setting, or a change
             PyTorch refused (its words; nothing changed).
         """
-        from .models import TORCH
 
         for key, value in (("allow_growth", allow_growth),
                            ("deferred_deletion_bytes", deferred_deletion_bytes)):
@@ -948,8 +948,6 @@ class Shadow:
         force with ``conf`` / ``parts`` applied. Says the first call that would have failed
         (its step and the job's line), or that the run fits, and how many of the run's own
         OOMs would have been served."""
-        from .trace.torch_replay import replay_exact
-        from .formats.torch_trace import A_ALLOC, A_FREE, A_OOM, from_snapshot
 
         dev = self.device(device)
         snap = snapshot if snapshot is not None else self._read_locked()
@@ -1012,7 +1010,6 @@ class Shadow:
         self._wake.set()
 
     def _explain(self, event: tuple, snap: dict) -> OomExplanation:
-        from .formats.torch_trace import A_OOM, ACTIONS
 
         t, d, nbytes, allocated, free = event
         dev = self.device(d) if any(x.index == d for x in self.devices) else self.devices[0]
@@ -1086,7 +1083,6 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     ConfigError
         PyTorch missing, no CUDA device, a device that does not exist.
     """
-    from ._torch_hooks import listen as _listen, require_cuda as _require_cuda
 
     torch = _require_cuda("attach to torch", module)
     if not hasattr(getattr(torch.cuda, "memory", None), "_snapshot"):

@@ -16,8 +16,8 @@ import importlib
 import pkgutil
 
 from .base import (MODELS, AllocatorModel, Control, Fragmentation, ReplaySettings,
-                   default_model, fitting_fraction, fraction_text, model_for, model_of, model_of_dump,
-                   register, replay_settings, trace_model)
+                   default_model, device_meta, fitting_fraction, fraction_text, model_for,
+                   model_of, model_of_dump, register, replay_settings, trace_model)
 from .bfc import BFC, BFCReplaySettings
 from .torch import TORCH, TorchReplaySettings
 
@@ -28,5 +28,5 @@ for _name in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 
 __all__ = ["AllocatorModel", "Control", "Fragmentation", "ReplaySettings", "BFCReplaySettings",
            "TorchReplaySettings", "BFC", "TORCH", "MODELS", "model_for", "trace_model",
-           "model_of", "model_of_dump", "default_model", "replay_settings", "register",
+           "model_of", "device_meta", "model_of_dump", "default_model", "replay_settings", "register",
            "fitting_fraction", "fraction_text"]

@@ -783,6 +783,16 @@ def model_of(allocator: Any) -> AllocatorModel:
     return MODELS.get(name, _default()) if isinstance(name, str) else _default()
 
 
+def device_meta(alloc: Any) -> dict:
+    """What a trace keeps of one live allocator's device: its index, name, capacity and limit,
+    and the model's own settings (:meth:`AllocatorModel.recorded`)."""
+    meta = {"index": alloc.device_index, "name": alloc.name,
+            "capacity": getattr(alloc.sub_allocator, "total", None),
+            "memory_limit": alloc.memory_limit}
+    meta.update(model_of(alloc).recorded(alloc))
+    return meta
+
+
 def model_of_dump(dump: Any) -> AllocatorModel:
     """The model of a :class:`~gpudash.MemoryDump`, by the layout it says
     (``extra["layout"]``: ``"pools"`` for PyTorch's caching allocator; TensorFlow's bins

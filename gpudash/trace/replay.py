@@ -31,19 +31,25 @@ from typing import Any
 import numpy as np
 
 from .. import _accel
-from .._errors import ConfigError
+from .._errors import ConfigError, warn_user
+from .._version import __version__
 from .._gc import collector_paused
 from .._units import format_bytes
-from ..bfc import BFCAllocator, MemoryDump
+from ..bfc import _GC_MESSAGE, BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
 from ..events import (
     COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
-    RELEASE as _RELEASE, OOM as _OOM,
+    RELEASE as _RELEASE, OOM as _OOM, EventKind,
 )
-from ..models import AllocatorModel, ReplaySettings, default_model, model_for, trace_model
+from ..models import (AllocatorModel, ReplaySettings, default_model, device_meta, model_for,
+                      trace_model)
 from ..models.base import UNSET as _UNSET
 from ..models.bfc import DEFAULT_DEVICE_BYTES  # a name this module has always offered
 from ..formats.format import Trace, parse_byte_count, device_entries, parse_flag
+from ..formats.torch_snapshot import _with_stacks
+from ..formats.torch_trace import A_ALLOC, A_OOM
+from .caveats import trace_warnings
+from .torch_replay import from_trace, replay_exact
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
            "source_limit", "device_label", "DeviceIndex", "DEFAULT_DEVICE_BYTES"]
@@ -182,7 +188,6 @@ class DeviceIndex:
         devs = self.devices
         if device is None:
             if len(devs) > 1:
-                from .._errors import warn_user
 
                 others = ", ".join(self.label(d) for d in devs[1:])
                 warn_user(f"the trace has {len(devs)} devices; using {self.label(devs[0])}, "
@@ -314,7 +319,6 @@ def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
     bytes the driver reported plus the segments PyTorch held then: what PyTorch could use),
     or from the spacing of expandable segments' address reservations (PyTorch reserves
     1 1/8 x the device's total memory for each). None when it shows neither."""
-    from ..events import EventKind
 
     c = trace.columns
     rows = np.flatnonzero(c["device"] == device)
@@ -362,7 +366,6 @@ def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
 
 def _peak_reserved(trace: Trace, device: int) -> int:
     """The most memory the trace's segments held at once on ``device``."""
-    from ..events import EventKind
 
     c = trace.columns
     on = c["device"] == device
@@ -459,7 +462,6 @@ class _QuietGC(logging.Filter):
     """Drops the allocator's garbage-collection warning during a replay."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from ..bfc import _GC_MESSAGE
 
         return record.msg != _GC_MESSAGE
 
@@ -803,7 +805,6 @@ def torch_calls(trace: Trace, device: int, *, with_rows: bool = False) -> tuple:
 def _torch_calls(trace: Trace, device: int, op: np.ndarray, key: np.ndarray,
                  nbytes: np.ndarray, rows: np.ndarray, n_events: int,
                  with_rows: bool = False) -> tuple:
-    from ..events import EventKind
 
     c = trace.columns
     streams = trace.streams()[rows] if trace.stream is not None else None
@@ -981,7 +982,6 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
                         explicit)
     if max_ooms is not None and max_ooms < 1:
         raise ValueError(f"max_ooms must be >= 1 or None; got {max_ooms}")
-    from .caveats import trace_warnings
 
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
@@ -1115,7 +1115,6 @@ def _carry_stacks(result: ReplayResult, trace: Trace, cand_rows: np.ndarray,
                              holders=rec.holders, stream=rec.stream, stack=col,
                              stacks=trace.stacks)
     if result.snapshot is not None:
-        from ..formats.torch_snapshot import _with_stacks
 
         _with_stacks(result.snapshot, result.recording, device, start or {})
 
@@ -1124,8 +1123,6 @@ def _replay_exact(trace: Trace, settings: dict, *, record: bool, per_call: bool,
                   progress: Callable[[int, int], None] | None) -> ReplayResult:
     """A PyTorch trace replayed with its own addresses and release points
     (:func:`gpudash.trace.torch_replay.replay_exact`), as a :class:`ReplayResult`."""
-    from .torch_replay import from_trace, replay_exact
-    from ..formats.torch_trace import A_ALLOC, A_OOM
 
     tt = from_trace(trace, settings["device"])
     # samples as int64 arrays grown in place: no Python int kept per call
@@ -1301,9 +1298,6 @@ class _Collected:
         self._remove = alloc._add_sink(lambda columns, extra: self.batches.append(columns))
 
     def to_trace(self, alloc: BFCAllocator, meta: dict) -> Trace:
-        from .._version import __version__
-        from ..recorder import Recorder
-
         alloc.flush_events()
         self._remove()
         columns = {}
@@ -1312,7 +1306,7 @@ class _Collected:
                 [b.pop(name) for b in self.batches] or [np.zeros(0, COLUMN_DTYPES[name])])
         self.batches = []
         m = {"gpudash_version": __version__, "source": "gpudash",
-             "devices": [Recorder._device_meta(alloc)], "dropped": 0, **meta}
+             "devices": [device_meta(alloc)], "dropped": 0, **meta}
         return Trace(columns=columns, meta=m)
 
 
