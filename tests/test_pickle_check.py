@@ -227,9 +227,14 @@ def test_every_truncation_of_a_snapshot_gives_the_same_verdict(compiled):
     b"\x80\x04" + b"]\x94" * 500_000 + b"h\x00" * 500_000 + b"0" * 2_000_000,
     b"N" + b"".join(b"r" + (257 * k + 256).to_bytes(4, "little") for k in range(100_000)),
     b"\x80\x04" + b"}" + b"X\x01\x00\x00\x00a]" * 300_000 + b"s" * 600_000 + b".",
-], ids=["marks", "nested", "memo", "memo-growth", "setitem"])
+    # runs of LONG_BINGET across the stack's growth, one that is no str at an even place
+    b"\x80\x04X\x01\x00\x00\x00a\x94}(" + b"j\x00\x00\x00\x00" * 9001 + b"u.",
+    b"\x80\x04X\x01\x00\x00\x00a\x94}(" + b"j\x00\x00\x00\x00" * 8190
+    + b"j\x01\x00\x00\x00" + b"j\x00\x00\x00\x00" * 811 + b"u.",
+], ids=["marks", "nested", "memo", "memo-growth", "setitem", "gets", "gets-refused"])
 def test_deep_and_wide_pickles_neither_crash_nor_differ(compiled, data):
-    _same(compiled, data)
+    got = _same(compiled, data)
+    assert (got is None) == (b"j\x01\x00\x00\x00" not in data), got
 
 
 def test_a_mapped_file_is_read_in_place_and_let_go(compiled, tmp_path):

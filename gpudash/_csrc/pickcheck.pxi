@@ -124,7 +124,6 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
     cdef Py_ssize_t* grown_marks
     cdef const unsigned char* nl
     cdef int op = 0, a, rc = PC_END
-    cdef unsigned char top
     cdef int64_t sv = 0
     cdef uint64_t uv
     while i < n:
@@ -135,7 +134,6 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
                 break
             stack = grown
         op = data[i]
-        top = stack[ns - 1] if ns else 0
         # the most frequent opcodes of a snapshot first
         if op == 0x68:                  # BINGET
             k = data[i + 1] if i + 1 < n else 0
@@ -143,14 +141,20 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
             ns += 1
             i += 2
         elif op == 0x6a:                # LONG_BINGET (a short tail reads what is there)
-            if n - i >= 5:
+            if n - i < 5:
+                k = <Py_ssize_t>_pc_le(data + i + 1, n - i - 1)
+                stack[ns] = (memo[k >> 3] >> (k & 7)) & 1 if k < nm else 0
+                ns += 1
+                i += 5
+                continue
+            while True:                 # a run of them (a list of shared frames) at once
                 k = (<Py_ssize_t>data[i + 1] | (<Py_ssize_t>data[i + 2] << 8)
                      | (<Py_ssize_t>data[i + 3] << 16) | (<Py_ssize_t>data[i + 4] << 24))
-            else:
-                k = <Py_ssize_t>_pc_le(data + i + 1, n - i - 1)
-            stack[ns] = (memo[k >> 3] >> (k & 7)) & 1 if k < nm else 0
-            ns += 1
-            i += 5
+                stack[ns] = (memo[k >> 3] >> (k & 7)) & 1 if k < nm else 0
+                ns += 1
+                i += 5
+                if n - i < 5 or data[i] != 0x6a or ns == cs:
+                    break
         elif op == 0x94:                # MEMOIZE
             if (nm >> 3) >= cm:
                 grown = _pc_grow(memo, &cm, (nm >> 3) + 1)
@@ -158,7 +162,7 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
                     rc = PC_NOMEM
                     break
                 memo = grown
-            if top:
+            if ns and stack[ns - 1]:
                 memo[nm >> 3] |= <unsigned char>(1 << (nm & 7))
             nm += 1
             i += 1
@@ -292,7 +296,7 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
                         memo = grown
                     if sv >= nm:
                         nm = <Py_ssize_t>sv + 1   # new entries are False: still 0 bits
-                    if top:
+                    if ns and stack[ns - 1]:
                         memo[sv >> 3] |= <unsigned char>(1 << (sv & 7))
                     else:
                         memo[sv >> 3] &= <unsigned char>~(1 << (sv & 7))
@@ -337,7 +341,7 @@ cdef int _pc_scan(PickScan* s) noexcept nogil:
                 stack[ns] = 0
                 ns += 1
             elif op == 0x32:            # DUP
-                stack[ns] = top
+                stack[ns] = stack[ns - 1] if ns else 0
                 ns += 1
             elif op == 0x2e:            # STOP
                 break
