@@ -9,29 +9,32 @@ PyTorch 2.11 does (tests/torch_standin.ModelTorch), or on real PyTorch with ``--
     copies the whole ring into Python: PyTorch's cost, growing with ``--history``) and
     gpudash's (finding the new entries, feeding them through the exact model, stacks).
     Bar: gpudash's part <= 20 ms per 1,000 entries.
-(b) A training loop allocating in a thread while the refresh thread runs at ``--rate`` Hz:
-    the refreshes achieved per second, and the loop's steps per second with and without
-    shadow mode.
+(b) A training loop allocating in a thread, the dashboard open on the shadow (its views at
+    ``--rate`` Hz, sending to a comm that drops the messages): the views' updates sent per
+    second with the loop running and without it (they must stay at the rate), the history
+    reads per second, the slowest read, and the loop's steps per second without shadow mode
+    and with it.
+(c) The history ring's size: the time of one read of a full ring (PyTorch's ``_snapshot()``)
+    by size, and the fastest job the reading thread follows without the ring wrapping
+    between two reads, keeping to its budget (a read of t seconds, then at least 7t of
+    waiting: an eighth of one core). What :data:`gpudash.torch_shadow.SHADOW_HISTORY_ENTRIES`
+    is chosen from.
 
-Prints two tables.
+Prints three tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import threading
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 MiB = 1 << 20
 
 
 def _standin(total_gib: int = 16):
-    from torch_standin import GiB, ModelTorch
+    from gpudash.testing import GiB, ModelTorch
 
     torch = ModelTorch(total=total_gib * GiB)
     return torch, torch.allocate, torch.free
@@ -104,8 +107,11 @@ def bench_refresh(torch, alloc, free, history, sizes, rounds):
     return rows
 
 
-def bench_thread(torch, alloc, free, history, rate, seconds):
+def bench_thread(torch, alloc, free, history, rate, seconds, interval):
+    """(steps/s, view updates/s, longest gap between two updates ms, reads/s, share of a
+    core reading, slowest read ms, exact) by mode."""
     from gpudash.torch_shadow import attach
+    from gpudash.widgets import Dashboard
 
     def loop(stop, count):
         kept: list = []
@@ -114,55 +120,127 @@ def bench_thread(torch, alloc, free, history, rate, seconds):
             _step(alloc, free, kept, k)
             k += 1
         count.append(k)
+        for t in kept:
+            free(t)
 
     out = {}
-    for mode in ("off", "shadow"):
-        shadow = attach(torch, interval=1.0 / rate, history=history) if mode == "shadow" \
-            else None
+    for mode in ("loop alone", "views alone", "loop + shadow"):
+        shadow = dash = None
+        if mode != "loop alone":
+            shadow = attach(torch, interval=interval, history=history)
+            dash = Dashboard(shadow, rate_hz=rate)
+            dash._hellos = 1          # a page is showing it (the comm drops the messages)
+            sends: list = []
+            post = dash._post
+
+            def timed(kind, content, buffers=None, post=post, sends=sends):
+                if kind == "update":
+                    sends.append(time.perf_counter())
+                return post(kind, content, buffers)
+
+            dash._post = timed
         stop = threading.Event()
         count: list = []
-        t = threading.Thread(target=loop, args=(stop, count))
+        t = threading.Thread(target=loop, args=(stop, count)) if mode != "views alone" \
+            else None
         r0 = shadow.refreshes if shadow else 0
+        u0 = dash.sent.get("update", [0])[0] if dash else 0
         t0 = time.perf_counter()
-        t.start()
+        if t is not None:
+            t.start()
         time.sleep(seconds)
+        dt = time.perf_counter() - t0       # the window: what the views and reads did in it
+        u1 = dash.sent.get("update", [0])[0] if dash else 0
+        r1 = shadow.refreshes if shadow else 0
         stop.set()
-        t.join()
-        dt = time.perf_counter() - t0
-        refreshes = (shadow.refreshes - r0) / dt if shadow else 0.0
-        exact = shadow.devices[0].exact if shadow else None
-        if shadow:
+        if t is not None:
+            t.join()
+        steps = count[0] / (time.perf_counter() - t0) if count else 0.0
+        if shadow is not None:
+            updates = (u1 - u0) / dt
+            gap = max(b - a for a, b in zip(sends, sends[1:])) * 1e3 if len(sends) > 1 \
+                else float("nan")
+            reads = (r1 - r0) / dt
+            share = sum(shadow.refresh_seconds[-(r1 - r0):]) / dt if r1 > r0 else 0.0
             worst = max(shadow.refresh_seconds) * 1e3
+            exact = shadow.devices[0].exact
+            dash.close()
             shadow.stop()
         else:
-            worst = 0.0
-        out[mode] = (count[0] / dt, refreshes, worst, exact)
+            updates = reads = worst = share = gap = 0.0
+            exact = None
+        out[mode] = (steps, updates, gap, reads, share, worst, exact)
     return out
+
+
+def bench_ring(torch, alloc, free, sizes, interval, pace=7.0):
+    """(ring entries, read ms, fastest job followed in entries/s)."""
+    from gpudash._gc import collector_paused
+
+    rows = []
+    kept: list = []
+    for size in sizes:
+        torch.cuda.memory._record_memory_history(enabled="all", context="all",
+                                                 stacks="python", max_entries=size)
+        k = 0
+        while len(torch.cuda.memory._snapshot()["device_traces"][0]) < size:
+            for _ in range(max(1, size // 200)):
+                _step(alloc, free, kept, k)
+                k += 1
+        times = []
+        for _ in range(3):
+            with collector_paused():     # as shadow mode reads
+                t0 = time.perf_counter()
+                torch.cuda.memory._snapshot()
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        # the ring must hold what the job makes between two reads: read, then wait
+        rows.append((size, t * 1e3, size / (t + max(interval, pace * t))))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    for t in kept:
+        free(t)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="real PyTorch on a GPU")
-    ap.add_argument("--history", type=int, default=100_000)
+    ap.add_argument("--history", type=int, default=None,
+                    help="history ring entries (default: shadow mode's)")
+    ap.add_argument("--refresh-history", type=int, default=100_000,
+                    help="the ring of table (a): it must hold 50,000 new entries")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--interval", type=float, default=0.25,
+                    help="seconds between history reads, at least")
     args = ap.parse_args()
+    if args.history is None:
+        from gpudash.torch_shadow import SHADOW_HISTORY_ENTRIES
+
+        args.history = SHADOW_HISTORY_ENTRIES
     torch, alloc, free = _cuda() if args.cuda else _standin()
     where = "CUDA" if args.cuda else "the torch stand-in (gpudash's model as PyTorch 2.11)"
-    print(f"(a) refresh cost on {where}, history ring {args.history:,} entries")
+    print(f"(a) refresh cost on {where}, history ring {args.refresh_history:,} entries")
     print(f"{'new entries':>12} {'gpudash ms/1k':>14} {'_snapshot() ms':>15} {'exact':>6}"
           "   (nan: more new entries than the ring holds: it wrapped, the model was rebuilt)")
-    for n, ms, snap, exact in bench_refresh(torch, alloc, free, args.history,
+    for n, ms, snap, exact in bench_refresh(torch, alloc, free, args.refresh_history,
                                             (1_000, 10_000, 50_000), args.rounds):
         print(f"{n:>12,} {ms:>14.2f} {snap:>15.1f} {str(exact):>6}")
-    print(f"\n(b) a training loop in a thread, refreshes at {args.rate:g} Hz, {args.seconds:g} s")
-    print(f"{'mode':>8} {'steps/s':>10} {'refreshes/s':>12} {'worst refresh ms':>17} "
-          f"{'exact':>6}")
-    for mode, (steps, rate, worst, exact) in bench_thread(
-            torch, alloc, free, args.history, args.rate, args.seconds).items():
-        print(f"{mode:>8} {steps:>10.0f} {rate:>12.2f} {worst:>17.1f} {str(exact):>6}")
-
+    print(f"\n(b) a training loop in a thread; the dashboard's views at {args.rate:g} Hz, "
+          f"history read every >= {args.interval:g} s, {args.seconds:g} s each")
+    print(f"{'mode':>14} {'steps/s':>9} {'view updates/s':>15} {'longest gap ms':>15} "
+          f"{'reads/s':>8} {'reading share':>14} {'slowest read ms':>16} {'exact':>6}")
+    for mode, (steps, updates, gap, reads, share, worst, exact) in bench_thread(
+            torch, alloc, free, args.history, args.rate, args.seconds, args.interval).items():
+        print(f"{mode:>14} {steps:>9.0f} {updates:>15.2f} {gap:>15.0f} {reads:>8.2f} "
+              f"{share:>14.1%} {worst:>16.1f} {str(exact) if exact is not None else '-':>6}")
+    print(f"\n(c) one read of a full history ring, and the fastest job followed without "
+          f"the ring wrapping (reads every >= {args.interval:g} s, 7x a read's time between)")
+    print(f"{'ring entries':>12} {'read ms':>9} {'job entries/s followed':>23}")
+    for size, ms, rate in bench_ring(torch, alloc, free, (5_000, 10_000, 20_000, 50_000,
+                                                           100_000), args.interval):
+        print(f"{size:>12,} {ms:>9.1f} {rate:>23,.0f}")
 
 if __name__ == "__main__":
     main()

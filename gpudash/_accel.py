@@ -193,8 +193,8 @@ TWINS: dict[str, str] = {
     "session.PySession.free": "_csrc/session.pxi: session_free",
     # whole classes and loops
     "devices._FirstFitTable": "_csrc/devices.pxi: FirstFit",
-    "trace.replay._Engine._run_plain": "_csrc/replay.pxi: run_bfc",
-    "trace.replay._Engine._run_deferred": "_csrc/replay.pxi: run_bfc_deferred",
-    "trace.replay._Engine._run_torch": "_csrc/replay.pxi: run_torch",
+    "models.bfc.run_plain": "_csrc/replay.pxi: run_bfc",
+    "models.bfc.run_deferred": "_csrc/replay.pxi: run_bfc_deferred",
+    "models.torch.run_torch": "_csrc/replay.pxi: run_torch",
     "trace.torch_snapshot._check_pickle": "_csrc/pickcheck.pxi: check_pickle",
 }

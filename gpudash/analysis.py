@@ -32,9 +32,9 @@ from ._errors import ConfigError
 from .bfc import AllocatorStats, MemoryDump
 from .events import ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND, RELEASE as _RELEASE
 from .options import GPUOptions
+from .models.bfc import _FROM_GPU_OPTIONS
 from .trace.format import Trace
 from .trace.replay import (
-    _FROM_GPU_OPTIONS,
     _Engine,
     _model_calls,
     _pick_device,

@@ -333,6 +333,9 @@ class PyBFCAllocator(EventSource):
     0
     """
 
+    #: The model this allocator is (:data:`gpudash.models.MODELS`' key).
+    allocator_model = "bfc"
+
     def __init__(self, sub_allocator: Any, memory_limit: int, *, allow_growth: bool = True,
                  garbage_collection: bool = False, fragmentation_fraction: float = 0.0,
                  retry_timeout: float = 0.0, name: str = "bfc") -> None:
@@ -1499,6 +1502,75 @@ class PyBFCAllocator(EventSource):
             if journal is not None:
                 self._after_op(start)
         self.flush_events()
+
+
+#: The fields of an allocator that :func:`clone` knows how to copy.
+_CLONED = frozenset({
+    "_sub", "_name", "_allow_growth", "_gc", "_frag_fraction", "_retry_timeout", "_limit",
+    "_max_frag", "_curr_region", "_started_backpedal", "_capped", "_lock", "_cond", "_waiters",
+    "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
+    "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
+    "_failure_logs", "_limit_floor", "_journal", "_journal_seq", "_journal_extra",
+    "_counted", "_flush_at",
+    "_callbacks", "_sinks", "_raw_sinks", "_batch_sinks", "_outbox", "device_index",
+})
+
+
+def clone(a: Any, sub: Any) -> Any:
+    """An independent copy of an idle, unobserved BFC allocator over ``sub`` (a replay's
+    checkpoints for scrubbing). The compiled core's allocator copies its C state itself
+    (``_copy_core``); the Python model's chunks and regions are copied here
+    (``copy.deepcopy`` would recurse along the chunk list and cannot copy locks).
+
+    Raises
+    ------
+    NotImplementedError
+        The allocator has fields this copy does not know (a subclass's), or listeners.
+    """
+    unknown = set(a.__dict__) - _CLONED
+    if unknown:
+        raise NotImplementedError(f"cannot clone a BFCAllocator with fields {sorted(unknown)}")
+    if getattr(a, "compiled", False):
+        return a._copy_core(sub)  # the compiled core copies its C state itself
+    if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks or a._batch_sinks:
+        raise NotImplementedError("cannot clone an allocator that has listeners")
+    new = object.__new__(type(a))
+    d = new.__dict__
+    d.update(a.__dict__)
+    d["_sub"] = sub
+    d["_lock"] = lock = threading.Lock()
+    d["_cond"] = threading.Condition(lock)
+    new._reset_listeners()
+    d["_bins"] = [list(b) for b in a._bins]
+    d["_region_ptrs"] = list(a._region_ptrs)
+
+    def copy_chunk(c: _Chunk) -> _Chunk:
+        n = _Chunk(c.handle)
+        n.ptr, n.size, n.requested, n.aid, n.bin = c.ptr, c.size, c.requested, c.aid, c.bin
+        return n
+
+    by_ptr: dict[int, _Chunk] = {}
+    regions = []
+    for r in a._regions:
+        nr = _Region(r.ptr, r.size)
+        c = r.first
+        prev = None
+        while c is not None:
+            n = copy_chunk(c)
+            n.region = nr
+            n.prev = prev
+            if prev is None:
+                nr.first = n
+            else:
+                prev.next = n
+            by_ptr[n.ptr] = n
+            prev = n
+            c = c.next
+        regions.append(nr)
+    d["_regions"] = regions
+    d["_by_ptr"] = by_ptr
+    d["_spare"] = [copy_chunk(c) for c in a._spare]
+    return new
 
 
 #: TensorFlow's BFC allocator, the class gpudash uses: where the compiled core runs

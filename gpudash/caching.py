@@ -331,6 +331,8 @@ class PyCachingAllocator(EventSource):
     0
     """
 
+    #: The model this allocator is (:data:`gpudash.models.MODELS`' key).
+    allocator_model = "torch"
     kind = "torch"
     framework = "torch"
 

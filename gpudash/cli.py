@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ._errors import ConfigError, GpudashError
 from ._units import format_bytes, parse_bytes
 from ._version import __version__
-from .models import fraction_text
+from .models import TORCH, fraction_text, model_for, trace_model
 
 __all__ = ["main"]
 
@@ -228,42 +228,21 @@ def _add_framework(p: argparse.ArgumentParser, text: str) -> None:
 
 def _model_of(args: argparse.Namespace, trace: Any) -> Any:
     """The allocator model a replay or what-if command runs: ``--framework``'s, else the
-    trace's; each model's settings refused by name under the other."""
-    from .models import TORCH, model_for, trace_model
-
+    trace's; another model's flags refused by name (:meth:`AllocatorModel.refuse_flags`)."""
     model = model_for(args.framework) if args.framework else trace_model(trace)
-    if model is TORCH:
-        for flag, given in (("--growth/--no-growth", args.growth is not None),
-                            ("--gc/--no-gc", args.gc is not None),
-                            ("--deferred", getattr(args, "deferred", None) is not None)):
-            if given:
-                raise _UserError(f"{flag} is a setting of TensorFlow's BFC allocator; this "
-                                 "replays PyTorch's caching allocator (its settings: --conf "
-                                 "PYTORCH_CUDA_ALLOC_CONF, --fraction)")
-    else:
-        for flag, given in (("--conf", args.conf), ("--torch-version", args.torch_version),
-                            ("--vary", getattr(args, "vary", None))):
-            if given is not None:
-                raise _UserError(f"{flag} is PyTorch's; this replays TensorFlow's BFC "
-                                 "allocator (--framework torch for PyTorch's)")
+    refusal = model.refuse_flags(args)
+    if refusal is not None:
+        raise _UserError(refusal)
     return model
 
 
 def _model_kwargs(args: argparse.Namespace, model: Any, index: Any, dev: int) -> dict:
-    """The replay settings the command's flags give, for ``model``."""
-    from .models import TORCH
-
+    """The replay settings the command's flags give, for ``model``
+    (:meth:`AllocatorModel.cli_kwargs`)."""
     kwargs: dict[str, Any] = {"allocator": model.name}
     if args.device is not None:
         kwargs["device_bytes"] = args.device
-    if model is TORCH:
-        if args.conf is not None:
-            kwargs["conf"] = args.conf
-        if args.torch_version is not None:
-            kwargs["torch_version"] = args.torch_version
-        return kwargs
-    kwargs["allow_growth"] = _growth(args.growth, index, dev)
-    kwargs["garbage_collection"] = bool(args.gc)
+    kwargs.update(model.cli_kwargs(args, index.settings(dev)))
     return kwargs
 
 
@@ -589,21 +568,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if html_out is None:   # the demo's own report: a later demo replaces it
         html_out = DEMO_REPORT
         overwrite = overwrite or _is_demo_report(html_out)
-    torch = args.framework == "torch"
-    for flag, given in (("--growth/--no-growth", args.growth is not None and torch),
-                        ("--gc/--no-gc", args.gc is not None and torch)):
-        if given:
-            raise _UserError(f"{flag} is a setting of the BFC allocator (TensorFlow, JAX); "
-                             "PyTorch's caching allocator takes --conf PYTORCH_CUDA_ALLOC_CONF "
-                             "and --fraction")
-    if args.conf is not None and not torch:
-        raise _UserError("--conf is PyTorch's PYTORCH_CUDA_ALLOC_CONF; add --framework torch")
+    model = model_for(args.framework or "tensorflow")
+    refusal = model.refuse_flags(args)
+    if refusal is not None:
+        raise _UserError(refusal.replace("this replays", "this demo runs"))
     if args.framework == "jax" and args.gc:
         raise _UserError("--framework jax runs XLA's BFC, which never garbage-collects; "
                          "drop --gc")
     if not args.no_html:
         _check_out(html_out, overwrite)
-    if torch:
+    if model.streams:   # PyTorch's demo: its calls on streams, memory_summary() at the peak
         return _demo_torch(args, html_out, overwrite)
     config = ConfigProto(allow_soft_placement=True)
     config.gpu_options.allow_growth = bool(args.growth)  # None: TensorFlow's default, off
@@ -677,7 +651,7 @@ def _demo_torch(args: argparse.Namespace, html_out: Path, overwrite: bool) -> in
     with sess:
         alloc = sess.devices[0].allocator
         _say(f"  {alloc.name}: limit {format_bytes(alloc.memory_limit)}, "
-             f"{_torch_settings_text({'conf': alloc.config.as_conf(), 'fraction': args.fraction})}")
+             f"{TORCH.settings_text({'conf': alloc.config.as_conf(), 'fraction': args.fraction})}")
         rec = Recorder(sess)
         peak = {"bytes": -1, "summary": ""}
 
@@ -749,27 +723,6 @@ def _is_demo_report(path: Path) -> bool:
         f"<title>{DEMO_TITLE}".encode() in head
 
 
-def _growth(given: bool | None, trace: Any, device: int) -> bool:
-    """``--growth``/``--no-growth``, else the trace's recorded setting, else TensorFlow's
-    default (off). ``trace`` may be a :class:`~gpudash.trace.replay.DeviceIndex`."""
-    if given is not None:
-        return given
-    from .trace.replay import DeviceIndex
-
-    index = trace if isinstance(trace, DeviceIndex) else DeviceIndex(trace)
-    return bool(index.settings(device).get("allow_growth", False))
-
-
-def _deferred_bytes(given: int | None) -> int:
-    """``--deferred`` as TensorFlow reads deferred_deletion_bytes (0 = its 8 MiB default);
-    not given: 0, frees at once, as the trace recorded them."""
-    if given is None:
-        return 0
-    from .options import DEFAULT_DEFERRED_DELETION_BYTES
-
-    return given or DEFAULT_DEFERRED_DELETION_BYTES
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from .trace.replay import DeviceIndex
 
@@ -783,12 +736,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _say(f"{args.trace}: {len(devices)} devices, each replayed with its own allocator "
              "(--device-index N or --allocator NAME for one)")
     model = _model_of(args, trace)
-    torch = model.name == "torch"
-    deferred = _deferred_bytes(args.deferred)
     for dev in devices:
         kwargs = _model_kwargs(args, model, index, dev)
-        if not torch:
-            kwargs["deferred_deletion_bytes"] = deferred
         if args.fraction is not None:
             kwargs["fraction"] = args.fraction
         try:
@@ -797,24 +746,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise _UserError(str(exc)) from None
         label = f" {index.label(dev)}:" if len(devices) > 1 or dev else ""
         device_text = format_bytes(result.options["device_bytes"])
-        if torch:
-            _say(f"{args.trace}:{label} {result.calls} calls replayed through {model.title} "
-                 f"on a {device_text} device, limit {format_bytes(result.memory_limit)}: "
-                 f"{_torch_settings_text(result.options)}")
-            if result.fidelity is not None:
-                _say(f"exact: {result.fidelity.summary()}")
-        else:
-            from_log = args.fraction is None and index.source_limit(dev) is not None
-            _say(f"{args.trace}:{label} {result.calls} calls replayed on a {device_text} "
-                 f"device, limit {format_bytes(result.memory_limit)}"
-                 f"{' (from the log)' if from_log else ''}, "
-                 f"allow_growth={result.options['allow_growth']}"
-                 + (f", deferred deletion {format_bytes(deferred)}" if deferred else ""))
+        from_log = (args.fraction is None and "memory_limit" in model.inputs()
+                    and index.source_limit(dev) is not None)
+        settings_text = model.settings_text(result.options)
+        _say(f"{args.trace}:{label} {result.calls} calls replayed{model.cli_words['through']} "
+             f"on a {device_text} device, limit {format_bytes(result.memory_limit)}"
+             f"{' (from the log)' if from_log else ''}"
+             + (f": {settings_text}" if model.cli_words["through"] else f", {settings_text}"))
+        if result.fidelity is not None:
+            _say(f"exact: {result.fidelity.summary()}")
         for note in result.assumed:
             _say(f"assumed: {note}")
         for warning in result.warnings:
             _say(f"warning: {warning}")
-        if torch and result.calls == 0 and trace.meta.get("source") == "pytorch-snapshot":
+        if (result.calls == 0 and trace.meta.get("source") == "pytorch-snapshot"
+                and trace_model(trace) is model):
             _say_snapshot_state(trace, dev, args)
             continue
         if result.fits and result.warnings:
@@ -827,27 +773,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
             idx, nbytes = result.first_oom
             _say(f"OUT OF MEMORY: {result.oom_count} allocation(s) refused; the first at call "
                  f"{idx} ({format_bytes(nbytes)})")
-        if torch:
-            _say(f"peak allocated {format_bytes(result.peak_bytes_in_use)}, peak reserved "
-                 f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} segment(s) "
-                 f"from cudaMalloc, worst fragmentation {result.worst_fragmentation:.1%}, "
-                 f"{result.events_per_second:,.0f} events/s")
-        else:
-            _say(f"peak in use {format_bytes(result.peak_bytes_in_use)}, peak pool "
-                 f"{format_bytes(result.peak_pool_bytes)}, {result.extensions} region(s), "
-                 f"worst fragmentation {result.worst_fragmentation:.1%}, "
-                 f"{result.events_per_second:,.0f} events/s")
+        _say(f"peak {model.in_use} {format_bytes(result.peak_bytes_in_use)}, peak "
+             f"{model.pool} {format_bytes(result.peak_pool_bytes)}, {result.extensions} "
+             f"{model.cli_words['regions']}, worst fragmentation "
+             f"{result.worst_fragmentation:.1%}, {result.events_per_second:,.0f} events/s")
     if args.html is not None:
         from .report import write_report
 
         opts = _model_kwargs(args, model, index, devices[0])
         opts.update(fraction=args.fraction, device=devices[0])
         device_bytes = opts.pop("device_bytes", None)
-        if not torch:
-            opts["deferred_deletion_bytes"] = deferred
-            if args.fraction is None and index.source_limit(devices[0]) is not None:
-                opts["memory_limit"] = index.source_limit(devices[0])
-                device_bytes = max(device_bytes or 0, opts["memory_limit"])
+        if (args.fraction is None and "memory_limit" in model.inputs()
+                and index.source_limit(devices[0]) is not None):
+            opts["memory_limit"] = index.source_limit(devices[0])
+            device_bytes = max(device_bytes or 0, opts["memory_limit"])
         write_report(trace, args.html, title=f"gpudash replay: {args.trace.name}",
                      device_bytes=device_bytes, overwrite=args.overwrite,
                      replay_options=opts)
@@ -924,8 +863,9 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
     _refuse_empty(trace, args, devices, "replay")
     index = DeviceIndex(trace)
     model = _model_of(args, trace)
-    torch = model.name == "torch"
-    framework = args.framework or ("torch" if torch else None)
+    # the framework whose lines to paste: the model's own where it has one (PyTorch's)
+    framework = args.framework or (model.frameworks[0] if len(model.frameworks) == 1
+                                   else None)
     if len(devices) > 1:
         each = f"{format_bytes(args.device)} device" if args.device else "device"
         _say(f"{args.trace}: {len(devices)} devices, each on its own {each} (--device-index N "
@@ -945,25 +885,23 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
             _say(f"assumed: {note}")
         for warning in best.warnings:
             _say(f"warning: {warning}")
-        setting = model.fraction_setting
         if best.fraction is None:
             _say(f"{args.trace}:{label} does not fit on a {format_bytes(total)} device "
                  "even at fraction 1.0")
         else:
             step = format_bytes(int(total * best.tolerance))
             held = " the calls the trace holds" if best.warnings else ""
-            what = (_torch_settings_text(best.settings, fraction=False) if torch
-                    else f"allow_growth={kwargs['allow_growth']}")
-            _say(f"{args.trace}:{label} smallest {'fraction' if not torch else setting} that "
+            what = model.settings_text(best.settings, fraction=False)
+            _say(f"{args.trace}:{label} smallest {model.cli_words['smallest']} that "
                  f"fits{held}: {_fraction_shown(best, framework)} "
                  f"({format_bytes(best.limit_bytes)} of "
                  f"{format_bytes(total)}; bisected to within {best.tolerance:g}, "
                  f"{step}), {what}, {best.replays} replays"
                  + (f" ({best.known} more fractions known from them)" if best.known else "")
                  + (": a lower bound for the job (see the warning)" if best.warnings else ""))
-        # PyTorch: the same question with expandable segments flipped
-        flipped = _say_expandable(trace, args, best, dev, kwargs, client, label) \
-            if torch else None
+        # the same question with the model's what-if toggle flipped (PyTorch's expandable
+        # segments)
+        flipped = _say_flipped(trace, args, model, best, dev, kwargs, client, label)
         note = from_dump_note(trace, dev)
         if note is not None and not best.warnings and best.fraction is not None:
             _say(f"note: {note}")
@@ -971,24 +909,11 @@ def _whatif(args: argparse.Namespace, trace: Any, client: Any) -> int:
         if framework is not None and best.warnings and answers:
             _say("no lines to paste: the trace is less than the job (see the warning), "
                  "and a setting from it would be too small")
-        elif torch and answers:
-            _say("")
-            _say("PyTorch: paste these (the environment variable before PyTorch starts; "
-                 "the fraction any time):")
-            first_answer = answers[0]
-            for line in first_answer.paste_lines("torch"):
-                _say(f"  {line}")
-            if len(answers) == 2 and (flipped.limit_bytes or 0) < (best.limit_bytes or 0):
-                saved = format_bytes(best.limit_bytes - flipped.limit_bytes)
-                _say(f"  or, {saved} less, with expandable segments:")
-                for line in flipped.paste_lines("torch"):
-                    _say(f"    {line}")
-        elif framework is not None and best.fraction is not None:
-            _say_paste_lines(framework, _fraction_shown(best, framework), best.limit_bytes,
-                             total, kwargs["allow_growth"])
+        elif framework is not None and answers:
+            _PASTE[framework](framework, best, flipped, answers, kwargs)
         kwargs = {"device_bytes": total, "progress": True, "device": dev,
                   **{k: v for k, v in _model_kwargs(args, model, index, dev).items()
-                     if k in ("allocator", "conf", "torch_version", "garbage_collection")}}
+                     if k not in model.grid and k != "device_bytes"}}  # sweep varies the grid
         if client is None:
             kwargs["jobs"] = args.jobs
         else:
@@ -1137,31 +1062,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torch_settings_text(options: dict, fraction: bool = True) -> str:
-    """A PyTorch replay's settings in PyTorch's words."""
-    conf = options.get("conf") or ""
-    parts = [f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset"]
-    if fraction:
-        frac = options.get("fraction")
-        parts.append("no set_per_process_memory_fraction" if frac is None
-                     else f"set_per_process_memory_fraction({frac:g})")
-    if options.get("torch_version"):
-        parts.append(f"PyTorch {options['torch_version']} rules")
-    return ", ".join(parts)
-
-
-def _say_expandable(trace: Any, args: argparse.Namespace, best: Any, dev: int, kwargs: dict,
-                    client: Any, label: str) -> Any:
-    """PyTorch's what-if: the same question with expandable segments flipped."""
+def _say_flipped(trace: Any, args: argparse.Namespace, model: Any, best: Any, dev: int,
+                 kwargs: dict, client: Any, label: str) -> Any:
+    """The what-if with the model's toggle (:attr:`AllocatorModel.whatif_toggles`: PyTorch's
+    expandable segments) flipped; None for a model without one."""
     from .trace.whatif import min_fraction
 
-    conf = (best.settings.get("conf") or "")
-    on = "expandable_segments:True" in conf
-    name = f"expandable_segments:{not on}"
+    if not model.whatif_toggles:
+        return None
+    toggle = model.whatif_toggles[0]
+    on = model.toggle_on(best.settings, toggle)
+    name = f"{toggle}:{not on}"
     try:
         flipped = min_fraction(trace, best.device_bytes, device=dev, client=client,
                                jobs=1 if client is not None else args.jobs,
-                               **dict(kwargs, expandable_segments=not on))
+                               **dict(kwargs, **{toggle: not on}))
     except ConfigError as exc:   # PyTorch's rule: settings it does not support together
         _say(f"{args.trace}:{label} with {name}: not offered: "
              f"{str(exc).removeprefix('min_fraction: ')}")
@@ -1186,9 +1101,35 @@ def _fraction_shown(best: Any, framework: str | None) -> str:
     from .options import paste_fraction
 
     shown = float(fraction_text(best.fraction))
-    if framework in ("tensorflow", "jax") and best.allocator != "torch":
+    if framework in ("tensorflow", "jax"):
         shown = max(shown, paste_fraction(best.limit_bytes, best.device_bytes, framework))
     return fraction_text(shown)
+
+
+def _paste_torch(framework: str, best: Any, flipped: Any, answers: list,
+                 kwargs: dict) -> None:
+    """``whatif`` of PyTorch's: the lines to paste, and those with the toggle flipped where
+    they take less."""
+    _say("")
+    _say("PyTorch: paste these (the environment variable before PyTorch starts; "
+         "the fraction any time):")
+    for line in answers[0].paste_lines("torch"):
+        _say(f"  {line}")
+    if len(answers) == 2 and (flipped.limit_bytes or 0) < (best.limit_bytes or 0):
+        saved = format_bytes(best.limit_bytes - flipped.limit_bytes)
+        _say(f"  or, {saved} less, with expandable segments:")
+        for line in flipped.paste_lines("torch"):
+            _say(f"    {line}")
+
+
+def _paste_tf(framework: str, best: Any, flipped: Any, answers: list, kwargs: dict) -> None:
+    """``whatif`` of TensorFlow's or JAX's: :func:`_say_paste_lines`."""
+    _say_paste_lines(framework, _fraction_shown(best, framework), best.limit_bytes,
+                     best.device_bytes, kwargs["allow_growth"])
+
+
+#: The lines ``whatif`` pastes, by framework.
+_PASTE = {"torch": _paste_torch, "tensorflow": _paste_tf, "jax": _paste_tf}
 
 
 def _say_paste_lines(framework: str, shown: str, limit: int, device: int,

@@ -42,7 +42,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ._errors import GpudashError
 from ._units import format_bytes
-from .models import _FALSE, _TRUE
+from .models.base import _FALSE, _TRUE
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -116,12 +116,13 @@ class GpudashMagics(Magics):
             if changes:
                 self.session.configure(**changes)
             return self.session
-        if want is not None and want.name == "torch":
-            # PyTorch's caching allocator: PYTORCH_CUDA_ALLOC_CONF (or --conf) and the
-            # fraction; TensorFlow's growth is refused by name
+        made = Session.class_for(want) if want is not None else Session
+        if not made.takes_config_proto:
+            # a model with its own settings string (PyTorch's PYTORCH_CUDA_ALLOC_CONF, or
+            # --conf) and the fraction; TensorFlow's growth is refused by name
             if growth is not None:
                 want.check_setting("allow_growth", growth)  # refused, saying why
-            sess = Session(conf, simulate=simulate, allocator="torch", fraction=fraction)
+            sess = Session(conf, simulate=simulate, allocator=want.name, fraction=fraction)
         else:
             if conf is not None:
                 raise GpudashError("--conf is PYTORCH_CUDA_ALLOC_CONF: it goes with "
@@ -139,7 +140,7 @@ class GpudashMagics(Magics):
             print(f"gpudash: a new session with {sess.model.title}; the one with "
                   f"{replaced.model.title} stays open (gpudash.default_session() is the new "
                   "one)")
-        if not sess.simulated and sess.model.name == "bfc":
+        if not sess.simulated and sess.routes_cupy:
             sess.install()  # CuPy's allocations through the session (TensorFlow's only)
         return sess
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ._errors import ConfigError, GpudashError
 from .events import COLUMN_DTYPES, COLUMNS, Event
+from .models import model_of
 
 logger = logging.getLogger("gpudash")
 
@@ -163,14 +164,7 @@ class Recorder:
         meta = {"index": alloc.device_index, "name": alloc.name,
                 "capacity": getattr(alloc.sub_allocator, "total", None),
                 "memory_limit": alloc.memory_limit}
-        if getattr(alloc, "kind", None) == "torch":   # PyTorch's caching allocator
-            conf = alloc.config
-            meta["allocator"] = "torch"
-            meta["options"] = {"conf": conf.as_conf(), "fraction": alloc.fraction,
-                               "torch_version": ".".join(map(str, conf.version))}
-        else:
-            meta["options"] = {"allow_growth": alloc.allow_growth,
-                               "garbage_collection": alloc.garbage_collection}
+        meta.update(model_of(alloc).recorded(alloc))   # the model's own settings
         return meta
 
     @staticmethod

@@ -561,23 +561,22 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     result = replay(trace, record=True, per_call=True, **opts)
     if result.calls == 0:
         raise GpudashError("the trace has no events for this device: nothing to report")
-    torch = result.allocator == "torch"
+    model = model_for(result.allocator)
     device_bytes = result.options["device_bytes"]
     recording = result.recording
     sections: list[tuple[str, Any]] = []
     sections.append(("timeline", timeline_figure(
         result.per_call, limit=result.memory_limit, ooms=result.ooms,
         settings=_settings_marks(trace, result.calls),
-        names=("reserved", "allocated") if result.allocator == "torch" else ("pool", "in use"))))
+        names=(model.pool, model.in_use))))
     served = bool(np.any(np.asarray(recording.columns["kind"]) == int(EventKind.ALLOC)))
     if served:   # the state views need memory that was allocated at some point
         hm = heatmap(recording, rows=256, cols=min(600, max(1, len(recording))))
         edges = calls_at_events(recording, hm.col_edges)  # one time base with the timeline
         sections.append(("heatmap", heatmap_figure(hm.values, hm.row_edges, edges,
                                                    x_title="call")))
-        if torch:   # the model's own pools and segments, from the trace's calls
-            same = {k: v for k, v in result.options.items()
-                    if k in ("device_bytes", "fraction", "conf", "torch_version", "device")}
+        same = model.peak_options(result)
+        if same is not None:   # the model's own layout, from the trace's calls
             peak = chunk_map_at_peak(trace, options=same, device=same.get("device"))
             holders = chunk_holders(trace, peak, device=same.get("device"))
         else:
@@ -588,15 +587,8 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
         sections.append(("chunkmap", chunkmap_figure(peak, title=_map_title(peak, "at the peak"),
                                                      holders=holders)))
     if sweep_table is None:
-        if torch:   # PyTorch's question: would expandable segments fit in less?
-            sweep_table = sweep(trace, fractions=fractions, device_bytes=device_bytes, jobs=1,
-                                device=result.options.get("device"))
-        else:
-            sweep_table = sweep(trace, fractions=fractions,
-                                allow_growth=(opts.get("allow_growth", True),),
-                                device_bytes=device_bytes, jobs=1,
-                                **{k: v for k, v in opts.items()
-                                   if k in ("device", "garbage_collection")})
+        sweep_table = sweep(trace, fractions=fractions, device_bytes=device_bytes, jobs=1,
+                            **model.report_sweep(opts, result))
 
     parts = []
     for i, (name, fig) in enumerate(sections):
@@ -606,40 +598,7 @@ def build_report(trace: Any, *, title: str = "gpudash report", device_bytes: int
     verdict = ("fits: no allocation ran out of memory" if result.fits else
                f"OUT OF MEMORY: {result.oom_count} allocation(s) refused, the first at call "
                f"{result.first_oom[0]} ({format_bytes(result.first_oom[1])})")
-    model = model_for(result.allocator)
-    pc = result.per_call
-    if torch:
-        frac = result.options.get("fraction")
-        summary = [
-            ("device", format_bytes(device_bytes)),
-            ("allocator", "PyTorch's caching allocator (PyTorch "
-                          f"{result.options.get('torch_version')} rules)"),
-            ("PYTORCH_CUDA_ALLOC_CONF", result.options.get("conf") or "unset"),
-            ("set_per_process_memory_fraction",
-             "not set" if frac is None else f"{frac:g} ({format_bytes(result.memory_limit)})"),
-            ("calls replayed", f"{result.calls:,}"),
-            ("peak allocated", format_bytes(result.peak_bytes_in_use)),
-            ("peak reserved", format_bytes(result.peak_pool_bytes)),
-            ("segments obtained (cudaMalloc)", str(result.extensions)),
-            model.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
-                                     pc.get("largest_free", ())),
-            ("result", verdict),
-        ]
-        if result.fidelity is not None:
-            summary.insert(5, ("replayed exactly", result.fidelity.summary()))
-    else:
-        summary = [
-            ("device", format_bytes(device_bytes)),
-            ("memory limit", format_bytes(result.memory_limit)),
-            ("allow_growth", str(result.options.get("allow_growth"))),
-            ("calls replayed", f"{result.calls:,}"),
-            ("peak in use", format_bytes(result.peak_bytes_in_use)),
-            ("peak pool", format_bytes(result.peak_pool_bytes)),
-            ("regions obtained", str(result.extensions)),
-            model.fragmentation_over(pc.get("in_use", ()), pc.get("pool", ()),
-                                     pc.get("largest_free", ())),
-            ("result", verdict),
-        ]
+    summary = model.report_summary(result, device_bytes, verdict)
     summary.extend(("assumed", a) for a in result.assumed)
     changed = _settings_marks(trace, result.calls)
     if changed:   # a live session's recording: configure() ran while it recorded

@@ -468,10 +468,31 @@ class PySession:
                  "__weakref__")
 
     def __new__(cls, *args: Any, allocator: Any = None, **kwargs: Any) -> "Session":
-        # Session(..., allocator="torch") is a TorchSession: PyTorch's semantics
-        if cls is Session and allocator is not None and model_for(allocator) is TORCH:
-            cls = TorchSession
+        # Session(..., allocator="torch") is a TorchSession: the session class of the model
+        if cls is Session and allocator is not None:
+            cls = Session.class_for(allocator)
         return super().__new__(cls)
+
+    #: The session class of each model that has its own (a subclass names its ``model``).
+    _BY_MODEL: dict[str, type] = {}
+    #: Whether its ``config`` is a ``ConfigProto`` (TensorFlow's; :func:`get_default_session`
+    #: starts one from it) rather than the model's own settings string.
+    takes_config_proto = True
+    #: Whether :meth:`install` routes CuPy's allocations through it (TensorFlow's sessions).
+    routes_cupy = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        model = cls.__dict__.get("model")
+        if isinstance(model, AllocatorModel):
+            Session._BY_MODEL.setdefault(model.name, cls)
+
+    @staticmethod
+    def class_for(allocator: Any) -> type:
+        """The session class of an allocator model (a name: ``"torch"``, ``"jax"``...):
+        the subclass that names it (:class:`TorchSession` for PyTorch's), else
+        :class:`Session`."""
+        return Session._BY_MODEL.get(model_for(allocator).name, Session)
 
     def __init__(self, config: Any = None, *, simulate: Any = None,
                  environ: Mapping[str, str] | None = None, poll: bool = True,
@@ -562,12 +583,10 @@ class PySession:
 
         framework = check_framework(framework, ("tensorflow", "jax", "torch"))
         env = os.environ if environ is None else environ
-        if framework == "torch":
-            if config is not None:
-                raise ConfigError("Session.from_env('torch') takes its settings from "
-                                  "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF; config= is for "
-                                  "TensorFlow sessions (got a config)")
-            return TorchSession(simulate=simulate, environ=env, torch_version=torch_version)
+        own = Session.class_for(framework)
+        if own is not Session:   # a model with its own session (PyTorch's) reads its variables
+            return own._from_framework_env(config, simulate=simulate, environ=env,
+                                           torch_version=torch_version)
         if torch_version is not None:
             raise ConfigError("torch_version= is for Session.from_env('torch')")
         if framework == "tensorflow":
@@ -1356,6 +1375,19 @@ class TorchSession(Session):
 
     framework = "torch"
     model = TORCH
+    takes_config_proto = False
+    routes_cupy = False
+
+    @classmethod
+    def _from_framework_env(cls, config: Any, *, simulate: Any, environ: Mapping[str, str],
+                            torch_version: Any) -> "TorchSession":
+        """:meth:`Session.from_env` ``("torch")``: ``PYTORCH_ALLOC_CONF`` /
+        ``PYTORCH_CUDA_ALLOC_CONF`` from ``environ``."""
+        if config is not None:
+            raise ConfigError("Session.from_env('torch') takes its settings from "
+                              "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF; config= is for "
+                              "TensorFlow sessions (got a config)")
+        return cls(simulate=simulate, environ=environ, torch_version=torch_version)
 
     def __init__(self, config: Any = None, *, simulate: Any = None,
                  environ: Mapping[str, str] | None = None, poll: bool = True,
@@ -1565,8 +1597,8 @@ def default_session(create: bool = True, **kwargs: Any) -> Session | None:
     with _default_lock:
         if (_default is None or _default.closed) and create:
             # a PyTorch session's config is a PYTORCH_CUDA_ALLOC_CONF string, no ConfigProto
-            torch = model_for(kwargs.get("allocator") or "bfc") is TORCH
-            if "config" not in kwargs and not torch:
+            made = Session.class_for(kwargs.get("allocator") or "tensorflow")
+            if "config" not in kwargs and made.takes_config_proto:
                 kwargs["config"] = ConfigProto(allow_soft_placement=True)
             _default = Session(**kwargs)
         if _default is not None and _default.closed:

@@ -6,8 +6,10 @@ job (a training loop in a background thread, or between cells):
 
 - turns on PyTorch's allocator history (``torch.cuda.memory._record_memory_history``, with
   Python stacks, a bounded ring);
-- every ``interval`` reads the snapshot (``torch.cuda.memory._snapshot()``), finds the
-  entries that are new since the previous read, and feeds only those through gpudash's
+- in a thread of its own, every ``interval`` (but after a read that took t, not before 7t
+  more: an eighth of one core at most), reads the snapshot
+  (``torch.cuda.memory._snapshot()``), finds the entries that are new since the previous
+  read, and feeds only those through gpudash's
   exact model of PyTorch's caching allocator (the calls :func:`gpudash.trace.torch_replay.
   replay_exact` makes, resumed where the previous refresh stopped): the dashboard shows
   PyTorch's segments, blocks and allocating stacks, and the model checks every decision;
@@ -46,9 +48,15 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError
+from ._gc import collector_paused
 from ._units import format_bytes
 
-__all__ = ["attach", "Shadow", "ShadowDevice", "WhatIf", "OomExplanation"]
+__all__ = ["attach", "Shadow", "ShadowDevice", "WhatIf", "OomExplanation",
+           "SHADOW_HISTORY_ENTRIES"]
+
+#: The history ring shadow mode asks PyTorch for (entries): see docs/frameworks.md,
+#: "Shadow mode", for how it was chosen (benchmarks/bench_shadow.py, table c).
+SHADOW_HISTORY_ENTRIES = 20_000
 
 _TORCH_DIR = os.sep + "torch" + os.sep
 _GPUDASH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -290,7 +298,7 @@ class ShadowDevice:
         get = ACTIONS.get
         rows = self._carry
         holders = self._holders
-        stack_of = self._shadow._stack_id
+        fresh: dict[int, Any] = {}   # blocks allocated in these entries: their frames
         for e in entries:
             a = get(e.get("action"), 0)
             if a == A_OOM:
@@ -300,9 +308,14 @@ class ShadowDevice:
             s = e.get("stream", 0) or 0
             rows.append((a, int(p), int(e.get("size", 0) or 0), int(s) & _MASK64))
             if a == A_ALLOC:
-                holders[int(p)] = ("", stack_of(e.get("frames")))
+                fresh[int(p)] = e.get("frames")
             elif a == A_FREE:
-                holders.pop(int(p), None)
+                if fresh.pop(int(p), None) is None:
+                    holders.pop(int(p), None)
+        # the stacks of the blocks still held (most of a step's are freed within it)
+        stack_of = self._shadow._stack_id
+        for p, frames in fresh.items():
+            holders[p] = ("", stack_of(frames))
         self.entries += len(entries)
         self._run()
 
@@ -483,12 +496,16 @@ class Shadow:
     refreshes : int
     refresh_seconds : list of float
         The time each refresh took (the latest 1,000).
+    read_seconds, read_at : float
+        The latest refresh's time, and when it ended (``time.monotonic()``; None before).
+    pace : float
+        After a read of t seconds the thread waits at least ``pace`` x t (:meth:`next_wait`).
     errors : list of str
         Refreshes that failed (the thread goes on).
     """
 
     def __init__(self, torch: Any, devices: list[int], history: int, interval: float,
-                 steps: str) -> None:
+                 steps: str, pace: float = 7.0) -> None:
         from .session import SessionStacks
 
         self._torch = torch
@@ -509,6 +526,9 @@ class Shadow:
         self.errors: list[str] = []
         self.refreshes = 0
         self.refresh_seconds: list[float] = []
+        self.pace = float(pace)
+        self.read_seconds = 0.0      # the latest refresh: reading the ring and feeding it
+        self.read_at: float | None = None   # when it read (time.monotonic())
         self._fraction_set: dict[int, float] = {}
         self._snap: dict | None = None
         self._annotations: list = []
@@ -529,9 +549,16 @@ class Shadow:
             self._thread.start()
         return self
 
+    def next_wait(self) -> float:
+        """Seconds the reading thread waits before its next read: ``interval``, or
+        ``pace`` times the latest read's time when that is longer, so reading PyTorch's
+        history takes at most ``1 / (1 + pace)`` of one core (an eighth by default)
+        however large the ring and however fast the job allocates."""
+        return max(self.interval, self.pace * self.read_seconds)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            self._wake.wait(self.next_wait())
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -654,7 +681,7 @@ class Shadow:
         """Read PyTorch's snapshot and feed each device's new entries to its model; the new
         entries by device. Explains OOMs the observer reported since."""
         t0 = time.perf_counter()
-        with self._lock:
+        with self._lock, collector_paused():
             if self._closed:
                 raise ConfigError("this shadow is stopped; attach again")
             snap = self._read()
@@ -672,7 +699,10 @@ class Shadow:
                     out[dev.index] = 0
                     continue
                 if dev._last is None:       # the first read: start from PyTorch's layout
-                    dev._resync(snap, "attached")
+                    dev._resync(snap, "attached mid-run")
+                    if not dev.allocator.segments():
+                        dev.notice = None   # nothing held yet: nothing rebuilt, to say
+                        dev.resyncs.pop()
                     dev._remember(ring)
                     out[dev.index] = 0
                     continue
@@ -686,12 +716,39 @@ class Shadow:
                                   f"({dev.divergences[-1]})")
             self._resync_due.clear()
             ooms, self._pending_ooms = self._pending_ooms, []
-        for event in ooms:
-            self.ooms.append(self._explain(event, snap))
+            # explained before another refresh returns (a caller's refresh() after an OOM
+            # finds its explanation in ooms)
+            for event in ooms:
+                self.ooms.append(self._explain(event, snap))
+        took = time.perf_counter() - t0
+        self.read_seconds = took
+        self.read_at = time.monotonic()
         self.refreshes += 1
-        self.refresh_seconds.append(time.perf_counter() - t0)
+        self.refresh_seconds.append(took)
         del self.refresh_seconds[:-1000]
         return out
+
+    def live_note(self, device: Any = None) -> str | None:
+        """What a view of ``device`` says beside its figures: how old the model's state is
+        ("history read 0.8 s ago; a read takes 35 ms, one every 0.28 s"), the latest
+        rebuild of the model (a ring that wrapped) and the latest failed refresh."""
+        dev = self.device(device)
+        parts = []
+        if self._closed:
+            parts.append("shadow mode stopped: the view shows the last state read")
+        elif self.read_at is None:
+            parts.append("PyTorch's history not read yet")
+        else:
+            ago = time.monotonic() - self.read_at
+            text = f"history read {ago:.1f} s ago (a read takes {self.read_seconds * 1e3:.0f} ms"
+            if self.running:
+                text += f", one every {self.next_wait() + self.read_seconds:.2f} s"
+            parts.append(text + ")")
+        if dev.notice:
+            parts.append(dev.notice)
+        if self.errors:
+            parts.append(self.errors[-1])
+        return "; ".join(parts)
 
     def _sync_settings(self, dev: ShadowDevice, snap: dict) -> None:
         """Settings changed in the job's own code follow into the model."""
@@ -1000,7 +1057,7 @@ class Shadow:
 
 
 def attach(module: Any = None, *, devices: Any = None, history: int | None = None,
-           interval: float = 0.25, start: bool = True) -> Shadow:
+           interval: float = 0.25, start: bool = True, pace: float = 7.0) -> Shadow:
     """Follow a PyTorch job in this process live: its allocator's history through gpudash's
     exact model, controls that act on it, OOMs explained (see :mod:`gpudash.torch_shadow`).
 
@@ -1011,12 +1068,16 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     devices : int or list of int, optional
         CUDA devices to follow (default all): one model each.
     history : int, optional
-        Entries of PyTorch's history ring (default
-        :data:`gpudash.torch.DEFAULT_HISTORY_ENTRIES`). The ring must hold the entries of
-        one refresh interval; when it wraps between two refreshes the model is rebuilt from
-        PyTorch's segments, and that is said.
+        Entries of PyTorch's history ring (default :data:`SHADOW_HISTORY_ENTRIES`, 20,000).
+        The ring must hold the entries made between two reads; when it wraps between two
+        reads the model is rebuilt from PyTorch's segments, and that is said. A larger ring
+        makes each read (``_snapshot()`` copies it all, holding the GIL) longer, and the
+        what-if look further back.
     interval : float
-        Seconds between refreshes (0: no thread; call :meth:`Shadow.refresh`).
+        Seconds between reads, at least (0: no thread; call :meth:`Shadow.refresh`). After
+        a read that took t the thread waits at least ``pace`` x t (7: an eighth of one core).
+    pace : float
+        See ``interval``.
     start : bool
         Start the refresh thread.
 
@@ -1025,7 +1086,7 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     ConfigError
         PyTorch missing, no CUDA device, a device that does not exist.
     """
-    from .torch import DEFAULT_HISTORY_ENTRIES, _listen, _require_cuda
+    from .torch import _listen, _require_cuda
 
     torch = _require_cuda("attach to torch", module)
     if not hasattr(getattr(torch.cuda, "memory", None), "_snapshot"):
@@ -1033,7 +1094,7 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
                           "shadow mode needs PyTorch >= 2.1")
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
         raise ConfigError(f"interval must be seconds >= 0; got {interval!r}")
-    history = DEFAULT_HISTORY_ENTRIES if history is None else history
+    history = SHADOW_HISTORY_ENTRIES if history is None else history
     if isinstance(history, bool) or not isinstance(history, int) or history < 1:
         raise ConfigError(f"history must be an integer >= 1 (ring entries); got {history!r}")
     count = torch.cuda.device_count()
@@ -1044,7 +1105,10 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
             raise ConfigError(f"PyTorch has no CUDA device {i!r}; accepted: 0..{count - 1}")
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                              max_entries=history)
-    shadow = Shadow(torch, ids, history, interval, "")
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or pace < 0:
+        raise ConfigError(f"pace must be a number >= 0 (reads' waits over their time); "
+                          f"got {pace!r}")
+    shadow = Shadow(torch, ids, history, interval, "", pace)
     _listen(shadow, "attach to torch", torch)
     _keep.append(shadow)
     shadow.refresh()

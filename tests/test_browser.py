@@ -544,13 +544,15 @@ def test_pytorch_dashboard_acts_on_the_session_and_answers_in_pytorch_s_words(pa
         e => e.textContent.endsWith('large, expandable'))""", arg=dash.element_handle(),
                            timeout=20_000)
 
-    # max_split_size_mb typed in: the live settings string to paste
+    # max_split_size_mb typed in with expandable segments on: set, and said to be a pair
+    # PyTorch stops on (pytorch/pytorch#123548), so no settings line is offered to paste
     field = dash.locator('input[data-ctl="max_split"]')
     field.fill("128")
     field.press("Enter")
     dash.locator(".gd-status", has_text="max_split_size_mb: 128").wait_for(timeout=20_000)
-    assert "_set_allocator_settings('expandable_segments:True,max_split_size_mb:128')" in \
-        dash.locator(".gd-status").inner_text()
+    said = dash.locator(".gd-status").inner_text()
+    assert "pytorch/pytorch#123548" in said and "(no line to paste)" in said, said
+    assert "_set_allocator_settings(" not in said
 
     # empty cache: the wholly free 30 MiB segment goes, the map loses a row
     before = len(region_labels(dash))

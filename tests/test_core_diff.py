@@ -330,13 +330,13 @@ def test_the_journal_counts_its_events_as_the_python_count_does(model):
 
 
 def test_copies_of_the_compiled_allocator_are_independent():
-    from gpudash.trace.replay import _clone_allocator
+    from gpudash.bfc import clone
 
     dev = gpudash.SimulatedDevice("1GiB")
     a = gpudash.BFCAllocator(dev, 1 << 30)
     ptrs = [a.allocate(n) for n in (1000, 5000, 1 << 20)]
     a.deallocate(ptrs[1])
-    b = _clone_allocator(a, gpudash.SimulatedDevice("1GiB"))
+    b = clone(a, gpudash.SimulatedDevice("1GiB"))
     assert b.snapshot() == a.snapshot() and b.stats() == a.stats()
     b.deallocate(ptrs[0])
     assert a.owns(ptrs[0]) and not b.owns(ptrs[0])

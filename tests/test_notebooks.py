@@ -524,6 +524,26 @@ def test_who_holds_it_notebook_finds_the_lines_the_leak_and_the_holders_at_an_oo
     assert re.search(r"merged\.json\.gz: [\d,]+ bytes", merged), merged
 
 
+def test_live_pytorch_notebook_follows_the_job_predicts_the_failure_and_explains_the_oom(
+        run_notebook):
+    ex = run_notebook("09_live_pytorch.ipynb")
+    assert "the stand-in gpudash.testing.ModelTorch (no GPU here)" in ex.text("cuda = False")
+    outputs = ex.cell("dash = shadow.dashboard()").get("outputs", [])
+    assert any(WIDGET_VIEW in o.get("data", {}) for o in outputs)
+    assert re.search(r"addresses (\d+)/\1", ex.text("print(shadow.devices[0].summary())"))
+    what_if = ex.text("wi = shadow.what_if(fraction=0.2)")
+    assert re.search(r"at fraction 0.2 this run would have failed at call [\d,]+ \(step \d+",
+                     what_if) and " train:" in what_if
+    assert "as predicted" in ex.text("again = ModelTorch(")
+    answer = ex.text("print(shadow.configure(fraction=0.2))")
+    assert "torch.cuda.set_per_process_memory_fraction(0.2, 0)" in answer
+    assert "reserved" in answer and "would have failed at call" in answer
+    oom = ex.text("job = threading.Thread(target=more)")
+    assert "the job: OutOfMemoryError" in oom and "PyTorch ran out of memory at" in oom
+    assert "would have served it" in oom
+    assert "torch.cuda.empty_cache(): reserved" in ex.text("shadow.empty_cache()")
+
+
 def test_running_the_notebooks_leaves_nothing_behind(run_notebook, notebook_copy):
     """Notebooks write what they make to a temporary folder, not beside themselves (where a
     clone would show it as an untracked file), and the repository's notebooks are never

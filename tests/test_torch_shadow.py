@@ -311,6 +311,80 @@ def test_one_model_per_device_and_the_dashboard_acts_on_pytorch():
         shadow.stop()
 
 
+def test_the_dashboard_answers_in_shadows_words_and_says_how_current_it_is(monkeypatch):
+    """Through the dashboard's own message path (a control from the page, the reply, the
+    next update's headline): shadow's answer, not the generic one; the ring's notice."""
+    pytest.importorskip("anywidget")
+    import test_widgets_dashboard as wd
+    import test_widgets_model as wm
+
+    from gpudash.widgets import Dashboard
+
+    log = wm.MessageLog()
+    cls = wm._make_recording_comm_class()
+    import comm
+
+    monkeypatch.setattr(comm, "create_comm", lambda *a, **k: cls(log, **k))
+    torch = ModelTorch(total=2 * GiB)
+    shadow = attach(torch, interval=0, history=2000)
+    dash = Dashboard(shadow, start=False)
+    try:
+        _workload(torch, shadow=shadow)
+        shadow.refresh()
+        wd.say(dash, {"type": "hello"})
+        head = wd.sent(log, dash, "snapshot")[-1][0]["headline"]
+        assert head["note"].startswith("history read ") and "s ago" in head["note"]
+        # the fraction from the page: PyTorch's call, reserved before and after, what the
+        # limit refuses, and the replay of the run so far
+        reply = wd.act(log, dash, "fraction", 0.2)
+        assert reply["ok"] and torch.cuda.get_per_process_memory_fraction(0) == 0.2
+        text = reply["text"]
+        assert "torch.cuda.set_per_process_memory_fraction(0.2, 0)" in text
+        assert "before" in text and "after" in text and "may take" in text
+        assert "at fraction 0.2 this run would have failed at call" in text
+        assert f"(step {shadow.what_if().step}, counted by shadow.step() calls)" in text
+        assert f"{HERE}:" in text and text == shadow.answers[-1]
+        reply = wd.act(log, dash, "empty_cache")
+        assert reply["ok"] and reply["text"].startswith("cuda:0: torch.cuda.empty_cache()")
+        reply = wd.act(log, dash, "max_split", 64)
+        assert "_accelerator_setAllocatorSettings('max_split_size_mb:64')" in reply["text"]
+        # a change PyTorch refuses: said, nothing changed
+        reply = wd.act(log, dash, "fraction", 1.5)
+        assert not reply["ok"] and torch.cuda.get_per_process_memory_fraction(0) == 0.2
+        # the ring wraps between two reads: the rebuild is said beside the figures
+        for _ in range(1000):
+            torch.free(torch.allocate(MiB))
+        shadow.refresh()
+        dash.refresh()
+        note = wd.sent(log, dash, "update")[-1][0]["headline"]["note"]
+        assert "the history ring (2,000 entries) wrapped between two refreshes" in note
+        assert "rebuilt from PyTorch's segments" in note
+        # with nothing new in the job, the views still go on (the note says the age)
+        n = len(wd.sent(log, dash, "update"))
+        import time
+
+        time.sleep(0.15)
+        dash.refresh()
+        assert len(wd.sent(log, dash, "update")) == n + 1
+    finally:
+        dash.close()
+        shadow.stop()
+
+
+def test_reading_the_history_keeps_to_its_share_of_a_core():
+    torch = ModelTorch(total=GiB)
+    shadow = attach(torch, interval=0.01, start=False)
+    try:
+        shadow.read_seconds = 0.2          # a slow read (a large ring on real PyTorch)
+        assert shadow.next_wait() == pytest.approx(1.4)   # 7 x the read: 1/8 of a core
+        shadow.read_seconds = 0.0001
+        assert shadow.next_wait() == 0.01                 # the interval asked
+        assert "history read" in shadow.live_note(0)
+    finally:
+        shadow.stop()
+    assert shadow.live_note(0).startswith("shadow mode stopped")
+
+
 def test_the_refresh_thread_follows_a_job_in_another_thread():
     torch = ModelTorch(total=4 * GiB)
     shadow = attach(torch, interval=0.01)

@@ -1,7 +1,7 @@
-# The replay loops of gpudash.trace.replay._Engine, over numpy columns (ops int8, the rest
-# int64), in C. Each mirrors
-# its Python loop (_run_plain, _run_deferred, _run_torch) call for call. Included by
-# _core.pyx.
+# The replay loops a replay engine (gpudash.trace.replay._Engine) runs, over numpy columns
+# (ops int8, the rest int64), in C. Each mirrors its model's Python loop
+# (gpudash.models.bfc.run_plain, run_deferred; gpudash.models.torch.run_torch) call for
+# call. Included by _core.pyx.
 
 cdef inline object _samples(Py_ssize_t n):
     return (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64),
@@ -16,7 +16,7 @@ cdef inline void _keep_samples(object sample, object arrays, Py_ssize_t made):
 
 def run_bfc(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t stop, KeyMap ptrs,
             list oom_calls, sample, Py_ssize_t max_ooms):
-    """``_Engine._run_plain``: returns (the calls made up to, frees of unknown keys).
+    """``gpudash.models.bfc.run_plain``: returns (the calls made up to, frees of unknown keys).
     ``sample``: None, or three lists that each get one int64 array (in use, pool, largest
     free after every call)."""
     cdef const int8_t[::1] O = ops
@@ -70,7 +70,7 @@ def run_bfc(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t stop, Key
 def run_bfc_deferred(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t stop,
                      KeyMap ptrs, list oom_calls, sample, Py_ssize_t max_ooms, list held,
                      int64_t threshold, int64_t held_bytes):
-    """``_Engine._run_deferred``: returns (calls made up to, frees of unknown keys,
+    """``gpudash.models.bfc.run_deferred``: returns (calls made up to, frees of unknown keys,
     allocations served after applying held frees, bytes held)."""
     cdef const int8_t[::1] O = ops
     cdef const int64_t[::1] K = keys
@@ -138,7 +138,7 @@ def run_bfc_deferred(BFCCore a, ops, keys, nbytes, Py_ssize_t start, Py_ssize_t 
 
 def run_torch(CachingCore a, ops, keys, nbytes, streams, Py_ssize_t start, Py_ssize_t stop,
               KeyMap ptrs, list oom_calls, sample, Py_ssize_t max_ooms):
-    """``_Engine._run_torch``: returns (calls made up to, frees of unknown keys).
+    """``gpudash.models.torch.run_torch``: returns (calls made up to, frees of unknown keys).
     ``streams``: None (all 0) or a uint64 array."""
     cdef const int8_t[::1] O = ops
     cdef const int64_t[::1] K = keys

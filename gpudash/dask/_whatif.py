@@ -1,5 +1,7 @@
 """What-if replays as Dask tasks (the ``client=`` path of :func:`gpudash.trace.whatif.sweep`
-and :func:`~gpudash.trace.whatif.min_fraction`).
+and :func:`~gpudash.trace.whatif.min_fraction`): a what-if runner
+(:class:`gpudash.trace.whatif.Runner`) that registers itself on import and takes any
+``client``.
 
 The trace's calls are scattered to every worker once (``broadcast=True``); each task replays
 one setting with :mod:`gpudash.trace.tasks` (the same units a local run uses: a sweep row, a
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..trace.tasks import Probe, bisect, probe, sweep_row
+from ..trace.whatif import Runner, register_runner
 
 __all__ = ["sweep_rows", "bisect_on"]
 
@@ -138,3 +141,18 @@ def bisect_on(client: Any, make_settings: Callable[[float], dict], calls: tuple,
         return bisect(run, lo, hi, tolerance, history, step, width=threads, limit_of=limit_of)
     finally:
         shipped.release()
+
+
+def _sweep(client: Any, jobs: int, settings: list[dict], calls: tuple,
+           report: Callable[[int, int], None] | None) -> list[dict]:
+    return sweep_rows(client, settings, calls, report)
+
+
+def _bisect(client: Any, jobs: int, make_settings: Callable[[float], dict], calls: tuple,
+            lo: float, hi: float, tolerance: float, max_ooms: int | None, history: list,
+            step: Callable[[], None] | None, limit_of: Callable[[float], int] | None) -> tuple:
+    return bisect_on(client, make_settings, calls, lo, hi, tolerance, max_ooms, history, step,
+                     limit_of)
+
+
+register_runner(Runner("dask", lambda client, jobs: client is not None, _sweep, _bisect))

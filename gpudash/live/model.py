@@ -593,6 +593,7 @@ class _Device:
         self.version = 0
         self.state: DeviceState | None = None
         self.holder_log: _HolderLog | None = None
+        self.note: str | None = None   # the source's words beside the figures (note())
 
 
 def _capacity_of(allocator: Any, session_device: Any) -> int:
@@ -920,6 +921,7 @@ class LiveModel(traitlets.HasTraits):
                     dev.allocator.flush_events()
                 else:
                     self._take_sample(dev)
+            self._take_notes()
             with self._lock:
                 dirty = set(range(len(self._devices))) if force else self._dirty
                 self._dirty = set()
@@ -945,6 +947,32 @@ class LiveModel(traitlets.HasTraits):
                     self.errors.append(f"{tick!r}: {''.join(traceback.format_exception(exc))}")
                     logger.error("gpudash: live view %r failed on tick: %r", tick, exc)
             return self.states
+
+    def _take_notes(self) -> None:
+        """A source that says how current its figures are (``live_note(device_name)``:
+        shadow mode's "history read 0.8 s ago", a rebuilt model): its devices are rebuilt
+        and sent at every refresh, so the views go on at their rate, from the source's
+        latest state, while the source itself is read more slowly (and say how old it
+        is)."""
+        note_of = getattr(self._session, "live_note", None)
+        if not callable(note_of):
+            return
+        for dev in self._devices:
+            if dev.session_device is None:
+                continue
+            try:
+                note = note_of(dev.name)
+            except Exception as exc:  # noqa: BLE001 - said instead of the note
+                note = f"{type(exc).__name__}: {exc}"
+            dev.note = note
+            with self._lock:
+                self._dirty.add(dev.index)
+
+    def note(self, device: int = 0) -> str | None:
+        """The source's words on how current a device's figures are (shadow mode: when
+        PyTorch's history was last read, a model rebuilt after the ring wrapped); None for
+        a source that has none."""
+        return self._devices[self._index(device)].note
 
     def _take_sample(self, dev: _Device) -> None:
         """Ask a feed for what changed (refresher thread); count it and mark dirty."""
@@ -1273,6 +1301,10 @@ class LiveModel(traitlets.HasTraits):
         reason = self.controls_disabled(i)
         if reason:
             raise ConfigError(reason)
+        # a source that answers in its own words (shadow mode: PyTorch's reserved before
+        # and after, the replay of the run so far) keeps them in ``answers``
+        said = getattr(self._session, "answers", None)
+        said_before = len(said) if isinstance(said, list) else None
         result = None
         if control.setting:
             self.configure(device=i, **{control.setting: value})
@@ -1281,7 +1313,10 @@ class LiveModel(traitlets.HasTraits):
                 raise ConfigError(f"{name} needs a gpudash.Session (deferred frees live "
                                   "there)")
             result = getattr(self, control.action)(i)
-        return {"ok": True, **model.answer(name, value, result, self.answer_facts(i))}
+        answer = {"ok": True, **model.answer(name, value, result, self.answer_facts(i))}
+        if said_before is not None and len(said) > said_before:
+            answer["text"] = "\n".join(said[said_before:])
+        return answer
 
     def configure(self, device: int | None = None, **changes: Any) -> None:
         """``Session.configure(**changes, device=...)`` on the watched session, then wake
@@ -1434,7 +1469,11 @@ def _refresh_loop(ref: weakref.ref[LiveModel], stop: threading.Event,
         if model is None:
             return
         if not model.paused:
-            last = time.monotonic()
+            now = time.monotonic()
+            due = last + 1.0 / model.rate_hz
+            # on the rate's grid: a tick that starts late (the GIL held by a busy thread)
+            # does not push the next ones later; an early one (a control's wake) restarts it
+            last = due if due <= now < due + 1.0 / model.rate_hz else now
             try:
                 model.refresh_now()
             except Exception as exc:  # noqa: BLE001 - the refresher must survive

@@ -1,21 +1,26 @@
-"""Replay a trace's allocations through gpudash's BFC allocator on a simulated device.
+"""Replay a trace's allocations through an allocator model on a simulated device.
 
 :func:`replay` answers "would this run fit, and how would the pool look, with these
 settings?": it takes the trace's calls (:meth:`~gpudash.trace.Trace.calls`, every alloc,
 free and refused allocation in order), builds a fresh :class:`~gpudash.SimulatedDevice` and
-:class:`~gpudash.BFCAllocator` with the settings asked for, and makes the same calls.
+the allocator of the trace's model (TensorFlow's and JAX's BFC, PyTorch's caching allocator:
+:func:`gpudash.models.trace_model`, or ``allocator=``) with the settings asked for, and
+makes the same calls. What differs between the models (how their settings resolve, the loop
+that runs the calls, whether a replay's state can be copied) each model's module says
+(:class:`gpudash.models.AllocatorModel`).
 
 Replaying a trace that gpudash recorded, with the settings it was recorded with, reproduces
 it exactly (same addresses, same regions, same statistics): the allocator and the simulated
 device are both deterministic.
 
-The loop is written for speed (bound methods and plain lists, the allocator's private
-counters read directly); ``benchmarks/bench_replay.py`` measures it.
+The loops are written for speed (bound methods and plain lists, the allocator's private
+counters read directly); ``benchmarks/bench_replay.py`` measures them.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import sys
 import time
@@ -28,16 +33,16 @@ import numpy as np
 from .. import _accel
 from .._errors import ConfigError
 from .._gc import collector_paused
-from .._units import format_bytes, parse_bytes
+from .._units import format_bytes
 from ..bfc import BFCAllocator, MemoryDump
 from ..devices import SimulatedDevice
 from ..events import (
     COLUMN_DTYPES, COLUMNS, ALLOC as _ALLOC, FREE as _FREE, EXTEND as _EXTEND,
     RELEASE as _RELEASE, OOM as _OOM,
 )
-from ..models import BFC, TORCH, AllocatorModel, model_for, trace_model
-from ..options import GPUOptions
-from ..options import memory_limit as _tf_memory_limit
+from ..models import AllocatorModel, ReplaySettings, default_model, model_for, trace_model
+from ..models.base import UNSET as _UNSET
+from ..models.bfc import DEFAULT_DEVICE_BYTES  # a name this module has always offered
 from .format import Trace, _byte_count, _device_entries, _flag
 
 __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trace_settings",
@@ -46,52 +51,10 @@ __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trac
 # The compiled core's replay loops (_csrc/replay.pxi) and key -> pointer map, used when the
 # replayed allocator is compiled; None on the pure-Python path (the Python loops run).
 _KeyMap = _accel.twin("KeyMap", None)
-_run_bfc = _accel.twin("run_bfc", None)
-_run_bfc_deferred = _accel.twin("run_bfc_deferred", None)
-_run_torch = _accel.twin("run_torch", None)
 
 #: Device size replay assumes when none is given: 16 GiB.
-DEFAULT_DEVICE_BYTES = 16 << 30
-
 _CHUNK = 1 << 16  # calls per inner loop: progress is reported between chunks
 
-# Settings replay understands, with their defaults.
-_DEFAULTS: dict[str, Any] = {
-    "device_bytes": DEFAULT_DEVICE_BYTES,
-    "fraction": None,
-    "memory_limit": None,
-    "allow_growth": True,
-    "garbage_collection": False,
-    "fragmentation_fraction": 0.0,
-    "deferred_deletion_bytes": 0,
-    "device": None,
-    "cc_major": 8,
-    "allocator": None,
-}
-# PyTorch's caching allocator's settings (replay(allocator="torch")), with their defaults:
-# None keeps what the trace was recorded with (a PyTorch snapshot's allocator_settings).
-_TORCH_DEFAULTS: dict[str, Any] = {
-    "device_bytes": None,
-    "fraction": None,
-    "conf": None,
-    "expandable_segments": None,
-    "max_split_size_mb": None,
-    "garbage_collection_threshold": None,
-    "roundup_power2_divisions": None,
-    "max_non_split_rounding_mb": None,
-    "torch_version": None,
-    "exact": None,
-    "device": None,
-    "allocator": "torch",
-}
-_TORCH_KNOBS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
-                "roundup_power2_divisions", "max_non_split_rounding_mb")
-# GPUOptions fields that map onto replay settings; the others do not affect a replay.
-_FROM_GPU_OPTIONS = {
-    "per_process_gpu_memory_fraction": "fraction",
-    "allow_growth": "allow_growth",
-    "deferred_deletion_bytes": "deferred_deletion_bytes",
-}
 
 
 # ---------------------------------------------------------------------------------- settings
@@ -243,6 +206,18 @@ class DeviceIndex:
         dev = self.pick(device)
         return _recorded(self._meta.get(dev), dev)
 
+    def recorded(self, device: int) -> dict:
+        """The trace's ``meta["devices"]`` entry of ``device`` (``{}`` when none)."""
+        return self._meta.get(device) or {}
+
+    def capacity(self, device: int) -> tuple[int, str] | None:
+        """:func:`torch_capacity` of ``device``."""
+        return torch_capacity(self.trace, device)
+
+    def peak_reserved(self, device: int) -> int:
+        """The most memory the trace's regions (segments) held at once on ``device``."""
+        return _peak_reserved(self.trace, device)
+
     def source_limit(self, device: int) -> int | None:
         """:func:`source_limit` of ``device``."""
         if self.trace.meta.get("source") != "tensorflow-log":
@@ -279,7 +254,7 @@ class DeviceIndex:
 
 
 def resolve_settings(trace: Trace | None = None, options: Any = None,
-                     **explicit: Any) -> dict[str, Any]:
+                     **explicit: Any) -> ReplaySettings:
     """Merge defaults, ``options`` and explicit settings (explicit ones win).
 
     Parameters
@@ -298,8 +273,11 @@ def resolve_settings(trace: Trace | None = None, options: Any = None,
 
     Returns
     -------
-    dict
-        Every setting of :func:`replay`, plus ``memory_limit`` resolved to bytes.
+    ReplaySettings
+        The model's settings (:class:`~gpudash.models.BFCReplaySettings`,
+        :class:`~gpudash.models.TorchReplaySettings`): every setting of :func:`replay`,
+        ``memory_limit`` resolved to bytes. They read as a dict (``s["memory_limit"]``,
+        ``s["allocator"]``) and change by ``s.replace(...)``.
 
     Raises
     ------
@@ -316,237 +294,19 @@ def _model(trace: Trace | None, options: Any, explicit: dict[str, Any]) -> Alloc
     if (name is _UNSET or name is None) and isinstance(options, Mapping):
         name = options.get("allocator", _UNSET)
     if name is _UNSET or name is None:
-        return trace_model(trace) if trace is not None else BFC
+        return trace_model(trace) if trace is not None else default_model()
     return model_for(name)
 
 
 def _resolve(trace: Trace | None, index: DeviceIndex | None, options: Any,
-             explicit: dict[str, Any]) -> dict[str, Any]:
-    """:func:`resolve_settings` with the trace's devices already looked up."""
-    if _model(trace, options, explicit) is TORCH:
-        return _resolve_torch(trace, index, options, explicit)
-    for k in (*_TORCH_KNOBS, "conf", "torch_version", "exact"):
-        if explicit.get(k, _UNSET) not in (_UNSET, None):
-            raise ConfigError(f"{k} is a setting of PyTorch's caching allocator; replay with "
-                              f"allocator='torch' to use it (this replay runs TensorFlow's BFC)")
-    explicit = {k: v for k, v in explicit.items()
-                if k in _DEFAULTS or k == "name" or (k not in _TORCH_DEFAULTS and v is not _UNSET)}
-    s = dict(_DEFAULTS)
-    if isinstance(options, str):
-        if options != "trace":
-            raise ConfigError(f"options must be a GPUOptions, a dict or 'trace'; got {options!r}")
-        if trace is None:
-            raise ConfigError("options='trace' needs a trace")
-        dev = explicit.get("device", _UNSET)
-        s.update(index.settings(None if dev is _UNSET else dev))
-    elif isinstance(options, GPUOptions):
-        for f, key in _FROM_GPU_OPTIONS.items():
-            s[key] = getattr(options, f)
-    elif isinstance(options, Mapping):
-        for k, v in options.items():
-            if k in _FROM_GPU_OPTIONS:
-                s[_FROM_GPU_OPTIONS[k]] = v
-            elif k in _DEFAULTS or k == "name":
-                s[k] = v
-            elif k in GPUOptions.FIELDS:
-                continue  # a GPUOptions field that does not change a replay
-            else:
-                raise ConfigError(
-                    f"unknown replay setting {k!r}; known: {sorted(_DEFAULTS)} and the "
-                    f"GPUOptions fields {list(GPUOptions.FIELDS)}")
-    elif options is not None:
-        raise ConfigError(f"options must be a GPUOptions, a dict or 'trace'; got {options!r}")
-    for k, v in explicit.items():
-        if k not in _DEFAULTS and k != "name":
-            raise ConfigError(f"unknown replay setting {k!r}; known: {sorted(_DEFAULTS)}")
-        if v is not _UNSET:
-            s[k] = v
-    if explicit.get("fraction", _UNSET) is not _UNSET \
-            and explicit.get("memory_limit", _UNSET) is _UNSET:
-        s["memory_limit"] = None  # the fraction asked for decides the limit
-    elif (trace is not None and options is None and s["memory_limit"] is None
-          and explicit.get("fraction", _UNSET) is _UNSET
-          and explicit.get("memory_limit", _UNSET) is _UNSET):
-        # a TensorFlow log says what limit its allocator had: replay with it
-        dev = explicit.get("device", _UNSET)
-        picked = index.pick(None if dev is _UNSET else dev)
-        limit = index.source_limit(picked)
-        if limit is not None:
-            s["memory_limit"] = limit
-            s["device"] = picked
-            s["device_bytes"] = max(parse_bytes(s["device_bytes"], name="device_bytes"),
-                                    limit)
-
-    s["assumed"] = []
-    if (trace is not None and explicit.get("device_bytes", _UNSET) is _UNSET
-            and not (isinstance(options, Mapping) and "device_bytes" in options)
-            and s["memory_limit"] is None):
-        dev = explicit.get("device", _UNSET)
-        picked = index.pick(None if dev is _UNSET or dev is None else dev)
-        cap = torch_capacity(trace, picked) if trace_model(trace) is TORCH else None
-        if cap is None and trace_model(trace) is TORCH:
-            cap = _common_gpu(_peak_reserved(trace, picked))
-        if cap is not None:
-            s["device_bytes"], how = cap
-            s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
-        else:
-            s["assumed"].append(
-                f"device {format_bytes(parse_bytes(s['device_bytes']))}: gpudash's default "
-                "(the trace does not say how much the GPU had; pass device_bytes= or --device "
-                "SIZE)")
-    s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
-    if s["device_bytes"] <= 0:
-        raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
-    frac = s["fraction"]
-    if frac is not None:
-        frac = float(frac)
-        if not frac >= 0.0:
-            raise ConfigError(f"fraction must be >= 0 (0 or None: TensorFlow's default); "
-                              f"got {frac}")
-        s["fraction"] = frac
-    if s["memory_limit"] is not None:
-        s["memory_limit"] = parse_bytes(s["memory_limit"], name="memory_limit")
-    else:
-        s["memory_limit"] = _tf_memory_limit(s["device_bytes"], s["device_bytes"], frac or 0.0,
-                                             int(s["cc_major"]), environ={})
-    for key in ("allow_growth", "garbage_collection"):
-        try:
-            s[key] = bool(_flag(s[key]))
-        except ValueError as exc:
-            raise ConfigError(f"{key} is {exc}") from None
-    s["fragmentation_fraction"] = float(s["fragmentation_fraction"])
-    ddb = s["deferred_deletion_bytes"]
-    s["deferred_deletion_bytes"] = parse_bytes(ddb or 0, name="deferred_deletion_bytes")
-    if trace is not None:
-        s["device"] = index.pick(s["device"])
-    elif s["device"] is None:
-        s["device"] = 0
-    s["allocator"] = "bfc"
-    return s
-
-
-def _resolve_torch(trace: Trace | None, index: DeviceIndex | None, options: Any,
-                   explicit: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a replay through PyTorch's caching allocator.
-
-    ``conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string or a CachingAllocatorConfig) and the knobs
-    by name (``expandable_segments``, ``max_split_size_mb``...) start from what the trace
-    was recorded with (a snapshot's ``allocator_settings``; PyTorch's defaults otherwise);
-    ``fraction`` is ``set_per_process_memory_fraction`` (None: the whole device);
-    ``device_bytes`` the device's total memory (default: what the trace says, see
-    :func:`torch_capacity`, else assumed and said so); ``exact`` replays with the trace's
-    own segment addresses and release points and reports how closely the model followed it
-    (default: for a PyTorch trace replayed with its own settings)."""
-    from .._torch_conf import CachingAllocatorConfig, parse_torch_version
-
-    s = dict(_TORCH_DEFAULTS)
-    if isinstance(options, str):
-        if options == "trace":
-            options = None
-        else:
-            options = {"conf": options}
-    if isinstance(options, CachingAllocatorConfig):
-        options = {"conf": options}
-    if isinstance(options, Mapping):
-        for k, v in options.items():
-            if k not in _TORCH_DEFAULTS and k != "name":
-                raise ConfigError(f"unknown setting {k!r} of a replay through PyTorch's "
-                                  f"allocator; known: {sorted(_TORCH_DEFAULTS)}")
-            s[k] = v
-    elif options is not None:
-        raise ConfigError(f"options must be a dict of settings, a PYTORCH_CUDA_ALLOC_CONF "
-                          f"string or 'trace'; got {options!r}")
-    for k, v in explicit.items():
-        if v is _UNSET:
-            continue
-        if k not in _TORCH_DEFAULTS and k != "name":
-            hint = (" (PyTorch's allocator has no such setting: it always grows on demand)"
-                    if k in _DEFAULTS else "")
-            raise ConfigError(f"{k} is not a setting of PyTorch's caching allocator{hint}; "
-                              f"known: {sorted(_TORCH_DEFAULTS)}")
-        s[k] = v
-    if trace is not None and index is not None and not isinstance(trace.meta.get("torch"), dict):
-        # a gpudash recording of PyTorch's model (a PyTorch session): the device's settings
-        # and capacity as recorded, where the call gives none
-        entry = index._meta.get(index.pick(s["device"])) or {}
-        opts = entry.get("options") if isinstance(entry.get("options"), Mapping) else {}
-        for key in ("conf", "fraction", "torch_version"):
-            if s[key] is None and opts.get(key) is not None:
-                s[key] = opts[key]
-        if s["device_bytes"] is None and entry.get("capacity"):
-            s["device_bytes"] = entry["capacity"]
-    recorded_meta = trace.meta if trace is not None and trace_model(trace) is TORCH else {}
-    torch_meta = recorded_meta.get("torch") if isinstance(recorded_meta.get("torch"),
-                                                           dict) else {}
-    version = s["torch_version"]
-    guessed = None
-    if version is None:
-        try:
-            version = parse_torch_version(torch_meta.get("version") or None)
-            if torch_meta.get("version"):
-                guessed = version
-        except ConfigError:
-            version = None
-    conf = s["conf"]
-    if isinstance(conf, CachingAllocatorConfig):
-        conf = conf.copy()
-    elif isinstance(conf, str):
-        conf = CachingAllocatorConfig(conf, version=version)
-    elif conf is None:
-        conf = CachingAllocatorConfig.from_snapshot_settings(
-            recorded_meta.get("allocator_settings"), version=version)
-    else:
-        raise ConfigError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string or a "
-                          f"CachingAllocatorConfig; got {conf!r}")
-    parts = {k: s[k] for k in _TORCH_KNOBS if s[k] is not None}
-    if parts:
-        conf.update(**parts)
-    s["conf"] = conf
-    frac = s["fraction"]
-    if frac is not None:
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or \
-                not 0.0 <= float(frac) <= 1.0:
-            raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, in "
-                              f"[0, 1]; got {frac!r}")
-        s["fraction"] = float(frac)
-    if trace is not None:
-        s["device"] = index.pick(s["device"])
-    elif s["device"] is None:
-        s["device"] = 0
-    s["assumed"] = []
-    other_device = False  # a device_bytes the recorded run cannot have had
-    if s["device_bytes"] is not None:
-        s["device_bytes"] = parse_bytes(s["device_bytes"], name="device_bytes")
-        if s["device_bytes"] <= 0:
-            raise ConfigError(f"device_bytes must be > 0; got {s['device_bytes']}")
-        if trace is not None and torch_meta:
-            cap = torch_capacity(trace, s["device"])
-            other_device = (s["device_bytes"] != cap[0] if cap is not None else
-                            s["device_bytes"] < _peak_reserved(trace, s["device"]))
-    else:
-        cap = torch_capacity(trace, s["device"]) if trace is not None else None
-        if cap is None:
-            cap = _common_gpu(_peak_reserved(trace, s["device"]) if trace is not None else 0)
-        s["device_bytes"], how = cap
-        s["assumed"].append(f"device {format_bytes(s['device_bytes'])}: {how}")
-    if guessed is not None:
-        s["assumed"].append(
-            f"PyTorch {guessed[0]}.{guessed[1]}'s rules: the oldest PyTorch whose snapshot has "
-            "the fields this one has (a snapshot does not record the version; pass "
-            "torch_version= or --torch-version)")
-    exact = s["exact"]
-    recorded = bool(torch_meta)
-    overridden = s["fraction"] is not None or parts or explicit.get("conf", _UNSET) not in (
-        _UNSET, None) or (isinstance(options, Mapping) and "conf" in options) or other_device
-    if exact is None:
-        exact = recorded and not overridden
-    elif exact and not recorded:
-        raise ConfigError("exact replay follows a PyTorch snapshot's own addresses and release "
-                          "points; this trace is not one (replay it with exact=False)")
-    s["exact"] = bool(exact)
-    s["memory_limit"] = TORCH.limit(s["device_bytes"], s["fraction"])
-    s["cc_major"] = 8
-    return s
+             explicit: dict[str, Any]) -> ReplaySettings:
+    """:func:`resolve_settings` with the trace's devices already looked up: the model's
+    resolution of its settings, as its :class:`~gpudash.models.ReplaySettings`."""
+    model = _model(trace, options, explicit)
+    s = model.resolve(trace, index, options, explicit)
+    kind = model.settings_type
+    s["assumed"] = tuple(s.get("assumed") or ())
+    return kind(**{k: s[k] for k in kind.names() if k in s})
 
 
 def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
@@ -600,20 +360,6 @@ def torch_capacity(trace: Trace, device: int) -> tuple[int, str] | None:
     return None
 
 
-#: Memory of common GPUs (GiB), for a device a trace does not name.
-_COMMON_GPUS = (8, 12, 16, 24, 32, 40, 48, 80, 94, 141, 192)
-
-
-def _common_gpu(need: int) -> tuple[int, str]:
-    """The smallest common GPU size that holds ``need`` bytes (at least 16 GiB), and why."""
-    gib = next((g for g in _COMMON_GPUS if g >= 16 and (g << 30) >= need),
-               -(-need // (1 << 30)))
-    held = (f"the smallest common GPU size that holds the {format_bytes(need)} the trace's "
-            "segments held at most" if need else "gpudash's default")
-    return gib << 30, (f"{held} (the trace does not say how much the GPU had; pass "
-                       "device_bytes= or --device SIZE)")
-
-
 def _peak_reserved(trace: Trace, device: int) -> int:
     """The most memory the trace's segments held at once on ``device``."""
     from ..events import EventKind
@@ -625,14 +371,6 @@ def _peak_reserved(trace: Trace, device: int) -> int:
     held = np.cumsum(np.where(kind == int(EventKind.EXTEND), size,
                               np.where(kind == int(EventKind.RELEASE), -size, 0)))
     return int(held.max()) if len(held) else 0
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-_UNSET: Any = _Unset()
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -726,36 +464,19 @@ class _QuietGC(logging.Filter):
         return record.msg != _GC_MESSAGE
 
 
-def _sample_now(alloc: BFCAllocator, sample: list) -> None:
-    """Append in use, pool and largest free block now to the three sample lists."""
-    sample[0].append(alloc._in_use)
-    sample[1].append(alloc._pool)
-    sample[2].append(alloc._largest_free_chunk())
-
-
 class _Engine:
-    """A BFC allocator on a simulated device, the key -> pointer map of a replay, and the
-    frees held back by deferred deletion. ``pos`` is the number of calls made so far.
+    """The allocator a model builds on a simulated device, the key -> pointer map of a
+    replay, and the frees held back by deferred deletion. ``pos`` is the number of calls made
+    so far.
 
-    The loops bind everything they touch to locals and read the allocator's private
-    counters (``_in_use``, ``_pool``, ``_mask``/``_bins`` for the largest free chunk, as
-    ``BFCAllocator._largest_free_chunk`` does) instead of calling ``stats()``, which would
-    take the lock and build a dataclass per call.
+    The loops that run over it are the model's (:meth:`runner`: ``run_plain``,
+    ``run_deferred`` in :mod:`gpudash.models.bfc`, ``run_torch`` in
+    :mod:`gpudash.models.torch`, and their compiled twins).
     """
-
-    # Allocator fields that _clone_allocator knows how to copy.
-    _KNOWN = frozenset({
-        "_sub", "_name", "_allow_growth", "_gc", "_frag_fraction", "_retry_timeout", "_limit",
-        "_max_frag", "_curr_region", "_started_backpedal", "_capped", "_lock", "_cond", "_waiters",
-        "_bins", "_mask", "_by_ptr", "_spare", "_n_handles", "_regions", "_region_ptrs",
-        "_pool", "_next_aid", "_num_allocs", "_in_use", "_peak", "_largest", "_peak_pool",
-        "_failure_logs", "_limit_floor", "_journal", "_journal_seq", "_journal_extra",
-        "_counted", "_flush_at",
-        "_callbacks", "_sinks", "_raw_sinks", "_batch_sinks", "_outbox", "device_index",
-    })
 
     def __init__(self, settings: dict[str, Any], ops: list[int], keys: list[int],
                  nbytes: list[int], name: str | None = None, streams: Any = None) -> None:
+        settings = ReplaySettings.of(settings)   # a dict of them: converted once, here
         self.settings = settings
         self.ops, self.keys, self.nbytes = ops, keys, nbytes
         self.streams = streams   # a PyTorch trace's streams, per call (None: all 0)
@@ -765,9 +486,9 @@ class _Engine:
                                  unified=bool(frac is not None and frac > 1.0),
                                  compute_capability=(int(settings["cc_major"]), 0))
         self.sub = _CountingSub(device)
-        self.model = model_for(settings.get("allocator") or "bfc")
+        self.model = settings.model
         if name is not None:
-            settings = dict(settings, name=name)
+            settings = settings.replace(name=name)
         self.alloc = self.model.build(settings, self.sub)
         # the compiled core's loops (gpudash._core) keep the key -> pointer map in C
         self.compiled = getattr(self.alloc, "compiled", False)
@@ -789,12 +510,10 @@ class _Engine:
         self.runner()(self.pos, stop, None)
 
     def runner(self) -> Callable:
-        """The loop for this engine's model and settings."""
-        if self.model is TORCH:
-            return self._run_torch_compiled if self.compiled else self._run_torch
-        if self.settings["deferred_deletion_bytes"] > 0:
-            return self._run_deferred_compiled if self.compiled else self._run_deferred
-        return self._run_plain_compiled if self.compiled else self._run_plain
+        """The loop for this engine's model and settings: the model's pure-Python loop or
+        its compiled twin (:meth:`~gpudash.models.AllocatorModel.runner`), as
+        ``run(start, stop, sample, max_ooms=...)`` over this engine."""
+        return functools.partial(self.model.runner(self.settings, self.compiled), self)
 
     def _core_columns(self) -> tuple:
         """ops (int8, as a trace's calls keep them: no copy), keys and nbytes (int64), and
@@ -807,198 +526,10 @@ class _Engine:
             self._columns = tuple(cols)
         return self._columns
 
-    def _run_plain_compiled(self, start: int, stop: int, sample: list | None,
-                            max_ooms: int = sys.maxsize) -> None:
-        """:meth:`_run_plain` in C (gpudash._core.run_bfc), call for call."""
-        ops, keys, nbytes, _ = self._core_columns()
-        self.pos, skipped = _run_bfc(self.alloc, ops, keys, nbytes, start, stop,
-                                     self.ptrs, self.oom_calls, sample, max_ooms)
-        self.skipped_frees += skipped
-
-    def _run_torch_compiled(self, start: int, stop: int, sample: list | None,
-                            max_ooms: int = sys.maxsize) -> None:
-        """:meth:`_run_torch` in C (gpudash._core.run_torch), call for call."""
-        ops, keys, nbytes, streams = self._core_columns()
-        self.pos, skipped = _run_torch(self.alloc, ops, keys, nbytes, streams, start,
-                                       stop, self.ptrs, self.oom_calls, sample, max_ooms)
-        self.skipped_frees += skipped
-
-    def _run_deferred_compiled(self, start: int, stop: int, sample: list | None,
-                               max_ooms: int = sys.maxsize) -> None:
-        """:meth:`_run_deferred` in C (gpudash._core.run_bfc_deferred), call for call."""
-        ops, keys, nbytes, _ = self._core_columns()
-        self.pos, skipped, retried, self.held_bytes = _run_bfc_deferred(
-            self.alloc, ops, keys, nbytes, start, stop, self.ptrs, self.oom_calls, sample,
-            max_ooms, self.held, self.settings["deferred_deletion_bytes"], self.held_bytes)
-        self.skipped_frees += skipped
-        self.retried += retried
-
-    def _run_plain(self, start: int, stop: int, sample: list | None,
-                   max_ooms: int = sys.maxsize) -> None:
-        alloc = self.alloc
-        allocate, deallocate = alloc.try_allocate, alloc.deallocate
-        ptrs = self.ptrs
-        pop = ptrs.pop
-        oom_calls = self.oom_calls
-        skipped = 0
-        ops = _part(self.ops, start, stop)
-        keys = _part(self.keys, start, stop)
-        nbytes = _part(self.nbytes, start, stop)
-        if sample is not None:
-            s_in, s_pool, s_lf = (lst.append for lst in sample)
-            bins = alloc._bins
-        i = start
-        for op, key, n in zip(ops, keys, nbytes):
-            if op == 2:
-                p = pop(key, None)
-                if p is None:
-                    skipped += 1
-                else:
-                    deallocate(p)
-            else:
-                p = allocate(n, True)  # 0 when refused: an oom event, no memory log
-                if p or not n:
-                    if op == 1:
-                        ptrs[key] = p
-                    else:  # an allocation the source refused, served now: give it back
-                        deallocate(p)
-                else:
-                    oom_calls.append(i)
-                    if len(oom_calls) >= max_ooms:
-                        stop = i + 1
-                        if sample is not None:
-                            _sample_now(alloc, sample)
-                        break
-            i += 1
-            if sample is not None:
-                s_in(alloc._in_use)
-                s_pool(alloc._pool)
-                m = alloc._mask
-                s_lf(bins[m.bit_length() - 1][-1] >> 64 if m else 0)
-        self.skipped_frees += skipped
-        self.pos = stop
-
-    def _run_deferred(self, start: int, stop: int, sample: list | None,
-                      max_ooms: int = sys.maxsize) -> None:
-        alloc = self.alloc
-        allocate, deallocate = alloc.try_allocate, alloc.deallocate
-        ptrs = self.ptrs
-        pop = ptrs.pop
-        oom_calls = self.oom_calls
-        held = self.held
-        threshold = self.settings["deferred_deletion_bytes"]
-        held_bytes = self.held_bytes
-        if sample is not None:
-            s_in, s_pool, s_lf = (lst.append for lst in sample)
-            bins = alloc._bins
-        ops = _part(self.ops, start, stop)
-        keys = _part(self.keys, start, stop)
-        nbytes = _part(self.nbytes, start, stop)
-        for i in range(start, stop):
-            op = ops[i - start]
-            n = nbytes[i - start]
-            if op == 2:
-                p = pop(keys[i - start], None)
-                if p is None:
-                    self.skipped_frees += 1
-                else:
-                    held.append(p)
-                    held_bytes += n
-                    if held_bytes >= threshold:
-                        for q in held:
-                            deallocate(q)
-                        held.clear()
-                        held_bytes = 0
-            else:
-                # With frees held, the first attempt is quiet: EventMgr flushes them and
-                # the allocator retries, and only a refusal of the retry is an oom event.
-                p = allocate(n, not held)
-                if not p and n and held:
-                    for q in held:
-                        deallocate(q)
-                    held.clear()
-                    held_bytes = 0
-                    p = allocate(n, True)
-                    if p:
-                        self.retried += 1
-                if p or not n:
-                    if op == 1:
-                        ptrs[keys[i - start]] = p
-                    else:
-                        deallocate(p)
-                else:
-                    oom_calls.append(i)
-                    if len(oom_calls) >= max_ooms:
-                        if sample is not None:
-                            _sample_now(alloc, sample)
-                        stop = i + 1
-                        break
-            if sample is not None:
-                s_in(alloc._in_use)
-                s_pool(alloc._pool)
-                m = alloc._mask
-                s_lf(bins[m.bit_length() - 1][-1] >> 64 if m else 0)
-        self.held_bytes = held_bytes
-        self.pos = stop
-
-    def _run_torch(self, start: int, stop: int, sample: list | None,
-                   max_ooms: int = sys.maxsize) -> None:
-        """The calls through PyTorch's caching allocator: allocations on their streams,
-        frees, failed requests tried again, and ``empty_cache()`` calls (op 9)."""
-        alloc = self.alloc
-        allocate, deallocate, empty = alloc.try_allocate, alloc.deallocate, alloc.empty_cache
-        ptrs = self.ptrs
-        pop = ptrs.pop
-        oom_calls = self.oom_calls
-        skipped = 0
-        ops = _part(self.ops, start, stop)
-        keys = _part(self.keys, start, stop)
-        nbytes = _part(self.nbytes, start, stop)
-        streams = _part(self.streams, start, stop) if self.streams is not None else None
-        if sample is not None:
-            s_in, s_pool, s_lf = (lst.append for lst in sample)
-            stats = alloc._stats.pool["allocated_bytes"]
-            largest = alloc._largest_free_block
-        i = start
-        for j, (op, key, n) in enumerate(zip(ops, keys, nbytes)):
-            if op == 2:
-                p = pop(key, None)
-                if p is None:
-                    skipped += 1
-                else:
-                    deallocate(p)
-            elif op == 9:
-                empty()
-            else:
-                p = allocate(n, True, streams[j] if streams is not None else 0)
-                if p or not n:
-                    if op == 1:
-                        ptrs[key] = p
-                    elif p:
-                        deallocate(p)   # a request the source refused, served now
-                else:
-                    oom_calls.append(i)
-                    if len(oom_calls) >= max_ooms:
-                        stop = i + 1
-                        if sample is not None:
-                            s_in(stats[0])
-                            s_pool(alloc._reserved)
-                            s_lf(largest())
-                        break
-            i += 1
-            if sample is not None:
-                s_in(stats[0])
-                s_pool(alloc._reserved)
-                s_lf(largest())
-        self.skipped_frees += skipped
-        self.pos = stop
-
     def dump(self) -> MemoryDump:
         """The allocator's state as gpudash's neutral :class:`~gpudash.MemoryDump` (PyTorch's
         with its pools as ``extra["layout"] == "pools"``)."""
-        if self.model is TORCH:
-            return self.alloc.memory_dump()
-        return self.alloc.snapshot()
+        return self.model.dump(self.alloc)
 
     def flush_held(self) -> None:
         """Apply the frees deferred deletion still holds."""
@@ -1014,18 +545,20 @@ class _Engine:
         Raises
         ------
         NotImplementedError
-            When the allocator has state this copy does not know (a newer BFCAllocator),
-            or listeners; callers then fall back to replaying from the start.
+            When the model has no copy (:meth:`~gpudash.models.AllocatorModel.clone`) or
+            this allocator cannot be copied (listeners); callers then fall back to
+            replaying from the start.
         """
-        if self.model is not BFC:
-            raise NotImplementedError("only BFC replays have checkpoints")
+        if not self.model.checkpoints:
+            raise NotImplementedError(f"replays through {self.model.title} have no "
+                                      "checkpoints")
         new = object.__new__(_Engine)
         new.settings = self.settings
         new.model = self.model
         new.streams = self.streams
         new.ops, new.keys, new.nbytes = self.ops, self.keys, self.nbytes
         new.sub = self.sub.clone()
-        new.alloc = _clone_allocator(self.alloc, new.sub)
+        new.alloc = self.model.clone(self.alloc, new.sub)
         new.ptrs = self.ptrs.copy()
         new.compiled = self.compiled
         new._columns = self._columns
@@ -1036,59 +569,6 @@ class _Engine:
         new.skipped_frees = self.skipped_frees
         new.retried = self.retried
         return new
-
-
-def _clone_allocator(a: BFCAllocator, sub: Any) -> BFCAllocator:
-    """A deep copy of an idle, unobserved allocator (BFCAllocator has no clone of its own;
-    ``copy.deepcopy`` would recurse along the chunk list and cannot copy locks)."""
-    import threading
-
-    from ..bfc import _Chunk, _Region
-
-    unknown = set(a.__dict__) - _Engine._KNOWN
-    if unknown:
-        raise NotImplementedError(f"cannot clone a BFCAllocator with fields {sorted(unknown)}")
-    if getattr(a, "compiled", False):
-        return a._copy_core(sub)  # the compiled core copies its C state itself
-    if a._journal is not None or a._callbacks or a._sinks or a._raw_sinks or a._batch_sinks:
-        raise NotImplementedError("cannot clone an allocator that has listeners")
-    new = object.__new__(type(a))
-    d = new.__dict__
-    d.update(a.__dict__)
-    d["_sub"] = sub
-    d["_lock"] = lock = threading.Lock()
-    d["_cond"] = threading.Condition(lock)
-    new._reset_listeners()
-    d["_bins"] = [list(b) for b in a._bins]
-    d["_region_ptrs"] = list(a._region_ptrs)
-
-    def copy_chunk(c: _Chunk) -> _Chunk:
-        n = _Chunk(c.handle)
-        n.ptr, n.size, n.requested, n.aid, n.bin = c.ptr, c.size, c.requested, c.aid, c.bin
-        return n
-
-    by_ptr: dict[int, _Chunk] = {}
-    regions = []
-    for r in a._regions:
-        nr = _Region(r.ptr, r.size)
-        c = r.first
-        prev = None
-        while c is not None:
-            n = copy_chunk(c)
-            n.region = nr
-            n.prev = prev
-            if prev is None:
-                nr.first = n
-            else:
-                prev.next = n
-            by_ptr[n.ptr] = n
-            prev = n
-            c = c.next
-        regions.append(nr)
-    d["_regions"] = regions
-    d["_by_ptr"] = by_ptr
-    d["_spare"] = [copy_chunk(c) for c in a._spare]
-    return new
 
 
 # ---------------------------------------------------------------------------------- result
@@ -1218,16 +698,7 @@ class ReplayResult:
             verdict = f"{self.oom_count} OOMs (first at call {first})"
         if self.warnings:
             verdict += f" of an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
-        if self.allocator == "torch":  # PyTorch's own words
-            sizes = (f"peak_reserved={format_bytes(self.peak_pool_bytes)}, "
-                     f"peak_allocated={format_bytes(self.peak_bytes_in_use)}, "
-                     f"num_device_alloc={self.extensions}")
-            if self.fidelity is not None:
-                sizes += f", exact={self.fidelity.exact}"
-        else:
-            sizes = (f"peak_pool={format_bytes(self.peak_pool_bytes)}, "
-                     f"peak_in_use={format_bytes(self.peak_bytes_in_use)}, "
-                     f"extensions={self.extensions}")
+        sizes = model_for(self.allocator).result_sizes(self)  # the framework's own words
         return (f"ReplayResult({verdict}, {self.allocator}, "
                 f"limit={format_bytes(self.memory_limit)}, {sizes}, calls={self.calls}, "
                 f"{self.events_per_second:,.0f} events/s)")
@@ -1267,13 +738,6 @@ def _progress_fn(progress: Any, label: str) -> Callable[[int, int], None] | None
 
 
 # ---------------------------------------------------------------------------------- replay
-def _part(seq: Any, start: int, stop: int) -> list:
-    """``seq[start:stop]`` as a list: calls are kept as numpy columns (17 bytes a call) and
-    turned into Python ints one chunk at a time, not all at once (~90 bytes a call)."""
-    part = seq[start:stop]
-    return part.tolist() if isinstance(part, np.ndarray) else part
-
-
 def _calls_lists(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The calls of ``device`` as numpy columns (op, key, nbytes) and its event count."""
     op, key, nbytes = trace._call_columns(device)
@@ -1286,14 +750,16 @@ def _model_calls(trace: Trace, settings: dict, index: DeviceIndex | None = None,
     """The calls a replay with ``settings`` makes, for either model: ``(op, key, nbytes,
     streams, n_events)`` as numpy columns (``streams`` None for BFC, which has none); with
     ``with_rows``, the trace row of each call after them."""
+    settings = ReplaySettings.of(settings)
     dev = settings["device"]
+    streams = settings.model.streams   # calls on streams, with empty_cache() among them
     if with_rows:
-        if settings["allocator"] == "torch":
+        if streams:
             return torch_calls(trace, dev, with_rows=True)
         calls = trace.calls(dev)
         n_events = int(np.count_nonzero(trace.columns["device"] == dev))
         return calls.op, calls.key, calls.nbytes, None, n_events, calls.row
-    if settings["allocator"] == "torch":
+    if streams:
         return torch_calls(trace, dev) if index is None else index.torch_calls(dev)
     op, key, nbytes, n_events = (_calls_lists(trace, dev) if index is None
                                  else index.calls(dev))
@@ -1304,8 +770,7 @@ def limit_for(settings: dict, fraction: float | None) -> int:
     """The limit a replay with ``settings`` gets at ``fraction``: TensorFlow's rule for BFC
     (None or 0: its default), ``fraction * device`` for PyTorch's
     ``set_per_process_memory_fraction`` (None: the whole device)."""
-    return model_for(settings["allocator"]).limit(settings["device_bytes"], fraction,
-                                                  int(settings.get("cc_major") or 8))
+    return ReplaySettings.of(settings).limit(fraction)
 
 
 #: The op of an ``empty_cache()`` call in a PyTorch trace's call list.
@@ -1520,7 +985,7 @@ def _replay(trace: Trace, index: DeviceIndex | None, *, options: Any = None,
 
     dev = settings["device"]
     report = _progress_fn(progress, "replay")
-    if settings["allocator"] == "torch" and settings["exact"]:
+    if settings.get("exact"):   # a PyTorch snapshot's own segments
         with collector_paused():
             result = _replay_exact(trace, settings, record=record, per_call=per_call,
                                    progress=report)
@@ -1746,9 +1211,9 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
                   streams: Any = None) -> ReplayResult:
     eng = _Engine(settings, ops, keys, nbytes, streams=streams)
     alloc = eng.alloc
-    torch = eng.model is TORCH
-    if record and torch:
-        alloc.record_history(True, max_entries=max(1, 4 * len(ops) + 16))
+    model = eng.model
+    if record:
+        model.keep_history(alloc, max(1, 4 * len(ops) + 16))
     total = len(ops)
     rec = _Collected(alloc) if record else None
     sample = [[], [], []] if per_call else None
@@ -1793,21 +1258,18 @@ def _replay_lists(settings: dict, ops: list[int], keys: list[int], nbytes: list[
     stats = alloc.stats()
     done = eng.pos
     events = n_events if done == total else int(round(n_events * done / max(total, 1)))
-    extensions, releases = eng.sub.extensions, eng.sub.releases
-    if torch:
-        st = alloc.memory_stats()
-        extensions, releases = st["num_device_alloc"], st["num_device_free"]
+    extensions, releases = model.device_calls(alloc, eng.sub)
     return ReplayResult(
         oom_count=len(ooms), first_oom=first, ooms=ooms,
         peak_pool_bytes=stats.peak_pool_bytes, peak_bytes_in_use=stats.peak_bytes_in_use,
         extensions=extensions, releases=releases,
         memory_limit=alloc.memory_limit, options=_settings_for_meta(settings), per_call=pc,
         recording=recording,
-        final_snapshot=alloc.memory_dump() if torch else alloc.snapshot(), calls=done,
+        final_snapshot=model.dump(alloc), calls=done,
         events=events, skipped_frees=eng.skipped_frees, retried=eng.retried,
         stopped_early=stopped, elapsed_s=elapsed,
         events_per_second=events / elapsed if elapsed > 0 else float("inf"),
-        allocator=eng.model.name, snapshot=alloc.snapshot() if torch else None,
+        allocator=model.name, snapshot=model.history(alloc),
         assumed=list(settings.get("assumed") or []),
         limit_floor=min(alloc.limit_floor, alloc.memory_limit))
 
@@ -1854,15 +1316,7 @@ class _Collected:
         return Trace(columns=columns, meta=m)
 
 
-def _settings_for_meta(settings: dict) -> dict:
+def _settings_for_meta(settings: Any) -> dict:
     """The replay settings as a JSON-friendly dict (what :attr:`ReplayResult.options` holds):
-    TensorFlow's (BFC) or PyTorch's (``conf`` as its PYTORCH_CUDA_ALLOC_CONF string)."""
-    if settings.get("allocator") == "torch":
-        conf = settings["conf"]
-        return {"allocator": "torch", "device_bytes": settings["device_bytes"],
-                "fraction": settings["fraction"], "memory_limit": settings["memory_limit"],
-                "conf": conf.as_conf(), "torch_version": ".".join(map(str, conf.version)),
-                "exact": settings["exact"], "device": settings["device"]}
-    keys = ("device_bytes", "fraction", "memory_limit", "allow_growth", "garbage_collection",
-            "fragmentation_fraction", "deferred_deletion_bytes", "device")
-    return {"allocator": "bfc", **{k: settings[k] for k in keys}}
+    :meth:`~gpudash.models.ReplaySettings.for_meta`, in the model's own terms."""
+    return ReplaySettings.of(settings).for_meta()

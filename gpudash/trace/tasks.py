@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._errors import GpudashError
+from ..models import ReplaySettings
 from .replay import _replay_lists
 
 __all__ = ["Probe", "probe", "sweep_row", "bisect"]
@@ -31,7 +32,7 @@ class Probe(NamedTuple):
     floor: int
 
 
-def probe(settings: dict, calls: tuple, max_ooms: int | None) -> Probe:
+def probe(settings: ReplaySettings | dict, calls: tuple, max_ooms: int | None) -> Probe:
     """Replay ``calls`` under ``settings`` (no recording, no samples)."""
     ops, keys, nbytes, streams, n_events = calls
     r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=False,
@@ -40,13 +41,14 @@ def probe(settings: dict, calls: tuple, max_ooms: int | None) -> Probe:
     return Probe(int(r.oom_count), int(r.memory_limit), int(floor))
 
 
-def sweep_row(settings: dict, calls: tuple) -> dict:
+def sweep_row(settings: ReplaySettings | dict, calls: tuple) -> dict:
     """One row of a sweep: the replay of ``calls`` under ``settings``, summed up. The row's
     second setting is the model's (``allow_growth``, or PyTorch's ``expandable_segments``),
     and for PyTorch the other knobs the sweep varies, by name. Where the framework itself
     fails under the setting (PyTorch's internal assert with ``max_split_size_mb`` and
     expandable segments), the row does not fit and its ``error`` says why."""
     ops, keys, nbytes, streams, n_events = calls
+    settings = ReplaySettings.of(settings)   # a dict of them: converted once, here
     row: dict[str, Any] = {"fraction": settings["fraction"]}
     try:
         r = _replay_lists(settings, ops, keys, nbytes, n_events, record=False, per_call=True,
@@ -54,13 +56,7 @@ def sweep_row(settings: dict, calls: tuple) -> dict:
     except GpudashError as exc:   # the framework itself fails under this setting
         r = None
         error = str(exc)
-    if settings["allocator"] == "torch":
-        conf = settings["conf"]
-        row["expandable_segments"] = conf.expandable_segments
-        for knob in settings.get("varied") or ():
-            row[knob] = settings["varied"][knob]
-    else:
-        row["allow_growth"] = settings["allow_growth"]
+    row.update(settings.row())
     if r is None:
         row.update({"limit_bytes": 0, "fits": False, "oom_count": 0, "first_oom": None,
                     "peak_pool_bytes": 0, "peak_bytes_in_use": 0, "worst_fragmentation": 0.0,

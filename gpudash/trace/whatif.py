@@ -42,7 +42,7 @@ import numpy as np
 from .._errors import ConfigError
 from .._units import format_bytes
 from ..bfc import _check_number
-from ..models import TORCH, model_for
+from ..models import ReplaySettings, model_for
 from .caveats import trace_warnings
 from .format import Trace
 from .replay import (
@@ -56,7 +56,8 @@ from .replay import (
 )
 from .tasks import Probe, bisect, probe, sweep_row
 
-__all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS"]
+__all__ = ["min_fraction", "MinFractionResult", "sweep", "SweepTable", "DEFAULT_FRACTIONS",
+           "Runner", "register_runner", "runner_for"]
 
 #: The fractions :func:`sweep` tries by default: 0.1, 0.2, ..., 1.0.
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -131,13 +132,8 @@ class MinFractionResult:
             return []
         model = model_for(self.allocator)
         fw = framework or model.frameworks[0]
-        if model is TORCH:
-            from .._torch_conf import CachingAllocatorConfig
-
-            conf = CachingAllocatorConfig(self.settings.get("conf") or None,
-                                          version=self.settings.get("torch_version"))
-            return model.paste_lines(fw, self.fraction, {"conf": conf}, self.device_bytes)
-        return model.paste_lines(fw, self.fraction, self.settings, self.device_bytes)
+        return model.paste_lines(fw, self.fraction, model.meta_settings(self.settings),
+                                 self.device_bytes)
 
     def __repr__(self) -> str:
         note = (f", an incomplete trace: a lower bound ({len(self.warnings)} warning(s): "
@@ -250,7 +246,7 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     max_ooms = None if count_ooms else 1
 
     def settings(frac: float) -> dict:
-        return dict(base, fraction=frac, memory_limit=limit_for(base, frac))
+        return base.replace(fraction=frac, memory_limit=limit_for(base, frac))
 
     def step() -> None:
         if report is not None:
@@ -259,26 +255,8 @@ def min_fraction(trace: Trace, device_bytes: int | str | None = None, *,
     def limit_of(frac: float) -> int:
         return limit_for(base, frac)
 
-    if client is not None:
-        from ..dask._whatif import bisect_on
-
-        good, inferred = bisect_on(client, settings, calls, lo, hi, tolerance, max_ooms,
-                                   history, step, limit_of)
-    elif jobs > 1:
-        with _workers(max_workers=jobs, mp_context=_pool_context(),
-                      initializer=_init_worker, initargs=calls) as ex:
-            def run(fracs: list[float]) -> dict:
-                futures = {f: ex.submit(_probe_one, settings(f), max_ooms) for f in fracs}
-                # a replay that failed beside the path must not stop the bisection: bisect
-                # raises its error only if the path gets there
-                return {f: fut.exception() or fut.result() for f, fut in futures.items()}
-
-            good, inferred = bisect(run, lo, hi, tolerance, history, step, width=jobs,
-                                    limit_of=limit_of)
-    else:
-        good, inferred = bisect(
-            lambda fracs: {f: probe(settings(f), calls, max_ooms) for f in fracs},
-            lo, hi, tolerance, history, step, limit_of=limit_of)
+    good, inferred = runner_for(client, jobs).bisect(
+        client, jobs, settings, calls, lo, hi, tolerance, max_ooms, history, step, limit_of)
     if report is not None:
         report(total, total)
     fitted = [f for f, n in history if n == 0]
@@ -295,7 +273,7 @@ def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
     PyTorch replay is never exact here: the fraction or setting changes)."""
     if device_bytes is not None:
         options = dict(options, device_bytes=device_bytes)
-    if _model(trace, extra, options) is TORCH:
+    if "exact" in _model(trace, extra, options).settings_type.names():
         options = dict(options, exact=False)
     return resolve_settings(trace, extra, **options, **more)
 
@@ -303,12 +281,10 @@ def _base_settings(trace: Trace, extra: Any, device_bytes: Any, options: dict,
 # ---------------------------------------------------------------------------- sweep
 _ROW_KEYS = ("fraction", "allow_growth", "limit_bytes", "fits", "oom_count", "first_oom",
              "peak_pool_bytes", "peak_bytes_in_use", "worst_fragmentation", "extensions")
-# The setting each model's rows vary besides the fraction (its AllocatorModel.grid).
-_GRID = {"bfc": "allow_growth", "torch": "expandable_segments"}
 
 
 def _row_keys(allocator: str) -> tuple[str, ...]:
-    grid = _GRID[allocator]
+    grid = next(iter(model_for(allocator).grid))  # what its rows vary besides the fraction
     return tuple(grid if k == "allow_growth" else k for k in _ROW_KEYS)
 
 # Worker-process state: the trace's calls, set once per process by _init_worker.
@@ -393,12 +369,12 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     extra = options.pop("options", None)
     probe = dict(options)
     model = _model(trace, extra, probe)
-    own, other = (("expandable_segments", "allow_growth") if model is TORCH
-                  else ("allow_growth", "expandable_segments"))
+    own = next(iter(model.grid))   # the setting the model's sweep varies
     values = {"allow_growth": allow_growth, "expandable_segments": expandable_segments}
-    if values[other] is not _UNSET:
-        raise ConfigError(f"{other} is not a setting of {model.title} (its sweep varies "
-                          f"{own}); pass allocator= to sweep the other model")
+    for other, given in values.items():
+        if other != own and given is not _UNSET:
+            raise ConfigError(f"{other} is not a setting of {model.title} (its sweep varies "
+                              f"{own}); pass allocator= to sweep the other model")
     grid = values[own]
     if grid is _UNSET:
         grid = model.grid[own]
@@ -423,11 +399,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     for bad in ("fraction", "memory_limit"):
         if bad in options:
             raise ValueError(f"sweep sets {bad} itself; pass fractions= instead")
-    if model is TORCH:
-        for f in fractions:
-            if f is not None and not 0.0 <= f <= 1.0:
-                raise ConfigError(f"fraction is torch.cuda.set_per_process_memory_fraction's, "
-                                  f"in [0, 1]; got {f!r}")
+    for f in fractions:
+        model.check_fraction(f)
     combos = _vary_combos(vary, model)
     settings = []
     for f in fractions:
@@ -436,7 +409,7 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
                 s = _base_settings(trace, extra, device_bytes, options, fraction=f,
                                    **{own: g}, **combo)
                 if combo:
-                    s["varied"] = dict(combo)
+                    s = s.replace(varied=dict(combo))
                 settings.append(s)
     # settings PyTorch does not support together are answered by its rule, not replayed
     every, rules = settings, [_unsupported(s) for s in settings]
@@ -449,28 +422,8 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
     lists = _model_calls(trace, settings[0])
     report = _progress_fn(progress, "sweep")
     total = len(settings)
-    rows: list[dict | None] = [None] * total
-    done = 0
-    if client is not None:
-        from ..dask._whatif import sweep_rows
-
-        rows = list(sweep_rows(client, settings, lists, report))
-    elif jobs == 1 or total == 1:
-        for i, s in enumerate(settings):
-            rows[i] = sweep_row(s, lists)
-            done += 1
-            if report is not None:
-                report(done, total)
-    else:
-        ctx = _pool_context()
-        with _workers(max_workers=min(jobs, total), mp_context=ctx,
-                      initializer=_init_worker, initargs=lists) as ex:
-            futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
-            for fut in as_completed(futures):
-                rows[futures[fut]] = fut.result()
-                done += 1
-                if report is not None:
-                    report(done, total)
+    rows = list(runner_for(client, jobs if total > 1 else 1).sweep(
+        client, jobs, settings, lists, report))
     if len(settings) < len(every):
         replayed = iter(rows)
         rows = [_unsupported_row(s, rule) if rule is not None else next(replayed)
@@ -484,35 +437,28 @@ def sweep(trace: Trace, fractions: Iterable[float | None] = DEFAULT_FRACTIONS,
 def _unsupported(settings: dict) -> str | None:
     """PyTorch's rule for settings it does not support together
     (:meth:`~gpudash.CachingAllocatorConfig.unsupported`), None for other settings."""
-    conf = settings.get("conf") if settings.get("allocator") == "torch" else None
-    return conf.unsupported() if conf is not None else None
+    return ReplaySettings.of(settings).unsupported()
 
 
 def _unsupported_row(settings: dict, rule: str) -> dict:
     """A sweep row for settings PyTorch does not support together: no fit, the rule as
     its error (as the row of a replay that reaches PyTorch's assert,
     :func:`~.tasks.sweep_row`)."""
-    conf = settings["conf"]
     row: dict[str, Any] = {"fraction": settings["fraction"],
-                           "expandable_segments": conf.expandable_segments}
-    for knob in settings.get("varied") or ():
-        row[knob] = settings["varied"][knob]
+                           **ReplaySettings.of(settings).row()}
     row.update({"limit_bytes": 0, "fits": False, "oom_count": 0, "first_oom": None,
                 "peak_pool_bytes": 0, "peak_bytes_in_use": 0, "worst_fragmentation": 0.0,
                 "extensions": 0, "error": rule})
     return row
 
 
-#: The PyTorch knobs a sweep may vary besides the fraction and expandable_segments.
-_VARIABLE = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
-             "max_non_split_rounding_mb")
 
 
 def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
     """The cross product of ``vary``'s values, as settings dicts ([{}] when none)."""
     if not vary:
         return [{}]
-    if model is not TORCH:
+    if not model.sweep_knobs:
         raise ConfigError("vary= crosses PyTorch's knobs (max_split_size_mb, "
                           "garbage_collection_threshold...); this sweep runs "
                           f"{model.title}: pass allocator='torch'")
@@ -520,9 +466,9 @@ def _vary_combos(vary: dict | None, model: Any) -> list[dict]:
         raise ConfigError(f"vary must be a dict of knob -> list of values; got {vary!r}")
     combos: list[dict] = [{}]
     for knob, values in vary.items():
-        if knob not in _VARIABLE:
+        if knob not in model.sweep_knobs:
             raise ConfigError(f"vary: {knob!r} is not a knob a sweep varies; known: "
-                              f"{', '.join(_VARIABLE)} (the fraction and expandable_segments "
+                              f"{', '.join(model.sweep_knobs)} (the fraction and expandable_segments "
                               "have their own arguments)")
         if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
             values = [values]
@@ -623,8 +569,9 @@ class SweepTable:
         self.warnings = list(warnings)
         self.allocator = model_for(allocator).name
         self.assumed = list(assumed)
-        self.setting = _GRID[self.allocator]
-        self.varied = [k for k in _VARIABLE if any(k in r for r in self.rows)]
+        self.setting = next(iter(model_for(self.allocator).grid))
+        self.varied = [k for k in model_for(self.allocator).sweep_knobs
+                       if any(k in r for r in self.rows)]
         keys = _row_keys(self.allocator)
         self.COLUMNS = keys[:2] + tuple(self.varied) + keys[2:]
 
@@ -678,21 +625,19 @@ class SweepTable:
         if not fitting:
             return None
         key = self.setting
-        prefer = self.allocator == "bfc"
+        prefer = model_for(self.allocator).grid[key][0]   # the model's default first
         return min(fitting, key=lambda r: (r["limit_bytes"], r["peak_pool_bytes"],
                                            r[key] != prefer))
 
     def _cells(self) -> tuple[list[str], list[list[str]]]:
-        if self.allocator == "torch":
-            head = ["fraction", "expandable", *self.varied, "limit", "fits", "OOMs",
-                    "first OOM", "peak reserved", "peak allocated", "worst frag", "segments"]
-        else:
-            head = ["fraction", "growth", "limit", "fits", "OOMs", "first OOM", "peak pool",
-                    "peak in use", "worst frag", "regions"]
+        model = model_for(self.allocator)   # the model's own words
+        said = model.sweep_words
+        head = ["fraction", said["setting"], *self.varied, "limit", "fits", "OOMs", "first OOM",
+                f"peak {model.pool}", f"peak {model.in_use}", "worst frag", model.regions]
         body = []
         for r in self.rows:
             body.append([
-                ("none" if self.allocator == "torch" else "default") if r["fraction"] is None
+                said["unset_fraction"] if r["fraction"] is None
                 else f"{r['fraction']:.3g}",
                 "yes" if r[self.setting] else "no",
                 *("trace's" if r.get(k) is None else str(r[k]) for k in self.varied),
@@ -763,3 +708,120 @@ class SweepTable:
         if self.warnings:
             b += f", an incomplete trace ({len(self.warnings)} warning(s): .warnings)"
         return f"SweepTable(rows={len(self.rows)}, {b})"
+
+
+# ---------------------------------------------------------------------------- runners
+@dataclass(frozen=True)
+class Runner:
+    """One way to run a what-if's replays: in this process, in worker processes (``jobs``),
+    or on a cluster (``client``). A runner registers itself (:func:`register_runner`);
+    :func:`min_fraction` and :func:`sweep` ask :func:`runner_for` which one takes their
+    ``client`` and ``jobs``, and know none of them.
+
+    Attributes
+    ----------
+    name : str
+    takes : callable
+        ``takes(client, jobs) -> bool``.
+    sweep : callable
+        ``sweep(client, jobs, settings, calls, report) -> rows``: one
+        :func:`~gpudash.trace.tasks.sweep_row` per setting, in the order of ``settings``
+        (``calls``: the trace's ``(ops, keys, nbytes, streams, n_events)``; ``report``:
+        a progress callback or None).
+    bisect : callable
+        ``bisect(client, jobs, make_settings, calls, lo, hi, tolerance, max_ooms, history,
+        step, limit_of) -> (fraction, inferred)``: :func:`~gpudash.trace.tasks.bisect`
+        with its replays run here.
+    """
+
+    name: str
+    takes: Any
+    sweep: Any
+    bisect: Any
+
+
+#: The registered runners, the latest first.
+_RUNNERS: list[Runner] = []
+#: Modules of optional dependencies whose import registers a runner (``gpudash.dask``'s
+#: for a Dask client): imported only when a ``client`` comes that no registered runner
+#: takes.
+RUNNER_MODULES: list[str] = ["gpudash.dask._whatif"]
+
+
+def register_runner(runner: Runner) -> Runner:
+    """Add ``runner`` (replacing one of the same name); it is asked before those
+    registered earlier."""
+    _RUNNERS[:] = [runner] + [r for r in _RUNNERS if r.name != runner.name]
+    return runner
+
+
+def runner_for(client: Any, jobs: int) -> Runner:
+    """The runner that takes ``client`` (None: none) and ``jobs``.
+
+    Raises
+    ------
+    TypeError
+        No registered runner (nor one that :data:`RUNNER_MODULES` registers) takes them.
+    """
+    found = next((r for r in _RUNNERS if r.takes(client, jobs)), None)
+    if found is None and client is not None:
+        import importlib
+
+        for module in RUNNER_MODULES:
+            importlib.import_module(module)
+        found = next((r for r in _RUNNERS if r.takes(client, jobs)), None)
+    if found is None:
+        raise TypeError(f"no what-if runner takes client={type(client).__name__} with "
+                        f"jobs={jobs}")
+    return found
+
+
+def _here_sweep(client: Any, jobs: int, settings: list, calls: tuple, report: Any) -> list:
+    rows = []
+    for s in settings:
+        rows.append(sweep_row(s, calls))
+        if report is not None:
+            report(len(rows), len(settings))
+    return rows
+
+
+def _here_bisect(client: Any, jobs: int, make_settings: Any, calls: tuple, lo: float,
+                 hi: float, tolerance: float, max_ooms: int | None, history: list, step: Any,
+                 limit_of: Any) -> tuple:
+    return bisect(lambda fracs: {f: probe(make_settings(f), calls, max_ooms) for f in fracs},
+                  lo, hi, tolerance, history, step, limit_of=limit_of)
+
+
+def _processes_sweep(client: Any, jobs: int, settings: list, calls: tuple,
+                     report: Any) -> list:
+    rows: list[dict | None] = [None] * len(settings)
+    done = 0
+    with _workers(max_workers=min(jobs, len(settings)), mp_context=_pool_context(),
+                  initializer=_init_worker, initargs=calls) as ex:
+        futures = {ex.submit(_sweep_one, s): i for i, s in enumerate(settings)}
+        for fut in as_completed(futures):
+            rows[futures[fut]] = fut.result()
+            done += 1
+            if report is not None:
+                report(done, len(settings))
+    return rows
+
+
+def _processes_bisect(client: Any, jobs: int, make_settings: Any, calls: tuple, lo: float,
+                      hi: float, tolerance: float, max_ooms: int | None, history: list,
+                      step: Any, limit_of: Any) -> tuple:
+    with _workers(max_workers=jobs, mp_context=_pool_context(),
+                  initializer=_init_worker, initargs=calls) as ex:
+        def run(fracs: list[float]) -> dict:
+            futures = {f: ex.submit(_probe_one, make_settings(f), max_ooms) for f in fracs}
+            # a replay that failed beside the path must not stop the bisection: bisect
+            # raises its error only if the path gets there
+            return {f: fut.exception() or fut.result() for f, fut in futures.items()}
+
+        return bisect(run, lo, hi, tolerance, history, step, width=jobs, limit_of=limit_of)
+
+
+register_runner(Runner("processes", lambda client, jobs: client is None and jobs > 1,
+                       _processes_sweep, _processes_bisect))
+register_runner(Runner("here", lambda client, jobs: client is None and jobs == 1,
+                       _here_sweep, _here_bisect))

@@ -390,6 +390,9 @@ class Dashboard(anywidget.AnyWidget):
             # why a watched framework's figures are not current (a call that has not
             # returned, a failed poll): shown in the status line
             "error": getattr(self.model.feed(state.device), "error", None),
+            # how current the source's figures are (shadow mode: when PyTorch's history
+            # was read, a model rebuilt after its ring wrapped): shown beside them
+            "note": self.model.note(state.device),
         }
 
     def _chunk_buffers(self, state: Any) -> tuple[dict, list]:

@@ -77,7 +77,7 @@ const CSS = `
 .gd-note{color:#777;font-style:italic}
 .gd-driver{font-size:12px;color:#444;margin:2px 0 6px}
 .gd-controls input[type=number]{width:80px}
-.gd-status{min-height:16px;color:#555;padding:2px}
+.gd-status{min-height:16px;color:#555;padding:2px;white-space:pre-line}
 .gd-status.err{color:#d62728}
 .gd-grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:8px}
 .gd-cell{min-width:0;border:1px solid #f0f0f0;border-radius:4px;padding:2px}
@@ -557,6 +557,7 @@ class View {
     // the model's own figures, by its names (PyTorch's segments, num_alloc_retries...)
     for (const [label, value] of (h.extra || [])) items.push(`${esc(label)} <b>${esc(value)}</b>`);
     items.push(`OOMs ${h.counters.ooms || 0}`);
+    if (h.note) items.push(`<span class="gd-note" data-head="note">${esc(h.note)}</span>`);
     if (miss.size) items.push(`<span class="gd-note">not reported by this source: ${
       esc([...miss].map((k) => k.replace(/_/g, " ")).join(", "))}</span>`);
     if (over) items.push('<span class="gd-over">OVER LIMIT</span>');
