@@ -22,6 +22,7 @@ where                    public name = twin(name, pure)              compiled tw
 ``devices.py``           a simulated device's first-fit table         ``_csrc/devices.pxi``
 ``trace/replay.py``      the replay loops and their key map           ``_csrc/replay.pxi``
 ``cli.py``               the clock of the events' times (``info``)    ``_csrc/base.pxi``
+``torch_snapshot.py``    ``_pickle_check`` of ``_check_pickle``       ``_csrc/pickcheck.pxi``
 =======================  ==========================================  =====================
 
 :data:`TWINS` says, for each method of a pure-Python class that its compiled twin
@@ -192,4 +193,5 @@ TWINS: dict[str, str] = {
     "models.bfc.run_plain": "_csrc/replay.pxi: run_bfc",
     "models.bfc.run_deferred": "_csrc/replay.pxi: run_bfc_deferred",
     "models.torch.run_torch": "_csrc/replay.pxi: run_torch",
+    "trace.torch_snapshot._check_pickle": "_csrc/pickcheck.pxi: check_pickle",
 }

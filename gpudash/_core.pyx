@@ -107,6 +107,7 @@ include "_csrc/caching.pxi"
 include "_csrc/replay.pxi"
 include "_csrc/session.pxi"
 include "_csrc/pluggable.pxi"
+include "_csrc/pickcheck.pxi"
 
 
 def _check_constants(what, given, built):

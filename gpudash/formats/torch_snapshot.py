@@ -74,6 +74,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from .. import _accel
 from .._errors import TraceFormatError
 from .._gc import collector_paused
 from ..events import (
@@ -376,11 +377,16 @@ def _check_pickle(data: Any, name: str) -> None:
         i = end
 
 
+#: The check that runs: the compiled core's twin of :func:`_check_pickle` (the same verdicts
+#: and messages, in C over the same buffer) where the core runs, else :func:`_check_pickle`.
+_pickle_check = _accel.twin("check_pickle", _check_pickle)
+
+
 def _check_source(data: bytes | IO[bytes], name: str) -> None:
     """:func:`_check_pickle` of bytes, or of a file (mapped, not read, when it can be; left
     at the position it was at)."""
     if isinstance(data, (bytes, bytearray)):
-        _check_pickle(data, name)
+        _pickle_check(data, name)
         return
     pos = data.tell()
     try:
@@ -388,10 +394,10 @@ def _check_source(data: bytes | IO[bytes], name: str) -> None:
             raise ValueError("not at the start")
         mapped = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        _check_pickle(data.read(), name)
+        _pickle_check(data.read(), name)
     else:
         with mapped:
-            _check_pickle(mapped, name)
+            _pickle_check(mapped, name)
     data.seek(pos)
 
 
