@@ -370,3 +370,91 @@ def test_ctrl_c_stops_a_sweep_and_its_workers_at_once(group):
     assert not [q for q in pids if running(q)]
     # the sweep's remaining rows take 10 s and more here; stopping takes well under 1 s
     assert took < 5, f"{took:.1f} s from SIGINT to the end of the process"
+
+
+# ------------------------------------------ a device that hands out overlaps: caching allocator
+class _OverlappingCuda:
+    """cudaMalloc that hands out a range over the first one; reserve() likewise."""
+
+    total = 16 << 30
+
+    def __init__(self, step: int):
+        self.step = step
+        self.given, self.freed, self.reserved, self.unreserved = [], [], [], []
+
+    def alloc(self, nbytes):
+        ptr = (1 << 32) + len(self.given) * self.step
+        self.given.append((ptr, nbytes))
+        return ptr
+
+    def free(self, ptr, nbytes):
+        self.freed.append((ptr, nbytes))
+
+    def reserve(self, nbytes):
+        base = (1 << 40) + len(self.reserved) * (20 << 20)
+        self.reserved.append((base, nbytes))
+        return base
+
+    def unreserve(self, base, nbytes):
+        self.unreserved.append((base, nbytes))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("step", [0, 4096, 20 << 20])
+def test_a_caching_segment_over_an_earlier_one_is_refused(step):
+    """Both caching-allocator cores took a cudaMalloc range over a live segment as a new
+    segment (the Python model then failed its own checks, with KeyErrors later); both now
+    refuse it with the same error and give the range back."""
+    from gpudash import InvalidPointerError
+    from gpudash.caching import CachingAllocator
+
+    dev = _OverlappingCuda(step)
+    a = CachingAllocator(dev)
+    p = a.allocate(22 << 20)
+    with pytest.raises(InvalidPointerError, match="overlaps the range 0x100000000"):
+        a.allocate(40 << 20)
+    assert dev.freed == [dev.given[1]]
+    a.check()
+    a.deallocate(p)
+    a.empty_cache()
+    a.check()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+@pytest.mark.core
+def test_an_expandable_reservation_over_an_earlier_one_is_refused_not_a_crash():
+    """The compiled core crashed (SIGSEGV) when a device reserved a second expandable range
+    over the first; both cores now refuse it alike and give it back."""
+    code = textwrap.dedent("""
+        from gpudash import InvalidPointerError
+        from gpudash.caching import CachingAllocator
+        class Dev:
+            total = 16 << 30
+            def __init__(self):
+                self.n = 0
+                self.unreserved = []
+            def alloc(self, n):
+                self.n += 1
+                return self.n
+            def free(self, p, n):
+                pass
+            def reserve(self, n):
+                return 1 << 40
+            def unreserve(self, b, n):
+                self.unreserved.append((b, n))
+        dev = Dev()
+        a = CachingAllocator(dev, "expandable_segments:True")
+        p = a.allocate(64 << 20)             # the large pool's reservation
+        try:
+            a.allocate(4096)                 # the small pool's: over the large one
+        except InvalidPointerError as exc:
+            print("refused:", "overlaps the range 0x10000000000" in str(exc))
+        a.deallocate(p)
+        a.check()
+        print("unreserved:", len(dev.unreserved))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert "refused: True" in r.stdout and "unreserved: 1" in r.stdout, r.stdout
