@@ -5,6 +5,7 @@ configuration read unlike PyTorch, and an internal error on a damaged JSON snaps
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -458,3 +459,45 @@ def test_an_expandable_reservation_over_an_earlier_one_is_refused_not_a_crash():
                        timeout=120, env=env)
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
     assert "refused: True" in r.stdout and "unreserved: 1" in r.stdout, r.stdout
+
+
+# ----------------------------------- a JSON snapshot whose trace does not fit its segments
+def _damaged_json(tmp_path: Path, cut: int, at: int, entry: dict) -> Path:
+    from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+
+    snap = load_torch_snapshot_dict(ROOT / "tests/data/real/torch_mlp.replayed_snapshot.pickle")
+    trace = list(snap["device_traces"][0])[cut:]
+    trace.insert(at, dict(entry, stream=0, frames=[]))
+    snap["device_traces"] = [trace]
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(snap))
+    return path
+
+
+@pytest.mark.parametrize("command", ["replay", "explain", "holders"])
+@pytest.mark.parametrize("cut, at, entry, words", [
+    # a trace that starts mid-run, with a segment_free inside a segment that lives on
+    (50, 100, {"action": "segment_free", "addr": 0x7F0000305000, "size": 512},
+     ["device_traces[0][100] (segment_free at 0x7f0000305000, 512 bytes)",
+      "overlaps a segment at 0x7f0000200000", "held free memory"]),
+    # a segment_unmap over allocated blocks of a cudaMalloc segment, mid-run
+    (1000, 6, {"action": "segment_unmap", "addr": 0x7F000000A400, "size": 1 << 20},
+     ["segment_unmap at 0x7f000000a400", "overlaps a segment at 0x7f0000000000"]),
+    # a segment_unmap of no size (the model's state lost a segment head: KeyError)
+    (0, 738, {"action": "segment_unmap", "addr": 0x7F00006DFE00, "size": 0},
+     ["device_traces[0][738]: a segment_unmap of 0 bytes at 0x7f00006dfe00"]),
+])
+def test_a_trace_that_does_not_fit_its_segments_is_named_not_an_internal_error(
+        tmp_path, capsys, command, cut, at, entry, words):
+    """Such a JSON snapshot ended in "internal error: AssertionError: invariant broken" (or
+    a KeyError) after the whole replay; it is now refused on reading, naming the entry and
+    what the segment held there."""
+    from gpudash import cli
+
+    path = _damaged_json(tmp_path, cut, at, entry)
+    rc = cli.main([command, str(path)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "internal error" not in err and "invariant" not in err
+    for w in words:
+        assert w in err, err
