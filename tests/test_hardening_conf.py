@@ -17,6 +17,8 @@ from the fuzz grammar gave no difference either.
 
 import pytest
 
+from gpudash import _accel
+
 from gpudash import ConfigError
 from gpudash._torch_conf import CachingAllocatorConfig
 
@@ -126,3 +128,18 @@ def test_a_refused_string_changes_nothing():
     with pytest.raises(ConfigError):
         c.apply("max_split_size_mb:256,garbage_collection_threshold:1e-310")
     assert c.max_split_size == 128 * MiB and c.garbage_collection_threshold == 0.0
+
+
+@pytest.mark.core
+@pytest.mark.skipif(not _accel.COMPILED, reason="the compiled core is not built")
+@pytest.mark.parametrize("setting", [("strings-2.11", "2.11"), ("strings-2.7", "2.7")])
+def test_random_conf_strings_give_a_config_or_a_config_error_alike_in_both_cores(setting):
+    """benchmarks/fuzz_core.py's conf family, small: strings from PyTorch's grammar and
+    their mutants; a ConfigError or settings, the same in both cores."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fuzz_core
+
+    assert fuzz_core.fuzz_conf(1500, 5, setting, check_every=500) >= 1500
