@@ -24,8 +24,13 @@ live, releases, preallocation, statistics resets, queries; for PyTorch's model a
 streams, ``empty_cache()``, fractions and ``set_allocator_settings``, snapshots with
 history recorded, and (its ``alike`` setting) a few sizes allocated and freed in bursts, so
 that hundreds of cached blocks share a bin, which the compiled pools then keep sorted.
+The ``overlap`` settings' device hands out a share of its ranges (and, for PyTorch's model,
+expandable reservations) over earlier ones, which both cores must refuse alike; the
+``conf`` model sends random ``PYTORCH_CUDA_ALLOC_CONF`` strings (PyTorch's grammar, then
+mutated) through every version's parser (a ConfigError or settings, nothing else) and
+both cores' ``set_allocator_settings``.
 
-Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|all] [--seed S]``
+Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|conf|all] [--seed S]``
 (10**6 operations per model and setting by default; ``tests/test_core_diff.py`` runs it
 smaller). Prints one line per setting; exits 1 at the first difference, naming the
 operation, the seed and both sides.

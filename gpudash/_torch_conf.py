@@ -24,6 +24,11 @@ rule                                      versions
 ``garbage_collection_threshold``          1.12 on
 ``expandable_segments``                   2.1 on
 ``divisions == 1`` leaves sizes unrounded 1.12 to 2.3 (later: plain 512-byte rounding)
+MiB and divisions read by ``std::stoi``   up to 2.7 (int: 2**31 MiB and more refused);
+                                          2.8 on ``std::stoull`` (up to 2**64 - 1)
+tokens drop spaces only; ``:`` and ``,``  up to 2.7; 2.8 on every C whitespace
+checked                                   character is dropped and a separator only
+                                          has to be there (``ConfigTokenizer``)
 ========================================  ==========================================
 
 A snapshot's ``allocator_settings`` (PyTorch 2.4 on) holds the parsed values;
