@@ -24,8 +24,13 @@ live, releases, preallocation, statistics resets, queries; for PyTorch's model a
 streams, ``empty_cache()``, fractions and ``set_allocator_settings``, snapshots with
 history recorded, and (its ``alike`` setting) a few sizes allocated and freed in bursts, so
 that hundreds of cached blocks share a bin, which the compiled pools then keep sorted.
+The ``overlap`` settings' device hands out a share of its ranges (and, for PyTorch's model,
+expandable reservations) over earlier ones, which both cores must refuse alike; the
+``conf`` model sends random ``PYTORCH_CUDA_ALLOC_CONF`` strings (PyTorch's grammar, then
+mutated) through every version's parser (a ConfigError or settings, nothing else) and
+both cores' ``set_allocator_settings``.
 
-Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|all] [--seed S]``
+Run: ``python benchmarks/fuzz_core.py [--ops N] [--model bfc|torch|conf|all] [--seed S]``
 (10**6 operations per model and setting by default; ``tests/test_core_diff.py`` runs it
 smaller). Prints one line per setting; exits 1 at the first difference, naming the
 operation, the seed and both sides.
@@ -60,22 +65,38 @@ class FlakyDevice:
     """A simulated device that refuses a seeded random share of requests (the same ones for
     both allocators, as long as they ask the same things)."""
 
-    def __init__(self, capacity: int, seed: int, refuse: float) -> None:
+    def __init__(self, capacity: int, seed: int, refuse: float, overlap: float = 0.0) -> None:
         self.dev = SimulatedDevice(capacity)
         self.rng = random.Random(seed)
         self.refuse = refuse
+        self.overlap = overlap
+        self.given: list[int] = []        # addresses handed out (overlaps start near them)
+        self.fake: list[tuple[int, int]] = []
         self.calls: list[tuple] = []
 
     def alloc(self, nbytes: int) -> int:
         if self.refuse and self.rng.random() < self.refuse:
             self.calls.append(("refuse", nbytes))
             raise MemoryError(f"refused {nbytes}")
+        if self.overlap and self.given and self.rng.random() < self.overlap:
+            # a faulty device: a range over one it handed out before (both cores refuse it
+            # and give it back)
+            ptr = self.rng.choice(self.given) + self.rng.choice([0, 512, 4096, -512, 1 << 20])
+            self.fake.append((ptr, nbytes))
+            self.calls.append(("overlap", ptr, nbytes))
+            return ptr
         ptr = self.dev.alloc(nbytes)
+        self.given.append(ptr)
+        if len(self.given) > 64:
+            del self.given[:32]
         self.calls.append(("alloc", ptr, nbytes))
         return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
         self.calls.append(("free", ptr, nbytes))
+        if (ptr, nbytes) in self.fake:
+            self.fake.remove((ptr, nbytes))
+            return
         self.dev.free(ptr, nbytes)
 
     @property
@@ -227,12 +248,15 @@ BFC_SETTINGS = [
     ("no-growth+gc+frag", 128 * MIB, GIB, False, True, 0.01, 0.01),
     ("device-short", 512 * MIB, 160 * MIB, True, True, 0.0, 0.0),
 ]
+#: settings whose device hands out a share of ranges over earlier ones (refused alike)
+OVERLAP = {"overlap": 0.03, "overlap+expandable": 0.03}
+BFC_SETTINGS.append(("overlap", 256 * MIB, GIB, True, True, 0.0, 0.01))
 
 
 def _bfc_pair(limit: int, capacity: int, growth: bool, gc: bool, frag: float, refuse: float,
-              seed: int) -> Pair:
-    ref_dev = FlakyDevice(capacity, seed, refuse)
-    fast_dev = FlakyDevice(capacity, seed, refuse)
+              seed: int, overlap: float = 0.0) -> Pair:
+    ref_dev = FlakyDevice(capacity, seed, refuse, overlap)
+    fast_dev = FlakyDevice(capacity, seed, refuse, overlap)
     ref = PyBFCAllocator(ref_dev, limit, allow_growth=growth, garbage_collection=gc,
                          fragmentation_fraction=frag, name="GPU_0_bfc")
     fast = gpudash.BFCAllocator(fast_dev, limit, allow_growth=growth, garbage_collection=gc,
@@ -269,7 +293,7 @@ def fuzz_bfc(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> in
     """One BFC run; the number of operations compared. Raises Mismatch."""
     name, limit, capacity, growth, gc, frag, refuse = setting
     rng = random.Random(seed)
-    pair = _bfc_pair(limit, capacity, growth, gc, frag, refuse, seed)
+    pair = _bfc_pair(limit, capacity, growth, gc, frag, refuse, seed, OVERLAP.get(name, 0.0))
     pair.what = f"bfc {name} seed {seed}"
     live: list[int] = []
     dead: list[int] = []
@@ -413,11 +437,17 @@ TORCH_SETTINGS = [
      True),
     # where the cores differed: settings beyond int64 (held whole), divisions whose
     # 512 * d overflows int64, streams at both ends of cudaStream_t and beyond it (refused
-    # alike)
+    # alike). PyTorch 2.8 on reads these numbers with std::stoull; before, with std::stoi,
+    # which refuses them
     ("huge-settings+streams", 4 * GIB, f"max_split_size_mb:{1 << 43},"
      f"max_non_split_rounding_mb:{1 << 44},roundup_power2_divisions:[1:{1 << 62},>:4]",
-     "2.6", 0.05, (0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63), 1 << 64,
+     None, 0.05, (0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63), 1 << 64,
                    1 << 70, -(1 << 63) - 1), 0.01, True, False),
+    # a device that hands out segments (and reserves ranges) over earlier ones; the live
+    # settings draw random PYTORCH_CUDA_ALLOC_CONF strings too (_random_conf)
+    ("overlap", 2 * GIB, "", None, None, (0, 3), 0.01, True, False),
+    ("overlap+expandable", 4 * GIB, "expandable_segments:True", None, 0.05, (0,), 0.0, True,
+     False),
 ]
 
 _CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_size_mb:40",
@@ -431,11 +461,111 @@ _CONFS = ["expandable_segments:True", "expandable_segments:False", "max_split_si
 
 
 class FlakyTorchDevice(FlakyDevice):
-    """FlakyDevice with the device facts PyTorch's model reads."""
+    """FlakyDevice with the device facts PyTorch's model reads; with ``overlap`` it also
+    reserves expandable ranges, a share of them over an earlier one."""
 
     @property
     def total(self) -> int:
         return self.dev.capacity
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("reserve", "unreserve") and self.__dict__.get("overlap"):
+            return getattr(self, "_" + name)
+        raise AttributeError(name)
+
+    def _reserve(self, nbytes: int) -> int:
+        bases = self.__dict__.setdefault("bases", [])
+        if bases and self.rng.random() < 0.3:
+            base = self.rng.choice(bases) + self.rng.choice([0, 2 << 20])
+        else:
+            base = (1 << 44) + len(bases) * (1 << 40)
+            bases.append(base)
+        self.calls.append(("reserve", base, nbytes))
+        return base
+
+    def _unreserve(self, base: int, nbytes: int) -> None:
+        self.calls.append(("unreserve", base, nbytes))
+
+
+_CONF_KEYS = ["max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+              "roundup_power2_divisions", "expandable_segments", "backend",
+              "pinned_use_background_threads", "release_lock_on_cudamalloc",
+              "pinned_num_register_threads", "bogus"]
+_CONF_VALUES = ["128", "+128", "-1", "20", "19", "0", "0x80", "1e3", "128.0", "128MB",
+                "\u0661\u0662\u0668", "18446744073709551616", "-18446744073709551615", "0.5",
+                ".5", "1e-310", "0x1p-1", "nan", "inf", "1_0", " 64", "4", "3", "256", ">",
+                "True", "False", "true", "9" * 30, "-0", "2147483648", "native",
+                "cudaMallocAsync", "9" * 5000]
+_CONF_NOISE = [",", ":", "[", "]", " ", "\t", "\n", "\x0b", "\x0c", "\r", "\xa0", "\x00",
+               "0", "+", "-", ".", "x", "e"]
+
+
+def _random_conf(rng: random.Random) -> str:
+    """A PYTORCH_CUDA_ALLOC_CONF string from PyTorch's grammar (keys, ``:``, values,
+    ``[k:v,...]`` lists, ``,``), then a few characters inserted, dropped or changed."""
+    parts = []
+    for _ in range(rng.randint(0, 4)):
+        key = rng.choice(_CONF_KEYS)
+        if key == "roundup_power2_divisions" and rng.random() < 0.5:
+            items = [rng.choice(_CONF_VALUES + [">"])[:40] + rng.choice([":", ":", ","])
+                     + rng.choice(_CONF_VALUES)[:40] for _ in range(rng.randint(0, 4))]
+            value = "[" + ",".join(items) + rng.choice(["]", "]", "", "]]"])
+        else:
+            value = rng.choice(_CONF_VALUES)
+        parts.append(key + rng.choice([":", ":", ":", ",", ""]) + value)
+    text = rng.choice([",", ",", ", ", ":"]).join(parts)
+    for _ in range(rng.randint(0, 3)):
+        i = rng.randrange(len(text) + 1)
+        op = rng.random()
+        if op < 0.5:
+            text = text[:i] + rng.choice(_CONF_NOISE) + text[i:]
+        elif op < 0.8:
+            text = text[:i] + text[i + 1:]
+        else:
+            text = text[:i] + rng.choice("0123456789") + text[i + 1:]
+    return text
+
+
+def fuzz_conf(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> int:
+    """Random settings strings: every version's parser answers a CachingAllocatorConfig or
+    a ConfigError (never another exception), and both cores' ``set_allocator_settings``
+    give the same outcome and the same settings after it."""
+    from gpudash import ConfigError
+    from gpudash._torch_conf import CachingAllocatorConfig
+    from gpudash.caching import PyCachingAllocator
+
+    rng = random.Random(seed)
+    version = setting[1]
+    ref_dev = FlakyTorchDevice(GIB, seed, 0.0)
+    fast_dev = FlakyTorchDevice(GIB, seed, 0.0)
+    ref = PyCachingAllocator(ref_dev, version=version)
+    fast = gpudash.CachingAllocator(fast_dev, version=version)
+    pair = Pair(ref, fast, ref_dev, fast_dev, f"conf {setting[0]} seed {seed}")
+    live: list[int] = []
+    while pair.ops < ops:
+        text = _random_conf(rng)
+        try:
+            CachingAllocatorConfig(text, version=version)
+        except ConfigError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the failure this fuzz looks for
+            raise Mismatch(f"conf {text!r} (version {version}): {type(exc).__name__}: "
+                           f"{exc}") from None
+        pair.call("set_allocator_settings", text)
+        pair.same("config", ref.config.as_dict(), fast.config.as_dict())
+        if rng.random() < 0.3:
+            out = pair.call("allocate", rng.choice([512, 3 << 20, 30 << 20, 130 << 20]), 0)
+            if out[0] == "ok":
+                live.append(out[1])
+        if live and rng.random() < 0.3:
+            pair.call("deallocate", live.pop(rng.randrange(len(live))))
+        if pair.ops % check_every < 3:
+            _compare_torch_state(pair)
+    _compare_torch_state(pair)
+    return pair.ops
+
+
+CONF_SETTINGS = [("strings-2.11", "2.11"), ("strings-2.7", "2.7"), ("strings-1.13", "1.13")]
 
 
 def fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int = 2000) -> int:
@@ -459,8 +589,8 @@ def _fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int) -> int:
     name, capacity, conf, version, fraction, streams, refuse, live, alike = setting
     size_of = _alike_size if alike else _torch_size
     rng = random.Random(seed)
-    ref_dev = FlakyTorchDevice(capacity, seed, refuse)
-    fast_dev = FlakyTorchDevice(capacity, seed, refuse)
+    ref_dev = FlakyTorchDevice(capacity, seed, refuse, OVERLAP.get(name, 0.0))
+    fast_dev = FlakyTorchDevice(capacity, seed, refuse, OVERLAP.get(name, 0.0))
     ref = PyCachingAllocator(ref_dev, conf, version=version, fraction=fraction)
     fast = gpudash.CachingAllocator(fast_dev, conf, version=version, fraction=fraction)
     pair = Pair(ref, fast, ref_dev, fast_dev, f"torch {name} seed {seed}")
@@ -509,8 +639,10 @@ def _fuzz_torch(ops: int, seed: int, setting: tuple, check_every: int) -> int:
                                                              1.0, 1.5, "x"]))
         elif r < 0.89:
             if live:
-                if rng.random() < 0.5:
+                if rng.random() < 0.4:
                     pair.call("set_allocator_settings", rng.choice(_CONFS))
+                elif rng.random() < 0.5:
+                    pair.call("set_allocator_settings", _random_conf(rng))
                 else:
                     pair.call("set_allocator_settings", rng.choice(_CONFS + ["bogus:1"]))
         elif r < 0.893:
@@ -568,7 +700,8 @@ def _compare_torch_state(pair: Pair) -> None:
 
 # ------------------------------------------------------------------------------ main
 MODELS: dict[str, tuple[list, Callable]] = {"bfc": (BFC_SETTINGS, fuzz_bfc),
-                                            "torch": (TORCH_SETTINGS, fuzz_torch)}
+                                            "torch": (TORCH_SETTINGS, fuzz_torch),
+                                            "conf": (CONF_SETTINGS, fuzz_conf)}
 
 
 def main(argv: list[str] | None = None) -> int:

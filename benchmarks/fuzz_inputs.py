@@ -24,13 +24,20 @@ Hostile families (a share of the cases, ``--hostile``) are built, not mutated, u
   shown naively: a memo index of up to 2**32 (PUT, BINPUT, LONG_BINPUT), a tuple chain
   shared at every level used as a dict key or set element (hashing it walks 2**depth
   tuples), a list chain shared at every level where a message would show it (a frame, a
-  stream, a size, an annotation), and a number of thousands of digits in those places.
+  stream, a size, an annotation), and a number of thousands of digits in those places;
+- ``oommsg``: real PyTorch out-of-memory messages (``tests/data/torch_oom``) with figures of
+  hundreds to 20,000 digits or NVML's 2**64 bytes, lines broken after hyphens, repeated up
+  to 2 MB (what ``gpudash explain`` reads);
+- ``snapfit``: a real JSON snapshot whose trace does not fit its segments (frees of unknown
+  blocks inside segments, segment frees, maps and unmaps over live blocks or of 0 bytes,
+  allocs at odd addresses; mid-run or from the start; segments marked expandable).
 
 Run: ``python benchmarks/fuzz_inputs.py [--cases N] [--seed S] [--seconds T] [--hostile P]``.
 Prints the outcomes per format and mutation, the slowest load, and every failure with its
 reproducer path; exits 1 on a failure.
 
-``--commands`` runs the command line instead: each case through ``gpudash replay``,
+``--commands`` (``--families a,b`` to draw hostile files from some families only) runs the
+command line instead: each case through ``gpudash replay``,
 ``gpudash explain`` and ``gpudash convert`` in a process of its own (30 s limit), and reports
 files fuzzed, command runs, tracebacks (exit code 70, a Python traceback, a warning that is not
 a GpudashWarning, an error that is not one ``gpudash: error:`` line, an exit code other than
@@ -174,7 +181,8 @@ def _recrc(data: bytes, rng: random.Random) -> bytes:
 
 
 # ============================================================================ hostile files
-FAMILIES = ("fifo", "longline", "memo", "meta", "devices", "floats", "npy", "bomb")
+FAMILIES = ("fifo", "longline", "memo", "meta", "devices", "floats", "npy", "bomb", "oommsg",
+            "snapfit")
 MAX_BYTES = 2_000_000
 _GLOG = "I0000 00:00:1796221057.331741   10338 bfc_allocator.cc:176] "
 _LOG_LINES = [
@@ -453,6 +461,65 @@ def _bomb(rng: random.Random) -> tuple[str, bytes]:
                                         protocol=4)
 
 
+_FIGURE = re.compile(rb"\d+(?:\.\d+)?(?= ?[KMGTPE]?i?B\b)")
+
+
+def _oom_message(rng: random.Random) -> tuple[str, bytes]:
+    """A real PyTorch out-of-memory message (tests/data/torch_oom) with figures of hundreds
+    or thousands of digits, NVML's 2**64 figure, and lines broken after hyphens, repeated
+    up to 2 MB: what ``gpudash explain`` reads."""
+    files = sorted((DATA / "torch_oom").glob("*.txt"))
+    data = files[rng.randrange(len(files))].read_bytes() if files else \
+        b"CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.90 GiB total capacity)"
+
+    def figure(m: re.Match) -> bytes:
+        return rng.choice([b"9" * rng.choice([400, 4301, 20_000]), b"17179869184.00",
+                           b"1" + b"0" * 40 + b".5", m.group(0)])
+
+    data = _FIGURE.sub(figure, data)
+    kind = rng.choice(["hyphens", "repeat", "both"])
+    if kind in ("hyphens", "both"):
+        # each word ends its line with a hyphen (what made reading quadratic)
+        data = re.sub(rb" ", lambda _m: rng.choice([b"-\n", b" -\n", b"- ", b" "]), data)
+    if kind in ("repeat", "both"):
+        data = (data + b"\n") * max(1, MAX_BYTES // (len(data) + 1) // rng.choice([1, 4, 40]))
+    return "tf-log", data[:MAX_BYTES]
+
+
+def _snapshot_misfit(rng: random.Random) -> tuple[str, bytes]:
+    """A PyTorch JSON snapshot whose trace does not fit its segments: from a real snapshot
+    (its trace cut to start mid-run or not), entries inserted at addresses inside live
+    segments, blocks and free blocks, at segment ends, with other sizes: frees of unknown
+    blocks, segment frees, unmaps and maps (of 0 bytes too), allocs; segments marked
+    expandable."""
+    from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+
+    snap = load_torch_snapshot_dict(DATA / "real" / "torch_mlp.replayed_snapshot.pickle")
+    trace = list(snap["device_traces"][0])
+    trace = trace[rng.choice([0, 0, 1, 10, 50, 300, 1000, rng.randrange(len(trace))]):]
+    points = []
+    for seg in snap["segments"]:
+        a, t = seg["address"], seg["total_size"]
+        points += [a, a + t, a + t - 512, a + t // 2]
+        for b in seg["blocks"]:
+            points += [b["address"], b["address"] + 512, b["address"] + b["size"] // 2]
+    actions = ["free_requested", "free_completed", "alloc", "segment_free", "segment_alloc",
+               "segment_map", "segment_unmap", "oom"]
+    for _ in range(rng.choice([1, 1, 2, 4])):
+        at = rng.choice(points) + rng.choice([0, 0, 512, -512])
+        size = rng.choice([0, 512, 4096, 1 << 20, 2 << 20, 3 << 20, 20 << 20])
+        kinds = rng.choice([["free_requested", "free_completed"], ["free_completed"],
+                            [rng.choice(actions)]])
+        k = rng.randrange(len(trace) + 1)
+        trace[k:k] = [{"action": a, "addr": at, "size": size, "stream": 0, "frames": []}
+                      for a in kinds]
+    snap["device_traces"] = [trace]
+    if rng.random() < 0.2:
+        for seg in snap["segments"]:
+            seg["is_expandable"] = True
+    return "torch-json", json.dumps(snap).encode()
+
+
 def hostile(rng: random.Random, base: dict[str, bytes], workdir: Path,
             family: str | None = None) -> tuple[str, str, bytes | None]:
     """One hostile case: (format, family, bytes); bytes is None for a FIFO."""
@@ -476,6 +543,10 @@ def hostile(rng: random.Random, base: dict[str, bytes], workdir: Path,
             data = _gdtrace_bytes(t, workdir)
     elif family == "bomb":
         fmt, data = _bomb(rng)
+    elif family == "oommsg":
+        fmt, data = _oom_message(rng)
+    elif family == "snapfit":
+        fmt, data = _snapshot_misfit(rng)
     else:
         fmt, data = _npy(rng, workdir)
     return fmt, family, data
@@ -623,7 +694,8 @@ def _run_command(args: list[str], timeout: float) -> tuple[int | None, str, floa
 
 
 def commands(cases: int = 200, seed: int = 0, hostile_share: float = 0.7,
-             timeout: float = HANG_S, workdir: Path | None = None) -> dict:
+             timeout: float = HANG_S, workdir: Path | None = None,
+             families: tuple[str, ...] = FAMILIES) -> dict:
     """Run every command on ``cases`` files (a share ``hostile_share`` of hostile ones, the
     rest mutants) and on a FIFO and a link to /dev/zero; a dict of the counts, the worst
     time, the peak RSS and the failures."""
@@ -640,7 +712,7 @@ def commands(cases: int = 200, seed: int = 0, hostile_share: float = 0.7,
             if case == 0:
                 fmt, kind, data = formats[0], "fifo", None
             elif rng.random() < hostile_share:
-                fmt, kind, data = hostile(rng, base, workdir)
+                fmt, kind, data = hostile(rng, base, workdir, rng.choice(families))
             else:
                 fmt = formats[case % len(formats)]
                 kind, data = mutate(base[fmt], rng, fmt)
@@ -707,12 +779,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of hostile files among the cases (default 0.3; --commands 0.7)")
     ap.add_argument("--commands", action="store_true",
                     help="run gpudash replay/explain/convert on each case in its own process")
+    ap.add_argument("--families", default=",".join(FAMILIES),
+                    help="the hostile families --commands draws from (comma-separated)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.commands:
+        families = tuple(f for f in args.families.split(",") if f)
+        unknown = set(families) - set(FAMILIES)
+        if unknown or not families:
+            ap.error(f"--families takes some of {', '.join(FAMILIES)}")
         r = commands(args.cases, args.seed,
-                     hostile_share=0.7 if args.hostile is None else args.hostile)
+                     hostile_share=0.7 if args.hostile is None else args.hostile,
+                     families=families)
         print(f"files fuzzed      {r['files']:>10,}  (largest {r['largest_input']:,} bytes)")
         print(f"command runs      {r['runs']:>10,}  in {time.perf_counter() - t0:.0f} s; exit "
               f"codes {dict(sorted(r['exit_codes'].items(), key=str))}")

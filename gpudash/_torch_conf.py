@@ -5,8 +5,11 @@
 ``roundup_power2_divisions``, ``expandable_segments``) and accepts the ones that do not
 (``release_lock_on_cudamalloc``, the ``pinned_*`` keys, ``graph_capture_record_stream_reuse``,
 ``backend:native``). It is read from a settings string with PyTorch's lexer (``,``, ``:``,
-``[`` and ``]`` separate tokens; spaces are dropped) and refuses what PyTorch's parser refuses,
-with a :class:`~gpudash.ConfigError` that names the key, the value and what is accepted.
+``[`` and ``]`` separate tokens; spaces are dropped, from 2.8 every C whitespace character)
+and PyTorch's number rules (``std::stoull``/``std::stoi`` and ``std::stod``: an optional sign,
+ASCII digits from the start, the rest of the token ignored, so ``+128`` and ``128MB`` are 128
+and ``١٢٨`` is refused); it accepts what PyTorch's parser accepts and refuses what it refuses,
+with a :class:`~gpudash.ConfigError` that names the key, the value and PyTorch's words.
 
 The rules depend on the PyTorch version (``version=(2, 11)`` by default):
 
@@ -21,6 +24,11 @@ rule                                      versions
 ``garbage_collection_threshold``          1.12 on
 ``expandable_segments``                   2.1 on
 ``divisions == 1`` leaves sizes unrounded 1.12 to 2.3 (later: plain 512-byte rounding)
+MiB and divisions read by ``std::stoi``   up to 2.7 (int: 2**31 MiB and more refused);
+                                          2.8 on ``std::stoull`` (up to 2**64 - 1)
+tokens drop spaces only; ``:`` and ``,``  up to 2.7; 2.8 on every C whitespace
+checked                                   character is dropped and a separator only
+                                          has to be there (``ConfigTokenizer``)
 ========================================  ==========================================
 
 A snapshot's ``allocator_settings`` (PyTorch 2.4 on) holds the parsed values;
@@ -30,9 +38,11 @@ string at all.
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from ._errors import ConfigError
@@ -99,8 +109,26 @@ def parse_torch_version(version: Any) -> tuple[int, int]:
     return out
 
 
-def _lex(conf: str) -> list[str]:
-    """PyTorch's ``lexArgs``: separators are tokens of their own, spaces are dropped."""
+#: From this version PyTorch parses the string with ``AcceleratorAllocatorConfig`` and its
+#: ``ConfigTokenizer`` (c10/core/AllocatorConfig.h) in two passes, the accelerator's keys and
+#: then CUDA's (c10/cuda/CUDAAllocatorConfig.cpp); before it, with CUDAAllocatorConfig's own
+#: ``lexArgs``/``consumeToken``. gpudash's other 2.8 rules (``>= 20``, ``>`` from the next
+#: interval) come from the same refactor.
+_TOKENIZER_SINCE = (2, 8)
+#: C's ``isspace`` in the "C" locale, byte by byte: what ``ConfigTokenizer`` drops (a
+#: non-ASCII character is bytes >= 0x80 in UTF-8, never a space there).
+_C_SPACE = " \t\n\v\f\r"
+_U64 = (1 << 64) - 1
+_ACCEL_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+               "roundup_power2_divisions", "expandable_segments",
+               "pinned_use_background_threads")
+
+
+def _lex(conf: str, version: tuple[int, int] = DEFAULT_TORCH_VERSION) -> list[str]:
+    """PyTorch's lexer: ``,``, ``:``, ``[`` and ``]`` are tokens of their own; from 2.8
+    (``ConfigTokenizer``) every C whitespace character is dropped, before it (``lexArgs``)
+    only the space."""
+    drop = _C_SPACE if version >= _TOKENIZER_SINCE else " "
     out: list[str] = []
     buf: list[str] = []
     for ch in conf:
@@ -109,11 +137,101 @@ def _lex(conf: str) -> list[str]:
                 out.append("".join(buf))
                 buf = []
             out.append(ch)
-        elif ch != " ":
+        elif ch not in drop:
             buf.append(ch)
     if buf:
         out.append("".join(buf))
     return out
+
+
+class _CNumberError(ValueError):
+    """``std::invalid_argument`` or ``std::out_of_range`` from ``std::sto*``."""
+
+    def __init__(self, func: str, kind: str) -> None:
+        super().__init__(func)
+        self.func = func
+        self.kind = kind
+
+
+_C_INT_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+_C_DEC_RE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_C_HEX_RE = re.compile(r"([+-]?)0[xX]((?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)"
+                       r"(?:[pP][+-]?[0-9]+)?)?")
+_C_SPECIAL_RE = re.compile(r"([+-]?)(inf(?:inity)?|nan(?:\([0-9A-Za-z_]*\))?)", re.I)
+
+
+def _c_integer(text: str, func: str) -> int:
+    """``std::stoull``/``std::stoul`` (base 10, 64-bit) or ``std::stoi`` on ``text``: leading
+    C whitespace, an optional sign, then the longest run of ASCII digits; what follows is
+    ignored (``"128MB"`` is 128, ``"0x80"`` is 0, ``"1e3"`` is 1). No digit: invalid_argument;
+    beyond the type: out_of_range. The unsigned ones negate modulo 2**64 (``"-1"`` is
+    2**64 - 1); ``stoi``'s result is returned signed."""
+    m = _C_INT_RE.match(text.split("\0", 1)[0])
+    if m is None:
+        raise _CNumberError(func, "invalid_argument")
+    digits = m.group(2).lstrip("0") or "0"
+    if len(digits) > 20:  # beyond every 64-bit type; also keeps int() clear of huge strings
+        raise _CNumberError(func, "out_of_range")
+    n = int(digits)
+    negative = m.group(1) == "-"
+    if func == "stoi":
+        # strtol (64-bit long), then stoi's own check against int's range
+        if n > (1 << 63) - (0 if negative else 1):
+            raise _CNumberError(func, "out_of_range")
+        v = -n if negative else n
+        if not -(1 << 31) <= v < (1 << 31):
+            raise _CNumberError(func, "out_of_range")
+        return v
+    if n > _U64:
+        raise _CNumberError(func, "out_of_range")
+    return (-n) % (1 << 64) if negative else n
+
+
+def _c_double(text: str) -> float:
+    """``std::stod`` (``strtod`` in the "C" locale): leading C whitespace, then the longest
+    decimal (``"1e3"``, ``".5"``), hexadecimal (``"0x1p-1"``) or ``inf``/``nan`` prefix;
+    what follows is ignored. No number: invalid_argument; overflow or underflow (ERANGE,
+    subnormal results included): out_of_range."""
+    s = text.split("\0", 1)[0].lstrip(_C_SPACE)
+    m = _C_SPECIAL_RE.match(s)
+    if m:
+        word = m.group(2).lower()
+        x = math.nan if word.startswith("nan") else math.inf
+        return -x if m.group(1) == "-" else x
+    m = _C_HEX_RE.match(s)
+    if m:
+        if m.group(2) is None:  # "0x" with no hex digit: strtod reads the "0"
+            return -0.0 if m.group(1) == "-" else 0.0
+        try:
+            x = float.fromhex(m.group(0))
+        except OverflowError:
+            raise _CNumberError("stod", "out_of_range") from None
+        mant = re.split("[pP]", m.group(0))[0].lstrip("+-")[2:]
+    else:
+        m = _C_DEC_RE.match(s)
+        if m is None:
+            raise _CNumberError("stod", "invalid_argument")
+        x = float(m.group(0))
+        mant = re.split("[eE]", m.group(0))[0]
+    if math.isinf(x):
+        raise _CNumberError("stod", "out_of_range")
+    if abs(x) < 2.2250738585072014e-308 and any(c not in "0.+-" for c in mant):
+        # glibc's strtod sets ERANGE on underflow: a zero or subnormal result that is
+        # not the written value exactly (0x1p-1074 is exact and accepted; 1e-310 is not)
+        if x == 0.0 or len(m.group(0)) > 1000 or _exact_value(m.group(0)) != Fraction(x):
+            raise _CNumberError("stod", "out_of_range")
+    return x
+
+
+def _exact_value(text: str) -> Fraction:
+    """The exact value of a short decimal or hexadecimal C float literal."""
+    hexm = re.fullmatch(r"([+-]?)0[xX]([0-9a-fA-F]*)\.?([0-9a-fA-F]*)(?:[pP]([+-]?[0-9]+))?",
+                        text)
+    if hexm is None:
+        return Fraction(decimal.Decimal(text))
+    sign, whole, frac, exp = hexm.groups()
+    v = Fraction(int((whole + frac) or "0", 16)) * Fraction(2) ** (int(exp or 0) - 4 * len(frac))
+    return -v if sign == "-" else v
 
 
 def _is_pow2(n: int) -> bool:
@@ -121,17 +239,33 @@ def _is_pow2(n: int) -> bool:
 
 
 class _Tokens:
-    """The token stream of one settings string, with PyTorch's error for a missing token."""
+    """The token stream of one settings string, with PyTorch's errors for missing tokens.
 
-    def __init__(self, conf: str) -> None:
+    ``strict`` is the parser before 2.8, whose ``consumeToken`` refuses a wrong separator;
+    2.8's ``ConfigTokenizer::checkToken`` result goes unread, so from 2.8 a separator must
+    only be there (``"max_split_size_mb,128"`` is read as ``max_split_size_mb:128``).
+    """
+
+    def __init__(self, conf: str, version: tuple[int, int] = DEFAULT_TORCH_VERSION) -> None:
         self.conf = conf
-        self.toks = _lex(conf)
+        self.strict = version < _TOKENIZER_SINCE
+        self.toks = _lex(conf, version)
         self.i = 0
 
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"PYTORCH_CUDA_ALLOC_CONF={self.conf!r}: {message}")
 
+    def out_of_bounds(self, after: str) -> ConfigError:
+        return self.error(f"the string ends after {after!r} where PyTorch reads another token "
+                          "(PyTorch: INTERNAL ASSERT FAILED \"Index out of bounds in "
+                          "ConfigTokenizer\")")
+
     def expect(self, ch: str, after: str) -> None:
+        if not self.strict:
+            if self.i >= len(self.toks):
+                raise self.out_of_bounds(after)
+            self.i += 1
+            return
         if self.i >= len(self.toks) or self.toks[self.i] != ch:
             found = self.toks[self.i] if self.i < len(self.toks) else "the end"
             raise self.error(f"expected {ch!r} after {after!r}, found {found!r} (PyTorch: "
@@ -140,17 +274,47 @@ class _Tokens:
 
     def value(self, key: str) -> str:
         self.expect(":", key)
-        if self.i >= len(self.toks) or self.toks[self.i] in ",:[]":
+        if self.i >= len(self.toks) or (self.strict and self.toks[self.i] in ",:[]"):
+            if not self.strict:
+                raise self.out_of_bounds(key)
             raise self.error(f"{key} needs a value (PyTorch: \"Error, expecting {key} value\")")
         v = self.toks[self.i]
         self.i += 1
         return v
 
+    def skip_key(self, key: str) -> None:
+        """``ConfigTokenizer::skipKey``: past the key's value, or its ``[...]`` list."""
+        self.expect(":", key)
+        if self.i >= len(self.toks):
+            raise self.out_of_bounds(key)
+        if self.toks[self.i] == "[":
+            while self.i < len(self.toks) and self.toks[self.i] != "]":
+                self.i += 1
+            if self.i >= len(self.toks):
+                raise self.error(f"{key}: the list has no closing ']' (PyTorch: INTERNAL "
+                                 "ASSERT FAILED \"Expected closing bracket ']' in "
+                                 "ConfigTokenizer but reached end of config\")")
+        self.i += 1
 
-def _int_value(tok: _Tokens, key: str, text: str, what: str) -> int:
-    if not re.fullmatch(r"\d+", text):
-        raise tok.error(f"{key} takes {what}; got {text!r}")
-    return int(text)
+
+def _c_number_error(tok: _Tokens, key: str, text: str, what: str,
+                    err: _CNumberError) -> ConfigError:
+    if err.kind == "invalid_argument":
+        why = (f"PyTorch reads it with std::{err.func}, which finds no number at its start "
+               "(ASCII digits, after an optional sign)")
+    else:
+        why = f"it is beyond the range of std::{err.func}"
+    return tok.error(f"{key} takes {what}; got {text!r}: {why} (PyTorch: {err.kind} "
+                     f"\"{err.func}\")")
+
+
+def _int_value(tok: _Tokens, key: str, text: str, what: str, func: str = "stoull") -> int:
+    """A whole number read as PyTorch reads it (``func``: ``stoull`` from 2.8, ``stoi`` or
+    ``stoul`` before), as the unsigned 64-bit value PyTorch then holds."""
+    try:
+        return _c_integer(text, func) % (1 << 64)
+    except _CNumberError as err:
+        raise _c_number_error(tok, key, text, what, err) from None
 
 
 class CachingAllocatorConfig:
@@ -285,16 +449,36 @@ class CachingAllocatorConfig:
         work.max_split_size = None
         work.roundup_power2_divisions = (0,) * _INTERVALS
         work.garbage_collection_threshold = 0.0
-        tok = _Tokens(conf)
+        tok = _Tokens(conf, self.version)
+        if tok.strict:
+            work._parse_pass(tok, None)
+        else:
+            # 2.8 on: AcceleratorAllocatorConfig::parseArgs reads its own keys and skips the
+            # rest, then CUDAAllocatorConfig::parseArgs reads CUDA's keys, refuses unknown
+            # ones and skips the accelerator's (c10/core/AllocatorConfig.cpp,
+            # c10/cuda/CUDAAllocatorConfig.cpp); a refusal in either refuses the string.
+            work._parse_pass(tok, True)
+            tok.i = 0
+            work._parse_pass(tok, False)
+        for name in self.__slots__:
+            setattr(self, name, getattr(work, name))
+
+    def _parse_pass(self, tok: _Tokens, accelerator: bool | None) -> None:
+        """One parser's loop over the tokens: both kinds of key (``None``, before 2.8), the
+        accelerator's (``True``) or CUDA's (``False``)."""
         toks = tok.toks
         while tok.i < len(toks):
             key = toks[tok.i]
             tok.i += 1
-            work._parse_key(tok, key)
+            if accelerator is not None and (key in _ACCEL_KEYS) != accelerator and \
+                    self._known(key):
+                tok.skip_key(key)  # the other parser's key
+            else:
+                # an unknown key: CUDA's parser refuses it ("Unrecognized key"); the
+                # accelerator's would skip it first, so the string is refused either way
+                self._parse_key(tok, key)
             if tok.i < len(toks):
                 tok.expect(",", key)
-        for name in self.__slots__:
-            setattr(self, name, getattr(work, name))
 
     def _known(self, key: str) -> bool:
         since = _KEYS_SINCE.get(key)
@@ -312,7 +496,8 @@ class CachingAllocatorConfig:
             raise tok.error(f"unrecognized key {key!r} (PyTorch: \"Unrecognized key '{key}' "
                             f"in CUDA allocator config.\"); accepted: {', '.join(known)}")
         if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-            n = _int_value(tok, key, tok.value(key), "an integer number of MiB")
+            n = _int_value(tok, key, tok.value(key), "an integer number of MiB",
+                           "stoi" if tok.strict else "stoull")
             low_ok = n >= 20 if v >= (2, 8) else n > 20
             if not low_ok:
                 bound = ">= 20" if v >= (2, 8) else "> 20"
@@ -326,9 +511,9 @@ class CachingAllocatorConfig:
         elif key == "garbage_collection_threshold":
             text = tok.value(key)
             try:
-                x = float(text)
-            except ValueError:
-                raise tok.error(f"{key} takes a number in (0.0, 1.0); got {text!r}") from None
+                x = _c_double(text)
+            except _CNumberError as err:
+                raise _c_number_error(tok, key, text, "a number in (0.0, 1.0)", err) from None
             if not (0.0 < x < 1.0):
                 raise tok.error(f"{key}:{text} is outside (0.0, 1.0) (PyTorch: "
                                 "\"garbage_collect_threshold is invalid, set it in (0.0, "
@@ -339,9 +524,11 @@ class CachingAllocatorConfig:
         elif key == "expandable_segments":
             text = tok.value(key)
             if text not in ("True", "False"):
+                said = ("Expected a single True/False argument for expandable_segments"
+                        if tok.strict else f"Expected 'True' or 'False' at index "
+                        f"{tok.i - 1} in ConfigTokenizer but got '{text}'")
                 raise tok.error(f"expandable_segments takes True or False; got {text!r} "
-                                "(PyTorch: \"Expected a single True/False argument for "
-                                "expandable_segments\")")
+                                f"(PyTorch: \"{said}\")")
             self.expandable_segments = text == "True"
         elif key == "backend":
             text = tok.value(key)
@@ -361,7 +548,8 @@ class CachingAllocatorConfig:
                 raise tok.error(f"{key} takes True or False; got {text!r}")
             self.inert[key] = text == "True"
         else:  # pinned_num_register_threads, pinned_reserve_segment_size_mb
-            n = _int_value(tok, key, tok.value(key), "a positive integer")
+            n = _int_value(tok, key, tok.value(key), "a positive integer",
+                           "stoi" if tok.strict else "stoull")
             if key == "pinned_num_register_threads" and not (_is_pow2(n) and n <= 128):
                 raise tok.error(f"{key} must be a power of 2 up to 128; got {n}")
             if n <= 0:
@@ -369,18 +557,25 @@ class CachingAllocatorConfig:
             self.inert[key] = n
 
     def _parse_roundup(self, tok: _Tokens) -> None:
+        """``parseRoundUpPower2Divisions``: divisions by ``stoi`` and interval starts by
+        ``stoul`` before 2.8, both by ``stoull`` from 2.8 (``ConfigTokenizer::toSizeT``)."""
         key = "roundup_power2_divisions"
         tok.expect(":", key)
         toks = tok.toks
         if tok.i >= len(toks):
-            raise tok.error(f"{key} needs a value (PyTorch: \"Error, expecting {key} value\")")
+            if tok.strict:
+                raise tok.error(f"{key} needs a value (PyTorch: \"Error, expecting {key} "
+                                "value\")")
+            raise tok.out_of_bounds(key)
+        div_func = "stoi" if tok.strict else "stoull"
         if toks[tok.i] != "[":
             text = toks[tok.i]
             tok.i += 1
-            n = _int_value(tok, key, text, "a power of 2 or a list such as [256:1,>:4]")
+            n = _int_value(tok, key, text, "a power of 2 or a list such as [256:1,>:4]",
+                           div_func)
             if not _is_pow2(n):
-                raise tok.error(f"{key}:{n}: the divisions must be a power of 2 (PyTorch: "
-                                "\"For roundups, the divisons has to be power of 2\")")
+                raise tok.error(f"{key}:{text}: the divisions must be a power of 2 (PyTorch: "
+                                "\"For roundups, the divisions has to be power of 2\")")
             self.roundup_power2_divisions = (n,) * _INTERVALS
             return
         if self.version < (2, 0):
@@ -394,22 +589,27 @@ class CachingAllocatorConfig:
             k = toks[tok.i]
             tok.i += 1
             tok.expect(":", k)
-            if tok.i >= len(toks) or toks[tok.i] in ",:[]":
-                raise tok.error(f"{key}: the interval {k!r} needs a value")
-            val = _int_value(tok, key, toks[tok.i], "power-of-2 divisions (or 0)")
+            if tok.i >= len(toks):
+                if tok.strict:
+                    raise tok.error(f"{key}: the interval {k!r} needs a value (PyTorch: "
+                                    "\"Error parsing roundup_power2_divisions value\")")
+                raise tok.out_of_bounds(f"{k}:")
+            text = toks[tok.i]
+            val = _int_value(tok, key, text, "power-of-2 divisions (or 0)", div_func)
             tok.i += 1
             if not (val == 0 or _is_pow2(val)):
-                raise tok.error(f"{key}: divisions must be a power of 2 or 0; got {val} "
-                                "(PyTorch: \"For roundups, the divisons has to be power of 2 "
+                raise tok.error(f"{key}: divisions must be a power of 2 or 0; got {text!r} "
+                                "(PyTorch: \"For roundups, the divisions has to be power of 2 "
                                 "or 0 to disable roundup\")")
             if k == ">":
                 start = last_index + 1 if self.version >= (2, 8) else last_index
                 for i in range(min(start, _INTERVALS), _INTERVALS):
                     vec[i] = val
             else:
-                mib = _int_value(tok, key, k, "interval starts in MiB that are powers of 2")
+                mib = _int_value(tok, key, k, "interval starts in MiB that are powers of 2",
+                                 "stoul" if tok.strict else "stoull")
                 if not _is_pow2(mib):
-                    raise tok.error(f"{key}: the interval {mib} MiB is not a power of 2 "
+                    raise tok.error(f"{key}: the interval {k!r} MiB is not a power of 2 "
                                     "(PyTorch: \"For roundups, the intervals have to be "
                                     "power of 2\")")
                 index = min(mib.bit_length() - 1, _INTERVALS - 1)
@@ -419,13 +619,17 @@ class CachingAllocatorConfig:
                     first = False
                 vec[index] = val
                 last_index = index
-            if tok.i < len(toks) and toks[tok.i] == ",":
-                tok.i += 1
-            elif tok.i < len(toks) and toks[tok.i] != "]":
-                raise tok.error(f"{key}: expected ',' or ']' after {k}:{val}, found "
-                                f"{toks[tok.i]!r}")
+            # PyTorch: if (tokens[i + 1] != "]") expect ',' (read, never past the end)
+            if tok.i >= len(toks):
+                if tok.strict:
+                    break
+                raise tok.out_of_bounds(f"{k}:{text}")
+            if toks[tok.i] != "]":
+                tok.expect(",", f"{k}:{text}")
         if tok.i >= len(toks):
-            raise tok.error(f"{key}: the list has no closing ']'")
+            raise tok.error(f"{key}: the list has no closing ']' (PyTorch 2.8 on: INTERNAL "
+                            "ASSERT FAILED \"Expected closing bracket ']' in ConfigTokenizer "
+                            "but reached end of config\")")
         tok.i += 1  # "]"
         self.roundup_power2_divisions = tuple(vec)
 

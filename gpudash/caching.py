@@ -382,6 +382,7 @@ class PyCachingAllocator(EventSource):
         self._blocks: dict[int, _Block] = {}
         self._spare: list[_Block] = []                 # records of merged blocks, reused
         self._segments: dict[int, int] = {}            # cudaMalloc base -> size
+        self._seg_starts: list[int] = []               # its bases, sorted
         self._expandable: list[_ExpandableSegment] = []
         self._reserved = 0                             # total_allocated_memory
         self._allowed = 0                              # allowed_memory_maximum
@@ -865,6 +866,11 @@ class PyCachingAllocator(EventSource):
         if not ptr:
             return None
         ptr = int(ptr)
+        clash = self._clash(ptr, alloc_size)
+        if clash is not None:
+            self._sub.free(ptr, alloc_size)
+            raise self._overlap_error("handed out", ptr, alloc_size, clash)
+        insort(self._seg_starts, ptr)
         self._reserved += alloc_size
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
@@ -883,6 +889,31 @@ class PyCachingAllocator(EventSource):
         if journal is not None:
             journal.extend((now_ns(), _EXTEND, ptr, alloc_size, size, 0, 0, 0))
         return block
+
+    def _clash(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """The segment or expandable reservation that [ptr, ptr + nbytes) overlaps, as
+        (base, size); None when the range is disjoint from all of them."""
+        segs = self._segments
+        starts = self._seg_starts
+        if len(starts) != len(segs):   # segments put in from outside (a rebuilt start)
+            starts[:] = sorted(segs)
+        i = bisect_left(starts, ptr)
+        if i < len(starts) and starts[i] - ptr < nbytes:
+            return starts[i], segs[starts[i]]
+        if i and ptr - starts[i - 1] < segs[starts[i - 1]]:
+            return starts[i - 1], segs[starts[i - 1]]
+        for es in self._expandable:
+            if (0 <= ptr - es.base < es.size) or (0 <= es.base - ptr < nbytes):
+                return es.base, es.size
+        return None
+
+    def _overlap_error(self, how: str, ptr: int, nbytes: int,
+                       clash: tuple[int, int]) -> InvalidPointerError:
+        return InvalidPointerError(
+            f"{self._name}: the sub-allocator {how} {ptr:#x}..{ptr + nbytes:#x}, which "
+            f"overlaps the range {clash[0]:#x}..{clash[0] + clash[1]:#x} it gave this "
+            "allocator before; a device must hand out disjoint ranges (the new range went "
+            "back to it)")
 
     def _release_block(self, block: _Block) -> None:
         """``release_block``: cudaFree of a whole free segment."""
@@ -912,6 +943,10 @@ class PyCachingAllocator(EventSource):
         del keys[bisect_left(keys, _key(block))]
         del self._blocks[block.ptr]
         del self._segments[block.ptr]
+        starts = self._seg_starts
+        i = bisect_left(starts, block.ptr)
+        if i < len(starts) and starts[i] == block.ptr:
+            del starts[i]
 
     def _garbage_collect(self) -> None:
         """``garbage_collect_cached_blocks``: release aged whole free large segments until
@@ -1055,6 +1090,12 @@ class PyCachingAllocator(EventSource):
         reserve = getattr(self._sub, "reserve", None)
         if callable(reserve):
             base = int(reserve(nbytes))
+            clash = self._clash(base, nbytes)
+            if clash is not None:
+                unreserve = getattr(self._sub, "unreserve", None)
+                if callable(unreserve):
+                    unreserve(base, nbytes)
+                raise self._overlap_error("reserved", base, nbytes, clash)
         else:
             if getattr(self._sub, "kind", "") == "cuda":
                 raise BackendUnavailableError(

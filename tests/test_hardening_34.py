@@ -5,6 +5,7 @@ configuration read unlike PyTorch, and an internal error on a damaged JSON snaps
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -370,3 +371,133 @@ def test_ctrl_c_stops_a_sweep_and_its_workers_at_once(group):
     assert not [q for q in pids if running(q)]
     # the sweep's remaining rows take 10 s and more here; stopping takes well under 1 s
     assert took < 5, f"{took:.1f} s from SIGINT to the end of the process"
+
+
+# ------------------------------------------ a device that hands out overlaps: caching allocator
+class _OverlappingCuda:
+    """cudaMalloc that hands out a range over the first one; reserve() likewise."""
+
+    total = 16 << 30
+
+    def __init__(self, step: int):
+        self.step = step
+        self.given, self.freed, self.reserved, self.unreserved = [], [], [], []
+
+    def alloc(self, nbytes):
+        ptr = (1 << 32) + len(self.given) * self.step
+        self.given.append((ptr, nbytes))
+        return ptr
+
+    def free(self, ptr, nbytes):
+        self.freed.append((ptr, nbytes))
+
+    def reserve(self, nbytes):
+        base = (1 << 40) + len(self.reserved) * (20 << 20)
+        self.reserved.append((base, nbytes))
+        return base
+
+    def unreserve(self, base, nbytes):
+        self.unreserved.append((base, nbytes))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("step", [0, 4096, 20 << 20])
+def test_a_caching_segment_over_an_earlier_one_is_refused(step):
+    """Both caching-allocator cores took a cudaMalloc range over a live segment as a new
+    segment (the Python model then failed its own checks, with KeyErrors later); both now
+    refuse it with the same error and give the range back."""
+    from gpudash import InvalidPointerError
+    from gpudash.caching import CachingAllocator
+
+    dev = _OverlappingCuda(step)
+    a = CachingAllocator(dev)
+    p = a.allocate(22 << 20)
+    with pytest.raises(InvalidPointerError, match="overlaps the range 0x100000000"):
+        a.allocate(40 << 20)
+    assert dev.freed == [dev.given[1]]
+    a.check()
+    a.deallocate(p)
+    a.empty_cache()
+    a.check()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+@pytest.mark.core
+def test_an_expandable_reservation_over_an_earlier_one_is_refused_not_a_crash():
+    """The compiled core crashed (SIGSEGV) when a device reserved a second expandable range
+    over the first; both cores now refuse it alike and give it back."""
+    code = textwrap.dedent("""
+        from gpudash import InvalidPointerError
+        from gpudash.caching import CachingAllocator
+        class Dev:
+            total = 16 << 30
+            def __init__(self):
+                self.n = 0
+                self.unreserved = []
+            def alloc(self, n):
+                self.n += 1
+                return self.n
+            def free(self, p, n):
+                pass
+            def reserve(self, n):
+                return 1 << 40
+            def unreserve(self, b, n):
+                self.unreserved.append((b, n))
+        dev = Dev()
+        a = CachingAllocator(dev, "expandable_segments:True")
+        p = a.allocate(64 << 20)             # the large pool's reservation
+        try:
+            a.allocate(4096)                 # the small pool's: over the large one
+        except InvalidPointerError as exc:
+            print("refused:", "overlaps the range 0x10000000000" in str(exc))
+        a.deallocate(p)
+        a.check()
+        print("unreserved:", len(dev.unreserved))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert "refused: True" in r.stdout and "unreserved: 1" in r.stdout, r.stdout
+
+
+# ----------------------------------- a JSON snapshot whose trace does not fit its segments
+def _damaged_json(tmp_path: Path, cut: int, at: int, entry: dict) -> Path:
+    from gpudash.trace.torch_snapshot import load_torch_snapshot_dict
+
+    snap = load_torch_snapshot_dict(ROOT / "tests/data/real/torch_mlp.replayed_snapshot.pickle")
+    trace = list(snap["device_traces"][0])[cut:]
+    trace.insert(at, dict(entry, stream=0, frames=[]))
+    snap["device_traces"] = [trace]
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(snap))
+    return path
+
+
+@pytest.mark.parametrize("command", ["replay", "explain", "holders"])
+@pytest.mark.parametrize("cut, at, entry, words", [
+    # a trace that starts mid-run, with a segment_free inside a segment that lives on
+    (50, 100, {"action": "segment_free", "addr": 0x7F0000305000, "size": 512},
+     ["device_traces[0][100] (segment_free at 0x7f0000305000, 512 bytes)",
+      "overlaps a segment at 0x7f0000200000", "held free memory"]),
+    # a segment_unmap over allocated blocks of a cudaMalloc segment, mid-run
+    (1000, 6, {"action": "segment_unmap", "addr": 0x7F000000A400, "size": 1 << 20},
+     ["segment_unmap at 0x7f000000a400", "overlaps a segment at 0x7f0000000000"]),
+    # a segment_unmap of no size (the model's state lost a segment head: KeyError)
+    (0, 738, {"action": "segment_unmap", "addr": 0x7F00006DFE00, "size": 0},
+     ["device_traces[0][738]: a segment_unmap of 0 bytes at 0x7f00006dfe00"]),
+])
+def test_a_trace_that_does_not_fit_its_segments_is_named_not_an_internal_error(
+        tmp_path, capsys, command, cut, at, entry, words):
+    """Such a JSON snapshot ended in "internal error: AssertionError: invariant broken" (or
+    a KeyError) after the whole replay; it is now refused on reading, naming the entry and
+    what the segment held there."""
+    from gpudash import cli
+
+    path = _damaged_json(tmp_path, cut, at, entry)
+    rc = cli.main([command, str(path)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "internal error" not in err and "invariant" not in err
+    for w in words:
+        assert w in err, err

@@ -1395,6 +1395,7 @@ cdef class CachingCore:
             if not ptr:
                 return -1
             p = int(ptr)
+            self.refuse_overlap(p, alloc_size, False)
         self._reserved += alloc_size
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
@@ -1415,6 +1416,52 @@ cdef class CachingCore:
         if self.jr is not None:
             self.jr.push(K_EXTEND, <int64_t>p, alloc_size, size, 0, 0, 0, 0)
         return blk
+
+    @cython.final
+    cdef int refuse_overlap(self, uint64_t p, int64_t n, bint reserved) except -1:
+        """_clash and _overlap_error: refuse a range over a segment or an expandable
+        reservation handed out before, giving the new range back first."""
+        cdef Key k
+        cdef Key* q
+        cdef int bi = 0, i = 0, e
+        cdef bint found, clash = False
+        cdef uint64_t c0 = 0, c1 = 0, esz
+        k.a = 0
+        k.b = p
+        k.c = 0
+        found = ss_lower_bound(&self.segs, &k, &bi, &i)
+        if found:
+            q = ss_at(&self.segs, bi, i)
+            if q.b - p < <uint64_t>n:
+                clash, c0, c1 = True, q.b, q.c
+            elif ss_prev(&self.segs, &bi, &i):
+                q = ss_at(&self.segs, bi, i)
+                if p - q.b < q.c:
+                    clash, c0, c1 = True, q.b, q.c
+        elif self.segs.size:
+            q = ss_last(&self.segs)
+            if p - q.b < q.c:
+                clash, c0, c1 = True, q.b, q.c
+        if not clash:
+            for e in self.es_order:
+                esz = <uint64_t>(self.es[e].page * self.es[e].max_pages)
+                if (p >= self.es[e].base and p - self.es[e].base < esz) or \
+                        (self.es[e].base >= p and self.es[e].base - p < <uint64_t>n):
+                    clash, c0, c1 = True, self.es[e].base, esz
+                    break
+        if not clash:
+            return 0
+        if reserved:
+            unreserve = getattr(self._sub, "unreserve", None)
+            if callable(unreserve):
+                unreserve(p, n)
+        else:
+            self._sub.free(p, n)
+        raise InvalidPointerError(
+            f"{self._name}: the sub-allocator {'reserved' if reserved else 'handed out'} "
+            f"{p:#x}..{int(p) + n:#x}, which overlaps the range {c0:#x}..{int(c0) + c1:#x} "
+            "it gave this allocator before; a device must hand out disjoint ranges (the new "
+            "range went back to it)")
 
     @cython.final
     cdef FirstFit placement(self):
@@ -1591,6 +1638,7 @@ cdef class CachingCore:
         reserve = getattr(self._sub, "reserve", None)
         if callable(reserve):
             base = int(reserve(nbytes))
+            self.refuse_overlap(<uint64_t>base, nbytes, True)
         else:
             if getattr(self._sub, "kind", "") == "cuda":
                 raise BackendUnavailableError(

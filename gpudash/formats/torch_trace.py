@@ -493,7 +493,69 @@ def start_state(tt: TorchTrace, conf: CachingAllocatorConfig | None = None
                                     blocks_in(lo, hi, small, True, freed),
                                     blocks_freed_at=freed))
         counts["segments"] += 1
+    _check_start(out, tt)
     return out, counts
+
+
+def _check_start(state: list[StartSegment], tt: TorchTrace) -> None:
+    """Refuse a starting state no allocator could have had: an empty segment, or two that
+    overlap. It comes from trace entries that do not fit the snapshot's segments (a
+    ``segment_free`` or ``segment_unmap`` inside a segment that lives on, of no size...);
+    the error names the entry and what the other segment held there."""
+    spans = sorted(state, key=lambda seg: (seg.address, seg.size))
+    for k, seg in enumerate(spans):
+        if seg.size <= 0:
+            raise TraceFormatError(
+                f"{_origin(seg, tt)} says a segment of {seg.size} bytes existed at "
+                f"{seg.address:#x} before the trace: PyTorch never makes or returns an empty "
+                "segment; the trace does not fit the snapshot")
+        if k and spans[k - 1].address + spans[k - 1].size > seg.address:
+            a, b = spans[k - 1], seg
+            if a.freed_at < 0 and not a.expandable and (b.freed_at >= 0 or b.expandable):
+                a, b = b, a   # name the trace's entry first where one of them is the trace's
+            at = max(a.address, b.address)
+            raise TraceFormatError(
+                f"{_origin(a, tt)} does not fit the snapshot: before the trace it needs "
+                f"{_describe(a)}, which overlaps {_describe(b)} ({_origin(b, tt)}); at "
+                f"{at:#x} that segment held {_held(b, at)}. A device never hands out one "
+                "range twice: the trace or the segments are damaged, or come from different "
+                "runs")
+
+
+def _origin(seg: StartSegment, tt: TorchTrace) -> str:
+    """Which trace entry (or the snapshot's segments) a starting segment comes from."""
+    where = "device_traces[{}][{}]" if tt.rows is None else "trace entry {1} (device {0})"
+    if seg.freed_at >= 0:
+        k = seg.freed_at
+        return (where.format(tt.device, k) + f" ({ACTION_NAMES[int(tt.action[k])]} at "
+                f"{int(tt.addr[k]):#x}, {int(tt.size[k])} bytes)")
+    if seg.expandable:
+        lo, hi = seg.address, seg.address + seg.size
+        ks = np.flatnonzero((tt.action == A_UNMAP) & (tt.addr < hi)
+                            & (tt.addr + tt.size > lo))
+        if len(ks):
+            k = int(ks[0])
+            return (where.format(tt.device, k) + f" (segment_unmap at {int(tt.addr[k]):#x}, "
+                    f"{int(tt.size[k])} bytes)")
+    for i, fs in enumerate(tt.final or ()):
+        if isinstance(fs, dict) and fs.get("address") is not None and \
+                fs["address"] <= seg.address < fs["address"] + (fs.get("total_size") or 0):
+            return f"the snapshot's segments[{i}] (at {fs['address']:#x})"
+    return f"the snapshot's segment at {seg.address:#x}"
+
+
+def _describe(seg: StartSegment) -> str:
+    kind = "a mapped range of an expandable segment" if seg.expandable else "a segment"
+    pool = "small" if seg.small else "large"
+    return (f"{kind} at {seg.address:#x}..{seg.address + seg.size:#x} ({seg.size:,} bytes, "
+            f"{pool} pool)")
+
+
+def _held(seg: StartSegment, at: int) -> str:
+    for b0, sz, req in seg.blocks:
+        if b0 <= at < b0 + sz:
+            return (f"an allocated block at {b0:#x} ({sz:,} bytes, {req:,} requested)")
+    return "free memory (no block allocated there)"
 
 
 _STATE_CODES = {"inactive": 0, "active_allocated": 1, "active_pending_free": 2,
@@ -792,6 +854,14 @@ def read_entries(lst: list, device: int, name: str, stacks: StackInterner | None
             lst[lo:hi] = [None] * (hi - lo)
         del chunk
     out.skipped = skipped
+    empty = np.flatnonzero(np.isin(out.action, (A_SEG_ALLOC, A_SEG_FREE, A_MAP, A_UNMAP))
+                           & (out.size == 0))
+    if len(empty):
+        k = int(empty[0])
+        raise TraceFormatError(
+            f"{name}: device_traces[{device}][{k}]: a {ACTION_NAMES[int(out.action[k])]} of 0 "
+            f"bytes at {int(out.addr[k]):#x}; PyTorch records segments and mapped ranges of "
+            "one byte or more (the snapshot is damaged)")
     return out
 
 

@@ -181,6 +181,7 @@ class _Oracle:
         self.used = 0
         self.expected: deque = deque()     # (action, addr, size) segment gets of this call
         self.reserved: list[tuple[int, int]] = []
+        self.extents: list[tuple[int, int]] = []    # reservations: (base, size)
         self.refuse_bytes = -1             # refuse until this many bytes came back (-1: no)
         self.refuse_all = False
         self.returned = 0
@@ -202,9 +203,15 @@ class _Oracle:
         # the model asked for other memory than the trace shows (it diverged): an address
         # no trace segment uses
         self.address_misses += 1
-        ptr = self.synthetic
+        ptr = self._synthetic(nbytes)
         self.synthetic += (nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20) + (2 << 20)
         return self._take(ptr, nbytes)
+
+    def _synthetic(self, nbytes: int) -> int:
+        """The next address no trace segment uses, past what was handed out there."""
+        while self._overlaps(self.synthetic, nbytes):
+            self.synthetic += 1 << 30
+        return self.synthetic
 
     def _take(self, ptr: int, nbytes: int) -> int:
         insort(self.live, (ptr, nbytes))
@@ -212,10 +219,15 @@ class _Oracle:
         return ptr
 
     def _overlaps(self, ptr: int, nbytes: int) -> bool:
+        """Whether [ptr, ptr + nbytes) meets a segment or a reservation handed out: the
+        model refuses a device that hands out one range twice, so such a trace address
+        (the trace and the model diverged, or the trace is damaged) is not handed out."""
         i = bisect_left(self.live, (ptr, 0))
         if i < len(self.live) and self.live[i][0] < ptr + nbytes:
             return True
-        return i > 0 and self.live[i - 1][0] + self.live[i - 1][1] > ptr
+        if i > 0 and self.live[i - 1][0] + self.live[i - 1][1] > ptr:
+            return True
+        return any(b < ptr + nbytes and ptr < b + n for b, n in self.extents)
 
     def free(self, ptr: int, nbytes: int) -> None:
         i = bisect_left(self.live, (ptr, nbytes))
@@ -230,16 +242,21 @@ class _Oracle:
         # high-water mark extends it; the first map beyond every one starts a new one.
         for act, addr, size in self.expected:
             if act == A_MAP and not any(b <= addr <= top for b, top in self.reserved):
+                if self._overlaps(addr, nbytes):
+                    break
                 self.reserved.append((addr, addr))
+                self.extents.append((addr, nbytes))
                 return addr
         self.address_misses += 1
-        ptr = self.synthetic
+        ptr = self._synthetic(nbytes)
         self.synthetic += nbytes + (1 << 30)
         self.reserved.append((ptr, nbytes))
+        self.extents.append((ptr, nbytes))
         return ptr
 
     def unreserve(self, base: int, nbytes: int) -> None:
         self.reserved = [(b, top) for b, top in self.reserved if b != base]
+        self.extents = [(b, n) for b, n in self.extents if b != base]
 
     def mapped(self, addr: int, size: int) -> None:
         """Raise the high-water mark of the reservation holding ``addr``."""
@@ -806,6 +823,7 @@ def _rebuild(alloc: CachingAllocator, oracle: _Oracle, tt: TorchTrace) -> dict:
                                     seg.stream, pool)
             alloc._expandable.append(es)
             oracle.reserved.append((es.base, es.base))
+            oracle.extents.append((es.base, es.size))
             held = reservations[seg.base] = (es, [])
         es, pieces = held
         cursor = pieces[-1].ptr + pieces[-1].size if pieces else es.base
