@@ -35,8 +35,8 @@ import logging
 import os
 from typing import Any, TypeVar
 
-from . import events
-from . import _sourcehash
+from ._sourcehash import source_hash
+from .events import EventKind
 
 __all__ = ["COMPILED", "ENV", "REASON", "TWINS", "describe", "extension", "twin"]
 
@@ -54,13 +54,13 @@ def _load() -> tuple[Any, str]:
     if os.environ.get(ENV, "").strip() not in ("", "0"):
         return None, f"{ENV} is set"
     try:
-        from . import _core  # late: the compiled core is optional (built by setup.py)
+        import gpudash._core as _core  # late: the compiled core is optional (setup.py builds it)
     except ImportError as exc:
         return None, f"the compiled core is not built here ({exc})"
-    here = _sourcehash.source_hash(os.path.dirname(os.path.abspath(__file__)))
+    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(_core, "SOURCE_HASH", None):
         return None, f"the compiled core was built from other sources than these ({_REBUILD})"
-    codes = {k.name: int(k) for k in events.EventKind}
+    codes = {k.name: int(k) for k in EventKind}
     if getattr(_core, "EVENT_KINDS", codes) != codes:
         return None, f"the compiled core was built for other event codes ({_REBUILD})"
     return _core, ""
@@ -110,12 +110,12 @@ def extension(purpose: str) -> Any:
     if _core is not None:
         return _core
     try:
-        from . import _core as core  # late: the compiled core is optional
+        import gpudash._core as core  # late: the compiled core is optional
     except ImportError as exc:
         raise ImportError(f"{purpose} needs gpudash's compiled core (gpudash._core), which is "
                           f"not built here ({exc}); install a C compiler and reinstall "
                           "gpudash") from None
-    here = _sourcehash.source_hash(os.path.dirname(os.path.abspath(__file__)))
+    here = source_hash(os.path.dirname(os.path.abspath(__file__)))
     if here is not None and here != getattr(core, "SOURCE_HASH", None):
         raise ImportError(f"{purpose} needs gpudash._core built from these sources; "
                           f"{_REBUILD}")

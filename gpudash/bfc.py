@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _accel
+from ._accel import twin
 from ._errors import ConfigError, InvalidPointerError, OutOfMemoryError
 from ._eventsource import EventSource, bin_num_for_size
 from ._units import human_readable_num_bytes as _hr
@@ -1578,7 +1578,7 @@ def clone(a: Any, sub: Any) -> Any:
 #: ``gpudash._core.bind_bfc_allocator``, whose ``BFCCore`` (``_csrc/bfc.pxi``) replaces the
 #: methods that change the state (``gpudash._accel.TWINS`` says where each lives); else
 #: :class:`PyBFCAllocator` above, the pure-Python model and readable reference.
-BFCAllocator = _accel.twin(
+BFCAllocator = twin(
     "bind_bfc_allocator", PyBFCAllocator,
     chunk=_Chunk, region=_Region, coerce_size=_coerce_size, negative_size=_negative_size,
     pointer_or_none=_pointer_or_none, logger=logger, gc_message=_GC_MESSAGE,

@@ -47,7 +47,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Any
 
-from . import _accel
+from ._accel import twin
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -2051,7 +2051,7 @@ class PyCachingAllocator(EventSource):
 #: replaces the methods that change the state (``gpudash._accel.TWINS`` says where each
 #: lives); else :class:`PyCachingAllocator` above, the pure-Python model and readable
 #: reference.
-CachingAllocator = _accel.twin(
+CachingAllocator = twin(
     "bind_caching_allocator", PyCachingAllocator,
     stats=_Stats, block=_Block, pool=_Pool, expandable_segment=_ExpandableSegment,
     stream_of=_stream_of, stat_types=_STAT_TYPES,

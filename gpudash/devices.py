@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import _accel
+from ._accel import twin
 from ._errors import BackendUnavailableError, ConfigError, InvalidPointerError
 from ._units import format_bytes, parse_bytes
 
@@ -294,7 +294,7 @@ class SimulatedDevice:
         limit = capacity * 2 if self.unified else capacity
         table = _FirstFitTable
         if self._first < ADDRESS_END and limit < ADDRESS_END:
-            table = _accel.twin("FirstFit", _FirstFitTable)
+            table = twin("FirstFit", _FirstFitTable)
         self._blocks = table(self._first, alignment, limit)
         self._lock = threading.Lock()
 

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from . import _accel
+from ._accel import twin
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -127,7 +127,7 @@ class CudaMallocAllocator(BFCAllocator):
 #: The set of queued addresses: where gpudash._core is built, its ``AddressSet`` (a set of
 #: ints in a C hash table; a block address's low bits are all zero, which a Python set
 #: hashes poorly), else a set.
-_AddressSet = _accel.twin("AddressSet", set)
+_AddressSet = twin("AddressSet", set)
 
 
 @dataclass(slots=True)
@@ -145,7 +145,7 @@ class _Deferred:
 
 #: The session's lock: where gpudash._core is built, its reentrant lock (GIL-guarded, usable
 #: by threading.Condition), else threading.RLock.
-_SessionLock = _accel.twin("RLock", threading.RLock)
+_SessionLock = twin("RLock", threading.RLock)
 
 
 class Device:
@@ -1281,7 +1281,7 @@ class PySession:
 #: ``gpudash._core.bind_session``, whose ``allocate`` and ``free`` are the fast paths of
 #: ``_csrc/session.pxi`` (``session_allocate``, ``session_free``: the common case in C,
 #: every other case handed to :data:`PY_SESSION_METHODS`); else :class:`PySession` above.
-Session = _accel.twin("bind_session", PySession, device=Device, deferred=_Deferred)
+Session = twin("bind_session", PySession, device=Device, deferred=_Deferred)
 
 #: Session's Python methods that the compiled core has fast paths for: the reference, what
 #: runs on the pure-Python path, and what each fast path hands every case but the common one.

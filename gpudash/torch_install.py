@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any
 
-from . import _accel
+from ._accel import extension
 from ._errors import ConfigError
 from .options import require_installed
 from ._eventsource import bin_num_for_size
@@ -79,7 +79,7 @@ _installed: InstalledAllocator | None = None
 
 def _core() -> Any:
     try:
-        core = _accel.extension("install mode")
+        core = extension("install mode")
     except ImportError as exc:
         raise ConfigError(str(exc)) from None
     if not hasattr(core, "pluggable_setup"):

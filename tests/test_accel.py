@@ -32,7 +32,7 @@ def test_an_extension_from_other_sources_is_not_used(monkeypatch):
         pytest.skip("the compiled core is not built here")
     assert _core.SOURCE_HASH == _sourcehash.source_hash(PKG)
     assert _accel._load() == (_core, "")
-    monkeypatch.setattr(_sourcehash, "source_hash", lambda _dir: "0" * 64)
+    monkeypatch.setattr(_accel, "source_hash", lambda _dir: "0" * 64)
     core, reason = _accel._load()
     assert core is None and "built from other sources" in reason and "rebuild" in reason
 

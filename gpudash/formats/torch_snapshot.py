@@ -74,7 +74,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .. import _accel
+from .._accel import twin
 from .._errors import TraceFormatError
 from .._gc import collector_paused
 from ..events import (
@@ -379,7 +379,7 @@ def _check_pickle(data: Any, name: str) -> None:
 
 #: The check that runs: the compiled core's twin of :func:`_check_pickle` (the same verdicts
 #: and messages, in C over the same buffer) where the core runs, else :func:`_check_pickle`.
-_pickle_check = _accel.twin("check_pickle", _check_pickle)
+_pickle_check = twin("check_pickle", _check_pickle)
 
 
 def _check_source(data: bytes | IO[bytes], name: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .. import _accel
+from .._accel import twin
 from .._errors import ConfigError
 from .._eventsource import _bins_of
 from .._units import format_bytes, parse_bytes
@@ -415,8 +415,8 @@ BFC = _BFCModel(
 # ``stats()``, which would take the lock and build a dataclass per call.
 
 # The compiled core's twins of the loops (_csrc/replay.pxi); None without it.
-_core_run_bfc = _accel.twin("run_bfc", None)
-_core_run_bfc_deferred = _accel.twin("run_bfc_deferred", None)
+_core_run_bfc = twin("run_bfc", None)
+_core_run_bfc_deferred = twin("run_bfc_deferred", None)
 
 def _sample_now(alloc: Any, sample: list) -> None:
     """Append in use, pool and largest free block now to the three sample lists."""

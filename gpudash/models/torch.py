@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .. import _accel
+from .._accel import twin
 from .._errors import ConfigError
 from .._torch_conf import CachingAllocatorConfig, parse_torch_version
 from .._units import format_bytes, parse_bytes
@@ -783,7 +783,7 @@ TORCH = _TorchModel(
 # streams (``engine.streams``) and ``empty_cache()`` calls (op 9).
 
 # The compiled core's twin of the loop (_csrc/replay.pxi); None without it.
-_core_run_torch = _accel.twin("run_torch", None)
+_core_run_torch = twin("run_torch", None)
 
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _accel
+from .._accel import twin
 from .._errors import ConfigError, warn_user
 from .._version import __version__
 from .._gc import collector_paused
@@ -56,7 +56,7 @@ __all__ = ["replay", "replay_devices", "ReplayResult", "resolve_settings", "trac
 
 # The compiled core's replay loops (_csrc/replay.pxi) and key -> pointer map, used when the
 # replayed allocator is compiled; None on the pure-Python path (the Python loops run).
-_KeyMap = _accel.twin("KeyMap", None)
+_KeyMap = twin("KeyMap", None)
 
 #: Device size replay assumes when none is given: 16 GiB.
 _CHUNK = 1 << 16  # calls per inner loop: progress is reported between chunks
