@@ -1442,7 +1442,8 @@ cdef class CachingCore:
             q = ss_last(&self.segs)
             if p - q.b < q.c:
                 clash, c0, c1 = True, q.b, q.c
-        if not clash:
+        if not clash and not getattr(self._sub, "recorded_addresses", False):
+            # a replay's reservations are sized by an assumed device (caching.py: _clash)
             for e in self.es_order:
                 esz = <uint64_t>(self.es[e].page * self.es[e].max_pages)
                 if (p >= self.es[e].base and p - self.es[e].base < esz) or \

@@ -175,6 +175,11 @@ class _Oracle:
     the driver refused."""
 
     kind = "replay"
+    #: Its addresses are a recording's, not a device's own choice: the model's expandable
+    #: reservations span the device's total memory as gpudash assumes it, which may exceed
+    #: the recorded device's, so a recorded segment may lie where the model's reservation
+    #: would reach but the real one did not (see PyCachingAllocator._clash).
+    recorded_addresses = True
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -208,8 +213,10 @@ class _Oracle:
         return self._take(ptr, nbytes)
 
     def _synthetic(self, nbytes: int) -> int:
-        """The next address no trace segment uses, past what was handed out there."""
-        while self._overlaps(self.synthetic, nbytes):
+        """The next address no trace segment uses, past what was handed out there, and
+        outside every reservation."""
+        while self._overlaps(self.synthetic, nbytes) or any(
+                b < self.synthetic + nbytes and self.synthetic < b + n for b, n in self.extents):
             self.synthetic += 1 << 30
         return self.synthetic
 
@@ -219,15 +226,13 @@ class _Oracle:
         return ptr
 
     def _overlaps(self, ptr: int, nbytes: int) -> bool:
-        """Whether [ptr, ptr + nbytes) meets a segment or a reservation handed out: the
-        model refuses a device that hands out one range twice, so such a trace address
-        (the trace and the model diverged, or the trace is damaged) is not handed out."""
+        """Whether [ptr, ptr + nbytes) meets a segment handed out: the model refuses a
+        device that hands out one range twice, so such a trace address (the trace and the
+        model diverged, or the trace is damaged) is not handed out."""
         i = bisect_left(self.live, (ptr, 0))
         if i < len(self.live) and self.live[i][0] < ptr + nbytes:
             return True
-        if i > 0 and self.live[i - 1][0] + self.live[i - 1][1] > ptr:
-            return True
-        return any(b < ptr + nbytes and ptr < b + n for b, n in self.extents)
+        return i > 0 and self.live[i - 1][0] + self.live[i - 1][1] > ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
         i = bisect_left(self.live, (ptr, nbytes))
