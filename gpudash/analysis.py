@@ -41,7 +41,6 @@ from .trace.replay import (
     resolve_settings,
     trace_settings,
 )
-from .models import TORCH
 from .trace.replay import _model
 
 __all__ = [
@@ -857,13 +856,15 @@ class HeatmapBuilder:
 
 # =============================================================================== allocator state
 def _analysis_settings(trace: Trace, options: Any, device: int | None) -> dict[str, Any]:
-    """The trace's own settings (from its metadata), overridden by ``options``; a PyTorch
-    trace's through PyTorch's model (its snapshot's settings, replayed call by call)."""
-    if _model(trace, options, {}) is TORCH:
+    """The trace's own settings (from its metadata), overridden by ``options``; where the
+    model takes no ``GPUOptions`` (PyTorch's), a dict of its replay settings, and the
+    trace's calls replayed under them."""
+    model = _model(trace, options, {})
+    if not model.gpu_options:
         opts = dict(options) if isinstance(options, Mapping) else {}
         if options is not None and not isinstance(options, Mapping):
-            raise ConfigError(f"options for a PyTorch trace must be a dict of replay settings; "
-                              f"got {options!r}")
+            raise ConfigError(f"options for a trace of {model.title} must be a dict of replay "
+                              f"settings; got {options!r}")
         opts["exact"] = False
         if device is not None:
             opts["device"] = device

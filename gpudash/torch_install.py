@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from ._accel import extension
@@ -67,6 +68,27 @@ BFC_LIMITS = (
     "limit, empty_cache returns wholly free regions; max_split_size_mb and the other "
     "PyTorch settings do not apply to it",
 )
+
+
+
+@dataclass(frozen=True)
+class _Installable:
+    """What differs between the two allocators install mode can load: its words, its
+    limits beyond :data:`LIMITS`, and which options it takes."""
+    title: str
+    short: str
+    limits: tuple = ()
+    torch_settings: bool = False    # PyTorch's allocator settings (max_split_size_mb...)
+    region_options: bool = False    # the BFC's allow_growth and garbage_collection
+
+
+#: install(allocator=...): the allocators the compiled core's hooks can run.
+INSTALLABLE = {
+    "torch": _Installable("PyTorch's caching allocator", "caching allocator",
+                          torch_settings=True),
+    "bfc": _Installable("TensorFlow's BFC allocator", "BFC", limits=BFC_LIMITS,
+                        region_options=True),
+}
 
 _PY_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
              "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -152,17 +174,19 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
         mode already on, or no compiled core.
     """
     global _installed
-    if allocator not in ("torch", "bfc"):
-        raise ConfigError(f"allocator must be 'torch' or 'bfc'; got {allocator!r}")
+    kind = INSTALLABLE.get(allocator) if isinstance(allocator, str) else None
+    if kind is None:
+        raise ConfigError(f"allocator must be {' or '.join(map(repr, INSTALLABLE))}; got "
+                          f"{allocator!r}")
     for name, flag in (("allow_growth", allow_growth),
                        ("garbage_collection", garbage_collection)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name} must be True or False; got {flag!r}")
-    if allocator == "torch" and (allow_growth is not True or garbage_collection):
+    if not kind.region_options and (allow_growth is not True or garbage_collection):
         raise ConfigError("allow_growth and garbage_collection are the BFC's options "
                           "(allocator='bfc'); PyTorch's caching allocator always grows on "
                           "demand and has no region garbage collection")
-    if allocator == "bfc" and max_split_size_mb is not None:
+    if not kind.torch_settings and max_split_size_mb is not None:
         raise ConfigError("max_split_size_mb is PyTorch's caching allocator's setting; "
                           "TensorFlow's BFC (allocator='bfc') has none: it splits a chunk "
                           "when the rest would be at least as large, or 128 MiB")
@@ -222,6 +246,7 @@ class InstalledAllocator:
     def __init__(self, torch: Any, core: Any, devices: int, pluggable: Any,
                  allocator: str = "torch") -> None:
         self.allocator = allocator
+        self.kind = INSTALLABLE[allocator]
         self._torch = torch
         self._core = core
         self.devices = devices
@@ -315,7 +340,7 @@ class InstalledAllocator:
         are applied; the others install mode does not model are refused. The BFC
         (``allocator="bfc"``) has none of PyTorch's settings: any is refused (an empty
         string changes nothing)."""
-        if self.allocator == "bfc":
+        if not self.kind.torch_settings:
             parts = [p.strip() for p in str(conf).split(",") if p.strip()]
             if parts:
                 raise ConfigError(
@@ -407,16 +432,14 @@ class InstalledAllocator:
         return _feed_class()(self, self._device(device))
 
     def limits_text(self) -> str:
-        limits = LIMITS + (BFC_LIMITS if self.allocator == "bfc" else ())
-        which = ("TensorFlow's BFC allocator" if self.allocator == "bfc" else
-                 "PyTorch's caching allocator")
-        return (f"gpudash's allocator ({which}, compiled) is installed for PyTorch's CUDA "
+        limits = LIMITS + self.kind.limits
+        return (f"gpudash's allocator ({self.kind.title}, compiled) is installed for PyTorch's CUDA "
                 "memory. Limits: "
                 + "; ".join(f"({i}) {text}" for i, text in enumerate(limits, 1)))
 
     # ------------------------------------------------------------------ internals
     def _require_bfc(self, what: str) -> None:
-        if self.allocator != "bfc":
+        if not self.kind.region_options:
             raise ConfigError(f"{what}() is the BFC's (install(allocator='bfc')); PyTorch's "
                               "caching allocator takes set_per_process_memory_fraction")
 
@@ -519,8 +542,7 @@ def _make_feed_class() -> type:
         def __init__(self, owner: InstalledAllocator, device: int) -> None:
             self._owner = owner
             self.device = device
-            which = "BFC" if owner.allocator == "bfc" else "caching allocator"
-            self.name = f"cuda:{device} (gpudash installed, {which})"
+            self.name = f"cuda:{device} (gpudash installed, {owner.kind.short})"
             s = owner.state(device)
             self.capacity = s["total"]
             self._seen = (s["allocs"], s["frees"], s["oom_count"])
@@ -599,7 +621,7 @@ def _make_feed_class() -> type:
             unknown = sorted(set(changes) - set(CONTROL_NAMES))
             if unknown:
                 raise ConfigError(f"unknown setting(s) {unknown}; expected {CONTROL_NAMES}")
-            bfc = self._owner.allocator == "bfc"
+            bfc = self._owner.kind.region_options
             growth = changes.get("allow_growth")
             if growth is not None and not isinstance(growth, bool):
                 raise ConfigError(f"allow_growth must be True or False; got {growth!r}")

@@ -310,6 +310,10 @@ class AllocatorModel:
     sweep_knobs: tuple = ()
     cli_flags: tuple = ()
     cli_words: dict = field(default_factory=dict)
+    #: Whether analysis takes TensorFlow's ``GPUOptions`` (merged over the trace's own
+    #: settings); a model without them takes a dict of its replay settings and replays the
+    #: trace's calls under them rather than its recorded addresses.
+    gpu_options: bool = False
 
     def __repr__(self) -> str:
         return f"<allocator model {self.name!r}: {self.title}>"

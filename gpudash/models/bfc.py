@@ -376,7 +376,7 @@ BFC = _BFCModel(
     layout="bins", region="region", regions="regions", pool="pool", in_use="in use",
     grid={"allow_growth": (True, False)},
     fraction_setting="per_process_gpu_memory_fraction", chunk="chunk", bin="bin",
-    deferred_frees=True, checkpoints=True,
+    deferred_frees=True, checkpoints=True, gpu_options=True,
     sweep_words={"setting": "growth", "unset_fraction": "default"},
     cli_flags=(("--growth/--no-growth", "growth"), ("--gc/--no-gc", "gc"),
                ("--deferred", "deferred")),
