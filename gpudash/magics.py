@@ -42,6 +42,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ._errors import GpudashError
 from ._units import format_bytes
+from .style import COLORS, EVENT_TITLE, FONT, unit_for
 from .models.base import _FALSE, _TRUE
 from .events import EventKind
 from .models import model_for
@@ -517,27 +518,25 @@ class TrackSummary:
         per device."""
         import plotly.graph_objects as go
 
-        from . import style
-
         top = max((int(s.max()) for s in self.timeline.values() if len(s)), default=1)
-        unit, scale = style.unit_for(top)
+        unit, scale = unit_for(top)
         in_use = ((self.rows[0].get("words") if self.rows else None) or {}).get("in_use",
                                                                                 "in use")
         fig = go.Figure()
         for r, (_, series) in zip(self.rows, self.timeline.items()):
             fig.add_scatter(y=series / scale, mode="lines", name=r["device"],
-                            line={"shape": "hv", "color": style.COLORS["in use"]
+                            line={"shape": "hv", "color": COLORS["in use"]
                                   if len(self.rows) == 1 else None},
                             hovertemplate=f"event %{{x}}: %{{y:.2f}} {unit} {in_use}"
                                           "<extra></extra>")
         fig.update_layout(height=160, margin={"l": 60, "r": 10, "t": 24, "b": 20},
                           title={"text": f"bytes {in_use} during the cell",
                                  "font": {"size": 12}},
-                          showlegend=len(self.rows) > 1, font={"family": style.FONT},
+                          showlegend=len(self.rows) > 1, font={"family": FONT},
                           plot_bgcolor="white")
         fig.update_yaxes(ticksuffix=" " + unit, rangemode="tozero",
-                         gridcolor=style.COLORS["grid"])
-        fig.update_xaxes(title_text=style.EVENT_TITLE, gridcolor=style.COLORS["grid"])
+                         gridcolor=COLORS["grid"])
+        fig.update_xaxes(title_text=EVENT_TITLE, gridcolor=COLORS["grid"])
         return fig
 
 
