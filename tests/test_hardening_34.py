@@ -315,7 +315,10 @@ def test_the_dashboard_s_max_split_beyond_int64_is_held_whole(comms):
 
 # ------------------------------------------------------------------ Ctrl-C in sweep(jobs=2)
 _SWEEP = """
-import multiprocessing, sys
+import multiprocessing, signal, sys
+# Python's own Ctrl-C handler, as in a terminal or a kernel, whatever the test runner's
+# process left ignored (a child inherits an ignored SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from gpudash.workloads import training_loop
 from gpudash.trace.whatif import sweep
 trace = training_loop(steps=3000, layers=8, batch=32, hidden=512)
@@ -324,7 +327,7 @@ def progress(done, total):
     if not said:
         said.append(1)
         print("STARTED", *[p.pid for p in multiprocessing.active_children()], flush=True)
-sweep(trace, fractions=[0.1 * i for i in range(1, 11)] * 20, jobs=2, progress=progress)
+sweep(trace, fractions=[0.005 * i for i in range(1, 201)], jobs=2, progress=progress)
 print("FINISHED", flush=True)
 """
 
