@@ -12,6 +12,10 @@
 - ``%gpudash --watch torch|jax|tensorflow [--device NAME]``: watch that framework's own
   allocator, read-only (:func:`gpudash.watch`; ``--device CPU:0`` watches TensorFlow's CPU
   allocator), in the dashboard.
+- ``%gpudash --attach torch [--fraction F] [--device N]``: the PyTorch job running in this
+  process, with controls that act on it: shadow mode (:func:`gpudash.torch.attach`); where
+  ``gpudash.torch.install()`` put gpudash's allocator under PyTorch, that allocator's own
+  dashboard (:meth:`gpudash.torch.InstalledAllocator.dashboard`).
 - ``%gpudash`` again on the same session shows the same dashboard (its history carries on).
 - ``%gpudash_config key=value ...``: change the live session (``sess.configure``); keys are
   ``per_process_gpu_memory_fraction`` (or ``fraction``), ``allow_growth`` (``growth``),
@@ -51,7 +55,7 @@ from .options import ConfigProto, framework_changes, framework_settings_text
 from .recorder import Recorder
 from .report import write_report
 from .session import Session, default_session, set_default_session
-from . import torch_shadow
+from . import torch_install, torch_shadow
 from .widgets import Dashboard
 
 __all__ = ["GpudashMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -211,7 +215,8 @@ class GpudashMagics(Magics):
             raise UsageError(f"%gpudash: {exc}") from None
 
     def _attach(self, args: argparse.Namespace, module: Any = None) -> Any:
-        """``%gpudash --attach torch``: shadow mode on this process's PyTorch job."""
+        """``%gpudash --attach torch``: shadow mode on this process's PyTorch job, or the
+        installed allocator's dashboard where install mode is on."""
         if args.attach != "torch":
             raise UsageError(f"%gpudash: --attach follows a PyTorch job (--attach torch); got "
                              f"{args.attach!r} (other frameworks: --watch)")
@@ -226,6 +231,16 @@ class GpudashMagics(Magics):
         except ValueError:
             raise UsageError(f"%gpudash: --device must be a CUDA device index; got "
                              f"{args.device!r}") from None
+        handle = torch_install.installed()
+        if handle is not None:
+            # install mode: the job's allocator is gpudash's own; follow it (PyTorch
+            # records no history through a pluggable allocator, so there is no shadow)
+            try:
+                if args.fraction is not None:
+                    handle.set_fraction(args.fraction, device)
+                return handle.dashboard(device=device or 0)
+            except GpudashError as exc:
+                raise UsageError(f"%gpudash: {exc}") from None
         if self.shadow is not None:
             self.shadow.stop()
         try:

@@ -37,7 +37,9 @@ from ._errors import ConfigError
 from .options import require_installed
 from ._eventsource import bin_num_for_size
 from .bfc import AllocatorStats
-from .live.feeds import CONTROL_NAMES, DeviceFeed, FeedSample
+from .live.feeds import DeviceFeed, FeedSample
+from .live.views import open_view
+from .models import model_for
 
 __all__ = ["install", "installed", "InstalledAllocator", "LIMITS"]
 
@@ -77,6 +79,7 @@ class _Installable:
     limits beyond :data:`LIMITS`, and which options it takes."""
     title: str
     short: str
+    model: str                      # the allocator model it runs (gpudash.models)
     limits: tuple = ()
     torch_settings: bool = False    # PyTorch's allocator settings (max_split_size_mb...)
     region_options: bool = False    # the BFC's allow_growth and garbage_collection
@@ -84,9 +87,9 @@ class _Installable:
 
 #: install(allocator=...): the allocators the compiled core's hooks can run.
 INSTALLABLE = {
-    "torch": _Installable("PyTorch's caching allocator", "caching allocator",
+    "torch": _Installable("PyTorch's caching allocator", "caching allocator", "torch",
                           torch_settings=True),
-    "bfc": _Installable("TensorFlow's BFC allocator", "BFC", limits=BFC_LIMITS,
+    "bfc": _Installable("TensorFlow's BFC allocator", "BFC", "bfc", limits=BFC_LIMITS,
                         region_options=True),
 }
 
@@ -428,8 +431,22 @@ class InstalledAllocator:
 
     def feed(self, device: int = 0) -> Any:
         """A controllable :class:`~gpudash.live.feeds.DeviceFeed` of a device
-        (``InstallFeed``)."""
+        (``InstallFeed``), in the installed allocator's words and controls."""
         return _feed_class()(self, self._device(device))
+
+    def dashboard(self, **options: Any) -> Any:
+        """The live dashboard of every device (one feed each, a device picker): the chunk
+        map, heatmap and timeline of the installed allocator, and its controls acting on it
+        live (the fraction, ``max_split_size_mb`` or the BFC's growth, empty cache), each
+        answering in its framework's words. *options* go to the dashboard (``device``,
+        ``rate_hz``, ``views``...). ``%gpudash --attach torch`` opens it while install
+        mode is on. The views register the dashboard (:mod:`gpudash.live.views`)."""
+        if not self.installed:
+            raise ConfigError("install mode's functions were given back to PyTorch "
+                              "(uninstall()); its allocator still runs, but the dashboard "
+                              "follows an installed one")
+        feeds = [self.feed(d) for d in range(max(self.devices, 1))]
+        return open_view("dashboard", None, feeds=feeds, **options)
 
     def limits_text(self) -> str:
         limits = LIMITS + self.kind.limits
@@ -542,6 +559,7 @@ def _make_feed_class() -> type:
         def __init__(self, owner: InstalledAllocator, device: int) -> None:
             self._owner = owner
             self.device = device
+            self.model = model_for(owner.kind.model)
             self.name = f"cuda:{device} (gpudash installed, {owner.kind.short})"
             s = owner.state(device)
             self.capacity = s["total"]
@@ -608,9 +626,32 @@ def _make_feed_class() -> type:
                         "allow_growth": s["bfc"]["allow_growth"],
                         "deferred_deletion_bytes": None, "limit": s["bfc"]["memory_limit"],
                         "total": s["total"] or None}
-            return {"fraction": s["fraction"], "allow_growth": True,
+            mss = s["max_split_size"]
+            return {"fraction": s["fraction"], "allow_growth": None,
                     "deferred_deletion_bytes": None, "limit": s["allowed"] or s["total"],
-                    "total": s["total"] or None}
+                    "total": s["total"] or None, "expandable_segments": False,
+                    "max_split_size_mb": None if mss is None else mss >> 20,
+                    "max_non_split_rounding_mb": s["max_non_split_rounding_size"] >> 20,
+                    "garbage_collection_threshold": 0.0, "conf": self._conf(s)}
+
+        @staticmethod
+        def _conf(s: dict, max_split: Any = False) -> str:
+            """PyTorch's whole settings string for what install mode applies (its
+            ``_set_allocator_settings`` resets what a string leaves out)."""
+            mss = s["max_split_size"] >> 20 if s["max_split_size"] is not None else None
+            mss = mss if max_split is False else max_split
+            tol = s["max_non_split_rounding_size"] >> 20
+            parts = ([f"max_split_size_mb:{mss}"] if mss is not None else []) + \
+                ([f"max_non_split_rounding_mb:{tol}"] if tol != 20 else [])
+            return ",".join(parts)
+
+        def figures(self) -> dict:
+            """The installed allocator's ``memory_stats()`` figures its model's answers
+            use (PyTorch's keys), and its segment count."""
+            owner, device = self._owner, self.device
+            stats = self.model.figures(_Stats(lambda: owner.memory_stats(device)))
+            heads = sum(1 for row in owner.state(device)["blocks"] if row[6])
+            return {**stats, "regions": heads}
 
         def pending_release(self) -> tuple[int, int]:
             """``(bytes, regions)`` above a BFC limit lowered live (the dashboard's
@@ -618,36 +659,47 @@ def _make_feed_class() -> type:
             return self._owner.pending_release(self.device)
 
         def configure(self, **changes: Any) -> None:
-            unknown = sorted(set(changes) - set(CONTROL_NAMES))
+            """The settings of the installed allocator's model's controls (PyTorch's or
+            TensorFlow's names), checked by that model, all or none; each applied live to
+            the C allocator, or refused saying why where install mode cannot apply it."""
+            model, owner, device = self.model, self._owner, self.device
+            known = [c.setting for c in model.controls if c.setting]
+            for name, value in changes.items():
+                model.check_setting(name, value)    # the model's words first
+            unknown = sorted(set(changes) - set(known))
             if unknown:
-                raise ConfigError(f"unknown setting(s) {unknown}; expected {CONTROL_NAMES}")
-            bfc = self._owner.kind.region_options
+                raise ConfigError(f"unknown setting(s) {unknown} for {model.title}; its "
+                                  f"live settings: {', '.join(known)}")
+            bfc = owner.kind.region_options
             growth = changes.get("allow_growth")
-            if growth is not None and not isinstance(growth, bool):
-                raise ConfigError(f"allow_growth must be True or False; got {growth!r}")
-            if growth is False and not bfc:
-                raise ConfigError("PyTorch's caching allocator always grows on demand; "
-                                  "allow_growth=False has no meaning for it (set a fraction)")
             if changes.get("deferred_deletion_bytes") not in (None, 0):
-                raise ConfigError(("the BFC in install mode frees at once: PyTorch orders "
-                                   "frees on its stream, there is no EventMgr" if bfc else
-                                   "PyTorch's caching allocator defers no frees") +
-                                  "; deferred_deletion_bytes does not apply")
-            frac = changes.get("per_process_gpu_memory_fraction")
-            if frac is not None and (isinstance(frac, bool) or
-                                     not isinstance(frac, (int, float)) or
-                                     not 0.0 <= frac <= 1.0):
-                raise ConfigError(f"per_process_gpu_memory_fraction must be a number in "
-                                  f"[0, 1]; got {frac!r}")
+                raise ConfigError("the BFC in install mode frees at once: PyTorch orders "
+                                  "frees on its stream, there is no EventMgr; "
+                                  "deferred_deletion_bytes does not apply")
+            if changes.get("expandable_segments"):
+                raise ConfigError("install mode does not model expandable_segments: its "
+                                  "segments are plain cudaMalloc ones (install mode's "
+                                  "limits); PyTorch's own allocator has it")
+            if changes.get("garbage_collection_threshold"):
+                raise ConfigError("install mode does not model garbage_collection_threshold "
+                                  "(install mode's limits); empty cache returns the wholly "
+                                  "free segments now")
             now = time.time_ns()
+            s = owner.state(device)
+            frac = changes.get("per_process_gpu_memory_fraction")
+            if "max_split_size_mb" in changes:
+                old = self.settings()["max_split_size_mb"]
+                owner.set_allocator_settings(self._conf(s, changes["max_split_size_mb"]),
+                                             device)
+                self._settings_log.append((now, "max_split_size_mb", old,
+                                           changes["max_split_size_mb"]))
             if frac is not None:
-                old = self._owner.fraction(self.device) if bfc else \
-                    self._owner.state(self.device)["fraction"]
-                self._owner.set_fraction(frac, self.device)
+                old = owner.fraction(device) if bfc else s["fraction"]
+                owner.set_fraction(frac, device)
                 self._settings_log.append((now, "fraction", old, float(frac)))
             if bfc and growth is not None:
-                old = self._owner.state(self.device)["bfc"]["allow_growth"]
-                self._owner.set_allow_growth(growth, self.device)
+                old = s["bfc"]["allow_growth"]
+                owner.set_allow_growth(growth, device)
                 self._settings_log.append((now, "allow_growth", old, growth))
 
         def release_free_regions(self) -> int:
@@ -657,6 +709,13 @@ def _make_feed_class() -> type:
             return 0
 
     return InstallFeed
+
+
+class _Stats:
+    """What a model's ``figures()`` reads of an allocator: its ``memory_stats()``."""
+
+    def __init__(self, memory_stats: Any) -> None:
+        self.memory_stats = memory_stats
 
 
 _FEED: list = []

@@ -70,6 +70,7 @@ from .formats.torch_trace import (
 )
 from .models import TORCH
 from .session import SessionStacks
+from .torch_install import installed as _installed
 from .trace import torch_replay as tr
 from .trace.torch_replay import ExactReplay, _Oracle, replay_exact
 
@@ -1085,6 +1086,12 @@ def attach(module: Any = None, *, devices: Any = None, history: int | None = Non
     """
 
     torch = _require_cuda("attach to torch", module)
+    if _installed() is not None:
+        raise ConfigError(
+            "install mode is on in this process: PyTorch's pluggable allocator records no "
+            "history (CUDAPluggableAllocator does not support recordHistory), so there is "
+            "nothing for shadow mode to read. gpudash.torch.installed().dashboard(), or "
+            "%gpudash --attach torch, shows the installed allocator live, with its controls")
     if not hasattr(getattr(torch.cuda, "memory", None), "_snapshot"):
         raise ConfigError(f"torch {torch.__version__} has no torch.cuda.memory._snapshot(); "
                           "shadow mode needs PyTorch >= 2.1")

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpudash import ConfigError
+from gpudash._units import format_bytes
 from gpudash.bfc import BFCAllocator
 from gpudash.caching import CachingAllocator
 
@@ -331,6 +332,120 @@ def test_install_routes_stats_snapshot_and_controls(lib):
     assert "_snapshot" not in vars(torch.cuda)      # the stand-in's own method again
     for p, n in (ptrs[0], ptrs[2]):
         lib.gpudash_torch_free(p, n, 0, None)
+
+
+def test_the_dashboard_acts_on_the_installed_allocator_in_pytorch_s_words(lib):
+    """install mode's dashboard: PyTorch's model, layout and controls; each control acts on
+    the C allocator live and answers in PyTorch's words; what install mode cannot apply
+    (expandable_segments, garbage_collection_threshold) is refused with nothing changed."""
+    pytest.importorskip("anywidget")
+    from gpudash.models import TORCH
+
+    torch = _standin()
+    handle = torch_install.install(torch=torch, backend="host", total=TOTAL, on_oom="null",
+                                   quiet=True)
+    lib = _lib()
+    model = CachingAllocator(_Replaying(TOTAL))
+    ptrs = []
+    for n in (1000, 5 * MiB, 30 * MiB, 7 * MiB):
+        p = lib.gpudash_torch_malloc(n, 0, None)
+        assert model.allocate(n) == p
+        ptrs.append((p, n))
+    lib.gpudash_torch_free(ptrs[1][0], ptrs[1][1], 0, None)
+    model.deallocate(ptrs[1][0])
+    dash = handle.dashboard(rate_hz=4.0)
+    try:
+        live = dash.model
+        assert live.model(0) is TORCH and live.controls_disabled(0) is None
+        info = dash._controls_info(0)
+        assert info["model"]["name"] == "torch"
+        assert [c["name"] for c in info["model"]["controls"]] == \
+            [c.name for c in TORCH.controls]
+        assert info["settings"]["conf"] == "" and info["settings"]["max_split_size_mb"] is None
+        state = live.refresh_now(force=True)[0]
+        assert state.table["ptr"].tolist() == model.chunk_table()["ptr"].tolist()
+        # the fraction: the C allocator's limit, PyTorch's words
+        answer = live.act(0, "fraction", 0.25)
+        assert core.pluggable_state(0)["allowed"] == TOTAL // 4
+        assert answer["text"].startswith("fraction 0.250: limit 128.00 MiB "
+                                         "(torch.cuda.set_per_process_memory_fraction(0.25)")
+        # max_split_size_mb: the whole settings string, as PyTorch writes it
+        answer = live.act(0, "max_split", 64)
+        assert torch.cuda.memory_stats()["max_split_size"] == 64 * MiB
+        assert "blocks of 64 MiB or more are not split" in answer["text"]
+        assert "_set_allocator_settings('max_split_size_mb:64')" in answer["text"]
+        model.set_memory_fraction(0.25)
+        model.set_allocator_settings("max_split_size_mb:64")
+        # refused, saying why; nothing changes
+        before = core.pluggable_state(0)
+        with pytest.raises(ConfigError, match="does not model expandable_segments"):
+            live.act(0, "expandable", True)
+        with pytest.raises(ConfigError, match="does not model garbage_collection_threshold"):
+            live.act(0, "gc", 0.6)
+        with pytest.raises(ConfigError, match="max_split_size_mb"):
+            live.act(0, "max_split", 10)        # PyTorch's rule: > 20
+        after = core.pluggable_state(0)
+        assert (after["allowed"], after["max_split_size"]) == \
+            (before["allowed"], before["max_split_size"])
+        # the same control from the browser: refused in words, not a traceback
+        replies = []
+        dash._post = lambda kind, content, *a: replies.append((kind, content))
+        dash._on_msg(None, {"type": "action", "id": 7, "name": "expandable", "value": True},
+                     [])
+        kind, reply = replies[-1]
+        assert kind == "reply" and reply["ok"] is False and \
+            "does not model expandable_segments" in reply["text"]
+        # empty cache: wholly free segments back, the bytes said
+        lib.gpudash_torch_free(ptrs[3][0], ptrs[3][1], 0, None)
+        model.deallocate(ptrs[3][0])
+        answer = live.act(0, "empty_cache")
+        held = model.memory_stats()["reserved_bytes.all.current"]
+        model.empty_cache()
+        freed = held - model.memory_stats()["reserved_bytes.all.current"]
+        assert freed > 0 and answer["text"].startswith(
+            f"empty_cache(): returned {format_bytes(freed)}")
+        assert torch.cuda.memory_stats() == model.memory_stats()
+        # the timeline's marks: what changed, old and new, in the order it changed
+        marks = [(m.setting, m.old, m.new) for m in live.refresh_now(force=True)[0].settings]
+        assert marks == [("fraction", None, 0.25), ("max_split_size_mb", None, 64)], marks
+    finally:
+        dash.close()
+    for p, n in (ptrs[0], ptrs[2]):
+        lib.gpudash_torch_free(p, n, 0, None)
+    # uninstalled: no dashboard to follow, said so
+    handle.uninstall()
+    with pytest.raises(ConfigError, match="given back to PyTorch"):
+        handle.dashboard()
+
+
+def test_shadow_mode_and_the_magic_know_install_mode_is_on(lib):
+    pytest.importorskip("anywidget")
+    from IPython.core.error import UsageError
+    from IPython.testing import globalipapp
+
+    from gpudash.torch_shadow import attach
+
+    torch = _standin()
+    handle = torch_install.install(torch=torch, backend="host", total=TOTAL, on_oom="null",
+                                   quiet=True)
+    with pytest.raises(ConfigError, match="does not support recordHistory"):
+        attach(torch)
+    globalipapp.start_ipython()
+    ip = globalipapp.get_ipython()
+    ip.run_line_magic("load_ext", "gpudash")
+    try:
+        dash = ip.run_line_magic("gpudash", "--attach torch --fraction 0.5")
+        try:
+            assert core.pluggable_state(0)["allowed"] == TOTAL // 2
+            assert dash.model.model(0).name == "torch"
+            assert "gpudash installed" in dash.model.device_names[0]
+        finally:
+            dash.close()
+        with pytest.raises(UsageError, match=r"device must be an index in 0\.\.0"):
+            ip.run_line_magic("gpudash", "--attach torch --device 5")
+    finally:
+        ip.run_line_magic("unload_ext", "gpudash")
+        handle.uninstall()
 
 
 # ------------------------------------------------------------------------------ the BFC

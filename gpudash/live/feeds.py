@@ -19,6 +19,12 @@ A feed
   in the model's refresher thread only; ``None`` means nothing changed;
 - is stopped once, by the model's ``close()``.
 
+A feed may name the allocator model it speaks (``model``, one of :mod:`gpudash.models`):
+the views then draw its layout in that model's words (PyTorch's segments and pools), the
+controls are that model's, and :meth:`DeviceFeed.configure` takes that model's settings
+(PyTorch's ``expandable_segments``, ``max_split_size_mb``...). A feed that names none is
+drawn, and acted on, as the BFC model, in neutral words (:data:`CONTROL_NAMES`).
+
 A feed without a memory layout (a framework that reports only totals) has
 ``has_layout = False`` and returns ``table=None``: the views that need chunks say so in words
 instead of drawing an empty plot. A feed with a layout may read it less often than its
@@ -37,8 +43,9 @@ from ..models import BFC
 
 __all__ = ["FeedSample", "DeviceFeed", "CONTROL_NAMES"]
 
-#: Changes a controllable feed's :meth:`DeviceFeed.configure` accepts: the settings of the
-#: BFC model's controls (a feed is drawn, and acted on, as the BFC model):
+#: Changes a controllable feed's :meth:`DeviceFeed.configure` accepts when it names no model:
+#: the settings of the BFC model's controls (such a feed is drawn, and acted on, as the BFC
+#: model):
 #: ``per_process_gpu_memory_fraction``, ``allow_growth``, ``deferred_deletion_bytes``.
 CONTROL_NAMES = tuple(c.setting for c in BFC.controls if c.setting)
 
@@ -102,6 +109,9 @@ class DeviceFeed:
         ``None`` when :meth:`configure`, :meth:`release_free_regions` and
         :meth:`flush_deferred` act; otherwise the reason the controls are disabled
         ("TensorFlow fixes its allocator's settings at start: set them and restart").
+    model : AllocatorModel or None
+        The allocator model whose words, layout and controls the device has; ``None``: the
+        BFC model's neutral ones.
     error : str or None
         Why the figures are not current, in words (a framework call that has not
         returned, a failed poll), shown in the dashboard's status line; None when all is
@@ -113,6 +123,7 @@ class DeviceFeed:
     capacity: int = 0
     has_layout: bool = True
     controls: str | None = "this source cannot be controlled"
+    model: Any = None
     error: str | None = None
 
     def start(self, wake: Callable[[], None]) -> None:
@@ -138,8 +149,15 @@ class DeviceFeed:
         return {"fraction": None, "allow_growth": None, "deferred_deletion_bytes": None,
                 "limit": None, "total": self.capacity or None}
 
+    def figures(self) -> dict:
+        """Optional: the allocator's own figures under its framework's names (what
+        :meth:`~gpudash.models.AllocatorModel.figures` gives for an allocator; PyTorch's
+        ``memory_stats()`` keys), for the controls' answers. ``{}``: none."""
+        return {}
+
     def configure(self, **changes: Any) -> None:
-        """Apply :data:`CONTROL_NAMES` changes, all or none (raise ``ConfigError``)."""
+        """Apply changes to the settings of the feed's model's controls (:data:`CONTROL_NAMES`
+        for a feed that names no model), all or none (raise ``ConfigError``)."""
         raise NotImplementedError(self.controls or "configure")
 
     def release_free_regions(self) -> int:

@@ -573,8 +573,10 @@ class _Device:
         self.index = index
         self.name = name
         self.allocator = allocator
-        # a feed is drawn in the neutral (BFC) words: its layout is TensorFlow-binned
-        self.model = model_of(allocator) if allocator is not None else BFC
+        # a feed is drawn in the words of the model it names, else the neutral (BFC) ones:
+        # its layout is TensorFlow-binned then
+        self.model = model_of(allocator) if allocator is not None else \
+            (getattr(feed, "model", None) or BFC)
         self.session_device = session_device
         self.feed = feed
         self.sample: Any = None  # the feed's latest sample not yet built into a state
@@ -1200,7 +1202,8 @@ class LiveModel(traitlets.HasTraits):
 
     def model(self, device: int = 0) -> AllocatorModel:
         """The allocator model of a device (:mod:`gpudash.models`): its controls, words,
-        bins or pools. A framework's feed is drawn in the BFC's neutral words."""
+        bins or pools. A feed's is the model it names (``feed.model``), else the BFC's neutral
+        words."""
         return self._devices[self._index(device)].model
 
     def has_layout(self, device: int = 0) -> bool:
@@ -1264,6 +1267,10 @@ class LiveModel(traitlets.HasTraits):
         if dev.allocator is not None:
             out["regions"] = len(dev.allocator.chunk_table()["regions"])
             out.update(dev.model.figures(dev.allocator))
+        else:
+            own = getattr(dev.feed, "figures", None)
+            if callable(own):
+                out.update(own())
         return out
 
     def act(self, device: int, name: str, value: Any = None) -> dict[str, Any]:
