@@ -42,6 +42,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ._accel import twin
+from ._cells import display_name
 from ._errors import (
     BackendUnavailableError,
     ConfigError,
@@ -353,7 +354,7 @@ class SessionStacks:
         if stack_id < 0:
             return ""
         filename, line, name = self.frames[self.stacks[stack_id][0]]
-        return f"{os.path.basename(filename)}:{line} {name}"
+        return f"{display_name(filename)}:{line} {name}"
 
 
 def _null_or_bug(ptr: Any, what: str) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ._cells import display_name
 from ._errors import ConfigError
 from ._gc import collector_paused
 from ._units import format_bytes
@@ -96,7 +97,7 @@ def _where(frames: Any) -> str:
     for f in frames or ():
         fn = str(f.get("filename", ""))
         if fn and not _internal(fn):
-            return f"{os.path.basename(fn)}:{f.get('line', '?')} {f.get('name', '')}".strip()
+            return f"{display_name(fn)}:{f.get('line', '?')} {f.get('name', '')}".strip()
     return ""
 
 

@@ -94,3 +94,31 @@ def test_track_labels_the_cell_and_says_who_holds_memory_at_the_end(capsys):
         assert f"held now by: cell [{n}] 24.00 MiB (3 block(s))" in out, out
     finally:
         ip.run_line_magic("unload_ext", "gpudash")
+
+
+def test_a_notebook_cell_s_line_is_named_as_ipython_names_the_cell():
+    """Code run from a cell has a file name IPython makes up (ipykernel: a hash of the
+    cell's text in a temporary folder); a holder reads ``Cell In[N]:LINE`` instead, as
+    IPython's own tracebacks do, everywhere a frame is shown."""
+    pytest.importorskip("IPython")
+    from IPython.testing import globalipapp
+
+    from gpudash._cells import cell_name, display_name
+    from gpudash.trace.callers import short_paths
+
+    globalipapp.start_ipython()
+    ip = globalipapp.get_ipython()
+    number = ip.execution_count
+    ip.run_cell("import sys\n"
+                "def grab(sess):\n"
+                "    return sess.allocate(1 << 20), sys._getframe().f_code.co_filename\n",
+                store_history=True)
+    with gpudash.Session(simulate="16GiB", poll=False, record_stacks=True) as sess:
+        ptr, filename = ip.user_ns["grab"](sess)
+        assert filename != f"Cell In[{number}]"      # Python's own name is a file's
+        assert cell_name(filename) == display_name(filename) == f"Cell In[{number}]"
+        assert sess.holder_of(ptr) == f"Cell In[{number}]:3 grab"
+    assert short_paths([filename, "/a/train.py"]) == {filename: f"Cell In[{number}]",
+                                                       "/a/train.py": "train.py"}
+    # a file IPython did not compile keeps its name
+    assert cell_name(__file__) is None and display_name(__file__) == "test_holders_live.py"

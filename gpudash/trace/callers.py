@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cells import cell_name
 from .._errors import ConfigError
 from ..formats.stacks import Frame, StackTable
 
@@ -136,7 +137,10 @@ def user_code_rule(user_code: Any = None) -> UserCode:
 
 def short_paths(filenames: list[str]) -> dict[str, str]:
     """Each filename shortened to its last path components, as few as keep them distinct
-    (``train.py``; ``a/models.py`` and ``b/models.py``)."""
+    (``train.py``; ``a/models.py`` and ``b/models.py``); a notebook cell's code by the
+    cell's name (``Cell In[5]``, :func:`gpudash._cells.cell_name`)."""
+    cells = {f: c for f in filenames if (c := cell_name(f)) is not None}
+    filenames = [f for f in filenames if f not in cells]
     parts = {f: [p for p in f.replace("\\", "/").split("/") if p] or [f] for f in filenames}
     depth = {f: 1 for f in filenames}
     for _ in range(64):
@@ -152,7 +156,7 @@ def short_paths(filenames: list[str]) -> dict[str, str]:
                     grew = True
         if not grew:
             break
-    return {f: "/".join(parts[f][-depth[f]:]) for f in filenames}
+    return {**{f: "/".join(parts[f][-depth[f]:]) for f in filenames}, **cells}
 
 
 @dataclass
