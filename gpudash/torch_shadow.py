@@ -59,12 +59,9 @@ from .formats.torch_trace import (
     ACTIONS,
     A_ALLOC,
     A_FREE,
-    A_FREE_REQ,
     A_OOM,
     TorchTrace,
-    _GETS,
     _MASK64,
-    _RELEASES,
     _SEGMENT_ACTIONS,
     from_snapshot,
     guess_version,
@@ -348,87 +345,14 @@ class ShadowDevice:
         size = [r[2] for r in rows]
         stream = [r[3] for r in rows]
         tt = _Chunk(act, addr, size)
-        alloc, oracle, res, ptr_of = self.allocator, self.oracle, self._res, self._ptr_of
-        hist = self._hist
-        known = self.known_fraction
+        res, hist = self._res, self._hist
         had = res.first_divergence is not None
-        n = len(act)
-        i = 0
-        pending: list[int] = []
-        broke = False
-        while i < n:
-            a = act[i]
-            if a == A_FREE_REQ and not pending:
-                i += 1
-                continue
-            if a == A_ALLOC and not pending and res._pos == len(hist):
-                oracle.expected.clear()
-                oracle.returned = 0
-                before = len(hist)
-                p = alloc.try_allocate(size[i], True, stream[i])
-                if p and p == addr[i] and len(hist) == before + 1:
-                    res._pos = before + 1
-                    ptr_of[p] = p
-                    res.allocs_matched += 1
-                else:
-                    tr._after_malloc(alloc, oracle, res, tt, addr, size, i, i, [], [], p,
-                                     ptr_of)
-                i += 1
-                continue
-            if a == A_FREE and not pending:
-                p = ptr_of.pop(addr[i], None)
-                if p is not None:
-                    before = len(hist)
-                    try:
-                        alloc.deallocate(p)
-                    except Exception as exc:  # noqa: BLE001 - recorded as a divergence
-                        tr._diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
-                    if res._pos == before and len(hist) == before + 2:
-                        res._pos = before + 2
-                    i += 1
-                    continue
-            if a in _RELEASES:
-                pending.append(i)
-                i += 1
-                continue
-            if a in _GETS:
-                j = i
-                while j < n and act[j] in _SEGMENT_ACTIONS:
-                    j += 1
-                if j >= n:          # the call's alloc is not in the ring yet
-                    broke = True
-                    break
-                if act[j] in (A_ALLOC, A_OOM):
-                    tr._call(alloc, oracle, res, tt, act, addr, size, stream, pending, i,
-                             j + 1, ptr_of, known)
-                    pending = []
-                    i = j + 1
-                    continue
-                i = j
-                continue
-            if a in (A_ALLOC, A_OOM):
-                tr._call(alloc, oracle, res, tt, act, addr, size, stream, pending, i, i + 1,
-                         ptr_of, known)
-                pending = []
-                i += 1
-                continue
-            if pending:
-                tr._empty_cache(alloc, res, tt, act, addr, size, pending)
-                pending = []
-            if a == A_FREE:
-                p = ptr_of.pop(addr[i], None)
-                if p is None and addr[i] in alloc._blocks and alloc._blocks[addr[i]].allocated:
-                    p = addr[i]
-                if p is None:
-                    tr._diverge(res, i, tt, f"free_completed of {addr[i]:#x}: the model has "
-                                "no allocation there")
-                else:
-                    try:
-                        alloc.deallocate(p)
-                    except Exception as exc:  # noqa: BLE001 - recorded as a divergence
-                        tr._diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
-            i += 1
-        done = (pending[0] if pending else i) if (broke or pending) else n
+        # the entries of a call not all in the ring yet, and releases not yet attributed,
+        # wait for the next read
+        i, pending, _stopped = tr._replay_calls(self.allocator, self.oracle, res, tt, act, addr,
+                                                size, stream, self._ptr_of,
+                                                self.known_fraction, resumable=True)
+        done = pending[0] if pending else i
         acts = np.asarray(act[:done], dtype=np.int8)
         self.segment_events += int(np.isin(acts, _SEGMENT_ACTIONS).sum())
         self.allocs += int((acts == A_ALLOC).sum())

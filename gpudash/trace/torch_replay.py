@@ -380,11 +380,59 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
     if attach is not None:
         attach(alloc)
     ptr_of: dict[int, int] = {}   # trace address -> model address of live allocations
+    known_fraction = fraction is not None
+    i, pending, stop = _replay_calls(alloc, oracle, res, tt, act, addr, size, stream, ptr_of,
+                                     known_fraction, sample=sample, progress=progress,
+                                     stop_at_oom=stop_at_oom)
+    done = tt.action[:i] if stop else tt.action
+    res.segment_events = int(np.isin(done, _SEGMENT_ACTIONS).sum())
+    res.allocs = int((done == A_ALLOC).sum())
+    res.ooms = int((done == A_OOM).sum())
+    if res.empty_cache_calls:
+        notes.append(f"{res.empty_cache_calls} run(s) of segment releases replayed as "
+                     "torch.cuda.empty_cache() calls (PyTorch does not log those calls)")
+    if res.pressure_calls and not known_fraction:
+        notes.append(f"{res.pressure_calls} call(s) met a device refusal where the trace "
+                     "shows one (releases before new memory, or an oom entry)")
+    if stop:
+        notes.append(f"stopped at the out-of-memory entry {i - 1} (entries after it not "
+                     "replayed)")
+    elif tt.final is not None:
+        mismatch = _compare_final(alloc, tt.final)
+        res.final_layout_equal = not mismatch
+        res.final_mismatch = mismatch
+    alloc.check()
+    alloc._history = deque(hist, maxlen=max_entries + 1)
+    res.snapshot = alloc.snapshot()
+    res.allocator = alloc
+    return res
+
+
+def _replay_calls(alloc: CachingAllocator, oracle: _Oracle, res: ExactReplay, tt: Any,
+                  act: list, addr: list, size: list, stream: list, ptr_of: dict[int, int],
+                  known_fraction: bool, *, resumable: bool = False, sample: list | None = None,
+                  progress: Any = None, stop_at_oom: int | None = None
+                  ) -> tuple[int, list[int], bool]:
+    """Replay the calls of a run of trace entries (``act``, ``addr``, ``size``, ``stream``)
+    on ``alloc``, comparing each decision with the trace's (``res`` keeps the counts and
+    the first divergence); ``ptr_of`` maps the trace's addresses of live blocks to the
+    model's and carries over from one run to the next.
+
+    ``resumable`` (shadow mode, which reads PyTorch's ring as it grows): a call whose
+    segment entries are in the run but whose alloc is not yet stops the run there, and a
+    run of releases at its end is left unattributed; the caller keeps both for the next
+    entries. Otherwise such a call is noted and a trailing run of releases replayed as
+    ``empty_cache()``.
+
+    Returns ``(i, pending, stopped)``: the entry the run stopped at (``len(act)`` when it
+    went through), the indices of the releases not yet attributed, and whether the
+    ``stop_at_oom``-th out-of-memory entry ended it.
+    """
     n = len(act)
     i = 0
     pending: list[int] = []        # indices of a release run not yet attributed
-    known_fraction = fraction is not None
-    calls = 0
+    calls = res.calls
+    hist = alloc._history
     try_allocate, deallocate = alloc.try_allocate, alloc.deallocate
     sampling = sample is not None
     if sampling:
@@ -474,6 +522,8 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                         stop = True
                         break
                 continue
+            if resumable and j >= n:        # the call's alloc is not in the ring yet
+                break
             res.notes.append(f"entry {i}: a {ACTION_NAMES[a]} that no alloc follows")
             i = j
             continue
@@ -508,33 +558,13 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                 _diverge(res, i, tt, f"free_completed of {addr[i]:#x}: {exc}")
             after_call()
         i += 1
-    if pending and not stop:
+    if pending and not stop and not resumable:
         _empty_cache(alloc, res, tt, act, addr, size, pending)
+        pending = []
     if progress is not None:
         progress(n, n)
     res.calls = calls
-    done = tt.action[:i] if stop else tt.action
-    res.segment_events = int(np.isin(done, _SEGMENT_ACTIONS).sum())
-    res.allocs = int((done == A_ALLOC).sum())
-    res.ooms = int((done == A_OOM).sum())
-    if res.empty_cache_calls:
-        notes.append(f"{res.empty_cache_calls} run(s) of segment releases replayed as "
-                     "torch.cuda.empty_cache() calls (PyTorch does not log those calls)")
-    if res.pressure_calls and not known_fraction:
-        notes.append(f"{res.pressure_calls} call(s) met a device refusal where the trace "
-                     "shows one (releases before new memory, or an oom entry)")
-    if stop:
-        notes.append(f"stopped at the out-of-memory entry {i - 1} (entries after it not "
-                     "replayed)")
-    elif tt.final is not None:
-        mismatch = _compare_final(alloc, tt.final)
-        res.final_layout_equal = not mismatch
-        res.final_mismatch = mismatch
-    alloc.check()
-    alloc._history = deque(hist, maxlen=max_entries + 1)
-    res.snapshot = alloc.snapshot()
-    res.allocator = alloc
-    return res
+    return i, pending, stop
 
 
 def _diverge(res: ExactReplay, i: int, tt: TorchTrace, what: str) -> None:
