@@ -645,6 +645,27 @@ def _make_feed_class() -> type:
                 ([f"max_non_split_rounding_mb:{tol}"] if tol != 20 else [])
             return ",".join(parts)
 
+        def _unmodelled(self) -> dict[str, str]:
+            """The settings of the model's controls install mode does not apply, by
+            setting, with the reason (its :data:`LIMITS`)."""
+            if self._owner.kind.region_options:
+                return {"deferred_deletion_bytes":
+                        "the BFC in install mode frees at once: PyTorch orders frees on its "
+                        "stream, there is no EventMgr; deferred_deletion_bytes does not apply"}
+            return {"expandable_segments":
+                    "install mode does not model expandable_segments: its segments are "
+                    "plain cudaMalloc ones (install mode's limits); PyTorch's own allocator "
+                    "has it",
+                    "garbage_collection_threshold":
+                    "install mode does not model garbage_collection_threshold (install "
+                    "mode's limits); empty cache returns the wholly free segments now"}
+
+        def unavailable(self) -> dict[str, str]:
+            """The controls install mode cannot apply, by name, with the reason."""
+            reasons = self._unmodelled()
+            return {c.name: reasons[c.setting] for c in self.model.controls
+                    if c.setting in reasons}
+
         def figures(self) -> dict:
             """The installed allocator's ``memory_stats()`` figures its model's answers
             use (PyTorch's keys), and its segment count."""
@@ -672,18 +693,9 @@ def _make_feed_class() -> type:
                                   f"live settings: {', '.join(known)}")
             bfc = owner.kind.region_options
             growth = changes.get("allow_growth")
-            if changes.get("deferred_deletion_bytes") not in (None, 0):
-                raise ConfigError("the BFC in install mode frees at once: PyTorch orders "
-                                  "frees on its stream, there is no EventMgr; "
-                                  "deferred_deletion_bytes does not apply")
-            if changes.get("expandable_segments"):
-                raise ConfigError("install mode does not model expandable_segments: its "
-                                  "segments are plain cudaMalloc ones (install mode's "
-                                  "limits); PyTorch's own allocator has it")
-            if changes.get("garbage_collection_threshold"):
-                raise ConfigError("install mode does not model garbage_collection_threshold "
-                                  "(install mode's limits); empty cache returns the wholly "
-                                  "free segments now")
+            for setting, value in changes.items():
+                if value not in (None, 0, 0.0, False) and setting in self._unmodelled():
+                    raise ConfigError(self._unmodelled()[setting])
             now = time.time_ns()
             s = owner.state(device)
             frac = changes.get("per_process_gpu_memory_fraction")

@@ -362,6 +362,9 @@ def test_the_dashboard_acts_on_the_installed_allocator_in_pytorch_s_words(lib):
         assert [c["name"] for c in info["model"]["controls"]] == \
             [c.name for c in TORCH.controls]
         assert info["settings"]["conf"] == "" and info["settings"]["max_split_size_mb"] is None
+        # what install mode cannot apply is drawn disabled, with the reason act() gives
+        assert sorted(info["unavailable"]) == ["expandable", "gc"]
+        assert "does not model expandable_segments" in info["unavailable"]["expandable"]
         state = live.refresh_now(force=True)[0]
         assert state.table["ptr"].tolist() == model.chunk_table()["ptr"].tolist()
         # the fraction: the C allocator's limit, PyTorch's words
@@ -695,7 +698,8 @@ def test_install_bfc_routes_stats_snapshot_feed_and_controls(bfc_after):
     assert sample.table["regions"].tolist() == t["regions"].tolist()
     live = LiveModel(feeds=[feed], start=False)
     try:
-        assert live.controls_disabled(0) is None
+        assert live.controls_disabled(0) is None and live.model(0) is BFC
+        assert list(live.unavailable_controls(0)) == ["deferred"]
         live.configure(0, per_process_gpu_memory_fraction=0.05)   # 25.6 MiB: below the pool
         model.set_memory_limit(int(0.05 * TOTAL))
         _check_bfc_against(model, None)

@@ -149,6 +149,13 @@ class DeviceFeed:
         return {"fraction": None, "allow_growth": None, "deferred_deletion_bytes": None,
                 "limit": None, "total": self.capacity or None}
 
+    def unavailable(self) -> dict[str, str]:
+        """Optional: the controls of the feed's model that cannot act on this source, by
+        control name, each with the reason (install mode: PyTorch's ``expandable_segments``,
+        which it does not model). The dashboard draws them disabled with the reason, and
+        :meth:`configure` refuses them with it. ``{}``: every control acts."""
+        return {}
+
     def figures(self) -> dict:
         """Optional: the allocator's own figures under its framework's names (what
         :meth:`~gpudash.models.AllocatorModel.figures` gives for an allocator; PyTorch's

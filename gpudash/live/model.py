@@ -1220,6 +1220,14 @@ class LiveModel(traitlets.HasTraits):
             return None  # a bare allocator: limit and growth act, deferred does not
         return None
 
+    def unavailable_controls(self, device: int = 0) -> dict[str, str]:
+        """The device's controls that cannot act on its source, by name, with the reason
+        (a feed's :meth:`~gpudash.live.feeds.DeviceFeed.unavailable`); ``{}`` for a session
+        or an allocator watched directly."""
+        feed = self._devices[self._index(device)].feed
+        own = getattr(feed, "unavailable", None)
+        return dict(own()) if callable(own) else {}
+
     def pending_release(self, device: int = 0) -> tuple[int, int]:
         """``(bytes, regions)`` the pool is above a limit lowered live (see
         :meth:`gpudash.BFCAllocator.pending_release`); a feed's own ``pending_release()``

@@ -321,6 +321,8 @@ class Dashboard(anywidget.AnyWidget):
             "settings": {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                          for k, v in settings.items()},
             "disabled": disabled,
+            # controls of the model this source cannot apply, each with its reason
+            "unavailable": m.unavailable_controls(device),
             # deferred deletion to flush and tune: a session here, or a controllable feed
             # (a Dask worker's session)
             "session": m.session is not None or (feed is not None and not disabled),

@@ -317,6 +317,7 @@ class View {
     const ctl = this.ctl;
     const words = this.words || {};
     const reason = info.disabled;
+    const unavailable = info.unavailable || {};
     for (const spec of this.specs) {
       const e = ctl[spec.name];
       const v = spec.setting ? s[spec.setting] : null;
@@ -344,7 +345,8 @@ class View {
         if (document.activeElement !== e || info.refused === spec.name)
           e.value = e.dataset.sent = v == null || v === 0 ? "" : String(v);
       }
-      if (reason) { e.setAttribute("disabled", ""); e.title = reason; }
+      const why = reason || unavailable[spec.name];
+      if (why) { e.setAttribute("disabled", ""); e.title = why; }
       else if (spec.needs_session && !info.session) {
         e.setAttribute("disabled", "");
         e.title = "deferred deletion lives in a gpudash.Session";
