@@ -897,14 +897,19 @@ class Shadow:
         out.real_ooms = int(res.ooms)
         out.served_ooms = int(res.ooms - res.ooms_matched)
         out.peak_reserved = int(res.allocator.memory_stats().get("reserved_bytes.all.peak", 0))
+        still = None   # the first of the run's own OOMs these settings would not serve
         for call, nbytes in res.oom_calls:
-            if call < len(calls) and tt.action[calls[call]] == A_ALLOC:
-                entry = int(calls[call])
-                raw = snap["device_traces"][dev.index][entry]
-                out.failed, out.call, out.entry, out.size = True, call + 1, entry, int(nbytes)
-                out.where = _where(raw.get("frames"))
-                out.step, out.step_source = self._step_at(raw.get("time_us"))
-                break
+            if call >= len(calls):
+                continue
+            entry = int(calls[call])
+            if tt.action[entry] != A_ALLOC:
+                still = still or (call, entry, nbytes)
+                continue
+            raw = snap["device_traces"][dev.index][entry]
+            out.failed, out.call, out.entry, out.size = True, call + 1, entry, int(nbytes)
+            out.where = _where(raw.get("frames"))
+            out.step, out.step_source = self._step_at(raw.get("time_us"))
+            break
         setting = (f"fraction {frac:g}" if frac is not None else "no fraction") + (
             f", {cfg.as_conf()}" if cfg.as_conf() else "")
         if out.failed:
@@ -913,6 +918,17 @@ class Shadow:
             out.text = (f"{dev.name}: at {setting} this run would have failed at call "
                         f"{out.call:,}{step}" + (f", {out.where}" if out.where else "")
                         + f": {format_bytes(out.size)} asked")
+        elif still is not None:
+            call, entry, nbytes = still
+            raw = snap["device_traces"][dev.index][entry]
+            where = _where(raw.get("frames"))
+            step, source = self._step_at(raw.get("time_us"))
+            stepw = f" (step {step}, counted by {source})" if step is not None else ""
+            out.text = (f"{dev.name}: at {setting} every request PyTorch served would have "
+                        f"been served, and the run's out-of-memory error at call {call + 1:,}"
+                        f"{stepw}" + (f", {where}" if where else "") + " would still happen: "
+                        f"{format_bytes(int(nbytes))} asked (peak reserved "
+                        f"{format_bytes(out.peak_reserved)})")
         else:
             out.text = (f"{dev.name}: at {setting} the {out.calls:,} calls recorded would all "
                         f"have been served (peak reserved {format_bytes(out.peak_reserved)})")
@@ -922,6 +938,18 @@ class Shadow:
         if res.start != "empty":
             out.text += " (the ring starts mid-run: the replay starts from the layout then)"
         return out
+
+    def preview(self, setting: str, value: Any, device: Any = None) -> str:
+        """What a setting would have done to the run so far, before it is applied (the
+        dashboard's controls show it while a slider is dragged or a value typed):
+        :meth:`what_if` with ``setting`` (``per_process_gpu_memory_fraction`` or a part of
+        PyTorch's settings string) at ``value``. Nothing changes in the job."""
+        TORCH.check_setting(setting, value)
+        if setting in ("per_process_gpu_memory_fraction", "fraction"):
+            wi = self.what_if(device, fraction=float(value))
+        else:
+            wi = self.what_if(device, **{setting: value})
+        return "what-if, not applied: " + wi.text
 
     def _read_locked(self) -> dict:
         with self._lock:

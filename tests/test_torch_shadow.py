@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 
 import gpudash
@@ -275,6 +276,33 @@ def test_an_oom_is_explained_with_its_stack_and_the_setting_that_serves_it():
         shadow.stop()
 
 
+def test_a_what_if_that_serves_every_served_request_but_not_the_run_s_oom_says_so():
+    """Between the fraction the job ran out at and one that serves it, the what-if neither
+    fails a request PyTorch served nor serves the run's own OOM: it says that OOM would
+    still happen (not that every call would have been served)."""
+    torch = ModelTorch(total=2 * GiB)
+    shadow = attach(torch, interval=0)
+    try:
+        held = _workload(torch, shadow=shadow)
+        shadow.configure(fraction=0.2)
+        with pytest.raises(OutOfMemoryError):
+            held += _workload(torch, shadow=shadow)
+        shadow.refresh()
+        seen = {}
+        for f in np.arange(0.20, 1.0, 0.01):
+            wi = shadow.what_if(fraction=round(float(f), 2))
+            kind = "fails" if wi.failed else ("serves" if wi.served_ooms else "still")
+            seen.setdefault(kind, wi)
+        still, serves = seen["still"], seen["serves"]
+        assert still.real_ooms == 1 and still.served_ooms == 0 and not still.failed
+        assert "would still happen" in still.text and "would all have been served" \
+            not in still.text
+        assert f"{HERE}:" in still.text and "(step " in still.text
+        assert serves.fraction > still.fraction and "would all have been served" in serves.text
+    finally:
+        shadow.stop()
+
+
 def test_steps_come_from_the_jobs_annotations_when_it_has_them():
     torch = ModelTorch(total=2 * GiB)
     shadow = attach(torch, interval=0)
@@ -334,6 +362,22 @@ def test_the_dashboard_answers_in_shadows_words_and_says_how_current_it_is(monke
         wd.say(dash, {"type": "hello"})
         head = wd.sent(log, dash, "snapshot")[-1][0]["headline"]
         assert head["note"].startswith("history read ") and "s ago" in head["note"]
+        # before a change is applied, the page asks what it would do (a slider dragged, a
+        # value typed): the replay of the run so far under it, and nothing changes
+        assert dash._controls_info(0)["preview"] is True
+        before = torch.cuda.get_per_process_memory_fraction(0)
+        reply = wd.act(log, dash, "preview", {"name": "fraction", "value": 0.2})
+        assert reply["ok"] and reply["preview"] and \
+            torch.cuda.get_per_process_memory_fraction(0) == before
+        assert reply["text"].startswith("what-if, not applied: cuda:0: at fraction 0.2 this "
+                                        "run would have failed at call")
+        assert reply["text"].endswith(shadow.what_if(fraction=0.2).text.split(": ", 1)[1])
+        reply = wd.act(log, dash, "preview", {"name": "max_split", "value": 64})
+        assert reply["ok"] and "max_split_size_mb:64" in reply["text"]
+        assert shadow.devices[0].allocator.config.as_dict()["max_split_size_mb"] is None
+        for bad in ({"name": "fraction", "value": 1.5}, {"name": "empty_cache", "value": None},
+                    {"name": "fraction"}, 0.2):
+            assert not wd.act(log, dash, "preview", bad)["ok"], bad
         # the fraction from the page: PyTorch's call, reserved before and after, what the
         # limit refuses, and the replay of the run so far
         reply = wd.act(log, dash, "fraction", 0.2)

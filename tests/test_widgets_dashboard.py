@@ -221,6 +221,11 @@ def test_fraction_growth_and_deferred_act_on_the_session_and_answer_in_words(com
     assert dev.memory_limit == int(0.25 * dev.total)
     reply = act(comms, manual, "bogus", 1)
     assert not reply["ok"] and "unknown control 'bogus'" in reply["text"]
+    # a session applies a value at once (the slider acts while dragged): no preview
+    assert reply["controls"]["preview"] is False
+    reply = act(comms, manual, "preview", {"name": "fraction", "value": 0.5})
+    assert not reply["ok"] and "no preview" in reply["text"]
+    assert dev.memory_limit == int(0.25 * dev.total)
 
 
 def test_release_and_lowering_the_fraction_below_the_pool_say_what_happens(comms, sess,

@@ -1333,6 +1333,38 @@ class LiveModel(traitlets.HasTraits):
             answer["text"] = "\n".join(said[said_before:])
         return answer
 
+    def can_preview(self, device: int = 0) -> bool:
+        """Whether the device's source says what a setting would do before it is applied
+        (:meth:`preview`): shadow mode, whose changes act on a real job."""
+        return self._devices[self._index(device)].feed is None and \
+            callable(getattr(self._session, "preview", None))
+
+    def preview(self, device: int, name: str, value: Any) -> dict[str, Any]:
+        """What control ``name`` at ``value`` would do, said before anything changes: the
+        source's ``preview(setting, value, device)`` (shadow mode: the exact replay of the
+        run so far under it). The value is checked as :meth:`act` checks it. Returns
+        ``{"ok": True, "text": ..., "preview": True}``.
+
+        Raises
+        ------
+        ConfigError
+            An unknown control, a button (nothing to preview), a bad value, or a source
+            that has no preview.
+        """
+        i = self._index(device)
+        model = self._devices[i].model
+        control = model.control(name)
+        if control is None:
+            raise ConfigError(f"unknown control {name!r}; {model.title}'s are: "
+                              f"{', '.join(c.name for c in model.controls)}")
+        if not control.setting:
+            raise ConfigError(f"{name} is a button: it has no setting to preview")
+        model.check_setting(control.setting, value)
+        if not self.can_preview(i):
+            raise ConfigError("this source applies a setting at once: it has no preview")
+        return {"ok": True, "preview": True,
+                "text": self._session.preview(control.setting, value, device=i)}
+
     def configure(self, device: int | None = None, **changes: Any) -> None:
         """``Session.configure(**changes, device=...)`` on the watched session, then wake
         the refresher. Raises what the session raises (nothing changes then)."""

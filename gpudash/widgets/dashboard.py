@@ -321,6 +321,9 @@ class Dashboard(anywidget.AnyWidget):
             "settings": {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                          for k, v in settings.items()},
             "disabled": disabled,
+            # the source says what a setting would do before it is applied (shadow mode):
+            # a slider previews while dragged and applies when released
+            "preview": m.can_preview(device),
             # controls of the model this source cannot apply, each with its reason
             "unavailable": m.unavailable_controls(device),
             # deferred deletion to flush and tune: a session here, or a controllable feed
@@ -704,7 +707,9 @@ class Dashboard(anywidget.AnyWidget):
         """Run one control from the browser; the answer says what happened, in words.
 
         The dashboard's own controls (device, pause, rate, the holders' moment, restart)
-        act here; every control of the allocator model goes to
+        act here, and ``preview`` (``{name, value}``: what a control would do, from a
+        source that says it before applying, :meth:`gpudash.live.LiveModel.preview`);
+        every control of the allocator model goes to
         :meth:`gpudash.live.LiveModel.act`, which checks the value first (no coercion:
         growth ``"false"`` is refused, not read as true): a bad one is a
         :class:`~gpudash.ConfigError` naming the setting and the value, and nothing
@@ -731,6 +736,11 @@ class Dashboard(anywidget.AnyWidget):
             return {"ok": True, "text": f"{m.rate_hz:g} refreshes/s"}
         if name == "holders_at":
             return self._holders_at(value)
+        if name == "preview":
+            if not isinstance(value, dict) or set(value) != {"name", "value"}:
+                raise ConfigError(f"preview takes {{name, value}}: a control and the value "
+                                  f"to preview; got {value!r}")
+            return m.preview(dev, value["name"], value["value"])
         if name == "restart":
             feed = m.feed(dev)
             lines = feed.restart_lines() if feed is not None else []

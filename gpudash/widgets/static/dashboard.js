@@ -115,6 +115,7 @@ class View {
     this.visible = true;
     this.pending = {};
     this.inflight = {};
+    this.previewing = {};   // sliders being dragged on a source that previews
     this.nextId = 1;
     this.build();
     if (typeof IntersectionObserver !== "undefined") {
@@ -217,15 +218,28 @@ class View {
           step: "0.01", value: "1", "data-ctl": name }));
         const fval = lab.appendChild(el("span", { "data-ctl": name + "-value" }, ""));
         slider.addEventListener("input", () => {
-          // the limit follows with the kernel's answer (applyControls)
+          // the limit follows with the kernel's answer (applyControls); a source that
+          // previews (shadow mode: a real job) says what the value would do while dragged,
+          // and applies it when the slider is let go
           fval.textContent = fractionText(Number(slider.value), false, null);
-          this.act(name, Number(slider.value), true);
+          if (this.info && this.info.preview) {
+            this.previewing[name] = true;   // the value shown is the one previewed
+            this.preview(name, Number(slider.value));
+          } else this.act(name, Number(slider.value), true);
+        });
+        slider.addEventListener("change", () => {
+          if (!(this.info && this.info.preview)) return;
+          delete this.previewing[name];
+          this.act(name, Number(slider.value));
         });
         this.ctl[name] = slider;
         this.ctl[name + "Value"] = fval;
       } else if (spec.kind === "toggle") {
         const b = box.appendChild(el("button", { "data-ctl": name }, spec.label + ": ?"));
         b.addEventListener("click", () => this.act(name, !this.toggles[name]));
+        b.addEventListener("mouseenter", () => {
+          if (this.info && this.info.preview && !b.disabled) this.preview(name, !this.toggles[name]);
+        });
         this.ctl[name] = b;
       } else if (spec.kind === "bytes" || spec.kind === "number") {
         const lab = box.appendChild(el("label", {}, spec.label + " "));
@@ -247,6 +261,10 @@ class View {
           else this.act(name, input.value === "" ? spec.empty_value : Number(input.value));
         };
         input.addEventListener("change", commit);
+        input.addEventListener("input", () => {
+          if (!(this.info && this.info.preview) || spec.kind !== "number") return;
+          this.preview(name, input.value === "" ? spec.empty_value : Number(input.value));
+        });
         input.addEventListener("keydown", (ev) => {
           if (ev.key !== "Enter") return;
           ev.preventDefault();
@@ -260,6 +278,11 @@ class View {
         this.ctl[name] = b;
       }
     }
+  }
+
+  // What a control's value would do, before it is applied (one in flight, the newest next).
+  preview(name, value) {
+    this.act("preview", { name, value }, true);
   }
 
   // Send a control; `coalesce` keeps one in flight per control and sends the newest value
@@ -328,7 +351,8 @@ class View {
         const frac = !auto ? s.fraction : (total && s.limit ? s.limit / total : null);
         // the settings in force, unless a newer value from the slider is on its way (then
         // its answer shows it); the handle is left alone while it has the focus (dragged)
-        const sending = this.inflight[spec.name] || spec.name in this.pending;
+        const sending = this.inflight[spec.name] || spec.name in this.pending ||
+          spec.name in this.previewing;
         if (frac != null && !sending) {
           if (document.activeElement !== e) e.value = String(frac);
           ctl[spec.name + "Value"].textContent = fractionText(frac, auto, s.limit,
