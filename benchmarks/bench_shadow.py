@@ -19,8 +19,12 @@ PyTorch 2.11 does (tests/torch_standin.ModelTorch), or on real PyTorch with ``--
     between two reads, keeping to its budget (a read of t seconds, then at least 7t of
     waiting: an eighth of one core). What :data:`gpudash.torch_shadow.SHADOW_HISTORY_ENTRIES`
     is chosen from.
+(d) A preview (what the dashboard says while the fraction slider is dragged, before the
+    change is applied: the exact replay of the ring under the value): its time on a full
+    ring of ``--history`` entries at three fractions, with the history read a drag shares
+    (within ``PREVIEW_AGE``) and with a read of its own.
 
-Prints three tables.
+Prints four tables.
 """
 
 from __future__ import annotations
@@ -202,6 +206,39 @@ def bench_ring(torch, alloc, free, sizes, interval, pace=7.0):
     return rows
 
 
+def bench_preview(torch, alloc, free, history, rounds):
+    import gpudash.torch_shadow as ts
+
+    shadow = ts.attach(torch, interval=0, history=history)
+    kept: list = []
+    k = 0
+    try:
+        while len(torch.cuda.memory._snapshot()["device_traces"][0]) < history:
+            _step(alloc, free, kept, k)
+            k += 1
+        shadow.refresh()
+        rows = []
+        for fraction in (0.001, 0.005, 0.9):
+            shared, fresh = [], []
+            text = ""
+            for _ in range(rounds):
+                shadow._snap_at = time.monotonic()          # the drag's shared read
+                t0 = time.perf_counter()
+                text = shadow.preview("per_process_gpu_memory_fraction", fraction)
+                shared.append(time.perf_counter() - t0)
+                shadow._snap_at = 0.0                       # too old: read again
+                t0 = time.perf_counter()
+                shadow.preview("per_process_gpu_memory_fraction", fraction)
+                fresh.append(time.perf_counter() - t0)
+            rows.append((fraction, statistics.median(shared) * 1e3, max(shared) * 1e3,
+                         statistics.median(fresh) * 1e3, text.split(": ", 2)[-1][:70]))
+        return rows
+    finally:
+        for t in kept:
+            free(t)
+        shadow.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="real PyTorch on a GPU")
@@ -241,6 +278,12 @@ def main() -> None:
     for size, ms, rate in bench_ring(torch, alloc, free, (5_000, 10_000, 20_000, 50_000,
                                                            100_000), args.interval):
         print(f"{size:>12,} {ms:>9.1f} {rate:>23,.0f}")
+    print(f"\n(d) a preview of the fraction slider on a full ring of {args.history:,} entries "
+          "(the replay of the run so far under the value, nothing applied)")
+    print(f"{'fraction':>9} {'shared read ms':>15} {'slowest ms':>11} {'fresh read ms':>14}  what it says")
+    for frac, shared, worst, fresh, text in bench_preview(torch, alloc, free, args.history,
+                                                         args.rounds):
+        print(f"{frac:>9g} {shared:>15.1f} {worst:>11.1f} {fresh:>14.1f}  {text}")
 
 if __name__ == "__main__":
     main()

@@ -82,6 +82,8 @@ SHADOW_HISTORY_ENTRIES = 20_000
 _TORCH_DIR = os.sep + "torch" + os.sep
 _GPUDASH_DIR = os.path.dirname(os.path.abspath(__file__))
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
+#: Seconds a history read serves previews for (:meth:`Shadow.preview`), at most.
+PREVIEW_AGE = 1.0
 
 
 def _internal(filename: str) -> bool:
@@ -461,6 +463,8 @@ class Shadow:
         self.read_at: float | None = None   # when it read (time.monotonic())
         self._fraction_set: dict[int, float] = {}
         self._snap: dict | None = None
+        self._snap_at = 0.0               # time.monotonic() of that read
+        self._parsed: tuple = (None, None)   # (snapshot, its traces): the last parsed
         self._annotations: list = []
         self.devices = [ShadowDevice(self, i, int(torch.cuda.get_device_properties(i)
                                                   .total_memory)) for i in devices]
@@ -603,6 +607,7 @@ class Shadow:
     def _read(self) -> dict:
         snap = self._torch.cuda.memory._snapshot()
         self._snap = snap
+        self._snap_at = time.monotonic()
         self._annotations = list(snap.get("external_annotations") or ())
         return snap
 
@@ -884,13 +889,17 @@ class Shadow:
             cfg.update(**parts)
         frac = fraction if fraction is not None else (
             dev.allocator.fraction if dev.known_fraction else None)
-        traces = from_snapshot(snap)
+        seen, traces = self._parsed
+        if seen is not snap:
+            traces = from_snapshot(snap)
+            self._parsed = (snap, traces)
         out = WhatIf(dev.index, frac, cfg.as_conf())
         tt = traces.get(dev.index)
         if tt is None or not len(tt):
             out.text = f"{dev.name}: no recorded calls to replay yet"
             return out
-        res = replay_exact(tt, conf=cfg, fraction=frac, device_total=dev.total)
+        res = replay_exact(tt, conf=cfg, fraction=frac, device_total=dev.total,
+                           keep_snapshot=False)
         out.notes = list(res.notes)
         calls = np.flatnonzero(np.isin(tt.action, (A_ALLOC, A_FREE, A_OOM)))
         out.calls = int(res.calls)
@@ -945,10 +954,14 @@ class Shadow:
         :meth:`what_if` with ``setting`` (``per_process_gpu_memory_fraction`` or a part of
         PyTorch's settings string) at ``value``. Nothing changes in the job."""
         TORCH.check_setting(setting, value)
+        # a slider dragged asks many times a second: the history read within the last
+        # PREVIEW_AGE seconds serves them all (read and parsed once)
+        snap = self._snap if self._snap is not None and \
+            time.monotonic() - self._snap_at <= PREVIEW_AGE else None
         if setting in ("per_process_gpu_memory_fraction", "fraction"):
-            wi = self.what_if(device, fraction=float(value))
+            wi = self.what_if(device, fraction=float(value), snapshot=snap)
         else:
-            wi = self.what_if(device, **{setting: value})
+            wi = self.what_if(device, snapshot=snap, **{setting: value})
         return "what-if, not applied: " + wi.text
 
     def _read_locked(self) -> dict:

@@ -303,6 +303,32 @@ def test_a_what_if_that_serves_every_served_request_but_not_the_run_s_oom_says_s
         shadow.stop()
 
 
+def test_previews_of_a_dragged_slider_share_one_history_read(monkeypatch):
+    """A slider dragged asks for a preview many times a second: the history read within
+    PREVIEW_AGE serves them (read and parsed once), and nothing changes in the job."""
+    import gpudash.torch_shadow as ts
+
+    torch = ModelTorch(total=2 * GiB)
+    shadow = attach(torch, interval=0)
+    try:
+        _workload(torch, shadow=shadow)
+        shadow.refresh()
+        reads = []
+        real = torch.cuda.memory._snapshot
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot",
+                            lambda *a, **k: reads.append(1) or real(*a, **k))
+        texts = [shadow.preview("per_process_gpu_memory_fraction", f)
+                 for f in (0.3, 0.25, 0.2, 0.15, 0.1)]
+        assert reads == [] and all(t.startswith("what-if, not applied: ") for t in texts)
+        assert texts[2].endswith(shadow.what_if(fraction=0.2).text.split(": ", 1)[1])
+        assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
+        monkeypatch.setattr(ts, "PREVIEW_AGE", 0.0)     # an old read: read again
+        shadow.preview("per_process_gpu_memory_fraction", 0.2)
+        assert len(reads) >= 1
+    finally:
+        shadow.stop()
+
+
 def test_steps_come_from_the_jobs_annotations_when_it_has_them():
     torch = ModelTorch(total=2 * GiB)
     shadow = attach(torch, interval=0)

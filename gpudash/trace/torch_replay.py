@@ -296,7 +296,7 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
                  device_total: int | None = None, version: Any = None,
                  max_entries: int = 10_000_000, sample: list | None = None,
                  attach: Any = None, progress: Any = None,
-                 stop_at_oom: int | None = None) -> ExactReplay:
+                 stop_at_oom: int | None = None, keep_snapshot: bool = True) -> ExactReplay:
     """Replay one device's PyTorch trace through the model with the trace's own addresses,
     and compare every decision (see the module docstring).
 
@@ -325,6 +325,9 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         Stop right after the trace's ``stop_at_oom``-th out-of-memory entry (from 1): the
         allocator is left as it was when PyTorch raised (its cache already released), and
         the counts cover the entries up to there; no final layout is compared.
+    keep_snapshot : bool
+        Keep the replayed allocator's snapshot (``snapshot``, its history included); False
+        leaves it empty (a what-if that reads only the counts and the allocator).
     """
     notes: list[str] = []
     if stop_at_oom is not None and stop_at_oom < 1:
@@ -403,7 +406,7 @@ def replay_exact(tt: TorchTrace, *, conf: Any = None, fraction: float | None = N
         res.final_mismatch = mismatch
     alloc.check()
     alloc._history = deque(hist, maxlen=max_entries + 1)
-    res.snapshot = alloc.snapshot()
+    res.snapshot = alloc.snapshot() if keep_snapshot else {}
     res.allocator = alloc
     return res
 
