@@ -28,7 +28,7 @@ from ._errors import ConfigError
 from ._torch_hooks import DEFAULT_HISTORY_ENTRIES, listen, require_cuda, set_history
 
 __all__ = ["capture_oom", "OomCapture", "record_history", "DEFAULT_HISTORY_ENTRIES", "attach",
-           "Shadow", "install", "InstalledAllocator"]
+           "Shadow", "install", "installed", "InstalledAllocator"]
 
 def record_history(max_entries: int = DEFAULT_HISTORY_ENTRIES, stacks: str = "python") -> None:
     """Turn on recording of the CUDA allocator's history, bounded to ``max_entries`` (a ring:
@@ -130,5 +130,5 @@ _keep: list[OomCapture] = []
 
 
 # shadow mode and install mode live in their own modules
-from .torch_install import InstalledAllocator, install  # noqa: E402
+from .torch_install import InstalledAllocator, install, installed  # noqa: E402
 from .torch_shadow import Shadow, attach  # noqa: E402

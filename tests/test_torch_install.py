@@ -433,6 +433,9 @@ def test_shadow_mode_and_the_magic_know_install_mode_is_on(lib):
                                    quiet=True)
     with pytest.raises(ConfigError, match="does not support recordHistory"):
         attach(torch)
+    import gpudash.torch
+
+    assert gpudash.torch.installed() is handle     # the error's way to the dashboard
     globalipapp.start_ipython()
     ip = globalipapp.get_ipython()
     ip.run_line_magic("load_ext", "gpudash")
