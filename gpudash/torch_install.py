@@ -258,13 +258,15 @@ class InstalledAllocator:
         self.installed = True
 
     # ------------------------------------------------------------------ figures
-    def state(self, device: int = 0) -> dict:
-        """The C core's reading of a device (statistics, counters, blocks, OOMs)."""
-        return self._core.pluggable_state(self._device(device))
+    def state(self, device: int = 0, blocks: str | None = "rows") -> dict:
+        """The C core's reading of a device (statistics, counters, blocks, OOMs); ``blocks``
+        as ``gpudash._core.pluggable_state`` takes it (``"rows"``, ``"columns"``, or None
+        for the figures alone)."""
+        return self._core.pluggable_state(self._device(device), blocks)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         """``torch.cuda.memory_stats()``: PyTorch's flat keys, sorted."""
-        s = self.state(self._device(device))
+        s = self.state(self._device(device), None)
         out: dict[str, int] = {}
         for name in _PY_STATS:
             flat = s["stats"][{"active": "allocation",
@@ -312,7 +314,7 @@ class InstalledAllocator:
         """``torch.cuda.memory._snapshot()``: segments of every device, no traces (install
         mode keeps no history), the settings; memory_viz opens it."""
         segs = [s for d in range(self.devices) for s in self.segments(d)]
-        s0 = self.state(0)
+        s0 = self.state(0, None)
         settings = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": s0["max_split_size"]
                     if s0["max_split_size"] is not None else -1,
                     "garbage_collection_threshold": 0.0, "expandable_segments": False,
@@ -401,25 +403,24 @@ class InstalledAllocator:
         """``(bytes, regions)``: how far the BFC's pool is above a limit lowered live, and
         the regions still holding memory in use (each goes back as it empties); ``(0, 0)``
         when the pool fits, and always for ``allocator="torch"``."""
-        s = self.state(self._device(device))
-        if s["bfc"] is None:
+        import numpy as np
+
+        device = self._device(device)
+        s = self.state(device, None)
+        if s["bfc"] is None or s["reserved"] <= s["bfc"]["memory_limit"]:
             return 0, 0
+        s = self.state(device, "columns")       # the regions, read with the figures
         excess = s["reserved"] - s["bfc"]["memory_limit"]
         if excess <= 0:
             return 0, 0
-        held: set[int] = set()
-        head = 0
-        for ptr, _size, _req, _stream, _pool, allocated, is_head, _aid in s["blocks"]:
-            if is_head:
-                head = ptr
-            if allocated:
-                held.add(head)
-        return excess, len(held)
+        b = s["blocks"]
+        region = np.cumsum(b["head"]) - 1
+        return excess, int(len(np.unique(region[b["allocated"]])))
 
     def fraction(self, device: Any = None) -> float:
         """``torch.cuda.get_per_process_memory_fraction``: the fraction set, else 1.0 (the
         BFC: its limit over the device's memory)."""
-        s = self.state(self._device(device))
+        s = self.state(self._device(device), None)
         if s["fraction"] is not None:
             return s["fraction"]
         if s["bfc"] is not None and s["total"]:
@@ -461,7 +462,7 @@ class InstalledAllocator:
                               "caching allocator takes set_per_process_memory_fraction")
 
     def _settings(self, device: int, **kw: Any) -> None:
-        s = self.state(device)
+        s = self.state(device, None)
         self._core.pluggable_settings(device, max_split_size=s["max_split_size"],
                                       max_non_split_rounding_size=s[
                                           "max_non_split_rounding_size"], **kw)
@@ -523,7 +524,7 @@ class InstalledAllocator:
             _installed = None
 
     def __repr__(self) -> str:
-        s = self.state(0)
+        s = self.state(0, None)
         return (f"InstalledAllocator(allocator={self.allocator!r}, devices={self.devices}, "
                 f"reserved={s['reserved']}, "
                 f"allocated={s['stats']['allocated_bytes'][0]}, installed={self.installed})")
@@ -561,7 +562,7 @@ def _make_feed_class() -> type:
             self.device = device
             self.model = model_for(owner.kind.model)
             self.name = f"cuda:{device} (gpudash installed, {owner.kind.short})"
-            s = owner.state(device)
+            s = owner.state(device, None)
             self.capacity = s["total"]
             self._seen = (s["allocs"], s["frees"], s["oom_count"])
             self._settings_log: list = []
@@ -569,20 +570,17 @@ def _make_feed_class() -> type:
         def sample(self) -> Any:
             import numpy as np
 
-            s = self._owner.state(self.device)
+            s = self._owner.state(self.device, "columns")
             bfc = s["bfc"]
             allocs, frees, ooms = self._seen
             new_ooms = tuple((t, r, q) for t, r, q in s["ooms"][-(s["oom_count"] - ooms):]
                              ) if s["oom_count"] > ooms else ()
             self._seen = (s["allocs"], s["frees"], s["oom_count"])
-            rows = s["blocks"]
-            ptr = np.array([r[0] for r in rows], dtype=np.int64)
-            size = np.array([r[1] for r in rows], dtype=np.int64)
-            used = np.array([r[5] for r in rows], dtype=bool)
-            heads = np.array([r[6] for r in rows], dtype=bool)
-            seg_id = np.cumsum(heads) - 1 if len(rows) else np.zeros(0, dtype=np.int64)
-            region = ptr[heads][seg_id] if len(rows) else ptr
-            seg_sizes = np.bincount(seg_id, weights=size).astype(np.int64) if len(rows) \
+            b = s["blocks"]
+            ptr, size, used, heads = b["ptr"], b["size"], b["allocated"], b["head"]
+            seg_id = np.cumsum(heads) - 1
+            region = ptr[heads][seg_id] if len(ptr) else ptr
+            seg_sizes = np.bincount(seg_id, weights=size).astype(np.int64) if len(ptr) \
                 else np.zeros(0, dtype=np.int64)
             free_sizes = size[~used]
             in_use = int(s["stats"]["allocated_bytes"][0])
@@ -591,12 +589,12 @@ def _make_feed_class() -> type:
             if bfc is not None:
                 limit = bfc["memory_limit"]
                 num_allocs, largest_alloc = bfc["num_allocs"], bfc["largest_alloc_size"]
-                bins = np.array([-1 if r[5] else bin_num_for_size(r[1]) for r in rows],
-                                dtype=np.int8)
+                bins = np.full(len(ptr), -1, dtype=np.int8)
+                bins[~used] = [bin_num_for_size(int(n)) for n in free_sizes]
             else:
                 limit = s["allowed"] if s["allowed"] is not None else s["total"]
                 num_allocs, largest_alloc = int(s["stats"]["allocation"][2]), 0
-                bins = np.array([r[4] for r in rows], dtype=np.int8)
+                bins = b["pool"]
             stats = AllocatorStats(
                 num_allocs=num_allocs, bytes_in_use=in_use,
                 peak_bytes_in_use=int(s["stats"]["allocated_bytes"][1]),
@@ -605,11 +603,10 @@ def _make_feed_class() -> type:
                 largest_free_block_bytes=largest,
                 fragmentation=(free - largest) / free if free > 0 else 0.0)
             table = {"ptr": ptr, "size": size,
-                     "requested": np.array([r[2] if r[5] else 0 for r in rows], dtype=np.int64),
-                     "alloc_id": np.array([r[7] for r in rows], dtype=np.int64),
-                     "bin": bins, "region": region, "in_use": used,
-                     "expandable": np.zeros(len(rows), dtype=bool),
-                     "regions": np.stack([ptr[heads], seg_sizes], axis=1) if len(rows)
+                     "requested": np.where(used, b["requested"], 0),
+                     "alloc_id": b["aid"], "bin": bins, "region": region, "in_use": used,
+                     "expandable": np.zeros(len(ptr), dtype=bool),
+                     "regions": np.stack([ptr[heads], seg_sizes], axis=1) if len(ptr)
                      else np.zeros((0, 2), dtype=np.int64)}
             settings, self._settings_log = tuple(self._settings_log), []
             return FeedSample(time_ms=time.time() * 1000.0, stats=stats, table=table,
@@ -620,7 +617,7 @@ def _make_feed_class() -> type:
                                      "stream_waits": s["stream_waits"]})
 
         def settings(self) -> dict:
-            s = self._owner.state(self.device)
+            s = self._owner.state(self.device, None)
             if s["bfc"] is not None:
                 return {"fraction": self._owner.fraction(self.device),
                         "allow_growth": s["bfc"]["allow_growth"],
@@ -671,8 +668,8 @@ def _make_feed_class() -> type:
             use (PyTorch's keys), and its segment count."""
             owner, device = self._owner, self.device
             stats = self.model.figures(_Stats(lambda: owner.memory_stats(device)))
-            heads = sum(1 for row in owner.state(device)["blocks"] if row[6])
-            return {**stats, "regions": heads}
+            segments = owner.state(device, None)["stats"]["segment"][0]
+            return {**stats, "regions": int(segments)}
 
         def pending_release(self) -> tuple[int, int]:
             """``(bytes, regions)`` above a BFC limit lowered live (the dashboard's
@@ -697,7 +694,7 @@ def _make_feed_class() -> type:
                 if value not in (None, 0, 0.0, False) and setting in self._unmodelled():
                     raise ConfigError(self._unmodelled()[setting])
             now = time.time_ns()
-            s = owner.state(device)
+            s = owner.state(device, None)
             frac = changes.get("per_process_gpu_memory_fraction")
             if "max_split_size_mb" in changes:
                 old = self.settings()["max_split_size_mb"]

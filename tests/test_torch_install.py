@@ -169,6 +169,41 @@ def test_same_addresses_and_statistics_as_the_python_model(lib, conf, fraction):
     assert core.pluggable_state(0)["reserved"] == 0
 
 
+def test_tens_of_thousands_of_blocks_as_the_python_model_has_them(lib):
+    """The block records grow by doubling and move when they do: a split made as they move
+    reads the block again from the moved records (it read the freed ones and crashed past
+    8,192 blocks). 40,000 live blocks, the same addresses as the Python model, and the
+    dashboard's columns equal to the rows."""
+    import numpy as np
+
+    model = CachingAllocator(_Replaying(TOTAL))
+    live = []
+    for i in range(40_000):
+        n = 512 * (1 + i % 31)
+        got = lib.gpudash_torch_malloc(n, 0, None)
+        assert got and got == model.try_allocate(n), i
+        live.append((got, n))
+    rows = core.pluggable_state(0)["blocks"]
+    cols = core.pluggable_state(0, "columns")["blocks"]
+    assert len(rows) > 40_000
+    for k, name in enumerate(("ptr", "size", "requested", "stream", "pool", "allocated",
+                              "head", "aid")):
+        assert np.array_equal(cols[name], np.array([r[k] for r in rows])), name
+    assert core.pluggable_state(0, None)["blocks"] is None
+    assert _stats() == model.memory_stats()
+    for ptr, n in live[::2]:
+        lib.gpudash_torch_free(ptr, n, 0, None)
+        model.deallocate(ptr)
+    assert _stats() == model.memory_stats()
+    for ptr, n in live[1::2]:
+        lib.gpudash_torch_free(ptr, n, 0, None)
+        model.deallocate(ptr)
+    lib.gpudash_torch_reset()
+    assert core.pluggable_state(0)["reserved"] == 0
+    with pytest.raises(ValueError, match="blocks must be"):
+        core.pluggable_state(0, "tuples")
+
+
 def test_free_of_an_unknown_pointer_changes_nothing(lib, capfd):
     p = lib.gpudash_torch_malloc(1000, 0, None)
     before = _stats()
@@ -600,6 +635,35 @@ def test_bfc_same_addresses_statistics_and_ooms_as_the_python_model(bfc_after, c
     lib.gpudash_torch_reset()
     model.release_free_regions()
     _check_bfc_against(model, peaks)
+    assert core.pluggable_state(0)["reserved"] == 0
+
+
+def test_bfc_tens_of_thousands_of_chunks_as_the_python_model_has_them(bfc_after):
+    """The BFC's chunk records past several doublings (the records move): 40,000 live
+    chunks at the Python model's addresses, its statistics, the columns equal to the rows."""
+    import numpy as np
+
+    lib = _bfc_setup(True, False, TOTAL)
+    core.pluggable_settings(0, memory_limit=TOTAL)
+    model = BFCAllocator(_Replaying(TOTAL), TOTAL, allow_growth=True)
+    live = []
+    for i in range(40_000):
+        n = 256 * (1 + i % 31)
+        got = lib.gpudash_torch_malloc(n, 0, None)
+        assert got and got == model.allocate(n), i
+        live.append((got, n))
+    rows = core.pluggable_state(0)["blocks"]
+    cols = core.pluggable_state(0, "columns")["blocks"]
+    assert len(rows) > 40_000 and np.array_equal(cols["aid"], [r[7] for r in rows])
+    assert np.array_equal(cols["ptr"], [r[0] for r in rows])
+    t = model.chunk_table()
+    assert cols["ptr"].tolist() == t["ptr"].tolist()
+    assert cols["aid"].tolist() == t["alloc_id"].tolist()
+    for ptr, n in live:
+        lib.gpudash_torch_free(ptr, n, 0, None)
+        model.deallocate(ptr)
+    assert core.pluggable_state(0)["stats"]["allocated_bytes"][0] == 0
+    lib.gpudash_torch_reset()                      # empty_cache: every region back
     assert core.pluggable_state(0)["reserved"] == 0
 
 

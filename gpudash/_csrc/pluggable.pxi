@@ -527,19 +527,21 @@ cdef uint64_t pl_alloc_found(PLDev* d, int32_t blk, int pool, int64_t size, int6
     cdef bint already_split = b.prev >= 0 or b.next >= 0, split
     cdef int64_t rem = b.size - size
     cdef int32_t r, nx
+    cdef uint64_t at
     if pool == 0:
         split = rem >= 512
     else:
         split = <uint64_t>size < d.mss and rem > (1 << 20)
     if split:
-        r = pl_new_block(d, b.ptr + <uint64_t>size, rem, b.stream, pool)
-        if r >= 0 and not pl_put(d, b.ptr + <uint64_t>size, r):
+        at = b.ptr + <uint64_t>size
+        r = pl_new_block(d, at, rem, b.stream, pool)
+        b = &d.bk[blk]         # the records may have moved (b is not read before this)
+        if r >= 0 and not pl_put(d, at, r):
             pl_drop_block(d, r)
             r = -1
         if r < 0:
             split = False      # out of host memory for the records: take the whole block
         else:
-            b = &d.bk[blk]     # the records may have moved
             nx = b.next
             d.bk[r].prev = blk
             d.bk[r].next = nx
@@ -765,11 +767,11 @@ cdef uint64_t bf_take(PLDev* d, int64_t n, int64_t rounded, uint64_t stream) noe
     was_split = b.prev >= 0 or b.next >= 0
     if size >= rounded * 2 or size - rounded >= d.bf_max_frag:
         r = pl_new_block(d, b.ptr + <uint64_t>rounded, size - rounded, 0, 1)
-        if r >= 0 and not pl_put(d, d.bk[s].ptr + <uint64_t>rounded, r):
+        b = &d.bk[s]    # the records may have moved (b is not read before this)
+        if r >= 0 and not pl_put(d, b.ptr + <uint64_t>rounded, r):
             pl_drop_block(d, r)
             r = -1
         if r >= 0:      # else out of host memory for the records: the whole chunk
-            b = &d.bk[s]
             d.bk[r].aid = -1
             nx = b.next
             d.bk[r].prev = s
@@ -1326,43 +1328,85 @@ cdef list pl_stat_list(const int64_t* s, int n):
     return [s[i] for i in range(n)]
 
 
-def pluggable_state(int device):
+def pluggable_state(int device, blocks="rows"):
     """One consistent reading of a device: its statistics (gpudash.caching._Stats' numbers),
-    counters, settings and blocks (``(ptr, size, requested, stream, pool, allocated,
-    segment_head, allocation_id)``, by address; the id is the BFC's, -1 when free or for
-    the caching allocator), the last out-of-memory failures, and (``"bfc"``) the BFC's
-    own figures and settings."""
+    counters, settings and blocks, the last out-of-memory failures, and (``"bfc"``) the
+    BFC's own figures and settings.
+
+    ``blocks``: ``"rows"`` gives the blocks as tuples ``(ptr, size, requested, stream, pool,
+    allocated, segment_head, allocation_id)``, by address (the id is the BFC's, -1 when free
+    or for the caching allocator); ``"columns"`` the same as numpy arrays by those names
+    (``ptr``, ``size``, ``requested``, ``aid``: int64; ``stream``: uint64; ``pool``: int8;
+    ``allocated``, ``head``: bool), by address, read in C (what a dashboard's refresh
+    takes: ~1 ms for 30,000 blocks, where rows take ~30); ``None`` reads no block (the
+    figures alone)."""
     cdef PLDev* d
     cdef PLDev copy
-    cdef PLBlock* blocks = NULL
-    cdef int32_t i, nb = 0
+    cdef PLBlock* bl = NULL
+    cdef int32_t i, nb = 0, nlive = 0, j
     cdef int64_t k, first
+    cdef bint want = blocks is not None
+    cdef int64_t[::1] c_ptr, c_size, c_req, c_aid
+    cdef uint64_t[::1] c_stream
+    cdef int8_t[::1] c_pool, c_alloc, c_head
+    if blocks not in ("rows", "columns", None):
+        raise ValueError(f"blocks must be 'rows', 'columns' or None; got {blocks!r}")
     if device < 0 or device >= PL_MAX_DEVICES:
         raise ValueError(f"device must be 0..{PL_MAX_DEVICES - 1}; got {device}")
     d = &pl_devs[device]
     with nogil:
         pthread_mutex_lock(&pl_locks[device])
         copy = d[0]
-        if d.nbk:
-            blocks = <PLBlock*>c_malloc(d.nbk * sizeof(PLBlock))
-            if blocks != NULL:
-                memcpy(blocks, d.bk, d.nbk * sizeof(PLBlock))
+        if want and d.nbk:
+            bl = <PLBlock*>c_malloc(d.nbk * sizeof(PLBlock))
+            if bl != NULL:
+                memcpy(bl, d.bk, d.nbk * sizeof(PLBlock))
                 nb = d.nbk
         pthread_mutex_unlock(&pl_locks[device])
-    if copy.nbk and blocks == NULL:
+    if want and copy.nbk and bl == NULL:
         raise MemoryError()
+    rows = None
     try:
-        rows = []
-        for i in range(nb):
-            if blocks[i].live:
-                rows.append((blocks[i].ptr, blocks[i].size, blocks[i].requested,
-                             blocks[i].stream, blocks[i].pool, bool(blocks[i].allocated),
-                             blocks[i].prev < 0,
-                             blocks[i].aid if blocks[i].allocated and pl_kind == PL_KIND_BFC
-                             else -1))
+        if blocks == "rows":
+            rows = []
+            for i in range(nb):
+                if bl[i].live:
+                    rows.append((bl[i].ptr, bl[i].size, bl[i].requested,
+                                 bl[i].stream, bl[i].pool, bool(bl[i].allocated),
+                                 bl[i].prev < 0,
+                                 bl[i].aid if bl[i].allocated and pl_kind == PL_KIND_BFC
+                                 else -1))
+            rows.sort()
+        elif blocks == "columns":
+            for i in range(nb):
+                nlive += bl[i].live
+            cols = {"ptr": np.empty(nlive, np.int64), "size": np.empty(nlive, np.int64),
+                    "requested": np.empty(nlive, np.int64),
+                    "stream": np.empty(nlive, np.uint64), "pool": np.empty(nlive, np.int8),
+                    "allocated": np.empty(nlive, np.int8), "head": np.empty(nlive, np.int8),
+                    "aid": np.empty(nlive, np.int64)}
+            c_ptr, c_size, c_req, c_aid = cols["ptr"], cols["size"], cols["requested"], \
+                cols["aid"]
+            c_stream, c_pool, c_alloc, c_head = cols["stream"], cols["pool"], \
+                cols["allocated"], cols["head"]
+            j = 0
+            for i in range(nb):
+                if not bl[i].live:
+                    continue
+                c_ptr[j] = <int64_t>bl[i].ptr
+                c_size[j] = bl[i].size
+                c_req[j] = bl[i].requested
+                c_stream[j] = bl[i].stream
+                c_pool[j] = bl[i].pool
+                c_alloc[j] = bl[i].allocated != 0
+                c_head[j] = bl[i].prev < 0
+                c_aid[j] = bl[i].aid if bl[i].allocated and pl_kind == PL_KIND_BFC else -1
+                j += 1
+            order = np.argsort(cols["ptr"], kind="stable")
+            rows = {name: (a[order].astype(bool) if name in ("allocated", "head")
+                           else a[order]) for name, a in cols.items()}
     finally:
-        c_free(blocks)
-    rows.sort()
+        c_free(bl)
     first = copy.oom_count - PL_OOM_RING if copy.oom_count > PL_OOM_RING else 0
     ooms = [(copy.oom_t[k % PL_OOM_RING], copy.oom_rounded[k % PL_OOM_RING],
              copy.oom_requested[k % PL_OOM_RING]) for k in range(first, copy.oom_count)]
