@@ -39,9 +39,9 @@ from ._eventsource import bin_num_for_size
 from .bfc import AllocatorStats
 from .live.feeds import DeviceFeed, FeedSample
 from .live.views import open_view
-from .models import model_for
+from .models import TORCH, model_for
 
-__all__ = ["install", "installed", "InstalledAllocator", "LIMITS"]
+__all__ = ["install", "installed", "InstalledAllocator", "LIMITS", "memory_stats_of"]
 
 #: What PyTorch's pluggable allocator, and so install mode, cannot do.
 LIMITS = (
@@ -239,6 +239,30 @@ def install(allocator: str = "torch", *, fraction: float | None = None,
     return handle
 
 
+def memory_stats_of(s: dict) -> dict[str, int]:
+    """``torch.cuda.memory_stats()`` of a C core reading (``pluggable_state``): PyTorch's
+    flat keys, sorted."""
+    out: dict[str, int] = {}
+    for name in _PY_STATS:
+        flat = s["stats"][{"active": "allocation",
+                           "active_bytes": "allocated_bytes"}.get(name, name)]
+        for ti, tname in enumerate(_STAT_TYPES):
+            cur, peak, alloc, freed = flat[4 * ti:4 * ti + 4]
+            out[f"{name}.{tname}.current"] = cur
+            out[f"{name}.{tname}.peak"] = peak
+            out[f"{name}.{tname}.allocated"] = alloc
+            out[f"{name}.{tname}.freed"] = freed
+    for name in ("oversize_allocations", "oversize_segments"):
+        cur, peak, alloc, freed = s[name]
+        out.update({f"{name}.current": cur, f"{name}.peak": peak,
+                    f"{name}.allocated": alloc, f"{name}.freed": freed})
+    for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                 "num_device_alloc", "num_device_free"):
+        out[name] = s[name]
+    out["max_split_size"] = -1 if s["max_split_size"] is None else s["max_split_size"]
+    return dict(sorted(out.items()))
+
+
 class InstalledAllocator:
     """gpudash's allocator as this process's PyTorch CUDA allocator (from :func:`install`).
 
@@ -266,26 +290,7 @@ class InstalledAllocator:
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         """``torch.cuda.memory_stats()``: PyTorch's flat keys, sorted."""
-        s = self.state(self._device(device), None)
-        out: dict[str, int] = {}
-        for name in _PY_STATS:
-            flat = s["stats"][{"active": "allocation",
-                               "active_bytes": "allocated_bytes"}.get(name, name)]
-            for ti, tname in enumerate(_STAT_TYPES):
-                cur, peak, alloc, freed = flat[4 * ti:4 * ti + 4]
-                out[f"{name}.{tname}.current"] = cur
-                out[f"{name}.{tname}.peak"] = peak
-                out[f"{name}.{tname}.allocated"] = alloc
-                out[f"{name}.{tname}.freed"] = freed
-        for name in ("oversize_allocations", "oversize_segments"):
-            cur, peak, alloc, freed = s[name]
-            out.update({f"{name}.current": cur, f"{name}.peak": peak,
-                        f"{name}.allocated": alloc, f"{name}.freed": freed})
-        for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                     "num_device_alloc", "num_device_free"):
-            out[name] = s[name]
-        out["max_split_size"] = -1 if s["max_split_size"] is None else s["max_split_size"]
-        return dict(sorted(out.items()))
+        return memory_stats_of(self.state(self._device(device), None))
 
     def segments(self, device: int = 0) -> list[dict]:
         """The segments as ``torch.cuda.memory_snapshot()`` lists them, by address."""
@@ -373,9 +378,27 @@ class InstalledAllocator:
                 raise ConfigError(
                     f"install mode cannot apply {part!r}: it models max_split_size_mb (> 20) "
                     "and max_non_split_rounding_mb only")
+        for d in self._devices(device):   # what PyTorch would take live and later pay for
+            s = self.state(d, None)
+            hazard = TORCH.split_hazard(self._table(d), s["max_split_size"], mss)
+            if hazard:
+                raise ConfigError(f"cuda:{d}: " + TORCH.split_hazard_text(hazard, mss) +
+                                  " (here gpudash's own allocator would free it); nothing "
+                                  "changed")
         for d in self._devices(device):
             self._core.pluggable_settings(d, max_split_size=mss,
                                           max_non_split_rounding_size=tol)
+
+    def _table(self, device: int) -> dict:
+        """The blocks' segments as a chunk table has them (``region``, ``regions``)."""
+        import numpy as np
+
+        b = self.state(device, "columns")["blocks"]
+        seg = np.cumsum(b["head"]) - 1
+        heads = b["ptr"][b["head"]]
+        return {"region": heads[seg] if len(seg) else heads,
+                "regions": np.stack([heads, np.bincount(seg, weights=b["size"]).astype(
+                    np.int64)], axis=1) if len(seg) else np.zeros((0, 2), np.int64)}
 
     def set_memory_limit(self, nbytes: int, device: Any = None) -> None:
         """The BFC's memory limit in bytes, live (``allocator="bfc"``): raising it lets

@@ -816,6 +816,13 @@ class Shadow:
         if parts:
             new.update(**parts)
         whole = ",".join(p for p in (new.as_conf(), *backend) if p)
+        for dev in self.devices:      # what PyTorch would take live and later pay for
+            hazard = TORCH.split_hazard(dev.allocator.chunk_table(),
+                                        dev0.allocator.config.max_split_size,
+                                        new.max_split_size)
+            if hazard:
+                raise ConfigError(f"{dev.name}: " + TORCH.split_hazard_text(
+                    hazard, new.max_split_size) + "; nothing changed")
         setter = getattr(self._torch._C, "_accelerator_setAllocatorSettings", None)
         name = "torch._C._accelerator_setAllocatorSettings"
         if setter is None:
@@ -962,7 +969,15 @@ class Shadow:
             wi = self.what_if(device, fraction=float(value), snapshot=snap)
         else:
             wi = self.what_if(device, snapshot=snap, **{setting: value})
-        return "what-if, not applied: " + wi.text
+        text = "what-if, not applied: " + wi.text
+        if setting == "max_split_size_mb" and value is not None:
+            dev = self.device(device)
+            hazard = TORCH.split_hazard(dev.allocator.chunk_table(),
+                                        dev.allocator.config.max_split_size, int(value) << 20)
+            if hazard:
+                text += ". Applying it live would be refused: " + \
+                    TORCH.split_hazard_text(hazard, int(value) << 20)
+        return text
 
     def _read_locked(self) -> dict:
         with self._lock:

@@ -299,3 +299,37 @@ def test_the_default_session_can_be_pytorch_s():
     finally:
         s.close()
         set_default_session(None)
+
+
+def test_a_live_max_split_that_would_free_a_segment_in_use_is_refused():
+    """PyTorch releases oversize cached blocks with cudaFree without checking they are whole
+    segments (release_available_cached_blocks relies on oversize blocks never being split).
+    A max_split_size_mb lowered live below a split segment's free run breaks that: the
+    model, as PyTorch, would free the segment while its other block is in use (the
+    simulated device catches it). The session refuses that change, saying why; raising
+    it, or a setting no split segment reaches, is taken."""
+    MiB = 1 << 20
+    with gpudash.Session(allocator="torch", simulate="1GiB", poll=False) as sess:
+        a = sess.allocate(int(30.5 * MiB))      # a 32 MiB segment, 1.5 MiB left: split
+        sess.allocate(int(1.2 * MiB))           # takes the rest: the segment stays split
+        sess.free(a)
+        dev = sess.devices[0]
+        assert TORCH.split_hazard(dev.allocator.chunk_table(), None, 21 * MiB) == \
+            [(dev.allocator.chunk_table()["regions"][0][0], 32 * MiB)]
+        with pytest.raises(ConfigError, match=r"max_split_size_mb:21 live is not safe now: 1 "
+                                               r"split segment\(s\) \(0x[0-9a-f]+ \(32.00 MiB\)"):
+            sess.configure(max_split_size_mb=21)
+        with pytest.raises(ConfigError, match="release_available_cached_blocks"):
+            sess.configure(conf="max_split_size_mb:25")
+        assert dev.allocator.config.max_split_size is None       # nothing changed
+        sess.configure(max_split_size_mb=40)    # no split segment reaches 40 MiB: taken
+        assert dev.allocator.config.max_split_size == 40 * MiB
+        with pytest.raises(ConfigError, match="not safe now"):
+            sess.configure(max_split_size_mb=30)
+        sess.configure(max_split_size_mb=100)   # raised: always safe
+        # what PyTorch itself does once it is taken (the model, directly): under pressure it
+        # frees the split segment, and the device sees a free of a range still in use
+        dev.allocator.set_memory_fraction(34 * MiB / dev.total)
+        dev.allocator.set_allocator_settings("max_split_size_mb:21")
+        with pytest.raises(ValueError, match="allocated with 33554432 bytes"):
+            dev.allocator.try_allocate(5 * MiB)

@@ -204,6 +204,33 @@ def test_tens_of_thousands_of_blocks_as_the_python_model_has_them(lib):
         core.pluggable_state(0, "tuples")
 
 
+def test_a_live_max_split_that_would_free_a_segment_in_use_is_refused(lib):
+    """Install mode is PyTorch's allocator for real memory: a max_split_size_mb lowered live
+    below a split segment's free run would let it release that segment while a block in
+    it is in use. Refused, saying why, nothing changed; a safe value goes."""
+    torch = _standin()
+    handle = torch_install.install(torch=torch, backend="host", total=TOTAL, on_oom="null",
+                                   quiet=True)
+    lib = _lib()
+    a = lib.gpudash_torch_malloc(int(30.5 * MiB), 0, None)
+    b = lib.gpudash_torch_malloc(int(1.2 * MiB), 0, None)
+    lib.gpudash_torch_free(a, int(30.5 * MiB), 0, None)
+    with pytest.raises(ConfigError, match=r"cuda:0: max_split_size_mb:21 live is not safe "
+                                          r"now: 1 split segment\(s\)"):
+        handle.set_allocator_settings("max_split_size_mb:21")
+    assert torch.cuda.memory_stats()["max_split_size"] == -1
+    feed = handle.feed(0)
+    with pytest.raises(ConfigError, match="not safe now"):
+        feed.configure(max_split_size_mb=30)
+    handle.set_allocator_settings("max_split_size_mb:40")
+    assert torch.cuda.memory_stats()["max_split_size"] == 40 * MiB
+    lib.gpudash_torch_free(b, int(1.2 * MiB), 0, None)
+    lib.gpudash_torch_reset()
+    handle.set_allocator_settings("max_split_size_mb:21")    # no segment left: safe
+    assert torch.cuda.memory_stats()["max_split_size"] == 21 * MiB
+    handle.uninstall()
+
+
 def test_free_of_an_unknown_pointer_changes_nothing(lib, capfd):
     p = lib.gpudash_torch_malloc(1000, 0, None)
     before = _stats()
@@ -824,3 +851,17 @@ def test_install_on_a_gpu_in_a_fresh_process(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+# ------------------------------------------------------------------------------ the fuzz
+@pytest.mark.parametrize("allocator", ["torch", "bfc"])
+def test_the_fuzz_finds_no_difference_through_thousands_of_live_blocks(bfc_after, allocator):
+    """benchmarks/fuzz_install.py, short: the hooks against the Python model through
+    bursts of small blocks, frees, empty_cache, limits and settings changed live."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fuzz_install
+
+    assert fuzz_install.fuzz(allocator, 20_000, 5, check_every=500) == 20_000

@@ -329,6 +329,31 @@ def test_previews_of_a_dragged_slider_share_one_history_read(monkeypatch):
         shadow.stop()
 
 
+def test_a_live_max_split_that_would_free_a_segment_in_use_is_refused_before_pytorch_hears():
+    """Lowering max_split_size_mb live below a split segment's free run would let PyTorch
+    cudaFree that segment while a block in it is in use (see TORCH.split_hazard): shadow
+    mode refuses before calling PyTorch, the preview says so, and a safe value goes."""
+    torch = ModelTorch(total=GiB)
+    shadow = attach(torch, interval=0)
+    try:
+        a = torch.allocate(int(30.5 * MiB))
+        torch.allocate(int(1.2 * MiB))
+        torch.free(a)
+        shadow.refresh()
+        calls = len(torch.settings_calls)
+        with pytest.raises(ConfigError, match="max_split_size_mb:21 live is not safe now"):
+            shadow.configure(max_split_size_mb=21)
+        assert shadow.devices[0].allocator.config.max_split_size is None
+        assert len(torch.settings_calls) == calls                   # PyTorch not called
+        text = shadow.preview("max_split_size_mb", 21)
+        assert text.startswith("what-if, not applied: ") and \
+            "Applying it live would be refused: max_split_size_mb:21" in text
+        assert "refused" not in shadow.preview("max_split_size_mb", 64)
+        assert "max_split_size_mb:64" in shadow.configure(max_split_size_mb=64)
+    finally:
+        shadow.stop()
+
+
 def test_steps_come_from_the_jobs_annotations_when_it_has_them():
     torch = ModelTorch(total=2 * GiB)
     shadow = attach(torch, interval=0)

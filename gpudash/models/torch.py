@@ -465,6 +465,43 @@ class _TorchModel(AllocatorModel):
         st = allocator.memory_stats()
         return {k: st[k] for k in _FIGURES if k in st}
 
+    @staticmethod
+    def split_hazard(table: dict, old_mss: int | None, new_mss: int | None) -> list:
+        """The segments a live ``max_split_size_mb`` change would leave unsafe, as
+        ``(address, size)``: lowering it (or setting it where it was unset) below what a run
+        of free blocks inside a split segment can reach. PyTorch's
+        ``release_available_cached_blocks`` releases oversize (>= max_split_size) cached
+        blocks with ``cudaFree`` and does not check that they are whole segments: it relies
+        on oversize blocks never being split, which holds when the setting is fixed from
+        the start. A split segment made under a larger setting (a free run in it reaching
+        the new one, next to a block in use) would be freed while that block is in use.
+        ``table`` is a chunk table (``regions`` and each block's ``region``). ``[]``: the
+        change is safe (raised, unchanged, or no such segment)."""
+        import numpy as np
+
+        if new_mss is None or (old_mss is not None and new_mss >= old_mss):
+            return []
+        regions = np.asarray(table["regions"]).reshape(-1, 2)
+        if not len(regions):
+            return []
+        starts, counts = np.unique(np.asarray(table["region"]), return_counts=True)
+        split = dict(zip(starts.tolist(), counts.tolist()))
+        # a free run can reach the segment's size less its smallest other block (512 B)
+        return [(int(a), int(n)) for a, n in regions.tolist()
+                if split.get(a, 0) >= 2 and n - 512 >= new_mss]
+
+    def split_hazard_text(self, hazard: list, new_mss: int) -> str:
+        """Why a live ``max_split_size_mb`` change is refused (:meth:`split_hazard`)."""
+        shown = ", ".join(f"{a:#x} ({format_bytes(n)})" for a, n in hazard[:3])
+        more = f" and {len(hazard) - 3} more" if len(hazard) > 3 else ""
+        return (f"max_split_size_mb:{new_mss >> 20} live is not safe now: {len(hazard)} split "
+                f"segment(s) ({shown}{more}) hold blocks that can become free runs of "
+                f"{format_bytes(new_mss)} or more next to a block in use, and PyTorch's "
+                "release of oversize cached blocks (release_available_cached_blocks) would "
+                "then cudaFree such a segment while that block is in use. Set it at the "
+                "start (PYTORCH_CUDA_ALLOC_CONF) or once those segments are gone "
+                "(torch.cuda.empty_cache() returns them when wholly free)")
+
     def answer(self, name: str, value: Any, result: Any, settings: dict) -> dict[str, str]:
         limit = settings.get("limit") or 0
         reserved = int(settings.get("reserved_bytes.all.current", 0))
