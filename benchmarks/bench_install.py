@@ -20,15 +20,11 @@ import threading
 import time
 
 from gpudash import _core as core
+from gpudash.torch_install import load_hooks
 
 
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(core.__file__)
-    lib.gpudash_torch_malloc.restype = ctypes.c_void_p
-    lib.gpudash_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    lib.gpudash_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                       ctypes.c_void_p]
-    return lib
+    return load_hooks()
 
 
 SIZES = (512, 4096, 65536, 300_000, 2 << 20, 6 << 20, 24 << 20, 1000)

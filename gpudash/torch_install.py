@@ -41,7 +41,8 @@ from .live.feeds import DeviceFeed, FeedSample
 from .live.views import open_view
 from .models import TORCH, model_for
 
-__all__ = ["install", "installed", "InstalledAllocator", "LIMITS", "memory_stats_of"]
+__all__ = ["install", "installed", "InstalledAllocator", "LIMITS", "memory_stats_of",
+           "load_hooks"]
 
 #: What PyTorch's pluggable allocator, and so install mode, cannot do.
 LIMITS = (
@@ -111,6 +112,31 @@ def _core() -> Any:
         raise ConfigError("gpudash._core was built without install mode; rebuild it "
                           "(python setup.py build_ext --inplace)")
     return core
+
+
+def load_hooks() -> Any:
+    """The compiled core as a ``ctypes.CDLL`` with the hooks' C signatures declared, as
+    PyTorch's ``CUDAPluggableAllocator`` loads them: ``gpudash_torch_malloc(size, device,
+    stream) -> void*``, ``gpudash_torch_free(ptr, size, device, stream)``,
+    ``gpudash_torch_init(device_count)``, ``gpudash_torch_reset()``,
+    ``gpudash_torch_memory_fraction(fraction, device)``, ``gpudash_torch_base_alloc(ptr,
+    size*) -> void*`` and ``gpudash_torch_record_stream(ptr, stream)``. For driving them
+    from Python over the host backend (the tests and benchmarks do)."""
+    import ctypes
+
+    lib = ctypes.CDLL(_core().__file__)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, res, args in (
+            ("gpudash_torch_malloc", vp, [sz, ctypes.c_int, vp]),
+            ("gpudash_torch_free", None, [vp, sz, ctypes.c_int, vp]),
+            ("gpudash_torch_init", None, [ctypes.c_int]),
+            ("gpudash_torch_reset", None, []),
+            ("gpudash_torch_memory_fraction", None, [ctypes.c_double, ctypes.c_int]),
+            ("gpudash_torch_base_alloc", vp, [vp, ctypes.POINTER(sz)]),
+            ("gpudash_torch_record_stream", None, [vp, vp])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
 
 
 def _cudart_path() -> str:

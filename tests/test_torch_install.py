@@ -33,19 +33,7 @@ TOTAL = 512 * MiB
 
 
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(core.__file__)
-    lib.gpudash_torch_malloc.restype = ctypes.c_void_p
-    lib.gpudash_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    lib.gpudash_torch_free.restype = None
-    lib.gpudash_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                       ctypes.c_void_p]
-    lib.gpudash_torch_init.argtypes = [ctypes.c_int]
-    lib.gpudash_torch_reset.argtypes = []
-    lib.gpudash_torch_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
-    lib.gpudash_torch_base_alloc.restype = ctypes.c_void_p
-    lib.gpudash_torch_base_alloc.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    lib.gpudash_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    return lib
+    return torch_install.load_hooks()
 
 
 def _free_everything() -> None:

@@ -498,7 +498,8 @@ class _TorchModel(AllocatorModel):
                 f"segment(s) ({shown}{more}) hold blocks that can become free runs of "
                 f"{format_bytes(new_mss)} or more next to a block in use, and PyTorch's "
                 "release of oversize cached blocks (release_available_cached_blocks) would "
-                "then cudaFree such a segment while that block is in use. Set it at the "
+                "then cudaFree such a free run (its segment, or an error where it is not "
+                "the segment's start) while that block is in use. Set it at the "
                 "start (PYTORCH_CUDA_ALLOC_CONF) or once those segments are gone "
                 "(torch.cuda.empty_cache() returns them when wholly free)")
 
