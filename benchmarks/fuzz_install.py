@@ -11,9 +11,9 @@ equal (PyTorch's ``memory_stats()``; the BFC's bytes in use, pool and chunk tabl
 
 The number of live blocks swings between a few and ``--max-live`` (30,000 by default), so
 the C core's block records grow through several doublings and move while blocks split:
-what the tests' 1,500-call runs never reach. Operations: allocations (bursts of small sizes
-that split 2 MiB segments, and log-uniform sizes up to 96 MiB), frees of random live
-blocks, ``empty_cache()``, the fraction hook (PyTorch's) or the BFC's limit, live, up and
+what the tests' 1,500-call runs never reach. Operations: allocations (nine in ten small,
+splitting 2 MiB segments, the rest log-uniform up to 96 MiB; PyTorch's model on two
+streams), frees of random live blocks, ``empty_cache()``, the fraction hook (PyTorch's) or the BFC's limit, live, up and
 down, ``max_split_size_mb`` (PyTorch's model; never lowered where install mode refuses it,
 ``TORCH.split_hazard``) and growth (the BFC's).
 
@@ -78,7 +78,7 @@ class _Segments:
 
 
 def _size(rng: random.Random) -> int:
-    if rng.random() < 0.6:
+    if rng.random() < 0.9:
         return 256 * rng.randint(1, 64)                       # small: splits 2 MiB segments
     return int(math.exp(rng.uniform(math.log(512), math.log(96 * MiB))))
 
@@ -101,7 +101,8 @@ def fuzz(allocator: str, ops: int, seed: int, max_live: int = 30_000,
         model = BFCAllocator(sub, limit, allow_growth=True)
     else:
         model = CachingAllocator(sub)
-    live: list[tuple[int, int]] = []
+    live: list[tuple[int, int, int]] = []
+    streams = (0,) if bfc else (0, 0, 0, 0x7000)     # the BFC tells no streams apart
     target = rng.randint(10, max_live)
     growth = True
 
@@ -132,8 +133,8 @@ def fuzz(allocator: str, ops: int, seed: int, max_live: int = 30_000,
             live[k], live[-1] = live[-1], live[k]
             burst = rng.randint(1, 200) if len(live) >= target else 1
             for _ in range(min(burst, len(live))):
-                ptr, n = live.pop()
-                lib.gpudash_torch_free(ptr, n, 0, None)
+                ptr, n, stream = live.pop()
+                lib.gpudash_torch_free(ptr, n, 0, stream or None)
                 model.deallocate(ptr)
             if len(live) < 10:
                 target = rng.randint(10, max_live)
@@ -177,19 +178,21 @@ def fuzz(allocator: str, ops: int, seed: int, max_live: int = 30_000,
                     what = f"max_split_size_mb {mss}"
         else:
             n = _size(rng)
-            got = lib.gpudash_torch_malloc(n, 0, None) or 0
-            want = model.try_allocate(n)
+            stream = rng.choice(streams)
+            got = lib.gpudash_torch_malloc(n, 0, stream or None) or 0
+            want = model.try_allocate(n) if bfc else model.try_allocate(n, stream=stream)
             if got != want:
-                raise Mismatch(f"op {op}: malloc({n}) gave {got:#x} in C, {want:#x} in "
-                               f"Python ({len(live):,} live blocks; seed {seed})")
+                raise Mismatch(f"op {op}: malloc({n}) on stream {stream:#x} gave {got:#x} in "
+                               f"C, {want:#x} in Python ({len(live):,} live blocks; seed "
+                               f"{seed})")
             if got:
-                live.append((got, n))
-            what = f"malloc({n})"
+                live.append((got, n, stream))
+            what = f"malloc({n}, stream {stream:#x})"
         if op % check_every == check_every - 1:
             check(op, what)
     check(ops, "end")
-    for ptr, n in live:
-        lib.gpudash_torch_free(ptr, n, 0, None)
+    for ptr, n, stream in live:
+        lib.gpudash_torch_free(ptr, n, 0, stream or None)
         model.deallocate(ptr)
     lib.gpudash_torch_reset()
     return ops
