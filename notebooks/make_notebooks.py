@@ -662,8 +662,13 @@ write("09_live_pytorch.ipynb", [
          "              f\"{'as predicted' if (calls, s) == (wi.call, wi.step) else 'NOT as predicted'}\")\n"
          "else:\n"
          "    print('on CUDA: benchmarks/gpu_check_shadow.py checks it against PyTorch itself')"),
-    md("Now drive the fraction from code (the slider does the same): PyTorch's own call, "
-       "reserved before and after, what the new limit refuses, and the what-if line."),
+    md("On the dashboard the what-if comes before the change: while the fraction slider is "
+       "dragged, the status line says what the run so far would have met at the value under "
+       "the handle, and nothing is applied until it is let go. The same from code:"),
+    code("print(shadow.preview('per_process_gpu_memory_fraction', 0.2))"),
+    md("Now drive the fraction from code (letting go of the slider does the same): PyTorch's "
+       "own call, reserved before and after, what the new limit refuses, and the what-if "
+       "line."),
     code("print(shadow.configure(fraction=0.2))"),
     md("The job goes on under the new limit, and runs out of memory. PyTorch's "
        "out-of-memory observer tells shadow mode at once; the next read explains it: where "

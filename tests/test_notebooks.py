@@ -535,6 +535,9 @@ def test_live_pytorch_notebook_follows_the_job_predicts_the_failure_and_explains
     assert re.search(r"at fraction 0.2 this run would have failed at call [\d,]+ \(step \d+",
                      what_if) and " train:" in what_if
     assert "as predicted" in ex.text("again = ModelTorch(")
+    preview = ex.text("print(shadow.preview(")
+    assert preview.startswith("what-if, not applied: cuda:0: at fraction 0.2 this run would "
+                              "have failed at call") and " train:" in preview
     answer = ex.text("print(shadow.configure(fraction=0.2))")
     assert "torch.cuda.set_per_process_memory_fraction(0.2, 0)" in answer
     assert "reserved" in answer and "would have failed at call" in answer
