@@ -30,12 +30,12 @@ import random
 import sys
 import time
 
-import numpy as np
 
 from gpudash import _core as core
 from gpudash.bfc import BFCAllocator
 from gpudash.caching import CachingAllocator
 from gpudash.models import TORCH
+from gpudash.testing import InstalledSegments
 from gpudash.torch_install import load_hooks, memory_stats_of
 
 MiB = 1 << 20
@@ -48,33 +48,6 @@ class Mismatch(AssertionError):
 
 def _lib() -> ctypes.CDLL:
     return load_hooks()
-
-
-class _Segments:
-    """The Python model's device: it hands out the segment the C core just got (the one of
-    the asked size the core holds and the model does not), and refuses past ``total``."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.live: dict[int, int] = {}
-
-    def alloc(self, n: int) -> int:
-        if sum(self.live.values()) + n > self.total:
-            raise MemoryError(n)
-        b = core.pluggable_state(0, "columns")["blocks"]
-        if not len(b["ptr"]):
-            raise MemoryError(n)
-        seg = np.cumsum(b["head"]) - 1
-        sizes = np.bincount(seg, weights=b["size"]).astype(np.int64)
-        heads = b["ptr"][b["head"]]
-        fresh = [int(p) for p in heads[sizes == n] if int(p) not in self.live]
-        if len(fresh) != 1:
-            raise MemoryError(n)
-        self.live[fresh[0]] = n
-        return fresh[0]
-
-    def free(self, ptr: int, n: int) -> None:
-        self.live.pop(ptr)
 
 
 def _size(rng: random.Random) -> int:
@@ -94,7 +67,7 @@ def fuzz(allocator: str, ops: int, seed: int, max_live: int = 30_000,
                          allow_growth=True)
     lib = _lib()
     lib.gpudash_torch_init(1)
-    sub = _Segments(TOTAL)
+    sub = InstalledSegments(TOTAL)
     if bfc:
         limit = TOTAL // 2
         core.pluggable_settings(0, memory_limit=limit)

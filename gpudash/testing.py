@@ -5,6 +5,9 @@ PyTorch monitor and their notebook run against them as against a CUDA build of P
   its history as PyTorch 2.11 does (a bounded ring that wraps, Python stacks, the settings
   calls, the out-of-memory observer): what shadow mode follows, without a GPU.
 - :class:`StandInTorch`: the API shape gpudash's PyTorch monitor uses (see below).
+- :class:`InstalledSegments`: for install mode over host memory, the device of a Python
+  model run beside the C core's hooks, handing it the segments the core got (what the tests
+  and ``benchmarks/fuzz_install.py`` hold the two to each other with).
 
 >>> from gpudash.testing import ModelTorch, MiB
 >>> torch = ModelTorch()
@@ -40,7 +43,8 @@ from ._errors import ConfigError, OutOfMemoryError
 from .caching import CachingAllocator
 from .devices import SimulatedDevice
 
-__all__ = ["ModelTorch", "StandInTorch", "MiB", "GiB"]
+__all__ = ["ModelTorch", "StandInTorch", "InstalledSegments", "installed_segments", "MiB",
+           "GiB"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -416,3 +420,48 @@ class _ModelCuda(_Cuda):
             self.stacks = context is not None and stacks in ("python", "all")
             self.rings = [deque([] if clear_history else list(r)[-keep:], maxlen=keep)
                           for r in self.rings]
+
+
+# ------------------------------------------------------------------------------ install mode
+def installed_segments(device: int = 0) -> dict[int, int]:
+    """The segments install mode's C core holds on a device: ``{address: size}``."""
+    import numpy as np
+
+    from ._accel import extension
+
+    b = extension("install mode").pluggable_state(device, "columns")["blocks"]
+    if not len(b["ptr"]):
+        return {}
+    seg = np.cumsum(b["head"]) - 1
+    sizes = np.bincount(seg, weights=b["size"]).astype(np.int64)
+    return dict(zip(b["ptr"][b["head"]].tolist(), sizes.tolist()))
+
+
+class InstalledSegments:
+    """The device of a Python model (``gpudash.caching.CachingAllocator``,
+    ``gpudash.bfc.BFCAllocator``) run beside install mode's C hooks over host memory: it
+    hands out the segment the C core got for the same call (the one of the asked size the
+    core holds and the model does not yet), so both place blocks at the same addresses,
+    and refuses as the core's host backend does, past ``total`` bytes held.
+
+    Raises ``AssertionError`` where the core holds more than one such segment (the two have
+    parted: nothing tells which is meant)."""
+
+    def __init__(self, total: int, device: int = 0) -> None:
+        self.total = total
+        self.device = device
+        self.live: dict[int, int] = {}
+
+    def alloc(self, n: int) -> int:
+        if sum(self.live.values()) + n > self.total:
+            raise MemoryError(n)
+        fresh = [p for p, size in installed_segments(self.device).items()
+                 if size == n and p not in self.live]
+        if not fresh:
+            raise MemoryError(n)
+        assert len(fresh) == 1, f"the core holds {len(fresh)} new segments of {n} bytes"
+        self.live[fresh[0]] = n
+        return fresh[0]
+
+    def free(self, ptr: int, n: int) -> None:
+        assert self.live.pop(ptr) == n, f"free of {ptr:#x}: not {n} bytes"

@@ -24,6 +24,7 @@ if not hasattr(core, "pluggable_setup"):  # pragma: no cover - an old build
     pytest.skip("gpudash._core was built without install mode", allow_module_level=True)
 
 from gpudash import torch_install  # noqa: E402
+from gpudash.testing import InstalledSegments, installed_segments  # noqa: E402
 from torch_standin import StandInTorch  # noqa: E402
 
 pytestmark = pytest.mark.core
@@ -61,39 +62,8 @@ def _stats(dev: int = 0) -> dict:
     return torch_install.InstalledAllocator(None, core, 2, None).memory_stats(dev)
 
 
-class _Replaying:
-    """A sub-allocator for the Python model that hands out the segments the C core got:
-    the one segment of the asked size the core holds and the model does not yet. It
-    refuses as the core's host backend does: past ``total`` bytes held."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.live: dict[int, int] = {}
-
-    def alloc(self, n: int) -> int:
-        if sum(self.live.values()) + n > self.total:
-            raise MemoryError(n)
-        fresh = [p for p, size in _heads().items() if size == n and p not in self.live]
-        if not fresh:
-            raise MemoryError(n)
-        assert len(fresh) == 1, fresh
-        self.live[fresh[0]] = n
-        return fresh[0]
-
-    def free(self, ptr: int, n: int) -> None:
-        assert self.live.pop(ptr) == n
-
-
-def _heads(dev: int = 0) -> dict[int, int]:
-    out: dict[int, int] = {}
-    head = None
-    for ptr, size, _req, _stream, _pool, _used, is_head, _aid in \
-            core.pluggable_state(dev)["blocks"]:
-        if is_head:
-            head = ptr
-            out[head] = 0
-        out[head] += size
-    return out
+_Replaying = InstalledSegments       # the Python model's device: the core's segments
+_heads = installed_segments
 
 
 # ------------------------------------------------------------------------------ the symbols
