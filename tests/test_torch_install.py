@@ -269,8 +269,8 @@ def test_threads_allocate_without_the_gil(lib):
 
 
 # ------------------------------------------------------------------------------ install()
-def _standin(initialized: bool = False) -> StandInTorch:
-    torch = StandInTorch()
+def _standin(initialized: bool = False, devices: int = 1) -> StandInTorch:
+    torch = StandInTorch(devices=devices)
     made = []
     torch.cuda.is_initialized = lambda: initialized
     torch.cuda.memory = SimpleNamespace(
@@ -439,6 +439,36 @@ def test_the_dashboard_acts_on_the_installed_allocator_in_pytorch_s_words(lib):
     handle.uninstall()
     with pytest.raises(ConfigError, match="given back to PyTorch"):
         handle.dashboard()
+
+
+def test_the_installed_dashboard_has_a_device_picker_and_acts_on_the_device_shown(lib):
+    """One feed per GPU, one device picker: each device's blocks, and a control acts on the
+    device it is given, not the others."""
+    pytest.importorskip("anywidget")
+    torch = _standin(devices=2)
+    handle = torch_install.install(torch=torch, backend="host", total=TOTAL, on_oom="null",
+                                   quiet=True)
+    lib = _lib()
+    p0 = lib.gpudash_torch_malloc(3 * MiB, 0, None)
+    p1 = lib.gpudash_torch_malloc(5 * MiB, 1, None)
+    dash = handle.dashboard(device=1)
+    try:
+        live = dash.model
+        assert live.num_devices == 2 and dash.device == 1
+        assert [n.split(" ")[0] for n in live.device_names] == ["cuda:0", "cuda:1"]
+        states = live.refresh_now(force=True)
+        assert p1 in states[1].table["ptr"].tolist() and p1 not in states[0].table["ptr"]
+        assert p0 in states[0].table["ptr"].tolist()
+        live.act(1, "fraction", 0.5)
+        assert core.pluggable_state(1)["allowed"] == TOTAL // 2
+        assert core.pluggable_state(0)["allowed"] is None
+        dash.device = 0
+        assert dash._controls_info(0)["settings"]["fraction"] is None
+    finally:
+        dash.close()
+        lib.gpudash_torch_free(p0, 3 * MiB, 0, None)
+        lib.gpudash_torch_free(p1, 5 * MiB, 1, None)
+        handle.uninstall()
 
 
 def test_shadow_mode_and_the_magic_know_install_mode_is_on(lib):
