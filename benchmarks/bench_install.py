@@ -23,10 +23,6 @@ from gpudash import _core as core
 from gpudash.torch_install import load_hooks
 
 
-def _lib() -> ctypes.CDLL:
-    return load_hooks()
-
-
 SIZES = (512, 4096, 65536, 300_000, 2 << 20, 6 << 20, 24 << 20, 1000)
 
 
@@ -60,7 +56,7 @@ def main() -> None:
 
 def run(allocator: str, pairs: int) -> None:
     core.pluggable_setup("host", total=8 << 30, on_oom="null", allocator=allocator)
-    lib = _lib()
+    lib = load_hooks()
     lib.gpudash_torch_init(1)
     print(f"allocator={allocator!r}")
     ns = core.pluggable_bench(pairs)

@@ -24,7 +24,6 @@ Prints one line per allocator; exits 1 at the first difference, naming the opera
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import random
 import sys
@@ -46,10 +45,6 @@ class Mismatch(AssertionError):
     pass
 
 
-def _lib() -> ctypes.CDLL:
-    return load_hooks()
-
-
 def _size(rng: random.Random) -> int:
     if rng.random() < 0.9:
         return 256 * rng.randint(1, 64)                       # small: splits 2 MiB segments
@@ -65,7 +60,7 @@ def fuzz(allocator: str, ops: int, seed: int, max_live: int = 30_000,
     core.pluggable_empty_cache(-1)
     core.pluggable_setup("host", total=TOTAL, on_oom="null", allocator=allocator,
                          allow_growth=True)
-    lib = _lib()
+    lib = load_hooks()
     lib.gpudash_torch_init(1)
     sub = InstalledSegments(TOTAL)
     if bfc:

@@ -1523,11 +1523,8 @@ class TorchSession(Session):
         if (conf is not None or parts) and new.unsupported() is not None:
             warn_user(new.unsupported())
         for dev in self.devices:      # what PyTorch would take live and later pay for
-            hazard = TORCH.split_hazard(dev.allocator.chunk_table(),
-                                        self._torch_conf.max_split_size, new.max_split_size)
-            if hazard:
-                raise ConfigError(f"{dev.name}: " + TORCH.split_hazard_text(
-                    hazard, new.max_split_size) + "; nothing changed")
+            TORCH.check_live_split(dev.allocator.chunk_table(), self._torch_conf.max_split_size,
+                                   new.max_split_size, dev.name)
         targets = self.devices if device is None else [self.device(device)]
         with self._lock:
             if conf is not None or parts:

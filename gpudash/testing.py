@@ -39,8 +39,10 @@ import threading
 import time
 from types import SimpleNamespace
 from typing import Any
+from ._accel import extension
 from ._errors import ConfigError, OutOfMemoryError
 from .caching import CachingAllocator
+from .torch_install import segments_of
 from .devices import SimulatedDevice
 
 __all__ = ["ModelTorch", "StandInTorch", "InstalledSegments", "installed_segments", "MiB",
@@ -425,16 +427,9 @@ class _ModelCuda(_Cuda):
 # ------------------------------------------------------------------------------ install mode
 def installed_segments(device: int = 0) -> dict[int, int]:
     """The segments install mode's C core holds on a device: ``{address: size}``."""
-    import numpy as np
-
-    from ._accel import extension
-
-    b = extension("install mode").pluggable_state(device, "columns")["blocks"]
-    if not len(b["ptr"]):
-        return {}
-    seg = np.cumsum(b["head"]) - 1
-    sizes = np.bincount(seg, weights=b["size"]).astype(np.int64)
-    return dict(zip(b["ptr"][b["head"]].tolist(), sizes.tolist()))
+    _seg, starts, sizes = segments_of(
+        extension("install mode").pluggable_state(device, "columns")["blocks"])
+    return dict(zip(starts.tolist(), sizes.tolist()))
 
 
 class InstalledSegments:

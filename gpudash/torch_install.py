@@ -84,14 +84,27 @@ class _Installable:
     limits: tuple = ()
     torch_settings: bool = False    # PyTorch's allocator settings (max_split_size_mb...)
     region_options: bool = False    # the BFC's allow_growth and garbage_collection
+    #: settings of its model's controls it does not apply, with the reason (its limits)
+    unmodelled: tuple = ()
 
 
 #: install(allocator=...): the allocators the compiled core's hooks can run.
 INSTALLABLE = {
-    "torch": _Installable("PyTorch's caching allocator", "caching allocator", "torch",
-                          torch_settings=True),
-    "bfc": _Installable("TensorFlow's BFC allocator", "BFC", "bfc", limits=BFC_LIMITS,
-                        region_options=True),
+    "torch": _Installable(
+        "PyTorch's caching allocator", "caching allocator", "torch", torch_settings=True,
+        unmodelled=(("expandable_segments",
+                     "install mode does not model expandable_segments: its segments are "
+                     "plain cudaMalloc ones (install mode's limits); PyTorch's own allocator "
+                     "has it"),
+                    ("garbage_collection_threshold",
+                     "install mode does not model garbage_collection_threshold (install "
+                     "mode's limits); empty cache returns the wholly free segments now"))),
+    "bfc": _Installable(
+        "TensorFlow's BFC allocator", "BFC", "bfc", limits=BFC_LIMITS, region_options=True,
+        unmodelled=(("deferred_deletion_bytes",
+                     "the BFC in install mode frees at once: PyTorch orders frees on its "
+                     "stream, there is no EventMgr; deferred_deletion_bytes does not "
+                     "apply"),)),
 }
 
 _PY_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
@@ -289,6 +302,18 @@ def memory_stats_of(s: dict) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def segments_of(blocks: dict) -> tuple[Any, Any, Any]:
+    """The segments of a C core reading's block columns (``pluggable_state(device,
+    "columns")["blocks"]``, by address): each block's segment number, and each segment's
+    address and size."""
+    import numpy as np
+
+    seg = np.cumsum(blocks["head"]) - 1
+    starts = blocks["ptr"][blocks["head"]]
+    sizes = np.bincount(seg, weights=blocks["size"], minlength=len(starts)).astype(np.int64)
+    return seg, starts, sizes
+
+
 class InstalledAllocator:
     """gpudash's allocator as this process's PyTorch CUDA allocator (from :func:`install`).
 
@@ -405,12 +430,8 @@ class InstalledAllocator:
                     f"install mode cannot apply {part!r}: it models max_split_size_mb (> 20) "
                     "and max_non_split_rounding_mb only")
         for d in self._devices(device):   # what PyTorch would take live and later pay for
-            s = self.state(d, None)
-            hazard = TORCH.split_hazard(self._table(d), s["max_split_size"], mss)
-            if hazard:
-                raise ConfigError(f"cuda:{d}: " + TORCH.split_hazard_text(hazard, mss) +
-                                  " (here gpudash's own allocator would free it); nothing "
-                                  "changed")
+            TORCH.check_live_split(self._table(d), self.state(d, None)["max_split_size"], mss,
+                                   f"cuda:{d}", " (here gpudash's own allocator would free it)")
         for d in self._devices(device):
             self._core.pluggable_settings(d, max_split_size=mss,
                                           max_non_split_rounding_size=tol)
@@ -419,12 +440,8 @@ class InstalledAllocator:
         """The blocks' segments as a chunk table has them (``region``, ``regions``)."""
         import numpy as np
 
-        b = self.state(device, "columns")["blocks"]
-        seg = np.cumsum(b["head"]) - 1
-        heads = b["ptr"][b["head"]]
-        return {"region": heads[seg] if len(seg) else heads,
-                "regions": np.stack([heads, np.bincount(seg, weights=b["size"]).astype(
-                    np.int64)], axis=1) if len(seg) else np.zeros((0, 2), np.int64)}
+        seg, starts, sizes = segments_of(self.state(device, "columns")["blocks"])
+        return {"region": starts[seg], "regions": np.stack([starts, sizes], axis=1)}
 
     def set_memory_limit(self, nbytes: int, device: Any = None) -> None:
         """The BFC's memory limit in bytes, live (``allocator="bfc"``): raising it lets
@@ -462,9 +479,8 @@ class InstalledAllocator:
         excess = s["reserved"] - s["bfc"]["memory_limit"]
         if excess <= 0:
             return 0, 0
-        b = s["blocks"]
-        region = np.cumsum(b["head"]) - 1
-        return excess, int(len(np.unique(region[b["allocated"]])))
+        seg = segments_of(s["blocks"])[0]
+        return excess, int(len(np.unique(seg[s["blocks"]["allocated"]])))
 
     def fraction(self, device: Any = None) -> float:
         """``torch.cuda.get_per_process_memory_fraction``: the fraction set, else 1.0 (the
@@ -626,11 +642,8 @@ def _make_feed_class() -> type:
                              ) if s["oom_count"] > ooms else ()
             self._seen = (s["allocs"], s["frees"], s["oom_count"])
             b = s["blocks"]
-            ptr, size, used, heads = b["ptr"], b["size"], b["allocated"], b["head"]
-            seg_id = np.cumsum(heads) - 1
-            region = ptr[heads][seg_id] if len(ptr) else ptr
-            seg_sizes = np.bincount(seg_id, weights=size).astype(np.int64) if len(ptr) \
-                else np.zeros(0, dtype=np.int64)
+            ptr, size, used = b["ptr"], b["size"], b["allocated"]
+            seg_id, starts, seg_sizes = segments_of(b)
             free_sizes = size[~used]
             in_use = int(s["stats"]["allocated_bytes"][0])
             free = s["reserved"] - in_use
@@ -653,10 +666,9 @@ def _make_feed_class() -> type:
                 fragmentation=(free - largest) / free if free > 0 else 0.0)
             table = {"ptr": ptr, "size": size,
                      "requested": np.where(used, b["requested"], 0),
-                     "alloc_id": b["aid"], "bin": bins, "region": region, "in_use": used,
-                     "expandable": np.zeros(len(ptr), dtype=bool),
-                     "regions": np.stack([ptr[heads], seg_sizes], axis=1) if len(ptr)
-                     else np.zeros((0, 2), dtype=np.int64)}
+                     "alloc_id": b["aid"], "bin": bins, "region": starts[seg_id],
+                     "in_use": used, "expandable": np.zeros(len(ptr), dtype=bool),
+                     "regions": np.stack([starts, seg_sizes], axis=1)}
             settings, self._settings_log = tuple(self._settings_log), []
             return FeedSample(time_ms=time.time() * 1000.0, stats=stats, table=table,
                               allocs=s["allocs"] - allocs, frees=s["frees"] - frees,
@@ -691,24 +703,9 @@ def _make_feed_class() -> type:
                 ([f"max_non_split_rounding_mb:{tol}"] if tol != 20 else [])
             return ",".join(parts)
 
-        def _unmodelled(self) -> dict[str, str]:
-            """The settings of the model's controls install mode does not apply, by
-            setting, with the reason (its :data:`LIMITS`)."""
-            if self._owner.kind.region_options:
-                return {"deferred_deletion_bytes":
-                        "the BFC in install mode frees at once: PyTorch orders frees on its "
-                        "stream, there is no EventMgr; deferred_deletion_bytes does not apply"}
-            return {"expandable_segments":
-                    "install mode does not model expandable_segments: its segments are "
-                    "plain cudaMalloc ones (install mode's limits); PyTorch's own allocator "
-                    "has it",
-                    "garbage_collection_threshold":
-                    "install mode does not model garbage_collection_threshold (install "
-                    "mode's limits); empty cache returns the wholly free segments now"}
-
         def unavailable(self) -> dict[str, str]:
             """The controls install mode cannot apply, by name, with the reason."""
-            reasons = self._unmodelled()
+            reasons = dict(self._owner.kind.unmodelled)
             return {c.name: reasons[c.setting] for c in self.model.controls
                     if c.setting in reasons}
 
@@ -739,9 +736,10 @@ def _make_feed_class() -> type:
                                   f"live settings: {', '.join(known)}")
             bfc = owner.kind.region_options
             growth = changes.get("allow_growth")
+            reasons = dict(owner.kind.unmodelled)
             for setting, value in changes.items():
-                if value not in (None, 0, 0.0, False) and setting in self._unmodelled():
-                    raise ConfigError(self._unmodelled()[setting])
+                if value not in (None, 0, 0.0, False) and setting in reasons:
+                    raise ConfigError(reasons[setting])
             now = time.time_ns()
             s = owner.state(device, None)
             frac = changes.get("per_process_gpu_memory_fraction")

@@ -817,12 +817,9 @@ class Shadow:
             new.update(**parts)
         whole = ",".join(p for p in (new.as_conf(), *backend) if p)
         for dev in self.devices:      # what PyTorch would take live and later pay for
-            hazard = TORCH.split_hazard(dev.allocator.chunk_table(),
-                                        dev0.allocator.config.max_split_size,
-                                        new.max_split_size)
-            if hazard:
-                raise ConfigError(f"{dev.name}: " + TORCH.split_hazard_text(
-                    hazard, new.max_split_size) + "; nothing changed")
+            TORCH.check_live_split(dev.allocator.chunk_table(),
+                                   dev0.allocator.config.max_split_size, new.max_split_size,
+                                   dev.name)
         setter = getattr(self._torch._C, "_accelerator_setAllocatorSettings", None)
         name = "torch._C._accelerator_setAllocatorSettings"
         if setter is None:

@@ -835,19 +835,7 @@ class LiveModel(traitlets.HasTraits):
         """Call ``callback({index: DeviceState})`` with the devices that changed, after each
         refresh (in the refresher thread); returns ``remove``. A listener that raises is
         logged and kept in :attr:`errors`; the others still run."""
-        if not callable(callback):
-            raise TypeError(f"listener must be callable; got {callback!r}")
-        with self._lock:
-            self._listeners.append(callback)
-
-        def remove() -> None:
-            with self._lock:
-                try:
-                    self._listeners.remove(callback)
-                except ValueError:
-                    pass
-
-        return remove
+        return self._subscribe(self._listeners, callback, "listener")
 
     def add_tick_listener(self, callback: Callable[[float, set], Any]) -> Callable[[], None]:
         """Call ``callback(now_ms, changed)`` after every refresh, also the refreshes in which
@@ -856,15 +844,18 @@ class LiveModel(traitlets.HasTraits):
         (their listeners ran just before). For views that show time going by (the timeline
         draws the latest state up to now). Returns ``remove``; errors are kept in
         :attr:`errors` as the listeners' are."""
+        return self._subscribe(self._tick_listeners, callback, "tick listener")
+
+    def _subscribe(self, listeners: list, callback: Callable, what: str) -> Callable[[], None]:
         if not callable(callback):
-            raise TypeError(f"tick listener must be callable; got {callback!r}")
+            raise TypeError(f"{what} must be callable; got {callback!r}")
         with self._lock:
-            self._tick_listeners.append(callback)
+            listeners.append(callback)
 
         def remove() -> None:
             with self._lock:
                 try:
-                    self._tick_listeners.remove(callback)
+                    listeners.remove(callback)
                 except ValueError:
                     pass
 
@@ -1305,10 +1296,7 @@ class LiveModel(traitlets.HasTraits):
         i = self._index(device)
         dev = self._devices[i]
         model = dev.model
-        control = model.control(name)
-        if control is None:
-            raise ConfigError(f"unknown control {name!r}; {model.title}'s are: "
-                              f"{', '.join(c.name for c in model.controls)}")
+        control = self._control(model, name)
         if control.setting:
             # before anything changes (a None would otherwise read as "no change" and be
             # answered as if it had acted)
@@ -1333,6 +1321,14 @@ class LiveModel(traitlets.HasTraits):
             answer["text"] = "\n".join(said[said_before:])
         return answer
 
+    @staticmethod
+    def _control(model: AllocatorModel, name: str) -> Any:
+        control = model.control(name)
+        if control is None:
+            raise ConfigError(f"unknown control {name!r}; {model.title}'s are: "
+                              f"{', '.join(c.name for c in model.controls)}")
+        return control
+
     def can_preview(self, device: int = 0) -> bool:
         """Whether the device's source says what a setting would do before it is applied
         (:meth:`preview`): shadow mode, whose changes act on a real job."""
@@ -1353,10 +1349,7 @@ class LiveModel(traitlets.HasTraits):
         """
         i = self._index(device)
         model = self._devices[i].model
-        control = model.control(name)
-        if control is None:
-            raise ConfigError(f"unknown control {name!r}; {model.title}'s are: "
-                              f"{', '.join(c.name for c in model.controls)}")
+        control = self._control(model, name)
         if not control.setting:
             raise ConfigError(f"{name} is a button: it has no setting to preview")
         model.check_setting(control.setting, value)

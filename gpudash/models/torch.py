@@ -490,6 +490,15 @@ class _TorchModel(AllocatorModel):
         return [(int(a), int(n)) for a, n in regions.tolist()
                 if split.get(a, 0) >= 2 and n - 512 >= new_mss]
 
+    def check_live_split(self, table: dict, old_mss: int | None, new_mss: int | None,
+                         where: str, note: str = "") -> None:
+        """Refuse (:class:`ConfigError`, naming ``where`` and the segments) a live
+        ``max_split_size_mb`` change that :meth:`split_hazard` finds unsafe."""
+        hazard = self.split_hazard(table, old_mss, new_mss)
+        if hazard:
+            raise ConfigError(f"{where}: {self.split_hazard_text(hazard, new_mss)}{note}; "
+                              "nothing changed")
+
     def split_hazard_text(self, hazard: list, new_mss: int) -> str:
         """Why a live ``max_split_size_mb`` change is refused (:meth:`split_hazard`)."""
         shown = ", ".join(f"{a:#x} ({format_bytes(n)})" for a, n in hazard[:3])
